@@ -1,0 +1,22 @@
+"""trainapp: one DDP + mixed-precision training loop for a laptop, torchrun, a Ray cluster and Kubernetes.
+
+Launch commands (the same loop every time; ranks come from the environment):
+
+    # alone (world size 1)
+    python -m trainapp train train.max_steps=50 run.dir=runs/solo
+
+    # one node, 2 processes (gloo on CPU, NCCL on GPUs: one process per GPU)
+    torchrun --standalone --nproc_per_node=2 -m trainapp train run.dir=runs/ddp
+
+    # two nodes; run on each with NODE_RANK=0/1; run.dir must be storage both nodes see
+    torchrun --nnodes=2 --nproc_per_node=8 --node_rank=$NODE_RANK \\
+        --rdzv-backend=c10d --rdzv-endpoint=$HEAD_IP:29500 --max-restarts=3 \\
+        -m trainapp train --config configs/resnet50-imagefolder.yaml run.dir=/shared/runs/r50
+
+    # inspect the newest valid snapshot of a run
+    python -m trainapp inspect runs/ddp
+
+Re-running a command with the same `run.dir` resumes from its newest valid snapshot.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+import sys
+
+from trainapp.cli import main
+
+sys.exit(main())

@@ -1,0 +1,301 @@
+"""Run configuration: dataclass sections, a YAML file, and `section.key=value` overrides.
+
+Precedence, written down once: command-line overrides > the `--config` YAML file > the defaults
+below. With no `--config` the defaults are the built-in run that `make run` uses.
+
+Validation is pydantic's (unknown keys, wrong types, ranges); cross-field checks live in each
+section's `__post_init__`. Every problem becomes a `ConfigError` whose message is one line naming
+the key, the value and what is expected, e.g. `train.grad_accum=0: must be >= 1`.
+
+This module imports neither torch nor ray, so a bad command line fails in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass
+
+_STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True, coerce_numbers_to_str=True)
+
+
+class ConfigError(ValueError):
+    """Bad configuration or bad input: the CLI prints the message as one line and exits 2."""
+
+
+@dataclass(config=_STRICT)
+class RunSection:
+    dir: str = "runs/default"
+    """Run directory: snapshots go to `DIR/snapshots/`, metrics to `DIR/metrics.jsonl`. Re-running with
+    the same dir resumes from its newest valid snapshot; under multi-node torchrun it must be storage
+    every node sees."""
+
+
+@dataclass(config=_STRICT)
+class DataSection:
+    name: Literal["synthetic", "cifar10", "imagefolder"] = "synthetic"
+    """`synthetic` (built in, made from `seed`, no files), `cifar10` (torchvision's files under
+    `data.root`) or `imagefolder` (`data.root/train/<class>/*`, `data.root/val/<class>/*`)."""
+    root: str = "data"
+    """Dataset directory for `cifar10` and `imagefolder`."""
+    image_size: int = Field(default=32, ge=8, le=1024)
+    """Side of the square images fed to the model, in pixels."""
+    num_workers: int = Field(default=0, ge=0, le=64)
+    """DataLoader worker processes per training process (0 loads in the training process)."""
+    download: bool = False
+    """Allow `cifar10` to download into `data.root` when it is missing. Off by default: a missing
+    dataset is an error, not a surprise 170 MB download on every node."""
+    augment: bool = True
+    """Random crop and horizontal flip for `cifar10`/`imagefolder` training images (seeded per sample
+    and epoch, so a resumed run sees the same augmentations)."""
+    train_size: int = Field(default=4096, ge=1)
+    """`synthetic` only: number of training images."""
+    val_size: int = Field(default=1024, ge=1)
+    """`synthetic` only: number of validation images."""
+    synthetic_classes: int = Field(default=10, ge=2)
+    """`synthetic` only: number of classes."""
+
+
+@dataclass(config=_STRICT)
+class ModelSection:
+    name: str = "smallcnn"
+    """`smallcnn` (built in, trains in seconds on CPU) or a torchvision classification model by name
+    (`resnet18`, `resnet50`, ...), always built from random weights."""
+    num_classes: Optional[int] = Field(default=None, ge=2)
+    """Output classes; empty means: take it from the dataset. If set, it must match the dataset."""
+    sync_bn: bool = False
+    """Convert BatchNorm to SyncBatchNorm when world size > 1 (CUDA only; ignored with a warning on CPU)."""
+    channels_last: bool = True
+    """Use the channels_last memory format on CUDA (faster convolutions with tensor cores)."""
+
+
+@dataclass(config=_STRICT)
+class TrainSection:
+    epochs: int = Field(default=3, ge=1)
+    """Passes over the training set."""
+    max_steps: Optional[int] = Field(default=None, ge=1)
+    """Optional cap on optimizer steps (stops earlier than `train.epochs` would)."""
+    batch_size: int = Field(default=64, ge=1)
+    """Micro-batch size per worker process. Global batch = batch_size * grad_accum * world size."""
+    grad_accum: int = Field(default=1, ge=1)
+    """Micro-batches per optimizer step; the gradient all-reduce runs on the last one only."""
+    eval_every: int = Field(default=0, ge=0)
+    """Evaluate every N optimizer steps (0: only at the end)."""
+    log_every: int = Field(default=10, ge=1)
+    """Write a metrics record and a log line every N optimizer steps."""
+    grad_clip: float = Field(default=1.0, ge=0)
+    """Clip the global gradient norm to this value after unscaling (0 disables clipping)."""
+    ema_decay: float = Field(default=0.0, ge=0, lt=1)
+    """Keep an exponential moving average of the weights with this decay and evaluate with it
+    (0 disables; 0.999 is typical for long runs)."""
+    progress: bool = True
+    """Show a tqdm progress bar on rank 0."""
+
+
+@dataclass(config=_STRICT)
+class OptimSection:
+    name: Literal["sgd", "adamw"] = "sgd"
+    """Optimizer: `sgd` (with Nesterov momentum) or `adamw`."""
+    lr: float = Field(default=0.05, gt=0)
+    """Learning rate at the reference global batch `optim.base_batch_size`."""
+    momentum: float = Field(default=0.9, ge=0, lt=1)
+    """SGD momentum (AdamW uses beta1 = 0.9)."""
+    weight_decay: float = Field(default=5e-4, ge=0)
+    """Weight decay; never applied to biases and normalization weights."""
+    lr_scaling: Literal["none", "linear", "sqrt"] = "linear"
+    """Scale `optim.lr` by global batch / base_batch_size (`linear`), its square root (`sqrt`), or not."""
+    base_batch_size: int = Field(default=128, ge=1)
+    """The global batch size at which `optim.lr` applies unscaled."""
+    lr_mult: dict[str, float] = Field(default_factory=dict)
+    """Per-module learning-rate multipliers by parameter-name prefix, e.g. `{fc: 10.0}`."""
+
+
+@dataclass(config=_STRICT)
+class SchedSection:
+    warmup_steps: int = Field(default=0, ge=0)
+    """Linear warmup from 0 over this many optimizer steps, then cosine decay to the end of training."""
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    """Floor of the cosine decay as a fraction of the peak learning rate."""
+
+
+@dataclass(config=_STRICT)
+class AmpSection:
+    dtype: Literal["auto", "bf16", "fp16", "off"] = "auto"
+    """Autocast dtype. `auto`: bf16 where the device supports it, else fp16 with loss scaling (CUDA);
+    bf16 on CPU. `off`: full fp32."""
+    init_scale: float = Field(default=2.0**16, gt=0)
+    """fp16 only: initial loss scale of the GradScaler."""
+
+
+@dataclass(config=_STRICT)
+class SnapshotSection:
+    every_steps: int = Field(default=50, ge=0)
+    """Rank 0 writes a snapshot every N optimizer steps and at the end (0: only at the end)."""
+    keep: int = Field(default=3, ge=1)
+    """Complete snapshots to keep; older ones are deleted. Keep at least 2 if you want a fallback when
+    the newest is found corrupt."""
+
+
+@dataclass(config=_STRICT)
+class FaultSection:
+    kill_at_step: Optional[int] = Field(default=None, ge=1)
+    """Failure drill: rank `fault.rank` kills itself with SIGKILL after optimizer step N, once (a
+    marker in `run.dir` stops it from firing again after the restart)."""
+    rank: int = Field(default=0, ge=0)
+    """The rank that `fault.kill_at_step` kills."""
+
+
+@dataclass(config=_STRICT)
+class DistSection:
+    timeout_s: float = Field(default=300.0, gt=0)
+    """Timeout of process-group creation and of every collective, in seconds."""
+
+
+@dataclass(config=_STRICT)
+class Config:
+    seed: int = 0
+    """Seed of the model init, the data order and the synthetic dataset."""
+    run: RunSection = dataclasses.field(default_factory=RunSection)
+    data: DataSection = dataclasses.field(default_factory=DataSection)
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    train: TrainSection = dataclasses.field(default_factory=TrainSection)
+    optim: OptimSection = dataclasses.field(default_factory=OptimSection)
+    sched: SchedSection = dataclasses.field(default_factory=SchedSection)
+    amp: AmpSection = dataclasses.field(default_factory=AmpSection)
+    snapshot: SnapshotSection = dataclasses.field(default_factory=SnapshotSection)
+    fault: FaultSection = dataclasses.field(default_factory=FaultSection)
+    dist: DistSection = dataclasses.field(default_factory=DistSection)
+
+    def __post_init__(self) -> None:
+        if self.data.name != "synthetic" and not self.data.root:
+            raise ConfigError(f"data.root='': data.name={self.data.name} needs a dataset directory")
+        if self.data.name == "synthetic" and self.model.num_classes not in (None, self.data.synthetic_classes):
+            raise ConfigError(
+                f"model.num_classes={self.model.num_classes}: the synthetic dataset has "
+                f"data.synthetic_classes={self.data.synthetic_classes}; set them equal or leave num_classes empty"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_ADAPTER = TypeAdapter(Config)
+
+
+def _key_of(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc)
+
+
+def _section_of(f: dataclasses.Field):
+    """The section class a field holds, or None for a plain value."""
+    factory = f.default_factory
+    return factory if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory) else None
+
+
+def _known_keys(cls=Config, prefix: str = "") -> list[str]:
+    """Every leaf key, dotted (`train.max_steps`)."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        section = _section_of(f)
+        keys.extend(_known_keys(section, f"{prefix}{f.name}.") if section else [prefix + f.name])
+    return keys
+
+
+def _format_error(err: dict) -> str:
+    key, kind, value = _key_of(err["loc"]), err["type"], err.get("input")
+    if kind in ("unexpected_keyword_argument", "extra_forbidden"):
+        close = difflib.get_close_matches(key, _known_keys(), n=1, cutoff=0.75)
+        hint = f"; did you mean {close[0]}?" if close else "; see README 'Configuration reference'"
+        return f"unknown key {key}{hint}"
+    msg = err["msg"]
+    if kind == "value_error":
+        # Our own cross-field checks already name the key and value.
+        return msg.removeprefix("Value error, ")
+    if kind == "dataclass_type":
+        return f"{key}={value!r}: must be a mapping of {key}.* keys"
+    return f"{key}={value!r}: {msg[0].lower() + msg[1:]}"
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    """Validate a nested mapping into a Config; raise ConfigError naming the first bad key."""
+    try:
+        return _ADAPTER.validate_python(raw)
+    except ValidationError as e:
+        raise ConfigError("; ".join(_format_error(err) for err in e.errors())) from None
+    except ConfigError:
+        raise
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`train.max_steps=50` -> (['train', 'max_steps'], 50). Values are parsed as YAML scalars/flows."""
+    key, sep, text = item.partition("=")
+    if not sep or not key or any(not p.isidentifier() for p in key.split(".")):
+        raise ConfigError(f"override {item!r}: expected KEY=VALUE with a dotted key, e.g. train.max_steps=50")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text  # not YAML: keep the raw string and let the field's type decide
+    return key.split("."), value
+
+
+def _set_dotted(tree: dict[str, Any], path: list[str], value: Any, item: str) -> None:
+    node = tree
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {part} is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {p}: no such file; pass an existing YAML file (see configs/)")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        problem = getattr(e, "problem", None) or "malformed YAML"
+        raise ConfigError(f"--config {p}: not valid YAML{at} ({problem})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--config {p}: cannot read it ({e.__class__.__name__}: {e})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {p}: top level must be a mapping of sections (run:, train:, ...)")
+    return data
+
+
+def load(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the YAML file, then the overrides (CLI > file > defaults)."""
+    tree = read_yaml(path) if path else {}
+    for item in overrides or []:
+        key, value = parse_override(item)
+        _set_dotted(tree, key, value, item)
+    return from_dict(tree)
+
+
+def reference_markdown() -> str:
+    """The configuration reference for the README, generated from the field docstrings."""
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+
+    def walk(cls, prefix):
+        for f in dataclasses.fields(cls):
+            section = _section_of(f)
+            if section:
+                walk(section, f"{prefix}{f.name}.")
+                continue
+            info = cls.__pydantic_fields__[f.name]
+            default = info.get_default(call_default_factory=True)
+            doc = " ".join((info.description or "").split()).replace("|", "\\|")
+            lines.append(f"| `{prefix}{f.name}` | `{default!r}` | {doc} |")
+
+    walk(Config, "")
+    return "\n".join(lines)

@@ -1,0 +1,135 @@
+"""Process group set-up that does not care who launched us.
+
+torchrun and Ray Train both export RANK, LOCAL_RANK and WORLD_SIZE; Ray Train also creates the
+process group itself. So: ranks come from the environment, a group is created only when none exists,
+and only a group we created is destroyed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from trainapp.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DistContext:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str | None
+    owns_group: bool
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment {name}={raw!r}: must be an integer (set by torchrun or Ray)") from None
+
+
+def _elastic_store(timeout: datetime.timedelta):
+    """Under torchrun: the agent's store, under a prefix that names this restart attempt.
+
+    Without the prefix, a group restarted after a peer died mid-all-reduce can read the dead attempt's
+    Gloo addresses from the shared store and fail with `connectFullMesh ... Connection refused`.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return None
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    world_size, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(host, port, world_size, is_master=(not agent_hosts and rank == 0),
+                          timeout=timeout, multi_tenant=not agent_hosts)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return dist.PrefixStore(f"trainapp/{run_id}/attempt{attempt}", store)
+
+
+def setup(timeout_s: float) -> DistContext:
+    """Read ranks from the environment and make sure a process group exists when world size > 1."""
+    if dist.is_available() and dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        local_rank = _env_int("LOCAL_RANK", 0)
+        backend, owns = dist.get_backend(), False
+    else:
+        rank, world_size, local_rank = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0)
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"environment RANK={rank}: must be in [0, WORLD_SIZE={world_size})")
+        backend, owns = None, False
+        if world_size > 1:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            timeout = datetime.timedelta(seconds=timeout_s)
+            if "MASTER_ADDR" not in os.environ and "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+                raise ConfigError(
+                    f"environment WORLD_SIZE={world_size} without MASTER_ADDR/MASTER_PORT: launch with torchrun "
+                    "(or set both) so the ranks can find each other"
+                )
+            store = _elastic_store(timeout)
+            kwargs = {"store": store} if store is not None else {"init_method": "env://"}
+            if torch.cuda.is_available():
+                # Binding the device first lets NCCL create its communicator on the right GPU.
+                torch.cuda.set_device(local_rank)
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+            owns = True
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    return DistContext(rank, local_rank, world_size, device, backend, owns)
+
+
+def teardown(ctx: DistContext) -> None:
+    if ctx.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(ctx: DistContext) -> None:
+    if ctx.distributed:
+        dist.barrier()
+
+
+def all_reduce_sum(ctx: DistContext, tensor: torch.Tensor) -> torch.Tensor:
+    """Sum in place across ranks (a no-op alone)."""
+    if ctx.distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def broadcast_object(ctx: DistContext, obj):
+    """Rank 0's `obj` on every rank."""
+    if not ctx.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_objects(ctx: DistContext, obj) -> list | None:
+    """Every rank's `obj`, in rank order, on rank 0 (None elsewhere)."""
+    if not ctx.distributed:
+        return [obj]
+    out = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(obj, out, dst=0)
+    return out

@@ -1,0 +1,212 @@
+"""Rank-0 snapshots: cadence, atomic writes, checksums, keep-last-k, newest-valid on load.
+
+A snapshot is a directory `step_000000123/` holding `state.pt` (everything needed to continue exactly)
+and `meta.json` (step, epoch, world size, the sha256 and size of state.pt). It is written under a
+temporary name, every file fsynced, `meta.json` last, then renamed into place: a directory with that
+name is complete by construction. On load the checksum is verified, and a corrupt or truncated
+snapshot is reported and skipped in favour of the previous one.
+
+The same directory is what Ray Train stores as a checkpoint, so one format serves every launcher.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from trainapp.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+STATE, META = "state.pt", "meta.json"
+FORMAT = 1
+_NAME = re.compile(r"^step_(\d{9})$")
+
+
+class SnapshotError(ConfigError):
+    """A snapshot that cannot be used (missing file, bad checksum, unreadable): bad input, exit 2."""
+
+
+def tensors_sha256(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over the raw bytes of every tensor, in sorted key order."""
+    h = hashlib.sha256()
+    for key in sorted(state):
+        t = state[key].detach().to("cpu").contiguous().reshape(-1)
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def params_sha256(module: torch.nn.Module) -> str:
+    """sha256 over a model's parameters and buffers (its state_dict), in sorted name order."""
+    return tensors_sha256(module.state_dict())
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_bytes(path: Path, write: Callable[[Any], None]) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_dir(final: Path, state: dict[str, Any], meta: dict[str, Any]) -> Path:
+    """Write `state` and `meta` as the snapshot directory `final`, atomically."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    _write_bytes(tmp / STATE, lambda f: torch.save(state, f))
+    meta = {**meta, "format": FORMAT, "sha256": file_sha256(tmp / STATE), "bytes": (tmp / STATE).stat().st_size}
+    _write_bytes(tmp / META, lambda f: f.write(json.dumps(meta, indent=2).encode()))
+    _fsync_dir(tmp)
+    if final.exists():
+        # Same step written again (e.g. a run resumed from its final snapshot): move the old one aside
+        # first so the name never points at a half-state.
+        old = final.parent / f".old-{final.name}-{os.getpid()}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    return final
+
+
+def read_meta(snap: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((snap / META).read_text())
+    except FileNotFoundError:
+        raise SnapshotError(f"{snap}: no {META} (incomplete snapshot)") from None
+    except (OSError, ValueError) as e:
+        raise SnapshotError(f"{snap}/{META}: unreadable ({e})") from None
+    if not isinstance(meta, dict) or "sha256" not in meta:
+        raise SnapshotError(f"{snap}/{META}: not a trainapp snapshot record")
+    return meta
+
+
+def verify(snap: Path) -> dict[str, Any]:
+    """Meta of a complete, intact snapshot; SnapshotError saying what is wrong otherwise."""
+    meta = read_meta(snap)
+    state = snap / STATE
+    if not state.is_file():
+        raise SnapshotError(f"{state}: missing")
+    size = state.stat().st_size
+    if size != meta.get("bytes"):
+        raise SnapshotError(f"{state}: {size} bytes, expected {meta.get('bytes')} (truncated?)")
+    if file_sha256(state) != meta["sha256"]:
+        raise SnapshotError(f"{state}: sha256 mismatch (corrupt)")
+    return meta
+
+
+def load_state(snap: Path, name: str = STATE) -> dict[str, Any]:
+    """Every rank loads to CPU first, then moves what it needs to its own device."""
+    try:
+        state = torch.load(snap / name, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise SnapshotError(f"{snap / name}: cannot be loaded as a snapshot ({e.__class__.__name__}: {first})") from None
+    if not isinstance(state, dict) or "model" not in state:
+        raise SnapshotError(f"{snap / name}: not a trainapp snapshot (no model state)")
+    return state
+
+
+def list_snapshots(root: Path) -> list[Path]:
+    """Snapshot directories under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name))
+
+
+def newest_valid(root: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest snapshot that verifies, warning about each newer one that does not.
+
+    Raises ConfigError when snapshots exist but none is usable: starting over silently would
+    hide the problem, and the user may want to inspect them.
+    """
+    snaps = list_snapshots(root)
+    problems = []
+    for snap in reversed(snaps):
+        try:
+            return snap, verify(snap)
+        except SnapshotError as e:
+            problems.append(str(e))
+            log.warning("skipping snapshot: %s; falling back to the previous one", e)
+    if snaps:
+        raise ConfigError(f"{root}: {len(snaps)} snapshot(s) but none is valid ({problems[0]}); "
+                          "move them away to start over")
+    return None
+
+
+def resolve(path: str | Path) -> Path:
+    """A snapshot directory from a snapshot file, a snapshot dir, a snapshots dir or a run dir."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"{p}: no such file or directory; pass a snapshot, a snapshots/ dir or a run dir")
+    if p.is_file():
+        p = p.parent
+    if (p / META).exists() or (p / STATE).exists():
+        return p
+    for candidate in (p / "snapshots", p):
+        if list_snapshots(candidate):
+            found = newest_valid(candidate)
+            if found:
+                return found[0]
+    raise ConfigError(f"{p}: holds no snapshot (expected {STATE} + {META}, a snapshots/ dir or step_* dirs)")
+
+
+@dataclass
+class SnapshotManager:
+    """Owns the cadence: `save(step, ...)` decides by itself whether this step writes."""
+
+    root: Path
+    every_steps: int
+    keep: int
+
+    def due(self, step: int, last: bool) -> bool:
+        return last or (self.every_steps > 0 and step % self.every_steps == 0)
+
+    def path_for(self, step: int) -> Path:
+        return self.root / f"step_{step:09d}"
+
+    def write(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path:
+        """Rank 0 only: write the snapshot of `step` and purge old ones."""
+        t0 = time.perf_counter()
+        path = write_dir(self.path_for(step), state, meta)
+        self.purge()
+        log.info("snapshot step=%d path=%s seconds=%.2f", step, path, time.perf_counter() - t0)
+        return path
+
+    def purge(self) -> None:
+        snaps = list_snapshots(self.root)
+        for old in snaps[: max(0, len(snaps) - self.keep)]:
+            shutil.rmtree(old, ignore_errors=True)
+        for leftover in self.root.glob(".tmp-*"):
+            if not leftover.name.endswith(f"-{os.getpid()}"):
+                shutil.rmtree(leftover, ignore_errors=True)
