@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
 
 _STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True, coerce_numbers_to_str=True)
@@ -130,6 +130,12 @@ class AmpSection:
     bf16 on CPU. `off`: full fp32."""
     init_scale: float = Field(default=2.0**16, gt=0)
     """fp16 only: initial loss scale of the GradScaler."""
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _yaml_off(cls, v):
+        # YAML 1.1 reads a bare `off` as false.
+        return "off" if v is False else v
 
 
 @dataclass(config=_STRICT)

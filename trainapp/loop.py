@@ -12,6 +12,7 @@ import os
 import random
 import signal
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,10 @@ from trainapp.optim import build_ema, build_optimizer, build_scheduler, rescale,
 from trainapp.snapshot import SnapshotError, SnapshotManager, load_state, newest_valid, params_sha256
 
 log = logging.getLogger(__name__)
+
+# With fp16 the GradScaler skips the optimizer step on overflow; the schedule must still advance, and
+# torch's "scheduler.step() before optimizer.step()" warning is a false alarm then.
+warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
 
 
 def rng_state() -> dict[str, Any]:

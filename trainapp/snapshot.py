@@ -80,10 +80,14 @@ def write_dir(final: Path, state: dict[str, Any], meta: dict[str, Any]) -> Path:
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    _write_bytes(tmp / STATE, lambda f: torch.save(state, f))
-    meta = {**meta, "format": FORMAT, "sha256": file_sha256(tmp / STATE), "bytes": (tmp / STATE).stat().st_size}
-    _write_bytes(tmp / META, lambda f: f.write(json.dumps(meta, indent=2).encode()))
-    _fsync_dir(tmp)
+    try:
+        _write_bytes(tmp / STATE, lambda f: torch.save(state, f))
+        meta = {**meta, "format": FORMAT, "sha256": file_sha256(tmp / STATE), "bytes": (tmp / STATE).stat().st_size}
+        _write_bytes(tmp / META, lambda f: f.write(json.dumps(meta, indent=2).encode()))
+        _fsync_dir(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():
         # Same step written again (e.g. a run resumed from its final snapshot): move the old one aside
         # first so the name never points at a half-state.
@@ -207,6 +211,6 @@ class SnapshotManager:
         snaps = list_snapshots(self.root)
         for old in snaps[: max(0, len(snaps) - self.keep)]:
             shutil.rmtree(old, ignore_errors=True)
+        # Leftovers of writes that died (a killed process): writes are sequential, none is in flight.
         for leftover in self.root.glob(".tmp-*"):
-            if not leftover.name.endswith(f"-{os.getpid()}"):
-                shutil.rmtree(leftover, ignore_errors=True)
+            shutil.rmtree(leftover, ignore_errors=True)

@@ -1,0 +1,78 @@
+# trainapp: one DDP + AMP training loop for a laptop, torchrun, Ray and Kubernetes.
+# `make help` lists the targets. Variables below can be overridden: `make run NPROC=4 ARGS="train.max_steps=50"`.
+
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+MAKEFLAGS += --no-print-directory
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+NPROC ?= 2
+RUN_DIR ?= runs/run-$(shell date +%Y%m%d-%H%M%S)
+ARGS ?=
+PYTEST_ARGS ?=
+BENCH_ARGS ?=
+
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+##@ General
+
+.PHONY: help
+help: ## Show this help
+	@awk 'BEGIN {FS = ":.*##"; printf "Usage: make \033[36m<target>\033[0m [VAR=value ...]\n"} \
+	  /^[a-zA-Z0-9_-]+:.*?##/ { printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2 } \
+	  /^##@/ { printf "\n\033[1m%s\033[0m\n", substr($$0, 5) }' $(MAKEFILE_LIST)
+
+##@ Setup
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev]'
+	@touch $@
+
+.PHONY: venv
+venv: $(STAMP) ## Create .venv (Python 3.11) and install trainapp with its dev extra
+
+##@ Run
+
+.PHONY: run
+run: $(STAMP) ## Built-in default: a short 2-process DDP + AMP run on CPU (NPROC, RUN_DIR, ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) \
+	  -m trainapp train run.dir=$(RUN_DIR) $(ARGS)
+
+.PHONY: config
+config: $(STAMP) ## Print the resolved config (CONFIG=file.yaml, ARGS="key=value ...")
+	$(BIN)/python -m trainapp config $(if $(CONFIG),--config $(CONFIG)) $(ARGS)
+
+.PHONY: config-reference
+config-reference: $(STAMP) ## Print the configuration reference table (README's, from the field docstrings)
+	@$(BIN)/python -c 'from trainapp.config import reference_markdown; print(reference_markdown())'
+
+##@ Test
+
+.PHONY: test
+test: $(STAMP) ## Run the whole test suite (PYTEST_ARGS="-k resume -x")
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+.PHONY: test-fast
+test-fast: $(STAMP) ## Run the tests that start no training processes
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+##@ Benchmarks
+
+.PHONY: bench
+bench: $(STAMP) ## Run the benchmarks; results in bench/results/*.json (BENCH_ARGS="--smoke")
+	$(BIN)/python bench/loop_overhead.py $(BENCH_ARGS)
+
+##@ Clean
+
+.PHONY: clean
+clean: ## Remove run directories and caches (keeps .venv)
+	rm -rf runs .pytest_cache
+	find . -name __pycache__ -type d -prune -not -path './$(VENV)/*' -exec rm -rf {} +
+
+.PHONY: distclean
+distclean: clean ## Also remove .venv
+	rm -rf $(VENV)

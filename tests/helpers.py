@@ -1,0 +1,70 @@
+"""Helpers that start real training processes and always clean them up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+TORCHRUN = str(Path(PY).with_name("torchrun"))
+
+# Small, fast settings shared by the process-level tests.
+QUICK = ["train.progress=false", "train.log_every=5", "data.train_size=1024", "data.val_size=256"]
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def run_cmd(cmd: list[str], timeout: float = 300, env: dict | None = None) -> Result:
+    """Run `cmd` in its own session; on timeout or error, SIGKILL exactly that process group."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of our own session only
+        except ProcessLookupError:
+            pass
+    return Result(proc.returncode, out, err)
+
+
+def trainapp(*args: str, timeout: float = 300, env: dict | None = None) -> Result:
+    return run_cmd([PY, "-m", "trainapp", *args], timeout=timeout, env=env)
+
+
+def torchrun(nproc: int, *args: str, max_restarts: int = 0, timeout: float = 300) -> Result:
+    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
+           "-m", "trainapp", "train", *args]
+    return run_cmd(cmd, timeout=timeout)
+
+
+def inspect(path: Path) -> dict:
+    r = trainapp("inspect", str(path))
+    assert r.returncode == 0, r.output
+    return json.loads(r.stdout)
+
+
+def metrics(run_dir: Path, kind: str | None = None) -> list[dict]:
+    with open(run_dir / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r for r in records if kind is None or r["kind"] == kind]

@@ -1,0 +1,154 @@
+import json
+import logging
+
+import pytest
+import torch
+
+from helpers import QUICK, inspect, metrics, trainapp
+from trainapp import snapshot
+from trainapp.config import ConfigError
+from trainapp.snapshot import SnapshotManager, newest_valid, params_sha256, verify
+
+
+def _state(step: int) -> dict:
+    return {"model": {"w": torch.full((4,), float(step)), "b": torch.zeros(2)}, "progress": {"global_step": step}}
+
+
+def _manager(tmp_path, keep=3) -> SnapshotManager:
+    return SnapshotManager(tmp_path / "snapshots", every_steps=10, keep=keep)
+
+
+def test_manager_owns_the_cadence(tmp_path):
+    m = _manager(tmp_path)
+    assert [s for s in range(1, 35) if m.due(s, last=False)] == [10, 20, 30]
+    assert m.due(7, last=True)
+    assert not SnapshotManager(tmp_path, every_steps=0, keep=1).due(10, last=False)
+
+
+def test_write_is_complete_and_leaves_no_temporary_files(tmp_path):
+    m = _manager(tmp_path)
+    path = m.write(10, _state(10), {"global_step": 10})
+    assert sorted(p.name for p in path.iterdir()) == [snapshot.META, snapshot.STATE]
+    meta = verify(path)
+    assert meta["global_step"] == 10 and meta["bytes"] == (path / snapshot.STATE).stat().st_size
+    assert [p.name for p in m.root.iterdir()] == ["step_000000010"]
+
+
+def test_save_and_purge_keeps_last_k_snapshots(tmp_path):
+    m = _manager(tmp_path, keep=2)
+    for step in (10, 20, 30, 40):
+        m.write(step, _state(step), {"global_step": step})
+    assert [p.name for p in snapshot.list_snapshots(m.root)] == ["step_000000030", "step_000000040"]
+
+
+def test_corrupt_newest_snapshot_falls_back_to_the_previous_one(tmp_path, caplog):
+    m = _manager(tmp_path)
+    for step in (10, 20):
+        m.write(step, _state(step), {"global_step": step})
+    newest = m.path_for(20) / snapshot.STATE
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte, same size
+    newest.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="trainapp"):
+        path, meta = newest_valid(m.root)
+    assert path == m.path_for(10) and meta["global_step"] == 10
+    assert "sha256 mismatch" in caplog.text and "step_000000020" in caplog.text
+
+
+def test_truncated_newest_snapshot_falls_back(tmp_path):
+    m = _manager(tmp_path)
+    for step in (10, 20):
+        m.write(step, _state(step), {"global_step": step})
+    newest = m.path_for(20) / snapshot.STATE
+    newest.write_bytes(newest.read_bytes()[:100])
+    assert newest_valid(m.root)[0] == m.path_for(10)
+
+
+def test_snapshot_without_its_meta_record_is_incomplete(tmp_path):
+    m = _manager(tmp_path)
+    m.write(10, _state(10), {"global_step": 10})
+    m.write(20, _state(20), {"global_step": 20})
+    (m.path_for(20) / snapshot.META).unlink()
+    assert newest_valid(m.root)[0] == m.path_for(10)
+
+
+def test_no_valid_snapshot_at_all_is_an_error_not_a_silent_restart(tmp_path):
+    m = _manager(tmp_path)
+    m.write(10, _state(10), {"global_step": 10})
+    (m.path_for(10) / snapshot.STATE).write_bytes(b"garbage")
+    with pytest.raises(ConfigError, match="none is valid"):
+        newest_valid(m.root)
+
+
+def test_a_write_that_dies_midway_leaves_the_previous_snapshot_intact(tmp_path, monkeypatch):
+    m = _manager(tmp_path)
+    m.write(10, _state(10), {"global_step": 10})
+
+    def dying_save(obj, f):
+        f.write(b"partial bytes")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(snapshot.torch, "save", dying_save)
+    with pytest.raises(OSError):
+        m.write(20, _state(20), {"global_step": 20})
+    monkeypatch.undo()
+    assert not m.path_for(20).exists() and not list(m.root.glob(".tmp-*"))
+    assert newest_valid(m.root)[0] == m.path_for(10)
+
+
+def test_leftovers_of_a_killed_writer_are_swept_by_the_next_write(tmp_path):
+    m = _manager(tmp_path)
+    leftover = m.root / ".tmp-step_000000020-99999"
+    leftover.mkdir(parents=True)
+    (leftover / snapshot.STATE).write_bytes(b"half")
+    m.write(30, _state(30), {"global_step": 30})
+    assert not leftover.exists() and newest_valid(m.root)[0] == m.path_for(30)
+
+
+def test_rewriting_the_same_step_replaces_it_atomically(tmp_path):
+    m = _manager(tmp_path)
+    m.write(10, _state(10), {"global_step": 10, "tag": "old"})
+    m.write(10, _state(10), {"global_step": 10, "tag": "new"})
+    assert verify(m.path_for(10))["tag"] == "new"
+    assert [p.name for p in m.root.iterdir()] == ["step_000000010"]
+
+
+def test_params_sha256_covers_parameters_and_buffers():
+    net = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    h0 = params_sha256(net)
+    assert h0 == params_sha256(net)
+    net[1].running_mean += 1  # a buffer
+    h1 = params_sha256(net)
+    with torch.no_grad():
+        net[0].weight[0, 0] += 1e-7  # the smallest change counts
+    assert len({h0, h1, params_sha256(net)}) == 3
+
+
+@pytest.mark.slow
+def test_inspect_reports_the_newest_snapshot_of_a_run(run_dir):
+    r = trainapp("train", f"run.dir={run_dir}", "train.max_steps=12", "snapshot.every_steps=5", *QUICK)
+    assert r.returncode == 0, r.output
+    by_run = inspect(run_dir)
+    assert by_run["global_step"] == 12 and by_run["world_size"] == 1 and by_run["epoch"] == 0
+    assert len(by_run["params_sha256"]) == 64
+    snaps = snapshot.list_snapshots(run_dir / "snapshots")
+    assert [p.name for p in snaps] == ["step_000000005", "step_000000010", "step_000000012"]
+    by_file = inspect(snaps[1] / snapshot.STATE)
+    assert by_file["global_step"] == 10 and by_file["params_sha256"] != by_run["params_sha256"]
+    assert inspect(run_dir / "snapshots")["global_step"] == 12
+    # The hash inspect computes is the one the trainer recorded when it saved.
+    assert json.loads((snaps[-1] / snapshot.META).read_text())["params_sha256"] == by_run["params_sha256"]
+
+
+@pytest.mark.slow
+def test_training_resumes_from_the_previous_snapshot_when_the_newest_is_corrupt(run_dir):
+    args = [f"run.dir={run_dir}", "snapshot.every_steps=5", "snapshot.keep=3", *QUICK]
+    assert trainapp("train", "train.max_steps=10", *args).returncode == 0
+    newest = run_dir / "snapshots" / "step_000000010" / snapshot.STATE
+    newest.write_bytes(newest.read_bytes()[:-64])  # truncated
+    r = trainapp("train", "train.max_steps=15", *args)
+    assert r.returncode == 0, r.output
+    assert "step_000000010" in r.stderr and "truncated" in r.stderr
+    start = metrics(run_dir, "start")[-1]
+    assert start["resumed_step"] == 5 and start["resumed_from"].endswith("step_000000005")
+    assert inspect(run_dir)["global_step"] == 15
