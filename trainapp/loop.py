@@ -7,6 +7,7 @@ all look the same from here (ranks in the environment, maybe a process group alr
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import random
@@ -102,7 +103,7 @@ class Trainer:
         # Model: identical init on every rank (DDP would broadcast rank 0's anyway).
         seed_all(cfg.seed)
         model = build_model(cfg.model.name, num_classes).to(self.device)
-        self.channels_last = cuda and cfg.model.channels_last
+        self.channels_last = cfg.model.channels_last
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)
         self.model = model
@@ -309,7 +310,8 @@ class Trainer:
                            resumed_from=self.resumed["path"] if self.resumed else None,
                            resumed_step=self.resumed["global_step"] if self.resumed else None,
                            resumed_world_size=self.resumed["world_size"] if self.resumed else None,
-                           config=cfg.to_dict() if self.resumed is None else None)
+                           config=cfg.to_dict())
+        log.info("config %s", json.dumps(cfg.to_dict(), separators=(",", ":")))
         log.info(logs.kv(world_size=ctx.world_size, backend=ctx.backend, device=self.device, amp=self.precision.name,
                          global_batch=self.global_batch, total_steps=self.total_steps, start_step=self.global_step))
         start_step = self.global_step

@@ -1,0 +1,123 @@
+"""Real training processes: learning under DDP, exact resume after SIGKILL, resume at another world size."""
+
+import socket
+import subprocess
+
+import pytest
+
+from helpers import PY, QUICK, REPO, TORCHRUN, inspect, metrics, run_cmd, torchrun, trainapp
+from trainapp import snapshot
+
+pytestmark = pytest.mark.slow
+
+TRAIN_KEYS = {"step", "epoch", "loss", "lr", "samples_per_s"}
+
+
+def test_make_run_trains_two_ddp_processes_that_learn(tmp_path):
+    run_dir = tmp_path / "make-run"
+    r = run_cmd(["make", "run", f"RUN_DIR={run_dir}", "ARGS=train.progress=false"], timeout=300)
+    assert r.returncode == 0, r.output
+    summary = [line for line in r.stdout.splitlines() if line.startswith("trainapp: done")]
+    assert len(summary) == 1, r.stdout
+    for key in ("steps=", "final_loss=", "val_acc=", "samples_per_s=", f"snapshots={run_dir}/snapshots"):
+        assert key in summary[0]
+    train, evals = metrics(run_dir, "train"), metrics(run_dir, "eval")
+    assert all(TRAIN_KEYS <= rec.keys() and rec["world_size"] == 2 for rec in train)
+    assert train[-1]["loss"] < 0.6 * train[0]["loss"]
+    # Accuracy counted over the whole validation set, summed across both ranks; chance is 0.1.
+    assert evals[-1]["val_samples"] == 1024 and evals[-1]["val_acc"] > 0.6
+    assert metrics(run_dir, "start")[0]["amp"] == "bf16" and metrics(run_dir, "start")[0]["backend"] == "gloo"
+    assert inspect(run_dir)["world_size"] == 2
+
+
+FAULT_RUN = ["train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5", "train.grad_accum=2", "train.ema_decay=0.9",
+             "train.eval_every=10", *QUICK]
+
+
+def test_resume_after_sigkill_is_bitwise_identical_alone(tmp_path):
+    clean, faulty = tmp_path / "clean", tmp_path / "faulty"
+    assert trainapp("train", f"run.dir={clean}", *FAULT_RUN).returncode == 0
+    killed = trainapp("train", f"run.dir={faulty}", *FAULT_RUN, "fault.kill_at_step=13")
+    assert killed.returncode == -9, killed.output  # SIGKILL: no cleanup, like a lost node
+    assert inspect(faulty)["global_step"] == 10
+    resumed = trainapp("train", f"run.dir={faulty}", *FAULT_RUN, "fault.kill_at_step=13")
+    assert resumed.returncode == 0, resumed.output
+    assert metrics(faulty, "start")[-1]["resumed_step"] == 10
+    a, b = inspect(clean), inspect(faulty)
+    assert a["global_step"] == b["global_step"] == 24
+    assert a["params_sha256"] == b["params_sha256"]
+    assert metrics(clean, "eval")[-1]["val_acc"] == metrics(faulty, "eval")[-1]["val_acc"]
+
+
+def test_resume_under_torchrun_restart_is_bitwise_identical_at_world_size_2(tmp_path):
+    clean, faulty = tmp_path / "clean", tmp_path / "faulty"
+    assert torchrun(2, f"run.dir={clean}", *FAULT_RUN).returncode == 0
+    r = torchrun(2, f"run.dir={faulty}", *FAULT_RUN, "fault.kill_at_step=13", "fault.rank=1", max_restarts=1)
+    assert r.returncode == 0, r.output
+    starts = metrics(faulty, "start")
+    assert [s["restart"] for s in starts] == [0, 1]
+    assert starts[1]["resumed_step"] == 10 and starts[1]["resumed_world_size"] == 2
+    assert 13 - starts[1]["resumed_step"] <= 5  # at most snapshot.every_steps steps redone
+    assert (faulty / "fault-fired-step13-rank1").exists()
+    a, b = inspect(clean), inspect(faulty)
+    assert a["global_step"] == b["global_step"] == 24 and b["world_size"] == 2
+    assert a["params_sha256"] == b["params_sha256"]
+
+
+def test_resume_at_another_world_size_continues_at_the_same_global_sample(tmp_path):
+    run = tmp_path / "run"
+    args = [f"run.dir={run}", "snapshot.every_steps=5", *QUICK]
+    r = torchrun(2, *args, "fault.kill_at_step=7", "fault.rank=0")
+    assert r.returncode != 0  # no restarts allowed: the job fails, the snapshot of step 5 remains
+    assert inspect(run)["global_step"] == 5
+    r = trainapp("train", *args)  # the same run, now on one process
+    assert r.returncode == 0, r.output
+    first, second = metrics(run, "start")
+    assert second["resumed_step"] == 5 and second["resumed_world_size"] == 2 and second["world_size"] == 1
+    # Global batch 128 -> 64: the epoch continues at sample 5*128 and the peak LR halves (linear scaling).
+    assert second["epoch_sample"] == 640 and second["global_batch"] == 64
+    assert second["peak_lr"] == pytest.approx(first["peak_lr"] / 2)
+    assert "peak lr rescaled" in r.stderr
+    # Rest of epoch 0: (1024-640)/64 = 6 steps; epochs 1 and 2: 16 each.
+    assert second["total_steps"] == 5 + 6 + 16 + 16
+    after = [m for m in metrics(run, "train") if m["world_size"] == 1]
+    assert after[0]["step"] == 10 and after[0]["epoch_sample"] == 640 + 5 * 64
+    assert inspect(run)["global_step"] == 43
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_multi_node_torchrun_with_two_agents(tmp_path):
+    """Two torchrun agents as two 'nodes' on loopback, c10d rendezvous, one process each."""
+    run, port = tmp_path / "run", _free_port()
+    procs = []
+    try:
+        for node in (0, 1):
+            cmd = [TORCHRUN, "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}", "--rdzv-backend=c10d",
+                   f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=twonodes", "--max-restarts=1",
+                   "-m", "trainapp", "train", f"run.dir={run}", "train.max_steps=12", *QUICK]
+            procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True, start_new_session=True))
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert inspect(run)["world_size"] == 2 and inspect(run)["global_step"] == 12
+
+
+def test_a_finished_run_rerun_does_no_more_steps(tmp_path):
+    run = tmp_path / "run"
+    args = ["train", f"run.dir={run}", "train.max_steps=6", *QUICK]
+    assert trainapp(*args).returncode == 0
+    before = snapshot.list_snapshots(run / "snapshots")
+    r = trainapp(*args)
+    assert r.returncode == 0 and "steps=6 " in r.stdout
+    assert snapshot.list_snapshots(run / "snapshots") == before
+    assert metrics(run, "end")[-1]["steps_this_run"] == 0
