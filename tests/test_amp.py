@@ -72,3 +72,10 @@ def test_a_short_run_trains_in_each_precision(tmp_path, choice):
         assert train[-1]["skipped_steps"] >= 1 and train[-1]["loss_scale"] < 1e12
     else:
         assert "loss_scale" not in train[-1] and train[-1]["skipped_steps"] == 0
+
+
+@pytest.mark.parametrize("bf16_ok, expected", [(True, torch.bfloat16), (False, torch.float16)])
+def test_auto_on_cuda_picks_bf16_where_supported_else_fp16(monkeypatch, bf16_ok, expected):
+    # No GPU here: only the choice is checked, with CUDA's capability query stubbed.
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16_ok)
+    assert resolve_dtype("auto", torch.device("cuda", 0)) is expected

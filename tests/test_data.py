@@ -180,3 +180,26 @@ def test_augmentation_depends_only_on_seed_epoch_and_index(tmp_path):
     c = train[2][0]
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
+
+
+# --- the same files through the whole training loop -----------------------------------------------
+
+def _train_on(tmp_path, *overrides):
+    from trainapp import config, loop
+
+    cfg = config.load(None, [f"run.dir={tmp_path / 'run'}", "train.progress=false", "train.max_steps=3",
+                             "train.batch_size=4", "snapshot.every_steps=2", *overrides])
+    return loop.run(cfg)
+
+
+def test_a_short_run_trains_on_imagefolder_with_loader_workers(tmp_path):
+    write_tiny_imagefolder(tmp_path / "data", size=(40, 30))
+    summary = _train_on(tmp_path, "data.name=imagefolder", f"data.root={tmp_path / 'data'}", "data.image_size=24",
+                        "data.num_workers=1", "model.num_classes=3")
+    assert summary["steps"] == 3 and 0.0 <= summary["val_acc"] <= 1.0
+
+
+def test_a_short_run_trains_on_cifar10_files(tmp_path):
+    write_tiny_cifar10(tmp_path / "data")
+    summary = _train_on(tmp_path, "data.name=cifar10", f"data.root={tmp_path / 'data'}", "model.name=resnet18")
+    assert summary["steps"] == 3
