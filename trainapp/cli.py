@@ -25,6 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("train", help="train (alone, or one rank under torchrun / Ray)")
     _add_config_args(p)
+    p = sub.add_parser("ray", help="drive a Ray Train run of the same loop (what `ray job submit` runs)")
+    _add_config_args(p)
     p = sub.add_parser("inspect", help="print a snapshot's step, world size and parameter hash as JSON")
     p.add_argument("path", metavar="PATH", help="a snapshot (dir or state.pt), a snapshots/ dir or a run dir")
     p = sub.add_parser("config", help="print the resolved config as YAML (checks it without training)")
@@ -44,6 +46,20 @@ def cmd_train(args) -> int:
             f"world_size={summary['world_size']}", f"skipped_steps={summary['skipped_steps']}",
             f"snapshots={summary['snapshots']}",
         ]), flush=True)
+    return 0
+
+
+def cmd_ray(args) -> int:
+    cfg = config.load(args.config, args.overrides)
+    from trainapp import logs, ray_entry
+
+    logs.setup(0, 1)
+    s = ray_entry.run(cfg)
+    print("trainapp ray: done " + " ".join([
+        f"steps={s.get('step')}", f"final_loss={s.get('loss', float('nan')):.4f}",
+        f"val_acc={s.get('val_acc', float('nan')):.4f}", f"samples_per_s={s.get('samples_per_s', 0.0):.1f}",
+        f"world_size={s.get('world_size')}", f"storage={s['storage']}",
+    ]), flush=True)
     return 0
 
 
@@ -78,12 +94,14 @@ def cmd_config(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"train": cmd_train, "inspect": cmd_inspect, "config": cmd_config}[args.command](args)
+        return {"train": cmd_train, "ray": cmd_ray, "inspect": cmd_inspect, "config": cmd_config}[args.command](args)
     except config.ConfigError as e:
         print(f"trainapp {args.command}: error: {e}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # output piped into `head` and the like
+        return 0
 
 
 if __name__ == "__main__":

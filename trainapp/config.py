@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, field_validator
@@ -164,6 +164,60 @@ class DistSection:
 
 
 @dataclass(config=_STRICT)
+class RaySection:
+    """`python -m trainapp ray`: Ray Train's TorchTrainer runs the same loop on a Ray cluster."""
+
+    address: str = ""
+    """Cluster to join: empty means the one this job runs in (`ray job submit` sets RAY_ADDRESS) or,
+    with none, an embedded local Ray instance; else `host:port` of the head's GCS, or `auto`."""
+    num_workers: Union[int, tuple[int, int]] = 2
+    """Training workers (one process each, one GPU each with `ray.use_gpu`): an int, or `[min, max]`
+    for elastic training that continues on fewer workers when nodes are lost."""
+    use_gpu: Optional[bool] = None
+    """One GPU per worker and NCCL. Empty: true when the cluster has GPUs."""
+    resources_per_worker: dict[str, float] = Field(default_factory=dict)
+    """Ray resources each worker reserves, e.g. `{CPU: 4, GPU: 1}`. Empty: 1 CPU (and 1 GPU with use_gpu)."""
+    storage_path: str = "runs/ray"
+    """Where snapshots (Ray checkpoints) and metrics.jsonl go: a path every node sees (NFS, a
+    ReadWriteMany volume) or a URI such as `s3://bucket/runs`. A relative path is taken from the
+    driver's working directory."""
+    name: str = "trainapp"
+    """Run name under `ray.storage_path`. Resubmitting with the same name resumes that run."""
+    max_failures: int = Field(default=3, ge=-1)
+    """Worker-group restarts after failures (each resumes from the newest snapshot); -1: unlimited."""
+    threads_per_worker: Optional[int] = Field(default=None, ge=1)
+    """Intra-op threads of each worker (torch.set_num_threads, OMP_NUM_THREADS). Empty: the CPUs the
+    worker reserves."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment variables set in every worker before the process group is created."""
+    worker_group_start_timeout_s: float = Field(default=60.0, gt=0)
+    """Ray Train gives up starting a worker group after this long and retries (possibly with fewer
+    workers when elastic). Ray's default is 60 s, which dominates recovery from a lost node."""
+    health_check_interval_s: float = Field(default=2.0, gt=0)
+    """How often Ray Train's controller polls the workers (Ray's default: 2 s)."""
+    check_resources: bool = True
+    """Refuse to start when the cluster can never hold `ray.num_workers` (min) workers. Turn off on
+    autoscaling clusters that grow on demand."""
+
+    def __post_init__(self) -> None:
+        n = self.num_workers
+        lo, hi = (n, n) if isinstance(n, int) else n
+        if lo < 1 or lo > hi:
+            raise ConfigError(f"ray.num_workers={list(n) if isinstance(n, tuple) else n}: "
+                              "need an int >= 1 or [min, max] with 1 <= min <= max")
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"ray.name={self.name!r}: must be a non-empty name without '/'")
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[0]
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[1]
+
+
+@dataclass(config=_STRICT)
 class Config:
     seed: int = 0
     """Seed of the model init, the data order and the synthetic dataset."""
@@ -177,6 +231,7 @@ class Config:
     snapshot: SnapshotSection = dataclasses.field(default_factory=SnapshotSection)
     fault: FaultSection = dataclasses.field(default_factory=FaultSection)
     dist: DistSection = dataclasses.field(default_factory=DistSection)
+    ray: RaySection = dataclasses.field(default_factory=RaySection)
 
     def __post_init__(self) -> None:
         if self.data.name != "synthetic" and not self.data.root:
@@ -215,6 +270,10 @@ def _known_keys(cls=Config, prefix: str = "") -> list[str]:
 
 def _format_error(err: dict) -> str:
     key, kind, value = _key_of(err["loc"]), err["type"], err.get("input")
+    known = _known_keys()
+    # A union field reports one error per member type (`ray.num_workers.int`): name the field itself.
+    while key not in known and "." in key and key.rsplit(".", 1)[0] in known:
+        key = key.rsplit(".", 1)[0]
     if kind in ("unexpected_keyword_argument", "extra_forbidden"):
         close = difflib.get_close_matches(key, _known_keys(), n=1, cutoff=0.75)
         hint = f"; did you mean {close[0]}?" if close else "; see README 'Configuration reference'"
@@ -233,9 +292,12 @@ def from_dict(raw: dict[str, Any]) -> Config:
     try:
         return _ADAPTER.validate_python(raw)
     except ValidationError as e:
-        raise ConfigError("; ".join(_format_error(err) for err in e.errors())) from None
-    except ConfigError:
-        raise
+        messages: dict[str, str] = {}
+        for err in e.errors():
+            msg = _format_error(err)
+            head, _, tail = msg.partition(": ")
+            messages[head] = f"{messages[head]} or {tail}" if head in messages and tail else messages.get(head, msg)
+        raise ConfigError("; ".join(messages.values())) from None
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

@@ -89,11 +89,12 @@ def setup(timeout_s: float) -> DistContext:
             kwargs = {"store": store} if store is not None else {"init_method": "env://"}
             if torch.cuda.is_available():
                 # Binding the device first lets NCCL create its communicator on the right GPU.
-                torch.cuda.set_device(local_rank)
+                torch.cuda.set_device(local_rank if torch.cuda.device_count() > local_rank else 0)
             dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
             owns = True
     if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+        # A launcher may show each process only its own GPU (CUDA_VISIBLE_DEVICES): then it is cuda:0.
+        device = torch.device("cuda", local_rank if torch.cuda.device_count() > local_rank else 0)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

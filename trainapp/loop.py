@@ -29,7 +29,7 @@ from trainapp.config import Config, ConfigError
 from trainapp.data import ResumableDistributedSampler, build_datasets, make_loader, set_epoch
 from trainapp.models import build_model
 from trainapp.optim import build_ema, build_optimizer, build_scheduler, rescale, scaled_lr, set_schedule
-from trainapp.snapshot import SnapshotError, SnapshotManager, load_state, newest_valid, params_sha256
+from trainapp.snapshot import SnapshotManager, params_sha256
 
 log = logging.getLogger(__name__)
 
@@ -145,22 +145,11 @@ class Trainer:
     # Snapshots
 
     def _load_newest(self) -> dict[str, Any] | None:
-        found = None
-        if self.ctx.is_main:
-            hit = newest_valid(self.snapshots.root)
-            found = str(hit[0]) if hit else None
-        found = dist.broadcast_object(self.ctx, found)
+        found = self.snapshots.load(self.ctx)
         if found is None:
             return None
-        try:
-            state = load_state(Path(found))
-        except FileNotFoundError:
-            raise ConfigError(
-                f"run.dir={self.cfg.run.dir}: rank {self.ctx.rank} on {os.uname().nodename} cannot see snapshot "
-                f"{found} that rank 0 chose; run.dir must be storage every node sees") from None
-        except SnapshotError as e:
-            raise ConfigError(str(e)) from None
-        self.resumed = {"path": found, **state["progress"]}
+        path, state = found
+        self.resumed = {"path": path, **state["progress"]}
         p = state["progress"]
         self.global_step, self.epoch, self.epoch_sample = p["global_step"], p["epoch"], p["epoch_sample"]
         return state
@@ -189,8 +178,9 @@ class Trainer:
         log.info("resumed from %s: step=%d epoch=%d epoch_sample=%d", self.resumed["path"], self.global_step,
                  self.epoch, self.epoch_sample)
 
-    def _save(self) -> None:
+    def _save(self, metrics: dict[str, Any]) -> None:
         rngs = dist.gather_objects(self.ctx, rng_state())  # every rank's generators, not just rank 0's
+        state = meta = None
         if self.ctx.is_main:
             progress = {"global_step": self.global_step, "epoch": self.epoch, "epoch_sample": self.epoch_sample,
                         "world_size": self.ctx.world_size, "global_batch": self.global_batch,
@@ -206,8 +196,7 @@ class Trainer:
                 "config": self.cfg.to_dict(),
             }
             meta = {**progress, "params_sha256": params_sha256(self.model)}
-            self.snapshots.write(self.global_step, state, meta)
-        dist.barrier(self.ctx)
+        self.snapshots.save(self.ctx, self.global_step, state, meta, metrics)
 
     # ------------------------------------------------------------------------------------------
     # Steps
@@ -353,12 +342,17 @@ class Trainer:
                 bar.set_postfix(loss=f"{last_loss:.3f}", lr=f"{record['lr']:.3g}")
                 loss_acc.zero_()
                 steps_in_interval, interval_start = 0, time.perf_counter()
-            if t.eval_every and self.global_step % t.eval_every == 0 and not last:
+            if (t.eval_every and self.global_step % t.eval_every == 0) or last:
                 last_eval = self.evaluate()
                 interval_start = time.perf_counter()
             self._maybe_fault()
             if self.snapshots.due(self.global_step, last):
-                self._save()
+                report = {"step": self.global_step, "epoch": self.epoch, "loss": last_loss,
+                          "world_size": ctx.world_size,
+                          "samples_per_s": (self.global_step - start_step) * self.global_batch / max(train_time, 1e-9)}
+                if last_eval is not None and last_eval["step"] == self.global_step:
+                    report["val_acc"] = last_eval["val_acc"]
+                self._save(report)
                 interval_start = time.perf_counter()
         bar.close()
         if last_eval is None or last_eval.get("step") != self.global_step:

@@ -187,7 +187,11 @@ def resolve(path: str | Path) -> Path:
 
 @dataclass
 class SnapshotManager:
-    """Owns the cadence: `save(step, ...)` decides by itself whether this step writes."""
+    """Snapshots in a directory every rank sees: owns the cadence, writing, purging and loading.
+
+    The loop calls `due`, then `save` and `load` on every rank; rank 0 does the file work. The Ray
+    launcher swaps in a subclass that hands snapshots to Ray Train instead.
+    """
 
     root: Path
     every_steps: int
@@ -198,6 +202,33 @@ class SnapshotManager:
 
     def path_for(self, step: int) -> Path:
         return self.root / f"step_{step:09d}"
+
+    def load(self, ctx) -> tuple[str, dict[str, Any]] | None:
+        """(path, state) of the newest valid snapshot, the same on every rank; None to start fresh."""
+        from trainapp import dist
+
+        found = None
+        if ctx.is_main:
+            hit = newest_valid(self.root)
+            found = str(hit[0]) if hit else None
+        found = dist.broadcast_object(ctx, found)
+        if found is None:
+            return None
+        try:
+            return found, load_state(Path(found))
+        except FileNotFoundError:
+            raise ConfigError(
+                f"{self.root}: rank {ctx.rank} on {os.uname().nodename} cannot see snapshot {found} that rank 0 "
+                "chose; the run directory must be storage every node sees") from None
+
+    def save(self, ctx, step: int, state: dict[str, Any] | None, meta: dict[str, Any] | None,
+             metrics: dict[str, Any]) -> None:
+        """Every rank calls this; rank 0 passes the state and writes it, then all meet at a barrier."""
+        from trainapp import dist
+
+        if ctx.is_main:
+            self.write(step, state, meta)
+        dist.barrier(ctx)
 
     def write(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path:
         """Rank 0 only: write the snapshot of `step` and purge old ones."""

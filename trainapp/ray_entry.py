@@ -1,0 +1,273 @@
+"""`python -m trainapp ray`: the driver `ray job submit` runs. Ray Train's TorchTrainer starts one
+worker per rank, each running the same loop (`trainapp.loop.Trainer`) as torchrun would.
+
+Differences from torchrun live here only: snapshots go through `ray.train.report(checkpoint=...)`
+from rank 0 (the other ranks report metrics, so all report equally often), resume comes from
+`ray.train.get_checkpoint()`, and the worker environment is set before Ray creates the process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from trainapp import config, dist, logs
+from trainapp.config import Config, ConfigError
+from trainapp.snapshot import SnapshotManager, load_state, newest_valid, verify, write_dir
+
+log = logging.getLogger("trainapp.ray")
+
+# Ray Train reads these in its controller; the driver's environment is propagated to it.
+_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+_HEALTH_INTERVAL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+
+
+def _is_uri(path: str) -> bool:
+    return "://" in path
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker side
+
+
+class RaySnapshots(SnapshotManager):
+    """Snapshots as Ray Train checkpoints, in the same directory format as local ones."""
+
+    def load(self, ctx) -> tuple[str, dict[str, Any]] | None:
+        import ray.train
+
+        ckpt = ray.train.get_checkpoint()
+        if ckpt is None:
+            return None
+        with ckpt.as_directory() as d:
+            try:
+                verify(Path(d))
+                return ckpt.path, load_state(Path(d))
+            except ConfigError as e:
+                if _is_uri(ckpt.path):
+                    raise
+                # Ray only knows the newest; on a shared filesystem the older ones are still there.
+                log.warning("newest Ray checkpoint unusable (%s); trying older snapshots", e)
+                hit = newest_valid(Path(ckpt.path).parent)
+                return (str(hit[0]), load_state(hit[0])) if hit else None
+
+    def save(self, ctx, step, state, meta, metrics) -> None:
+        import ray.train
+
+        tmp = Path(tempfile.mkdtemp(prefix="trainapp-snap-")) if ctx.is_main else None
+        try:
+            ckpt = None
+            if tmp is not None:
+                from ray.train import Checkpoint
+
+                ckpt = Checkpoint.from_directory(write_dir(tmp / f"step_{step:09d}", state, meta))
+            # A barrier across workers: every rank reports at the same steps.
+            ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=f"step_{step:09d}")
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _prepare_worker(env: dict[str, str], threads: int) -> None:
+    """Runs in every worker before Ray creates the process group."""
+    import torch
+
+    os.environ.update(env)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+def train_worker(payload: dict[str, Any]) -> None:
+    """The per-worker function: the same Trainer as torchrun's, with Ray snapshots."""
+    from trainapp.loop import Trainer
+
+    cfg = config.from_dict(payload["config"])
+    ctx = dist.setup(cfg.dist.timeout_s)  # adopts the group Ray created
+    logs.setup(ctx.rank, ctx.world_size)
+    # Ray stores the checkpoints as STORAGE/NAME/step_*: the run directory itself.
+    snapshots = RaySnapshots(Path(cfg.run.dir), cfg.snapshot.every_steps, cfg.snapshot.keep)
+    try:
+        Trainer(cfg, ctx, snapshots=snapshots).train()
+    finally:
+        dist.teardown(ctx)
+
+
+def _torch_config(cfg: Config, threads: int):
+    from ray.train.torch import TorchConfig
+    from ray.train.torch.config import _TorchBackend
+
+    class _Backend(_TorchBackend):
+        def on_start(self, worker_group, backend_config):
+            worker_group.execute(_prepare_worker, env=backend_config.worker_env, threads=backend_config.threads)
+            super().on_start(worker_group, backend_config)
+
+    @dataclasses.dataclass
+    class TrainappTorchConfig(TorchConfig):
+        worker_env: dict = dataclasses.field(default_factory=dict)
+        threads: int = 1
+
+        @property
+        def backend_cls(self):
+            return _Backend
+
+    return TrainappTorchConfig(timeout_s=int(cfg.dist.timeout_s), worker_env=dict(cfg.ray.env), threads=threads)
+
+
+# ----------------------------------------------------------------------------------------------
+# Driver side: checks that turn a would-be hang into a one-line error
+
+
+def _check_reachable(address: str) -> None:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"ray.address={address!r}: expected host:port of the Ray head (GCS), e.g. 127.0.0.1:6379")
+    try:
+        with socket.create_connection((host, int(port)), timeout=5):
+            pass
+    except OSError as e:
+        raise ConfigError(f"ray.address={address}: no Ray cluster answers there ({e.strerror or e}); start one "
+                          "(make ray-up) or leave ray.address empty for an embedded local Ray") from None
+
+
+def connect(cfg: Config) -> str:
+    """ray.init for the cluster we run in, the one named, or an embedded one. Returns a description."""
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
+    if address and address != "auto" and "://" not in address:
+        _check_reachable(address)
+    if not address:
+        # An embedded instance is for this machine only: bind loopback, not the external address
+        # (read when ray is imported, and inherited by the processes it starts).
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    try:
+        if address:
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+            return f"cluster at {address}"
+        ray.init(logging_level=logging.WARNING)
+        return "embedded local Ray"
+    except ConnectionError as e:
+        raise ConfigError(f"ray.address={address}: cannot join the Ray cluster ({str(e).splitlines()[0]})") from None
+
+
+def _worker_needs(cfg: Config, use_gpu: bool) -> dict[str, float]:
+    needs = dict(cfg.ray.resources_per_worker) or {"CPU": 1.0}
+    if use_gpu:
+        needs.setdefault("GPU", 1.0)
+    return needs
+
+
+def check_capacity(cfg: Config, needs: dict[str, float]) -> int:
+    """How many workers the alive nodes can hold; ConfigError when fewer than the minimum."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    capacity = 0
+    for n in nodes:
+        res = n.get("Resources", {})
+        capacity += min(int(res.get(k, 0) // v) if v > 0 else 10**6 for k, v in needs.items())
+    if cfg.ray.check_resources and capacity < cfg.ray.min_workers:
+        have = ", ".join(f"{n.get('NodeManagerAddress')}: {int(n.get('Resources', {}).get('CPU', 0))} CPU "
+                         f"{int(n.get('Resources', {}).get('GPU', 0))} GPU" for n in nodes)
+        raise ConfigError(f"ray.num_workers={cfg.ray.min_workers}: the cluster can hold at most {capacity} workers "
+                          f"needing {needs} ({have}); add nodes, lower ray.num_workers, or set "
+                          "ray.check_resources=false on an autoscaling cluster")
+    return capacity
+
+
+def check_storage(storage: str) -> None:
+    """Every alive node must be able to write the storage path (a worker writes metrics and markers)."""
+    if _is_uri(storage):
+        return
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    @ray.remote(num_cpus=0, max_retries=0)
+    def probe(path: str) -> str:
+        import socket as s
+
+        try:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            marker = Path(path) / f".write-probe-{s.gethostname()}-{os.getpid()}"
+            marker.write_text("ok")
+            marker.unlink()
+            return ""
+        except OSError as e:
+            return f"{e.__class__.__name__}: {e.strerror or e}"
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    refs = {n["NodeManagerAddress"] + " " + n["NodeID"][:8]: probe.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(storage) for n in nodes}
+    try:
+        results = dict(zip(refs, ray.get(list(refs.values()), timeout=60)))
+    except ray.exceptions.GetTimeoutError:
+        raise ConfigError(f"ray.storage_path={storage}: the write check did not finish on every node within 60 s") from None
+    bad = {node: err for node, err in results.items() if err}
+    if bad:
+        node, err = next(iter(bad.items()))
+        raise ConfigError(f"ray.storage_path={storage}: not writable on node {node} ({err}); use a path every "
+                          "node can write (shared storage) or a URI")
+
+
+def _config_error_in(exc: BaseException) -> str | None:
+    """The message of a ConfigError raised in a worker, if that is what ended the run."""
+    failures = getattr(exc, "worker_failures", None) or {}
+    for err in list(failures.values()) + [exc]:
+        seen = err
+        while seen is not None:
+            if isinstance(seen, ConfigError):
+                return str(seen)
+            cause = getattr(seen, "cause", None)
+            seen = cause if isinstance(cause, BaseException) else seen.__cause__
+    return None
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    """Fit a TorchTrainer over the cluster; returns the rank-0 summary of the finished run."""
+    where = connect(cfg)  # first: it decides how ray is imported
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    try:
+        resources = ray.cluster_resources()
+        use_gpu = cfg.ray.use_gpu if cfg.ray.use_gpu is not None else resources.get("GPU", 0) > 0
+        needs = _worker_needs(cfg, use_gpu)
+        check_capacity(cfg, needs)
+        storage = cfg.ray.storage_path if _is_uri(cfg.ray.storage_path) else str(Path(cfg.ray.storage_path).resolve())
+        check_storage(storage)
+        run_dir = f"{storage}/{cfg.ray.name}" if not _is_uri(storage) else cfg.run.dir
+        worker_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir))
+        threads = cfg.ray.threads_per_worker or max(1, int(needs.get("CPU", 1)))
+        os.environ[_START_TIMEOUT_ENV] = str(cfg.ray.worker_group_start_timeout_s)
+        os.environ[_HEALTH_INTERVAL_ENV] = str(cfg.ray.health_check_interval_s)
+        log.info("%s: %s workers, %s per worker, storage %s/%s", where, cfg.ray.num_workers, needs, storage,
+                 cfg.ray.name)
+        trainer = TorchTrainer(
+            train_worker,
+            train_loop_config={"config": worker_cfg.to_dict()},
+            torch_config=_torch_config(cfg, threads),
+            scaling_config=ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=use_gpu,
+                                         resources_per_worker=needs),
+            run_config=RunConfig(
+                name=cfg.ray.name, storage_path=storage,
+                failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
+                checkpoint_config=CheckpointConfig(num_to_keep=cfg.snapshot.keep),
+            ),
+        )
+        try:
+            result = trainer.fit()
+        except Exception as e:
+            msg = _config_error_in(e)
+            if msg:
+                raise ConfigError(msg) from None
+            raise
+        return {**(result.metrics or {}), "storage": f"{storage}/{cfg.ray.name}"}
+    finally:
+        ray.shutdown()
