@@ -19,7 +19,7 @@ from typing import Any
 
 from trainapp import config, dist, logs
 from trainapp.config import Config, ConfigError
-from trainapp.snapshot import SnapshotManager, load_state, newest_valid, verify, write_dir
+from trainapp.snapshot import SnapshotManager, load_state, verify, write_dir
 
 log = logging.getLogger("trainapp.ray")
 
@@ -39,23 +39,24 @@ def _is_uri(path: str) -> bool:
 class RaySnapshots(SnapshotManager):
     """Snapshots as Ray Train checkpoints, in the same directory format as local ones."""
 
+    def __init__(self, root: Path, every_steps: int, keep: int, uri: str | None = None):
+        super().__init__(root, every_steps, keep)
+        self.uri = uri
+
     def load(self, ctx) -> tuple[str, dict[str, Any]] | None:
+        if self.uri is None:
+            # On a shared filesystem the directory is the truth: Ray registers a reported checkpoint
+            # only when its controller next polls, so a worker lost right after a report can leave
+            # Ray's newest checkpoint one snapshot behind what is safely on disk.
+            return super().load(ctx)
         import ray.train
 
         ckpt = ray.train.get_checkpoint()
         if ckpt is None:
             return None
         with ckpt.as_directory() as d:
-            try:
-                verify(Path(d))
-                return ckpt.path, load_state(Path(d))
-            except ConfigError as e:
-                if _is_uri(ckpt.path):
-                    raise
-                # Ray only knows the newest; on a shared filesystem the older ones are still there.
-                log.warning("newest Ray checkpoint unusable (%s); trying older snapshots", e)
-                hit = newest_valid(Path(ckpt.path).parent)
-                return (str(hit[0]), load_state(hit[0])) if hit else None
+            verify(Path(d))
+            return ckpt.path, load_state(Path(d))
 
     def save(self, ctx, step, state, meta, metrics) -> None:
         import ray.train
@@ -91,7 +92,8 @@ def train_worker(payload: dict[str, Any]) -> None:
     ctx = dist.setup(cfg.dist.timeout_s)  # adopts the group Ray created
     logs.setup(ctx.rank, ctx.world_size)
     # Ray stores the checkpoints as STORAGE/NAME/step_*: the run directory itself.
-    snapshots = RaySnapshots(Path(cfg.run.dir), cfg.snapshot.every_steps, cfg.snapshot.keep)
+    uri = cfg.ray.storage_path if _is_uri(cfg.ray.storage_path) else None
+    snapshots = RaySnapshots(Path(cfg.run.dir), cfg.snapshot.every_steps, cfg.snapshot.keep, uri)
     try:
         Trainer(cfg, ctx, snapshots=snapshots).train()
     finally:

@@ -1,0 +1,206 @@
+"""The Ray launcher against a real local multi-node cluster: `ray start` head + 2 worker nodes on
+loopback, its own directory and HOME, torn down by PID. Jobs go in through real `ray job submit`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from helpers import QUICK, REPO, inspect, metrics, run_cmd, torchrun, trainapp
+from trainapp.ray_local import LocalCluster, free_port
+
+pytestmark = pytest.mark.slow
+
+RAY = str(Path(sys.executable).with_name("ray"))
+# A run long enough to be killed in the middle: per-step records, a snapshot every 5 steps.
+LONG = ["train.max_steps=40", "train.epochs=20", "snapshot.every_steps=5", "train.progress=false",
+        "train.log_every=1", "data.train_size=1024", "data.val_size=256"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    base = tmp_path_factory.mktemp("ray")
+    # A short directory: Ray's socket paths must stay under the OS limit.
+    c = LocalCluster(Path(f"/tmp/ta-ray-{uuid.uuid4().hex[:8]}"), workers=2, cpus=1,
+                     gcs_port=free_port(), dashboard_port=free_port())
+    try:
+        c.up(cwd=REPO)
+        c.storage = base / "storage"
+        yield c
+    finally:
+        c.down()
+        subprocess.run(["rm", "-rf", str(c.dir)], check=False)
+
+
+def _submit_cmd(cluster, name: str, *args: str, sid: str | None = None, wait: bool = True) -> list[str]:
+    return [RAY, "job", "submit", "--address", cluster.dashboard_url,
+            *(["--submission-id", sid] if sid else []), *([] if wait else ["--no-wait"]), "--",
+            "python", "-m", "trainapp", "ray", f"ray.storage_path={cluster.storage}", f"ray.name={name}", *args]
+
+
+def submit(cluster, name: str, *args: str, timeout: float = 400):
+    return run_cmd(_submit_cmd(cluster, name, *args), timeout=timeout, env=cluster.env())
+
+
+def submit_background(cluster, name: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(_submit_cmd(cluster, name, *args), cwd=REPO, env=cluster.env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 400) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"job did not finish in {timeout}s:\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+def wait_for_step(run_dir: Path, step: int, timeout: float = 240) -> float:
+    """Block until metrics.jsonl shows a train record at `step` or later; returns the time seen."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if any(r["step"] >= step for r in metrics(run_dir, "train")):
+                return time.time()
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{run_dir} never reached step {step}")
+
+
+def ray_worker_pids(cluster) -> list[int]:
+    """PIDs of the live training workers, from Ray's state API."""
+    actors = cluster.state("actors", class_name="RayTrainWorker", state="ALIVE")
+    return [a["pid"] for a in actors]
+
+
+def _redone(run_dir: Path) -> tuple[int, int]:
+    """(highest step trained before the restart, step resumed from)."""
+    records = metrics(run_dir)
+    starts = [i for i, r in enumerate(records) if r["kind"] == "start"]
+    assert len(starts) >= 2, "no restart recorded"
+    before = max(r["step"] for r in records[starts[0]:starts[1]] if r["kind"] == "train")
+    return before, records[starts[1]]["resumed_step"]
+
+
+def test_job_submit_runs_two_workers_and_inspect_reads_the_ray_run(cluster):
+    r = submit(cluster, "short", "train.max_steps=12", "snapshot.every_steps=5", *QUICK)
+    assert r.returncode == 0, r.output[-4000:]
+    assert "trainapp ray: done steps=12" in r.output and "world_size=2" in r.output
+    run_dir = cluster.storage / "short"
+    assert {m["world_size"] for m in metrics(run_dir, "train")} == {2}
+    info = inspect(run_dir)
+    assert info["global_step"] == 12 and info["world_size"] == 2
+    assert (run_dir / "step_000000012" / "state.pt").exists()
+
+
+def test_sigkilled_ray_worker_costs_at_most_one_snapshot_interval(cluster):
+    run_dir = cluster.storage / "killed"
+    proc = submit_background(cluster, "killed", *LONG)
+    try:
+        wait_for_step(run_dir, 12)
+        pids = ray_worker_pids(cluster)
+        assert len(pids) == 2
+        os.kill(pids[-1], signal.SIGKILL)
+    finally:
+        rc, out = finish(proc)
+    assert rc == 0, out[-4000:]
+    before, resumed = _redone(run_dir)
+    assert resumed % 5 == 0 and before - resumed <= 5, (before, resumed)
+    assert inspect(run_dir)["global_step"] == 40
+
+
+@pytest.fixture(scope="module")
+def ray_run_with_restart(cluster):
+    name = "drill"
+    r = submit(cluster, name, "train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5",
+               "fault.kill_at_step=13", "fault.rank=1", *QUICK)
+    return r, cluster.storage / name
+
+
+def test_fault_drill_inside_a_ray_worker_resumes_and_reaches_the_planned_step(ray_run_with_restart):
+    r, run_dir = ray_run_with_restart
+    assert r.returncode == 0, r.output[-4000:]
+    assert (run_dir / "fault-fired-step13-rank1").exists()
+    before, resumed = _redone(run_dir)
+    assert before == 13 and resumed == 10
+    assert inspect(run_dir)["global_step"] == 24
+
+
+def test_ray_and_torchrun_end_with_the_same_parameters(ray_run_with_restart, tmp_path):
+    r, run_dir = ray_run_with_restart
+    assert r.returncode == 0, r.output[-4000:]
+    t = torchrun(2, f"run.dir={tmp_path / 'tr'}", "train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5",
+                 *QUICK)
+    assert t.returncode == 0, t.output
+    assert inspect(run_dir)["params_sha256"] == inspect(tmp_path / "tr")["params_sha256"]
+
+
+def test_stopped_job_resubmitted_with_the_same_name_resumes(cluster):
+    name, sid = "resubmit", f"resubmit-{uuid.uuid4().hex[:6]}"
+    run_dir = cluster.storage / name
+    r = run_cmd(_submit_cmd(cluster, name, *LONG, sid=sid, wait=False), env=cluster.env())
+    assert r.returncode == 0, r.output
+    wait_for_step(run_dir, 12)
+    stop = run_cmd([RAY, "job", "stop", "--address", cluster.dashboard_url, sid], env=cluster.env(), timeout=120)
+    assert stop.returncode == 0, stop.output
+    assert "STOPPED" in run_cmd([RAY, "job", "status", "--address", cluster.dashboard_url, sid],
+                                env=cluster.env()).output
+    stopped_at = inspect(run_dir)["global_step"]
+    assert stopped_at >= 10
+    r = submit(cluster, name, *LONG)
+    assert r.returncode == 0, r.output[-4000:]
+    second = metrics(run_dir, "start")[-1]
+    assert second["resumed_step"] >= stopped_at  # not a fresh start
+    assert inspect(run_dir)["global_step"] == 40
+
+
+def test_bad_ray_input_fails_fast_with_one_line(cluster, tmp_path):
+    cases = {
+        "no cluster": (["ray.address=127.0.0.1:1"], "ray.address=127.0.0.1:1: no Ray cluster answers"),
+        "min > max": (["ray.num_workers=[3,1]"], "ray.num_workers=[3, 1]"),
+        "too many workers": ([f"ray.address={cluster.address}", "ray.num_workers=5",
+                              f"ray.storage_path={tmp_path}"], "can hold at most 2 workers"),
+        "unwritable storage": ([f"ray.address={cluster.address}", "ray.storage_path=/proc/trainapp-store"],
+                               "ray.storage_path=/proc/trainapp-store: not writable"),
+    }
+    for name, (args, needle) in cases.items():
+        t0 = time.monotonic()
+        r = trainapp("ray", *args, timeout=90, env=cluster.client_env())
+        elapsed = time.monotonic() - t0
+        errors = [line for line in r.stderr.splitlines() if "error:" in line]
+        assert r.returncode == 2, (name, r.output[-3000:])
+        assert len(errors) == 1 and needle in errors[0], (name, r.stderr[-3000:])
+        assert elapsed < 60, (name, elapsed)
+
+
+def test_losing_a_worker_node_continues_elastically_on_the_other(cluster):
+    """Runs last in this module: it kills a node (its raylet), then starts a replacement."""
+    run_dir = cluster.storage / "elastic"
+    proc = submit_background(cluster, "elastic", *LONG, "ray.num_workers=[1,2]", "ray.worker_group_start_timeout_s=15")
+    try:
+        wait_for_step(run_dir, 12)
+        raylet = cluster.node_pids("worker2")["raylet"]
+        os.kill(raylet, signal.SIGKILL)
+    finally:
+        rc, out = finish(proc)
+        cluster.add_worker("worker3", REPO)
+    assert rc == 0, out[-4000:]
+    before, resumed = _redone(run_dir)
+    assert before - resumed <= 5
+    starts = metrics(run_dir, "start")
+    assert starts[0]["world_size"] == 2 and starts[-1]["world_size"] == 1
+    assert starts[-1]["resumed_world_size"] == 2
+    assert inspect(run_dir)["world_size"] == 1
+    end = metrics(run_dir, "end")[-1]
+    assert end["world_size"] == 1 and end["steps"] == inspect(run_dir)["global_step"]

@@ -1,0 +1,314 @@
+"""A real multi-node Ray cluster on one machine, for development, demos and tests.
+
+A head with no task CPUs and N worker nodes, each its own `ray start` with its own resources, all on
+loopback. The nodes use 127.0.0.2: Ray rewrites 127.0.0.1 and `localhost` into the machine's external
+address ("remotely reachable"), while any other 127/8 address is kept, and Linux routes all of 127/8
+to loopback. The dashboard (job submission) listens on 127.0.0.1. Token authentication is on: a fresh token in a file under the cluster's directory (outside
+the repository), handed to every node and to `ray job submit` through RAY_AUTH_TOKEN_PATH. The nodes
+also get their own HOME, so a stale `~/.ray/auth_token` from another Ray instance cannot leak in.
+
+Every node runs `ray start --block` as the leader of its own session; `down` ends exactly those
+sessions (SIGTERM, then SIGKILL for stragglers), never other Ray processes on the machine.
+
+    python -m trainapp.ray_local up --workers 2 --cpus 1
+    python -m trainapp.ray_local submit -- python -m trainapp ray ray.storage_path=$PWD/runs/ray
+    python -m trainapp.ray_local status
+    python -m trainapp.ray_local down
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+DEFAULT_DIR = Path(os.environ.get("TMPDIR", "/tmp")) / f"trainapp-ray-{os.getuid()}"
+STATE = "cluster.json"
+
+
+def _session_pids(sid: int) -> list[int]:
+    """PIDs of every process in session `sid` (Ray's children stay in their `ray start`'s session)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        if int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(d.name))
+    return pids
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _own_ports() -> list[str]:
+    """Per-node ports for what Ray otherwise puts on fixed defaults (52365, 10001, ...), so that
+    several nodes, and several such clusters, share one machine."""
+    return [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+            f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"]
+
+
+def _wait_port(port: int, timeout: float, host: str = "127.0.0.1") -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=1):
+                return True
+        except OSError:
+            time.sleep(0.3)
+    return False
+
+
+@dataclass
+class Node:
+    name: str
+    pid: int  # the `ray start --block` session leader
+    log: str
+
+
+@dataclass
+class LocalCluster:
+    dir: Path = DEFAULT_DIR
+    workers: int = 2
+    cpus: float = 1
+    node_ip: str = "127.0.0.2"
+    gcs_port: int = 26379
+    dashboard_port: int = 28265
+    # Node-death detection (GCS health checks of each raylet). Ray's defaults: 3000 ms x 5 misses.
+    health_check_period_ms: int = 1000
+    health_check_failure_threshold: int = 3
+    nodes: list[Node] = field(default_factory=list)
+
+    # -- paths and environment ------------------------------------------------------------------
+
+    @property
+    def token_path(self) -> Path:
+        return self.dir / "auth_token"
+
+    @property
+    def address(self) -> str:
+        return f"{self.node_ip}:{self.gcs_port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def env(self) -> dict[str, str]:
+        """Environment for every node, for `ray job submit` and for clients of this cluster."""
+        bin_dir = str(Path(sys.executable).parent)
+        return {
+            **os.environ,
+            "HOME": str(self.dir / "home"),
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(self.token_path),
+            "RAY_USAGE_STATS_ENABLED": "0",
+            # Jobs run `python -m trainapp ...` through the head's shell: our venv must come first.
+            "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+        }
+
+    def client_env(self) -> dict[str, str]:
+        """What a process outside the cluster (this test, a shell) needs to talk to it."""
+        return {k: self.env()[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def _start(self, name: str, args: list[str], cwd: Path) -> Node:
+        log = self.dir / "logs" / f"{name}.log"
+        ray = str(Path(sys.executable).with_name("ray"))
+        with open(log, "ab") as out:
+            proc = subprocess.Popen([ray, "start", "--block", f"--node-ip-address={self.node_ip}",
+                                     "--disable-usage-stats", *_own_ports(), *args],
+                                    env=self.env(), cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        node = Node(name, proc.pid, str(log))
+        self.nodes.append(node)
+        self._save()
+        return node
+
+    def up(self, timeout: float = 120, cwd: Path | None = None) -> "LocalCluster":
+        if (self.dir / STATE).exists():
+            raise SystemExit(f"ray_local: a cluster is already recorded in {self.dir / STATE}; "
+                             "run `make ray-down` (or ray_local down) first")
+        for host, port in ((self.node_ip, self.gcs_port), ("127.0.0.1", self.dashboard_port)):
+            if _wait_port(port, 0.2, host):
+                raise SystemExit(f"ray_local: port {port} on 127.0.0.1 is in use; pick others "
+                                 "(RAY_PORT / RAY_DASHBOARD_PORT)")
+        (self.dir / "logs").mkdir(parents=True, exist_ok=True)
+        (self.dir / "home").mkdir(exist_ok=True)
+        self.token_path.write_text(secrets.token_hex(32))
+        self.token_path.chmod(0o600)
+        cwd = cwd or Path.cwd()
+        system_config = json.dumps({"health_check_period_ms": self.health_check_period_ms,
+                                    "health_check_failure_threshold": self.health_check_failure_threshold})
+        try:
+            self._start("head", ["--head", "--num-cpus=0", f"--port={self.gcs_port}", "--dashboard-host=127.0.0.1",
+                                 f"--dashboard-port={self.dashboard_port}", "--include-dashboard=true",
+                                 f"--ray-client-server-port={free_port()}", f"--temp-dir={self.dir / 'r'}",
+                                 f"--system-config={system_config}"], cwd)
+            if not _wait_port(self.gcs_port, timeout, self.node_ip) or not _wait_port(self.dashboard_port, timeout):
+                raise RuntimeError(f"head did not come up; see {self.nodes[0].log}")
+            # One at a time: on a small machine several raylets starting at once can miss their
+            # registration deadline ("The current node timed out during startup").
+            self.wait_for_nodes(1, timeout)
+            for i in range(self.workers):
+                self.add_worker(f"worker{i + 1}", cwd)
+                self.wait_for_nodes(2 + i, timeout)
+            self.wait_for_jobs(timeout)
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def add_worker(self, name: str, cwd: Path | None = None) -> Node:
+        """Start one more worker node (e.g. to replace a lost one)."""
+        return self._start(name, [f"--address={self.address}", f"--num-cpus={self.cpus:g}"], cwd or Path.cwd())
+
+    def state(self, resource: str, **filters: str) -> list[dict] | None:
+        """Ray's state API over HTTP (`/api/v0/nodes`, `/api/v0/actors`, ...) with this cluster's
+        token; None while the dashboard does not answer."""
+        query = "&".join(f"filter_keys={k}&filter_predicates=%3D&filter_values={v}" for k, v in filters.items())
+        req = urllib.request.Request(f"{self.dashboard_url}/api/v0/{resource}?limit=10000&detail=true&{query}",
+                                     headers={"Authorization": f"Bearer {self.token_path.read_text().strip()}"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return json.load(r)["data"]["result"]["result"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def alive_nodes(self) -> int:
+        """Alive nodes (-1 while the dashboard does not answer)."""
+        nodes = self.state("nodes", state="ALIVE")
+        return -1 if nodes is None else len(nodes)
+
+    def wait_for_nodes(self, count: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.alive_nodes() >= count:
+                return
+            time.sleep(0.5)
+        tails = "\n".join(f"--- {n.log}\n" + "".join(Path(n.log).read_text(errors="replace").splitlines(True)[-8:])
+                          for n in self.nodes if Path(n.log).exists())
+        raise RuntimeError(f"the cluster did not reach {count} alive nodes in {timeout:.0f}s (saw "
+                           f"{self.alive_nodes()}); logs in {self.dir / 'logs'}\n{tails}")
+
+    def wait_for_jobs(self, timeout: float) -> None:
+        """Until a no-op job runs: the head's job agent registers some seconds after the node."""
+        ray = str(Path(sys.executable).with_name("ray"))
+        deadline, last = time.monotonic() + timeout, ""
+        while time.monotonic() < deadline:
+            r = subprocess.run([ray, "job", "submit", "--address", self.dashboard_url, "--entrypoint-num-cpus=0",
+                                "--", "true"], env=self.env(), capture_output=True, text=True, timeout=120)
+            if r.returncode == 0:
+                return
+            last = (r.stderr or r.stdout).strip().splitlines()[-1:]
+            time.sleep(2)
+        raise RuntimeError(f"the cluster accepts no jobs after {timeout:.0f}s ({last}); logs in {self.dir / 'logs'}")
+
+    def node_pids(self, name: str) -> dict[str, int]:
+        """{process name: pid} of one node's processes (e.g. 'raylet')."""
+        node = next(n for n in self.nodes if n.name == name)
+        return {_comm(pid): pid for pid in _session_pids(node.pid)}
+
+    def down(self, grace: float = 15) -> None:
+        for node in reversed(self.nodes):  # workers first, the head last
+            if not _session_pids(node.pid):
+                continue
+            try:
+                os.killpg(node.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(_session_pids(n.pid) for n in self.nodes):
+            time.sleep(0.3)
+        for node in self.nodes:
+            for pid in _session_pids(node.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.nodes = []
+        (self.dir / STATE).unlink(missing_ok=True)
+
+    # -- state file -----------------------------------------------------------------------------
+
+    def _save(self) -> None:
+        data = {**asdict(self), "dir": str(self.dir)}
+        (self.dir / STATE).write_text(json.dumps(data, indent=2))
+
+    @classmethod
+    def load(cls, directory: Path) -> "LocalCluster":
+        path = directory / STATE
+        if not path.exists():
+            raise SystemExit(f"ray_local: no cluster recorded in {directory}; start one with `make ray-up`")
+        data = json.loads(path.read_text())
+        data["dir"] = Path(data["dir"])
+        data["nodes"] = [Node(**n) for n in data["nodes"]]
+        return cls(**data)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainapp.ray_local", description=__doc__.splitlines()[0])
+    p.add_argument("--dir", type=Path, default=DEFAULT_DIR, help=f"cluster state, token, logs (default {DEFAULT_DIR})")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("up", help="start a head and N worker nodes on 127.0.0.1")
+    up.add_argument("--workers", type=int, default=2)
+    up.add_argument("--cpus", type=float, default=1, help="CPUs each worker node offers")
+    up.add_argument("--port", type=int, default=26379, help="GCS port of the head")
+    up.add_argument("--dashboard-port", type=int, default=28265)
+    up.add_argument("--health-check-period-ms", type=int, default=1000)
+    up.add_argument("--health-check-failure-threshold", type=int, default=3)
+    sub.add_parser("down", help="end exactly the processes `up` started")
+    sub.add_parser("status", help="alive nodes and how to reach the cluster")
+    sb = sub.add_parser("submit", help="ray job submit to this cluster (token passed along)")
+    sb.add_argument("entrypoint", nargs=argparse.REMAINDER, help="-- python -m trainapp ray ...")
+    args = p.parse_args(argv)
+
+    if args.cmd == "up":
+        c = LocalCluster(args.dir, args.workers, args.cpus, gcs_port=args.port, dashboard_port=args.dashboard_port,
+                         health_check_period_ms=args.health_check_period_ms,
+                         health_check_failure_threshold=args.health_check_failure_threshold).up()
+        print(f"ray_local: {1 + c.workers} nodes up (head + {c.workers} x {c.cpus:g} CPU); dashboard {c.dashboard_url}")
+        print(f"  submit: make ray-submit   (or: RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={c.token_path} "
+              f"ray job submit --address {c.dashboard_url} -- python -m trainapp ray ...)")
+        return 0
+    c = LocalCluster.load(args.dir)
+    if args.cmd == "down":
+        c.down()
+        print(f"ray_local: stopped {c.dir}")
+    elif args.cmd == "status":
+        print(f"ray_local: {c.alive_nodes()} alive nodes; GCS {c.address}; dashboard {c.dashboard_url}; "
+              f"token {c.token_path}")
+    elif args.cmd == "submit":
+        entry = args.entrypoint[1:] if args.entrypoint[:1] == ["--"] else args.entrypoint
+        if not entry:
+            raise SystemExit("ray_local submit: give the entrypoint after --, e.g. -- python -m trainapp ray")
+        ray = str(Path(sys.executable).with_name("ray"))
+        return subprocess.call([ray, "job", "submit", "--address", c.dashboard_url, "--", *entry], env=c.env())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
