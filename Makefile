@@ -13,6 +13,14 @@ RUN_DIR ?= runs/run-$(shell date +%Y%m%d-%H%M%S)
 ARGS ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
+# The local Ray cluster (make ray-up): its state, token and logs live outside the repository.
+RAY_DIR ?= /tmp/trainapp-ray-$(shell id -u)
+RAY_WORKERS ?= 2
+RAY_CPUS ?= 1
+RAY_PORT ?= 26379
+RAY_DASHBOARD_PORT ?= 28265
+RAY_STORAGE ?= $(CURDIR)/runs/ray
+RAY_NAME ?= demo
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -50,6 +58,26 @@ config: $(STAMP) ## Print the resolved config (CONFIG=file.yaml, ARGS="key=value
 config-reference: $(STAMP) ## Print the configuration reference table (README's, from the field docstrings)
 	@$(BIN)/python -c 'from trainapp.config import reference_markdown; print(reference_markdown())'
 
+##@ Ray (a real multi-node Ray cluster on this machine)
+
+.PHONY: ray-up
+ray-up: $(STAMP) ## Start a head (no task CPUs) and RAY_WORKERS worker nodes of RAY_CPUS CPUs, token auth on
+	$(BIN)/python -m trainapp.ray_local --dir $(RAY_DIR) up --workers $(RAY_WORKERS) --cpus $(RAY_CPUS) \
+	  --port $(RAY_PORT) --dashboard-port $(RAY_DASHBOARD_PORT)
+
+.PHONY: ray-submit
+ray-submit: $(STAMP) ## ray job submit a training run to it (ARGS, RAY_NAME: same name resumes, RAY_STORAGE)
+	$(BIN)/python -m trainapp.ray_local --dir $(RAY_DIR) submit -- python -m trainapp ray \
+	  ray.storage_path=$(RAY_STORAGE) ray.name=$(RAY_NAME) $(ARGS)
+
+.PHONY: ray-status
+ray-status: $(STAMP) ## Alive nodes, addresses and token file of the local Ray cluster
+	$(BIN)/python -m trainapp.ray_local --dir $(RAY_DIR) status
+
+.PHONY: ray-down
+ray-down: $(STAMP) ## Stop exactly the processes ray-up started (never other Ray instances)
+	$(BIN)/python -m trainapp.ray_local --dir $(RAY_DIR) down
+
 ##@ Test
 
 .PHONY: test
@@ -63,8 +91,9 @@ test-fast: $(STAMP) ## Run the tests that start no training processes
 ##@ Benchmarks
 
 .PHONY: bench
-bench: $(STAMP) ## Run the benchmarks; results in bench/results/*.json (BENCH_ARGS="--smoke")
+bench: $(STAMP) ## Run every benchmark; results in bench/results/*.json (BENCH_ARGS="--smoke")
 	$(BIN)/python bench/loop_overhead.py $(BENCH_ARGS)
+	$(BIN)/python bench/launchers.py $(BENCH_ARGS)
 
 ##@ Clean
 

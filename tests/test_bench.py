@@ -19,3 +19,13 @@ def test_loop_overhead_benchmark_smoke(tmp_path):
     assert result["loop_overhead_ratio"] > 0 and result["control_ratio"] > 0
     assert len(result["trainapp_step_ms_rounds"]) == len(result["minimal_step_ms_rounds"]) == 1
     assert "loop_overhead_ratio=" in r.stdout
+
+
+def test_launchers_benchmark_smoke(tmp_path):
+    out = tmp_path / "launchers.json"
+    r = run_cmd([sys.executable, str(REPO / "bench" / "launchers.py"), "--smoke", "--out", str(out)], timeout=600)
+    assert r.returncode == 0, r.output[-4000:]
+    result = json.loads(out.read_text())
+    assert result["smoke"] is True
+    assert result["startup_seconds_ray"] > 0 and result["startup_seconds_torchrun"] > 0
+    assert result["ray_vs_torchrun_step_ratio"] > 0

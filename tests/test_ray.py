@@ -131,9 +131,9 @@ def ray_run_with_restart(cluster):
 def test_fault_drill_inside_a_ray_worker_resumes_and_reaches_the_planned_step(ray_run_with_restart):
     r, run_dir = ray_run_with_restart
     assert r.returncode == 0, r.output[-4000:]
-    assert (run_dir / "fault-fired-step13-rank1").exists()
-    before, resumed = _redone(run_dir)
-    assert before == 13 and resumed == 10
+    assert (run_dir / "fault-fired-step13-rank1").exists()  # rank 1 died at step 13
+    starts = metrics(run_dir, "start")
+    assert len(starts) == 2 and starts[1]["resumed_step"] == 10
     assert inspect(run_dir)["global_step"] == 24
 
 
@@ -154,8 +154,8 @@ def test_stopped_job_resubmitted_with_the_same_name_resumes(cluster):
     wait_for_step(run_dir, 12)
     stop = run_cmd([RAY, "job", "stop", "--address", cluster.dashboard_url, sid], env=cluster.env(), timeout=120)
     assert stop.returncode == 0, stop.output
-    assert "STOPPED" in run_cmd([RAY, "job", "status", "--address", cluster.dashboard_url, sid],
-                                env=cluster.env()).output
+    status = run_cmd([RAY, "job", "status", "--address", cluster.dashboard_url, sid], env=cluster.env()).output
+    assert "stopped" in status.lower()
     stopped_at = inspect(run_dir)["global_step"]
     assert stopped_at >= 10
     r = submit(cluster, name, *LONG)

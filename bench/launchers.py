@@ -1,0 +1,224 @@
+"""Launchers and recovery: the same trainapp config under torchrun and under Ray Train on a local
+multi-node Ray cluster (head + 2 worker nodes, 1 CPU each, on loopback).
+
+Measured from the runs' own metrics.jsonl (one record per step, wall-clock `time`):
+- startup: seconds from launching (`torchrun ...` / `ray job submit ...`) to the first optimizer step;
+- steady-state step time: median gap between consecutive step records, runs alternating
+  torchrun / Ray; `ray_vs_torchrun_step_ratio` = Ray / torchrun;
+- recovery: seconds from SIGKILL of one training worker (found through Ray's state API) to the first
+  step after the restarted group resumed from its snapshot (and the same for torchrun, whose
+  agent restarts the group, for comparison);
+- node loss: an elastic run (`ray.num_workers=[1,2]`) loses a whole worker node (its raylet is
+  SIGKILLed); seconds until the first step on the remaining worker.
+
+    python bench/launchers.py            # writes bench/results/launchers.json
+    python bench/launchers.py --smoke    # one short run per launcher, no faults
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO))
+
+from trainapp.ray_local import LocalCluster, free_port  # noqa: E402
+
+BIN = Path(sys.executable).parent
+
+
+def records(run_dir: Path) -> list[dict]:
+    try:
+        with open(run_dir / "metrics.jsonl") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+
+
+def train_records(run_dir: Path) -> list[dict]:
+    return [r for r in records(run_dir) if r["kind"] == "train"]
+
+
+def wait_for(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+def step_times(run_dir: Path, snapshot_every: int) -> list[float]:
+    """Gaps between consecutive step records of the first attempt, skipping snapshot steps."""
+    out, prev = [], None
+    for r in records(run_dir):
+        if r["kind"] == "start" and prev is not None:
+            break
+        if r["kind"] != "train":
+            continue
+        if prev is not None and r["step"] == prev["step"] + 1 and prev["step"] % snapshot_every != 0:
+            out.append(r["time"] - prev["time"])
+        prev = r
+    return out[2:]  # the first steps warm up
+
+
+def first_step_after_restart(run_dir: Path) -> float | None:
+    seen_start = 0
+    for r in records(run_dir):
+        if r["kind"] == "start":
+            seen_start += 1
+        elif r["kind"] == "train" and seen_start >= 2:
+            return r["time"]
+    return None
+
+
+class Bench:
+    def __init__(self, args, work: Path):
+        self.args, self.work = args, work
+        self.cluster = LocalCluster(Path(f"/tmp/ta-bench-{uuid.uuid4().hex[:6]}"), workers=2, cpus=1,
+                                    gcs_port=free_port(), dashboard_port=free_port())
+        self.procs: list[subprocess.Popen] = []
+
+    def cfg(self, *extra: str) -> list[str]:
+        a = self.args
+        return [f"train.max_steps={a.steps}", "train.epochs=100", f"snapshot.every_steps={a.snapshot_every}",
+                "train.log_every=1", "train.progress=false", "data.train_size=2048", "data.val_size=256", *extra]
+
+    def launch(self, launcher: str, run_dir: Path, *extra: str) -> tuple[subprocess.Popen, float]:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        if launcher == "torchrun":
+            cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "--max-restarts=1", "-m", "trainapp",
+                   "train", f"run.dir={run_dir}", *self.cfg(*extra)]
+        else:
+            env = self.cluster.env()
+            cmd = [str(BIN / "ray"), "job", "submit", "--address", self.cluster.dashboard_url, "--", "python", "-m",
+                   "trainapp", "ray", f"ray.storage_path={run_dir.parent}", f"ray.name={run_dir.name}",
+                   "ray.max_failures=2", *self.cfg(*extra)]
+        t0 = time.time()
+        p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+        self.procs.append(p)
+        return p, t0
+
+    def finish(self, p: subprocess.Popen) -> None:
+        if p.wait(timeout=900) != 0:
+            raise RuntimeError(f"run failed: {p.args}")
+
+    def plain_run(self, launcher: str, i: int) -> tuple[float, list[float]]:
+        run_dir = self.work / f"{launcher}-{i}"
+        p, t0 = self.launch(launcher, run_dir)
+        self.finish(p)
+        first = train_records(run_dir)[0]["time"]
+        return first - t0, step_times(run_dir, self.args.snapshot_every)
+
+    def kill_run(self, launcher: str, what: str) -> float:
+        """Kill a worker (or a worker node) at step args.kill_step; seconds to the first step after resume."""
+        run_dir = self.work / f"{launcher}-{what}"
+        extra = ["ray.num_workers=[1,2]", f"ray.worker_group_start_timeout_s={self.args.start_timeout}"] \
+            if what == "node" else []
+        p, _ = self.launch(launcher, run_dir, *extra)
+        wait_for(lambda: any(r["step"] >= self.args.kill_step for r in train_records(run_dir)), 600, "kill step")
+        if what == "node":
+            victim = self.cluster.node_pids("worker2")["raylet"]
+        elif launcher == "ray":
+            victim = self.cluster.state("actors", class_name="RayTrainWorker", state="ALIVE")[-1]["pid"]
+        else:
+            victim = max(_children(p.pid))  # torchrun's children are its worker processes
+        t_kill = time.time()
+        os.kill(victim, signal.SIGKILL)
+        self.finish(p)
+        t_first = first_step_after_restart(run_dir)
+        if t_first is None:
+            raise RuntimeError(f"{run_dir}: no restart recorded")
+        return t_first - t_kill
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        self.cluster.down()
+        subprocess.run(["rm", "-rf", str(self.cluster.dir)], check=False)
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(x) for x in out]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="one short run per launcher, no faults")
+    p.add_argument("--rounds", type=int, default=2, help="plain runs per launcher (alternating)")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--snapshot-every", type=int, default=10)
+    p.add_argument("--kill-step", type=int, default=25)
+    p.add_argument("--start-timeout", type=float, default=10.0,
+                   help="ray.worker_group_start_timeout_s for the node-loss run (Ray's default: 60)")
+    p.add_argument("--out", help="result file (default bench/results/launchers.json)")
+    args = p.parse_args()
+    if args.smoke:
+        args.rounds, args.steps = 1, 12
+    out = Path(args.out or HERE / "results" / ("smoke" if args.smoke else "") / "launchers.json")
+    with tempfile.TemporaryDirectory(prefix="ta-bench-") as tmp:
+        b = Bench(args, Path(tmp))
+        try:
+            t = time.time()
+            b.cluster.up(cwd=REPO)
+            cluster_up = time.time() - t
+            print(f"cluster up in {cluster_up:.1f}s", flush=True)
+            startup = {"torchrun": [], "ray": []}
+            steps = {"torchrun": [], "ray": []}
+            for i in range(args.rounds):
+                for launcher in ("torchrun", "ray") if i % 2 == 0 else ("ray", "torchrun"):
+                    s, st = b.plain_run(launcher, i)
+                    startup[launcher].append(s)
+                    steps[launcher].extend(st)
+                    print(f"{launcher} run {i}: startup {s:.1f}s, median step {1000 * statistics.median(st):.1f}ms",
+                          flush=True)
+            result = {
+                "ray_vs_torchrun_step_ratio": statistics.median(steps["ray"]) / statistics.median(steps["torchrun"]),
+                "startup_seconds_ray": statistics.median(startup["ray"]),
+                "startup_seconds_torchrun": statistics.median(startup["torchrun"]),
+                "step_ms_ray": 1000 * statistics.median(steps["ray"]),
+                "step_ms_torchrun": 1000 * statistics.median(steps["torchrun"]),
+                "cluster_up_seconds": cluster_up,
+            }
+            if not args.smoke:
+                result["recovery_seconds"] = b.kill_run("ray", "worker")
+                print(f"ray worker kill: recovered in {result['recovery_seconds']:.1f}s", flush=True)
+                result["recovery_seconds_torchrun"] = b.kill_run("torchrun", "worker")
+                print(f"torchrun worker kill: recovered in {result['recovery_seconds_torchrun']:.1f}s", flush=True)
+                result["node_loss_recovery_seconds"] = b.kill_run("ray", "node")
+                print(f"ray node loss: recovered in {result['node_loss_recovery_seconds']:.1f}s", flush=True)
+        finally:
+            b.close()
+    result.update({
+        "targets": {"ray_vs_torchrun_step_ratio": "<= 1.05", "recovery_seconds": "<= 20",
+                    "node_loss_recovery_seconds": "<= 30"},
+        "knobs": {"health_check_period_ms": b.cluster.health_check_period_ms,
+                  "health_check_failure_threshold": b.cluster.health_check_failure_threshold,
+                  "ray.worker_group_start_timeout_s (node loss run)": args.start_timeout},
+        "steps": args.steps, "rounds": args.rounds, "smoke": args.smoke,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d"),
+    })
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()
+                      if not isinstance(v, dict)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
