@@ -24,6 +24,8 @@ RAY_NAME ?= demo
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TOOLS ?= .venv-tools
+TOOLS_STAMP := $(TOOLS)/.installed
 
 ##@ General
 
@@ -42,6 +44,14 @@ $(STAMP): pyproject.toml
 
 .PHONY: venv
 venv: $(STAMP) ## Create .venv (Python 3.11) and install trainapp with its dev extra
+
+$(TOOLS_STAMP): requirements-tools.txt
+	@test -x $(TOOLS)/bin/python || $(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/pip install --disable-pip-version-check -q -r requirements-tools.txt
+	@touch $@
+
+.PHONY: tools
+tools: $(TOOLS_STAMP) ## Create .venv-tools with the static checkers (checkov, yamllint, hadolint, kubernetes-validate)
 
 ##@ Run
 
@@ -81,11 +91,11 @@ ray-down: $(STAMP) ## Stop exactly the processes ray-up started (never other Ray
 ##@ Test
 
 .PHONY: test
-test: $(STAMP) ## Run the whole test suite (PYTEST_ARGS="-k resume -x")
+test: $(STAMP) $(TOOLS_STAMP) ## Run the whole test suite (PYTEST_ARGS="-k resume -x")
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 .PHONY: test-fast
-test-fast: $(STAMP) ## Run the tests that start no training processes
+test-fast: $(STAMP) $(TOOLS_STAMP) ## Run the tests that start no training processes
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 ##@ Benchmarks
@@ -103,5 +113,5 @@ clean: ## Remove run directories and caches (keeps .venv)
 	find . -name __pycache__ -type d -prune -not -path './$(VENV)/*' -exec rm -rf {} +
 
 .PHONY: distclean
-distclean: clean ## Also remove .venv
-	rm -rf $(VENV)
+distclean: clean ## Also remove .venv and .venv-tools
+	rm -rf $(VENV) $(TOOLS)
