@@ -21,6 +21,16 @@ RAY_PORT ?= 26379
 RAY_DASHBOARD_PORT ?= 28265
 RAY_STORAGE ?= $(CURDIR)/runs/ray
 RAY_NAME ?= demo
+# Images (docker/Dockerfile): $(IMAGE):$(TAG)-gpu and $(IMAGE):$(TAG)-cpu
+IMAGE ?= trainapp
+TAG ?= 0.1.0
+DOCKER ?= docker
+DOCKER_BUILD_ARGS ?=
+# Build args are passed only when given on the make command line, never from the environment: a host
+# PIP_FIND_LINKS path means nothing inside a build, and the Dockerfile's pinned defaults must hold.
+IMAGE_ARG_VARS := GPU_BASE CPU_BASE TORCH_INDEX_URL PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_NO_INDEX
+IMAGE_BUILD_ARGS = $(foreach v,$(IMAGE_ARG_VARS),$(if $(filter command line,$(origin $(v))),--build-arg $(v)="$($(v))")) \
+  --build-arg VCS_REF="$(shell git rev-parse HEAD 2>/dev/null)"
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -67,6 +77,16 @@ config: $(STAMP) ## Print the resolved config (CONFIG=file.yaml, ARGS="key=value
 .PHONY: config-reference
 config-reference: $(STAMP) ## Print the configuration reference table (README's, from the field docstrings)
 	@$(BIN)/python -c 'from trainapp.config import reference_markdown; print(reference_markdown())'
+
+##@ Images
+
+.PHONY: image
+image: ## Build the GPU image $(IMAGE):$(TAG)-gpu (GPU_BASE, TORCH_INDEX_URL, PIP_*, DOCKER_BUILD_ARGS)
+	$(DOCKER) build -f docker/Dockerfile --target gpu -t $(IMAGE):$(TAG)-gpu $(IMAGE_BUILD_ARGS) $(DOCKER_BUILD_ARGS) .
+
+.PHONY: image-cpu
+image-cpu: ## Build the CPU image $(IMAGE):$(TAG)-cpu (CPU_BASE, TORCH_INDEX_URL, PIP_*, DOCKER_BUILD_ARGS)
+	$(DOCKER) build -f docker/Dockerfile --target cpu -t $(IMAGE):$(TAG)-cpu $(IMAGE_BUILD_ARGS) $(DOCKER_BUILD_ARGS) .
 
 ##@ Ray (a real multi-node Ray cluster on this machine)
 
