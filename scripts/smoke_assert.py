@@ -1,0 +1,252 @@
+#!/usr/bin/env python3
+"""The assertions of the container smoke tests: a run that lost a worker resumed and finished right.
+
+One module for every backend: the kind smoke test (scripts/kind-smoke.sh, which deletes a Ray worker
+pod) and the Docker-engine smoke test (which kills a container). Only how the run directory is
+obtained differs; the checks read a local copy and are the same for both:
+
+    --backend kind    RUN_DIR is a path inside the Ray head pod (e.g. /mnt/runs/smoke); it is copied
+                      out with `kubectl cp` into a temporary directory (or --dest) first.
+    --backend docker  RUN_DIR is a path on this machine: the host side of the container's volume
+                      (default).
+
+A run directory is STORAGE/NAME of `python -m trainapp ray` (or run.dir of `trainapp train`): it holds
+metrics.jsonl (one JSON record per line: kind start/train/eval/end) and the snapshots
+step_XXXXXXXXX/ (Ray's layout, or snapshots/step_XXXXXXXXX/ under torchrun), each with a meta.json.
+
+Checks, one line each, then a one-line summary; exit 0 when all pass, 1 otherwise:
+    finished        an `end` record after the last `start`
+    restarted       two or more `start` records, a later one with `resumed_step` set
+    resumed-latest  each restart resumed from the newest snapshot that existed before the failure:
+                    the highest multiple of snapshot.every_steps at or below the highest `train` step
+                    recorded before that restart (with train.log_every=1; see expected_resume for
+                    the two tolerances: steps after the last record, a snapshot being written)
+    redone          at most snapshot.every_steps steps were trained twice at each restart
+    final-step      the newest snapshot's global_step equals the planned total steps
+
+snapshot.every_steps comes from the first `start` record's config, the planned total from its
+`total_steps` (or --expect-steps). Standard library only, so any python3 runs it.
+
+    python scripts/smoke_assert.py RUN_DIR [--backend kind|docker] [--expect-steps N]
+    python scripts/smoke_assert.py /mnt/runs/smoke --backend kind --context kind-trainapp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+METRICS = "metrics.jsonl"
+STEP_DIR = re.compile(r"^step_(\d{9})$")
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+    def line(self) -> str:
+        return f"{'PASS' if self.ok else 'FAIL'} {self.name}: {self.detail}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading a run directory
+
+
+def load_records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl as a list of records; a torn last line (a writer killed mid-line) is skipped."""
+    records = []
+    for line in (Path(run_dir) / METRICS).read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def snapshot_dirs(run_dir: Path) -> dict[int, Path]:
+    """{step: directory} of the complete snapshots (with meta.json), Ray's or torchrun's layout."""
+    found = {}
+    for base in (Path(run_dir), Path(run_dir) / "snapshots"):
+        if not base.is_dir():
+            continue
+        for d in base.iterdir():
+            m = STEP_DIR.match(d.name)
+            if m and d.is_dir() and (d / "meta.json").is_file():
+                found[int(m.group(1))] = d
+    return found
+
+
+def newest_meta(run_dir: Path) -> dict | None:
+    dirs = snapshot_dirs(run_dir)
+    if not dirs:
+        return None
+    return json.loads((dirs[max(dirs)] / "meta.json").read_text())
+
+
+def max_train_step(records: list[dict]) -> int:
+    """Highest optimizer step of the `train` records (0 with none): the smoke scripts poll it."""
+    return max((r["step"] for r in records if r.get("kind") == "train"), default=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# The checks (backend-independent)
+
+
+def _restarts(records: list[dict]) -> list[tuple[int, int | None]]:
+    """For each start after the first: (highest train step recorded before it, its resumed_step)."""
+    out = []
+    for i, r in enumerate(records):
+        if r.get("kind") == "start" and any(x.get("kind") == "start" for x in records[:i]):
+            out.append((max_train_step(records[:i]), r.get("resumed_step")))
+    return out
+
+
+def expected_resume(before: int, every: int, log_every: int = 1) -> list[int]:
+    """Snapshot steps a restart may have resumed from, given the highest `train` step recorded
+    before it: the newest multiple of `every` at or below it. Two tolerances, both for what the
+    records cannot show: steps run after the last record (up to log_every - 1 more, so a snapshot
+    there may be newer), and a failure while the newest snapshot was being written (it is written
+    right after its step's record), which leaves the one before it as the newest complete one."""
+    lo = before // every * every
+    if lo == before and lo >= every:
+        lo -= every
+    hi = before + max(log_every, 1) - 1
+    return sorted(range(lo, hi // every * every + 1, every), reverse=True)
+
+
+def check_run(run_dir: Path, expect_steps: int | None = None) -> list[Check]:
+    """Every check on a local run directory, in order."""
+    run_dir = Path(run_dir)
+    try:
+        records = load_records(run_dir)
+    except OSError as e:
+        return [Check("metrics", False, f"cannot read {run_dir / METRICS} ({e.__class__.__name__}: {e})")]
+    starts = [i for i, r in enumerate(records) if r.get("kind") == "start"]
+    if not starts:
+        return [Check("metrics", False, f"{run_dir / METRICS} has no `start` record ({len(records)} records)")]
+    first = records[starts[0]]
+    cfg = first.get("config") or {}
+    every = int((cfg.get("snapshot") or {}).get("every_steps") or 0)
+    log_every = int((cfg.get("train") or {}).get("log_every") or 1)
+    checks = []
+
+    ends = [i for i, r in enumerate(records) if r.get("kind") == "end"]
+    finished = bool(ends) and ends[-1] > starts[-1]
+    checks.append(Check("finished", finished,
+                        f"`end` record at steps={records[ends[-1]].get('steps')}" if finished
+                        else f"no `end` record after the last of {len(starts)} `start` records"))
+
+    restarts = _restarts(records)
+    resumed = [(b, s) for b, s in restarts if s is not None]
+    checks.append(Check("restarted", bool(resumed),
+                        f"{len(starts)} `start` records, resumed at step(s) {[s for _, s in resumed]}" if resumed
+                        else f"{len(starts)} `start` record(s) and none resumed from a snapshot"))
+
+    if not restarts:
+        checks.append(Check("resumed-latest", False, "no restart to check"))
+        checks.append(Check("redone", False, "no restart to check"))
+    elif every <= 0:
+        checks.append(Check("resumed-latest", False, f"snapshot.every_steps={every}: no periodic snapshots"))
+        checks.append(Check("redone", False, f"snapshot.every_steps={every}: no periodic snapshots"))
+    else:
+        bad = [(b, s) for b, s in restarts if (s or 0) not in expected_resume(b, every, log_every)]
+        pairs = ", ".join(f"trained to {b}, resumed {s}" for b, s in restarts)
+        checks.append(Check("resumed-latest", not bad,
+                            f"{pairs} (snapshot every {every})" if not bad else
+                            "; ".join(f"trained to {b} but resumed {s}, expected "
+                                      f"{' or '.join(map(str, expected_resume(b, every, log_every)))}"
+                                      for b, s in bad)))
+        redone = [b - (s or 0) for b, s in restarts]
+        checks.append(Check("redone", max(redone) <= every,
+                            f"{max(redone)} step(s) redone at most (limit {every}: snapshot.every_steps)"))
+
+    planned = expect_steps if expect_steps is not None else first.get("total_steps")
+    if planned is None:
+        planned = (cfg.get("train") or {}).get("max_steps")
+    meta = newest_meta(run_dir)
+    if meta is None:
+        checks.append(Check("final-step", False, f"no snapshot step_*/meta.json in {run_dir}"))
+    else:
+        step = meta.get("global_step")
+        checks.append(Check("final-step", planned is not None and step == planned,
+                            f"newest snapshot at global_step={step}, planned {planned}"))
+    return checks
+
+
+def report(checks: list[Check], run_dir: Path | str, out=sys.stdout) -> bool:
+    for c in checks:
+        print(c.line(), file=out)
+    failed = [c.name for c in checks if not c.ok]
+    if failed:
+        print(f"smoke_assert: FAIL {len(failed)} of {len(checks)} checks ({', '.join(failed)}) in {run_dir}",
+              file=out)
+    else:
+        print(f"smoke_assert: PASS {len(checks)} of {len(checks)} checks in {run_dir}", file=out)
+    return not failed
+
+
+# ------------------------------------------------------------------------------------------------
+# Backends: where the run directory comes from
+
+
+def fetch_kind(remote_dir: str, dest: Path, namespace: str = "trainapp", context: str | None = None,
+               pod: str | None = None, selector: str = "app.kubernetes.io/component=ray-head",
+               container: str | None = None) -> Path:
+    """Copy RUN_DIR out of the Ray head pod with `kubectl cp` (needs tar in the image); returns the copy."""
+    kubectl = ["kubectl", *(["--context", context] if context else []), "-n", namespace]
+    if pod is None:
+        pod = subprocess.run([*kubectl, "get", "pod", "-l", selector, "--field-selector=status.phase=Running",
+                              "-o", "jsonpath={.items[0].metadata.name}"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+        if not pod:
+            raise RuntimeError(f"no running pod with labels {selector} in namespace {namespace}")
+    local = Path(dest) / Path(remote_dir.rstrip("/")).name
+    subprocess.run([*kubectl, "cp", *(["-c", container] if container else []), f"{pod}:{remote_dir}", str(local)],
+                   check=True)
+    return local
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="smoke_assert.py", description=__doc__.splitlines()[0])
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run's storage directory (STORAGE/NAME)")
+    p.add_argument("--backend", choices=("kind", "docker"), default="docker",
+                   help="kind: RUN_DIR is in the Ray head pod, copied out with kubectl cp; "
+                        "docker (default): RUN_DIR is a path on this machine")
+    p.add_argument("--expect-steps", type=int, help="planned total steps (default: the first start record's)")
+    k = p.add_argument_group("kind backend")
+    k.add_argument("--context", help="kubectl context (default: the current one)")
+    k.add_argument("--namespace", default="trainapp")
+    k.add_argument("--pod", help="pod to copy from (default: the running pod matching --selector)")
+    k.add_argument("--selector", default="app.kubernetes.io/component=ray-head")
+    k.add_argument("--container", help="container of the pod (default: kubectl's choice)")
+    k.add_argument("--dest", type=Path, help="where to put the copy (default: a new temporary directory)")
+    args = p.parse_args(argv)
+
+    run_dir: Path | str = args.run_dir
+    if args.backend == "kind":
+        dest = args.dest or Path(tempfile.mkdtemp(prefix="smoke-assert-"))
+        dest.mkdir(parents=True, exist_ok=True)
+        try:
+            local = fetch_kind(args.run_dir, dest, args.namespace, args.context, args.pod, args.selector,
+                               args.container)
+        except (subprocess.CalledProcessError, RuntimeError, OSError) as e:
+            print(f"FAIL fetch: cannot copy {args.run_dir} out of the Ray head pod ({e})")
+            print(f"smoke_assert: FAIL 1 of 1 checks (fetch) in {args.run_dir}")
+            return 1
+        print(f"smoke_assert: copied {args.run_dir} from the head pod to {local}")
+        run_dir = local
+    return 0 if report(check_run(Path(run_dir), args.expect_steps), run_dir) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
