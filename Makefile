@@ -26,6 +26,8 @@ IMAGE ?= trainapp
 TAG ?= 0.1.0
 DOCKER ?= docker
 DOCKER_BUILD_ARGS ?=
+# Namespace of the Kubernetes manifests (k8s/00-namespace.trainapp.yaml).
+K8S_NS ?= trainapp
 # Build args are passed only when given on the make command line, never from the environment: a host
 # PIP_FIND_LINKS path means nothing inside a build, and the Dockerfile's pinned defaults must hold.
 IMAGE_ARG_VARS := GPU_BASE CPU_BASE TORCH_INDEX_URL PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_NO_INDEX
@@ -107,6 +109,26 @@ ray-status: $(STAMP) ## Alive nodes, addresses and token file of the local Ray c
 .PHONY: ray-down
 ray-down: $(STAMP) ## Stop exactly the processes ray-up started (never other Ray instances)
 	$(BIN)/python -m trainapp.ray_local --dir $(RAY_DIR) down
+
+##@ Kubernetes
+
+.PHONY: k8s-token
+k8s-token: ## Create the Secret ray-auth-token (random token) in namespace K8S_NS if it does not exist
+	@kubectl get namespace $(K8S_NS) >/dev/null 2>&1 || kubectl apply -f k8s/00-namespace.trainapp.yaml
+	@if kubectl -n $(K8S_NS) get secret ray-auth-token >/dev/null 2>&1; then \
+	  echo "secret $(K8S_NS)/ray-auth-token exists (delete it to rotate the token, then restart the Ray pods)"; \
+	else \
+	  kubectl -n $(K8S_NS) create secret generic ray-auth-token \
+	    --from-literal=token="$$($(PYTHON) -c 'import secrets; print(secrets.token_hex(32))')"; \
+	fi
+
+.PHONY: k8s-render-kind
+k8s-render-kind: ## Print the kind overlay (k8s/overlays/kind-cpu) as plain YAML, for `| kubectl apply -f -`
+	@kubectl kustomize --load-restrictor=LoadRestrictionsNone k8s/overlays/kind-cpu
+
+.PHONY: kind-smoke
+kind-smoke: ## Needs Docker + kind: CPU image, kind cluster, job survives a deleted worker pod (scripts/kind-smoke.sh)
+	scripts/kind-smoke.sh
 
 ##@ Test
 

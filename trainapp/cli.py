@@ -1,4 +1,4 @@
-"""Command line: `trainapp train|inspect`.
+"""Command line: `trainapp train|ray|inspect|config|doctor`.
 
 Exit codes: 0 success; 2 bad config or bad input (one line on stderr naming the key, path or value
 and what is expected); anything else is a runtime failure.
@@ -31,6 +31,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("path", metavar="PATH", help="a snapshot (dir or state.pt), a snapshots/ dir or a run dir")
     p = sub.add_parser("config", help="print the resolved config as YAML (checks it without training)")
     _add_config_args(p)
+    p = sub.add_parser("doctor", help="check this node for a config: versions, GPUs, network interface, "
+                                      "/dev/shm, storage, rendezvous (exit 1 if something would fail)")
+    _add_config_args(p)
+    p.add_argument("--json", action="store_true", help="print the checks as one JSON list")
     return parser
 
 
@@ -91,10 +95,27 @@ def cmd_config(args) -> int:
     return 0
 
 
+def cmd_doctor(args) -> int:
+    cfg = config.load(args.config, args.overrides)
+    from trainapp import doctor
+
+    checks = doctor.run(cfg)
+    failed = [c.name for c in checks if c.status == doctor.FAIL]
+    if args.json:
+        print(json.dumps(doctor.as_json(checks), indent=2))
+    else:
+        for c in checks:
+            print(c.line())
+        print(f"doctor: {len(failed)} problem(s): {', '.join(failed)}" if failed
+              else f"doctor: no problems ({len(checks)} checks)")
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"train": cmd_train, "ray": cmd_ray, "inspect": cmd_inspect, "config": cmd_config}[args.command](args)
+        return {"train": cmd_train, "ray": cmd_ray, "inspect": cmd_inspect, "config": cmd_config,
+                "doctor": cmd_doctor}[args.command](args)
     except config.ConfigError as e:
         print(f"trainapp {args.command}: error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -163,6 +164,41 @@ class DistSection:
     """Timeout of process-group creation and of every collective, in seconds."""
 
 
+_IFNAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")
+
+
+@dataclass(config=_STRICT)
+class NetworkSection:
+    """Which network interface NCCL and Gloo use: resolved on every node before the process group."""
+
+    interface: str = "auto"
+    """`auto`: on each node, the interface whose address routes to the rendezvous address (MASTER_ADDR
+    under torchrun, the Ray head under Ray). A name or comma list (`eth0`, `ens5,ens6`): exactly those,
+    checked to exist with an IPv4 address on every node. `^lo,docker0`: any interface but those.
+    Exported as NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME (Gloo gets one name); a variable already set
+    in the environment wins."""
+    nccl: dict[str, str] = Field(default_factory=dict)
+    """Other NCCL variables to export on every node, e.g. `{NCCL_IB_DISABLE: 1, NCCL_DEBUG: INFO}`
+    (an environment variable of the same name wins)."""
+    check_timeout_s: float = Field(default=60.0, gt=0)
+    """How long each rank waits for every rank's interface check before the process group is created;
+    a rank whose check failed stops all of them at once."""
+
+    def __post_init__(self) -> None:
+        spec = self.interface.strip()
+        names = [n.strip() for n in spec.removeprefix("^").split(",")]
+        if spec != "auto" and (not spec or not all(_IFNAME.match(n) for n in names)):
+            raise ConfigError(f"network.interface={self.interface!r}: expected auto, an interface name or comma "
+                              "list (eth0, ens5,ens6) or an exclusion (^lo,docker0)")
+        self.interface = spec
+        bad = [k for k in self.nccl if not re.fullmatch(r"NCCL_[A-Z0-9_]+", k)]
+        if bad:
+            raise ConfigError(f"network.nccl.{bad[0]}: only NCCL_* variables go here; put other variables in "
+                              "ray.env or the environment")
+        if "NCCL_SOCKET_IFNAME" in self.nccl:
+            raise ConfigError("network.nccl.NCCL_SOCKET_IFNAME: set network.interface instead (it also sets Gloo's)")
+
+
 @dataclass(config=_STRICT)
 class RaySection:
     """`python -m trainapp ray`: Ray Train's TorchTrainer runs the same loop on a Ray cluster."""
@@ -231,6 +267,7 @@ class Config:
     snapshot: SnapshotSection = dataclasses.field(default_factory=SnapshotSection)
     fault: FaultSection = dataclasses.field(default_factory=FaultSection)
     dist: DistSection = dataclasses.field(default_factory=DistSection)
+    network: NetworkSection = dataclasses.field(default_factory=NetworkSection)
     ray: RaySection = dataclasses.field(default_factory=RaySection)
 
     def __post_init__(self) -> None:

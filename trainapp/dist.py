@@ -8,6 +8,7 @@ and only a group we created is destroyed.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -48,6 +49,35 @@ def _env_int(name: str, default: int) -> int:
         raise ConfigError(f"environment {name}={raw!r}: must be an integer (set by torchrun or Ray)") from None
 
 
+def _check_network(network, store, rank: int, world_size: int) -> None:
+    """Resolve the interface here, then compare notes with every rank through the store.
+
+    A rank that cannot use the interface says so under its own key and stops; the others read it and
+    stop too, with the same line, instead of waiting in the process group for the full timeout.
+    """
+    from trainapp import net
+
+    try:
+        res = net.apply(network, net.rendezvous_from_env())
+        store.set(f"net/{rank}", json.dumps({"ok": res.summary()}))
+    except net.NetworkError as e:
+        store.set(f"net/{rank}", json.dumps({"error": str(e)}))
+        raise
+    keys = [f"net/{r}" for r in range(world_size)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=network.check_timeout_s))
+    except Exception:  # the store raises its own timeout type (DistStoreError or RuntimeError by version)
+        missing = [k.split("/")[1] for k in keys if not store.check([k])]
+        raise net.NetworkError(f"network.check_timeout_s={network.check_timeout_s:g}: rank(s) {','.join(missing)} "
+                               "never reported their interface check; are all nodes started?") from None
+    for r, k in enumerate(keys):
+        report = json.loads(store.get(k))
+        if "error" in report:
+            raise net.NetworkError(f"rank {r}: {report['error']}")
+        if rank == 0:
+            log.info("network rank %d: %s", r, report["ok"])
+
+
 def _elastic_store(timeout: datetime.timedelta):
     """Under torchrun: the agent's store, under a prefix that names this restart attempt.
 
@@ -66,8 +96,12 @@ def _elastic_store(timeout: datetime.timedelta):
     return dist.PrefixStore(f"trainapp/{run_id}/attempt{attempt}", store)
 
 
-def setup(timeout_s: float) -> DistContext:
-    """Read ranks from the environment and make sure a process group exists when world size > 1."""
+def setup(timeout_s: float, network=None) -> DistContext:
+    """Read ranks from the environment and make sure a process group exists when world size > 1.
+
+    `network` (a NetworkSection) is resolved and checked on every rank before a group we create; a
+    group someone else created (Ray) was preceded by the same check in its backend hook.
+    """
     if dist.is_available() and dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
         local_rank = _env_int("LOCAL_RANK", 0)
@@ -86,12 +120,21 @@ def setup(timeout_s: float) -> DistContext:
                     "(or set both) so the ranks can find each other"
                 )
             store = _elastic_store(timeout)
-            kwargs = {"store": store} if store is not None else {"init_method": "env://"}
+            if store is None:
+                store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 29500), world_size,
+                                      is_master=rank == 0, timeout=timeout)
+            if network is not None:
+                _check_network(network, store, rank, world_size)
+            kwargs = {"store": store}
             if torch.cuda.is_available():
                 # Binding the device first lets NCCL create its communicator on the right GPU.
                 torch.cuda.set_device(local_rank if torch.cuda.device_count() > local_rank else 0)
             dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
             owns = True
+        elif network is not None:
+            from trainapp import net
+
+            net.apply(network, None)  # alone: nothing to choose, but a named interface must exist
     if torch.cuda.is_available():
         # A launcher may show each process only its own GPU (CUDA_VISIBLE_DEVICES): then it is cuda:0.
         device = torch.device("cuda", local_rank if torch.cuda.device_count() > local_rank else 0)

@@ -36,6 +36,14 @@ def setup(rank: int, world_size: int) -> None:
     root.propagate = False
 
 
+def setup_from_env() -> None:
+    """Early logging, before the process group exists: ranks as the launcher exported them."""
+    def num(name: str, default: int) -> int:
+        raw = os.environ.get(name, "")
+        return int(raw) if raw.isdigit() else default  # dist.setup reports malformed values
+    setup(num("RANK", 0), num("WORLD_SIZE", 1))
+
+
 def kv(**fields: Any) -> str:
     """One `key=value` line: floats rounded for reading, everything greppable."""
     def fmt(v):

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from trainapp import dist, logs
+from trainapp import dist, logs, net
 from trainapp.amp import Precision
 from trainapp.config import Config, ConfigError
 from trainapp.data import ResumableDistributedSampler, build_datasets, make_loader, set_epoch
@@ -291,6 +291,7 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         cfg, ctx = self.cfg, self.ctx
         t = cfg.train
+        network = dist.gather_objects(ctx, net.current.to_dict() if net.current else None)
         self.metrics.write("start", step=self.global_step, epoch=self.epoch, epoch_sample=self.epoch_sample,
                            world_size=ctx.world_size, global_batch=self.global_batch, total_steps=self.total_steps,
                            peak_lr=scaled_lr(cfg.optim, self.global_batch), amp=self.precision.name,
@@ -300,7 +301,7 @@ class Trainer:
                            resumed_from=self.resumed["path"] if self.resumed else None,
                            resumed_step=self.resumed["global_step"] if self.resumed else None,
                            resumed_world_size=self.resumed["world_size"] if self.resumed else None,
-                           config=cfg.to_dict())
+                           network=network, config=cfg.to_dict())
         log.info("config %s", json.dumps(cfg.to_dict(), separators=(",", ":")))
         log.info(logs.kv(world_size=ctx.world_size, backend=ctx.backend, device=self.device, amp=self.precision.name,
                          global_batch=self.global_batch, total_steps=self.total_steps, start_step=self.global_step))
@@ -372,7 +373,8 @@ class Trainer:
 
 def run(cfg: Config) -> dict[str, Any]:
     """The whole job on this process: set up distributed, train, evaluate, tear down what we created."""
-    ctx = dist.setup(cfg.dist.timeout_s)
+    logs.setup_from_env()  # the network check logs before the group exists
+    ctx = dist.setup(cfg.dist.timeout_s, cfg.network)
     logs.setup(ctx.rank, ctx.world_size)
     try:
         summary = Trainer(cfg, ctx).train()

@@ -75,13 +75,16 @@ class RaySnapshots(SnapshotManager):
                 shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _prepare_worker(env: dict[str, str], threads: int) -> None:
-    """Runs in every worker before Ray creates the process group."""
+def _prepare_worker(env: dict[str, str], threads: int, network: dict[str, Any]) -> str:
+    """Runs in every worker before Ray creates the process group; returns its network choice."""
     import torch
+
+    from trainapp import net
 
     os.environ.update(env)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
+    return net.apply(config.NetworkSection(**network), net.ray_head_host()).summary()
 
 
 def train_worker(payload: dict[str, Any]) -> None:
@@ -106,19 +109,22 @@ def _torch_config(cfg: Config, threads: int):
 
     class _Backend(_TorchBackend):
         def on_start(self, worker_group, backend_config):
-            worker_group.execute(_prepare_worker, env=backend_config.worker_env, threads=backend_config.threads)
+            worker_group.execute(_prepare_worker, env=backend_config.worker_env, threads=backend_config.threads,
+                                 network=backend_config.network)
             super().on_start(worker_group, backend_config)
 
     @dataclasses.dataclass
     class TrainappTorchConfig(TorchConfig):
         worker_env: dict = dataclasses.field(default_factory=dict)
         threads: int = 1
+        network: dict = dataclasses.field(default_factory=dict)
 
         @property
         def backend_cls(self):
             return _Backend
 
-    return TrainappTorchConfig(timeout_s=int(cfg.dist.timeout_s), worker_env=dict(cfg.ray.env), threads=threads)
+    return TrainappTorchConfig(timeout_s=int(cfg.dist.timeout_s), worker_env=dict(cfg.ray.env), threads=threads,
+                               network=dataclasses.asdict(cfg.network))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,6 +223,41 @@ def check_storage(storage: str) -> None:
                           "node can write (shared storage) or a URI")
 
 
+def check_network(cfg: Config) -> list[str]:
+    """Resolve `network.interface` on every alive node, as its workers will; one line per node.
+
+    A node that cannot honour it stops the run here, naming the node and what it has, instead of
+    after a worker-group start and a process group that never forms.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    @ray.remote(num_cpus=0, max_retries=0)
+    def probe(network: dict, env: dict) -> tuple[str, str]:
+        from trainapp import net
+
+        try:
+            res = net.apply(config.NetworkSection(**network), net.ray_head_host(), environ={**os.environ, **env})
+            return "", res.summary()
+        except net.NetworkError as e:
+            return str(e), ""
+
+    # Nodes that can hold a worker (a head with no CPUs or GPUs trains nothing).
+    nodes = [n for n in ray.nodes()
+             if n.get("Alive") and (n["Resources"].get("CPU", 0) > 0 or n["Resources"].get("GPU", 0) > 0)]
+    network = dataclasses.asdict(cfg.network)
+    refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+            .remote(network, dict(cfg.ray.env)) for n in nodes]
+    try:
+        results = ray.get(refs, timeout=60)
+    except ray.exceptions.GetTimeoutError:
+        raise ConfigError("network.interface: the interface check did not finish on every node within 60 s") from None
+    for n, (err, _) in zip(nodes, results):
+        if err:
+            raise ConfigError(f"node {n['NodeManagerAddress']}: {err}")
+    return [f"node {n['NodeManagerAddress']}: {summary}" for n, (_, summary) in zip(nodes, results)]
+
+
 def _config_error_in(exc: BaseException) -> str | None:
     """The message of a ConfigError raised in a worker, if that is what ended the run."""
     failures = getattr(exc, "worker_failures", None) or {}
@@ -244,6 +285,8 @@ def run(cfg: Config) -> dict[str, Any]:
         check_capacity(cfg, needs)
         storage = cfg.ray.storage_path if _is_uri(cfg.ray.storage_path) else str(Path(cfg.ray.storage_path).resolve())
         check_storage(storage)
+        for line in check_network(cfg):
+            log.info("network %s", line)
         run_dir = f"{storage}/{cfg.ray.name}" if not _is_uri(storage) else cfg.run.dir
         worker_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir))
         threads = cfg.ray.threads_per_worker or max(1, int(needs.get("CPU", 1)))

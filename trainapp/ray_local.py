@@ -3,9 +3,10 @@
 A head with no task CPUs and N worker nodes, each its own `ray start` with its own resources, all on
 loopback. The nodes use 127.0.0.2: Ray rewrites 127.0.0.1 and `localhost` into the machine's external
 address ("remotely reachable"), while any other 127/8 address is kept, and Linux routes all of 127/8
-to loopback. The dashboard (job submission) listens on 127.0.0.1. Token authentication is on: a fresh token in a file under the cluster's directory (outside
-the repository), handed to every node and to `ray job submit` through RAY_AUTH_TOKEN_PATH. The nodes
-also get their own HOME, so a stale `~/.ray/auth_token` from another Ray instance cannot leak in.
+to loopback. The dashboard (job submission) listens on 127.0.0.1. Token authentication is on: a
+fresh token in a file under the cluster's directory (outside the repository), handed to every node
+and to `ray job submit` through RAY_AUTH_TOKEN_PATH. The nodes also get their own HOME, so a stale
+`~/.ray/auth_token` from another Ray instance cannot leak in.
 
 Every node runs `ray start --block` as the leader of its own session; `down` ends exactly those
 sessions (SIGTERM, then SIGKILL for stragglers), never other Ray processes on the machine.

@@ -1,0 +1,741 @@
+"""Static checks of the Kubernetes and KubeRay manifests in k8s/ (no cluster needed): every file parses
+and has its Apply/Check/Logs/Clean header; the kind overlay renders (kubectl kustomize); the core
+objects validate against Kubernetes 1.32's schemas (kubernetes-validate --strict); the RayCluster and
+RayJob agree with each other and with the training run; every pod template is locked down and gets
+Ray's token from the Secret; yamllint and checkov report nothing, and checkov skips are reviewed.
+
+checkov runs once per target (module-scoped fixtures): the plain manifests (`-d k8s`), the rendered
+overlay, and the KubeRay pod templates wrapped as the Pods and Job KubeRay makes of them, because
+checkov reads no custom resources (a RayCluster or RayJob counts as 0 resources, with 0 checks).
+The last tests break copies on purpose and check that the checks above notice."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import secrets
+import shlex
+import shutil
+import subprocess
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import yaml
+
+from helpers import PY, REPO
+
+K8S = REPO / "k8s"
+PLAIN = sorted(K8S.glob("*.yaml"))  # `kubectl apply -f k8s/` applies exactly these
+RAYCLUSTER = K8S / "kuberay" / "raycluster.gpu.yaml"
+RAYJOB = K8S / "kuberay" / "rayjob.train.yaml"
+OVERLAY = K8S / "overlays" / "kind-cpu"
+KIND_CLUSTER = K8S / "kind" / "cluster.yaml"
+ALL_YAML = sorted(K8S.rglob("*.yaml"))
+TOOLS = REPO / ".venv-tools" / "bin"
+
+PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+VERSION = PROJECT["version"]
+CPU_IMAGE = f"trainapp:{VERSION}-cpu"  # the kind overlay's, loaded with `kind load docker-image`
+# The Kubernetes version the manifests target (kubernetes-validate wants major.minor.patch).
+K8S_VERSION = "1.32.0"
+# API groups that are not core Kubernetes: kubernetes-validate has no schema for them.
+NOT_CORE = {"ray.io", "kind.x-k8s.io", "kustomize.config.k8s.io"}
+TOKEN_SECRET = {"name": "ray-auth-token", "key": "token"}
+RUNS_CLAIM, RUNS_MOUNT = "trainapp-runs", "/mnt/runs"
+# checkov checks skipped by `checkov.io/skipN: ID=reason` annotations on a resource. A new skip must be
+# added here too, so that it is reviewed:
+#   CKV_K8S_43 image digest: the image is built and pushed by its user (or loaded into kind);
+#   CKV_K8S_35 secret as an env variable: Ray gets its token as RAY_AUTH_TOKEN from the Secret, as KubeRay
+#              documents it (a mounted file and RAY_AUTH_TOKEN_PATH would avoid this skip);
+#   CKV_K8S_40 uid >= 10000: the image's user is uid 1000, which owns the shared run files;
+#   CKV_K8S_15 imagePullPolicy Always: the kind overlay's image is loaded, never pulled (Never).
+ALLOWED_CHECKOV_SKIPS = {"CKV_K8S_15", "CKV_K8S_35", "CKV_K8S_40", "CKV_K8S_43"}
+TOKEN_LIKE = re.compile(r"(?<![0-9A-Fa-f])[0-9A-Fa-f]{64}(?![0-9A-Fa-f])")
+HEADER_KEYS = ("# Apply:", "# Check:", "# Logs:", "# Clean:")
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+def docs(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def load(path: Path) -> dict:
+    (doc,) = docs(path)
+    return doc
+
+
+def rel(path: Path) -> str:
+    return path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else str(path)
+
+
+def group(obj: dict) -> str:
+    """API group of an object ("" for the core group `v1`)."""
+    api = obj["apiVersion"]
+    return api.rpartition("/")[0]
+
+
+def is_core(obj: dict) -> bool:
+    return group(obj) not in NOT_CORE
+
+
+def ray_pin() -> str:
+    for dep in PROJECT["dependencies"]:
+        m = re.fullmatch(r"ray(\[[^\]]*\])?==([^\s;,]+)", dep.strip())
+        if m:
+            return m.group(2)
+    raise AssertionError("pyproject.toml does not pin ray exactly")
+
+
+def tool(name: str) -> Path:
+    path = TOOLS / name
+    if not os.access(path, os.X_OK):
+        pytest.skip(f"{path} is missing (make tools installs it)")
+    return path
+
+
+def walk(node: Any):
+    """Every (key, value) of nested dicts and lists."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield k, v
+            yield from walk(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from walk(v)
+
+
+def header_problems(path: Path) -> list[str]:
+    """The comment block before the first YAML line must end with the Apply/Check/Logs/Clean lines,
+    and the Apply line must name the file (or, for the overlay, its folder)."""
+    header = []
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            break
+        if line.startswith("#"):
+            header.append(line)
+    if not header:
+        return [f"{rel(path)}: no header comment"]
+    missing = [key for key in HEADER_KEYS if not any(line.startswith(key) for line in header)]
+    if missing:
+        return [f"{rel(path)}: the header lacks {missing}"]
+    last = header[-len(HEADER_KEYS):]
+    if not all(line.startswith(key) for line, key in zip(last, HEADER_KEYS)):
+        return [f"{rel(path)}: the header should end with the lines {HEADER_KEYS}, in that order"]
+    if rel(path) not in last[0] and rel(path.parent) not in last[0]:
+        return [f"{rel(path)}: the Apply line does not name the file: {last[0]}"]
+    return []
+
+
+def token_problems(root: Path) -> list[str]:
+    found = []
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if TOKEN_LIKE.search(line):
+                found.append(f"{path.relative_to(root)}:{n}: a 64-hex-digit string (a token?)")
+    for path in sorted(root.rglob("*.yaml")):
+        found += [f"{path.relative_to(root)}: a Secret object (the token Secret is created, not committed)"
+                  for d in docs(path) if d.get("kind") == "Secret"]
+    return found
+
+
+# ------------------------------------------------------------------------------------- pod templates
+
+
+@dataclass
+class Pod:
+    where: str  # file: Kind/name[/group]
+    role: str | None  # head, worker, submitter
+    spec: dict
+
+
+def cluster_pods(spec: dict, where: str) -> list[Pod]:
+    """The head and worker group pod templates of a RayCluster spec."""
+    pods = [Pod(f"{where}/head", "head", spec["headGroupSpec"]["template"]["spec"])]
+    pods += [Pod(f"{where}/{g['groupName']}", "worker", g["template"]["spec"]) for g in spec["workerGroupSpecs"]]
+    return pods
+
+
+def pods_of(objs: list[dict], source: str) -> list[Pod]:
+    pods = []
+    for obj in objs:
+        kind, name = obj["kind"], obj["metadata"]["name"]
+        where = f"{source}:{kind}/{name}"
+        if kind == "Deployment":
+            tpl = obj["spec"]["template"]
+            component = tpl["metadata"].get("labels", {}).get("app.kubernetes.io/component")
+            pods.append(Pod(where, {"ray-head": "head", "ray-worker": "worker"}.get(component), tpl["spec"]))
+        elif kind == "RayCluster":
+            pods += cluster_pods(obj["spec"], where)
+        elif kind == "RayJob":
+            pods += cluster_pods(obj["spec"]["rayClusterSpec"], where)
+            pods.append(Pod(f"{where}/submitter", "submitter", obj["spec"]["submitterPodTemplate"]["spec"]))
+    return pods
+
+
+def pod_problems(pod: Pod) -> list[str]:
+    """What a pod template lacks. Every container here is a Ray container (head, worker, or the job
+    submitter that runs `ray job submit`), so each one needs the token."""
+    spec, problems = pod.spec, []
+    say = lambda msg: problems.append(f"{pod.where}: {msg}")  # noqa: E731
+    if pod.role not in ("head", "worker", "submitter"):
+        say("unknown role (label app.kubernetes.io/component should be ray-head or ray-worker)")
+    psc = spec.get("securityContext") or {}
+    if psc.get("runAsNonRoot") is not True:
+        say("pod securityContext.runAsNonRoot is not true")
+    if (psc.get("seccompProfile") or {}).get("type") != "RuntimeDefault":
+        say("pod securityContext.seccompProfile.type is not RuntimeDefault")
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    for c in spec.get("initContainers", []) + spec["containers"]:
+        name = c["name"]
+        csc = c.get("securityContext") or {}
+        if csc.get("allowPrivilegeEscalation") is not False:
+            say(f"{name}: securityContext.allowPrivilegeEscalation is not false")
+        if "ALL" not in (csc.get("capabilities") or {}).get("drop", []):
+            say(f"{name}: securityContext.capabilities.drop lacks ALL")
+        resources = c.get("resources") or {}
+        for part in ("requests", "limits"):
+            missing = {"cpu", "memory"} - set(resources.get(part) or {})
+            if missing:
+                say(f"{name}: resources.{part} lacks {sorted(missing)}")
+    for c in spec["containers"]:
+        name = c["name"]
+        env = {e["name"]: e for e in c.get("env", [])}
+        if env.get("RAY_AUTH_MODE", {}).get("value") != "token":
+            say(f"{name}: RAY_AUTH_MODE is not `token`")
+        ref = (env.get("RAY_AUTH_TOKEN", {}).get("valueFrom") or {}).get("secretKeyRef") or {}
+        if {k: ref.get(k) for k in TOKEN_SECRET} != TOKEN_SECRET or "value" in env.get("RAY_AUTH_TOKEN", {}):
+            say(f"{name}: RAY_AUTH_TOKEN does not come from secretKeyRef {TOKEN_SECRET}")
+    if pod.role in ("head", "worker"):
+        ray = spec["containers"][0]  # KubeRay's rule: the first container is the Ray container
+        ports = {p.get("name") for p in ray.get("ports", [])}
+        for probe in ("readinessProbe", "livenessProbe"):
+            if probe not in ray:
+                say(f"{ray['name']}: no {probe}")
+            elif "tcpSocket" in ray[probe] and ray[probe]["tcpSocket"]["port"] not in ports:
+                say(f"{ray['name']}: {probe} port {ray[probe]['tcpSocket']['port']} is not a named port")
+        mounts = {m["mountPath"]: m["name"] for m in ray.get("volumeMounts", [])}
+        shm = volumes.get(mounts.get("/dev/shm"), {})
+        if (shm.get("emptyDir") or {}).get("medium") != "Memory":
+            say(f"{ray['name']}: /dev/shm is not an emptyDir with medium Memory")
+        runs = volumes.get(mounts.get(RUNS_MOUNT), {})
+        if (runs.get("persistentVolumeClaim") or {}).get("claimName") != RUNS_CLAIM:
+            say(f"{ray['name']}: the claim {RUNS_CLAIM} is not mounted at {RUNS_MOUNT}")
+    return problems
+
+
+STATIC_PODS = pods_of([d for p in PLAIN for d in docs(p)], "k8s") + \
+    pods_of(docs(RAYCLUSTER), RAYCLUSTER.name) + pods_of(docs(RAYJOB), RAYJOB.name)
+
+
+# ------------------------------------------------------------------------------------- tools
+
+
+def kubernetes_validate_problems(paths: list[Path]) -> list[str]:
+    """Run kubernetes-validate --strict once over `paths`; every core object must be reported `passed`
+    (an unknown kind only warns and exits 0, so the exit code alone proves nothing)."""
+    exe = tool("kubernetes-validate")
+    r = subprocess.run([str(exe), "--strict", "-k", K8S_VERSION, *map(str, paths)],
+                       capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    passed = set(re.findall(r" (\S+) passed for resource ([\w.-]+)/([\w.-]+) against", out))
+    problems = [line for line in out.splitlines() if not re.match(r"INFO .* passed for resource", line)]
+    for path in paths:
+        for d in docs(path):
+            if is_core(d) and (str(path), d["kind"].lower(), d["metadata"]["name"]) not in passed:
+                problems.append(f"{rel(path)}: {d['kind']}/{d['metadata']['name']} was not validated")
+    if r.returncode != 0:
+        problems.append(f"kubernetes-validate exit {r.returncode}")
+    return problems
+
+
+def run_checkov(*target: str) -> tuple[int, list[dict], str]:
+    exe = tool("checkov")
+    r = subprocess.run([str(exe), *target, "--framework", "kubernetes", "--compact", "-o", "json",
+                        "--skip-download"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    try:
+        out = json.loads(r.stdout)
+    except json.JSONDecodeError:
+        raise AssertionError(f"checkov printed no JSON (exit {r.returncode}): {r.stdout[-1500:]}{r.stderr[-1500:]}")
+    return r.returncode, out if isinstance(out, list) else [out], r.stderr
+
+
+def checkov_problems(result: tuple[int, list[dict], str], expect: set[str]) -> list[str]:
+    """Failed checks, parsing errors, unreviewed or unexplained skips, and expected resources that
+    no check looked at (checkov ids: Kind.namespace.name[.labels])."""
+    rc, reports, stderr = result
+    problems, checked = [], set()
+    for rep in reports:  # with no resource at all, checkov prints a bare summary
+        results, summary = rep.get("results", {}), rep.get("summary", rep)
+        if rep.get("check_type", "kubernetes") != "kubernetes":
+            problems.append(f"unexpected check type {rep.get('check_type')}")
+        for c in results.get("failed_checks", []):
+            problems.append(f"FAILED {c['check_id']} ({c['check_name']}) on {c['resource']} in {c['file_path']}")
+        if summary.get("parsing_errors"):
+            problems.append(f"parsing errors: {results.get('parsing_errors')}")
+        for c in results.get("skipped_checks", []):
+            reason = ((c.get("check_result") or {}).get("suppress_comment") or "").strip()
+            if c["check_id"] not in ALLOWED_CHECKOV_SKIPS or not reason:
+                problems.append(f"skip of {c['check_id']} on {c['resource']}: not reviewed or no reason")
+        checked |= {c["resource"] for c in results.get("passed_checks", [])}
+    for want in sorted(expect):
+        if not any(r == want or r.startswith(want + ".") for r in checked):
+            problems.append(f"no check passed on {want}: was it scanned?")
+    if rc != 0 and not problems:
+        problems.append(f"checkov exit {rc}: {stderr[-1500:]}")
+    return problems
+
+
+def kuberay_as_core_objects() -> list[dict]:
+    """The RayCluster's and RayJob's pod templates as the objects KubeRay makes of them (Pods for the
+    head and worker groups, a Job for the submitter), each with the annotations (checkov skips) of its
+    custom resource; plus the NetworkPolicy, which checkov's CKV2_K8S_6 looks for beside the pods."""
+    out = [load(K8S / "networkpolicy.ray.yaml")]
+    for cr in (load(RAYCLUSTER), load(RAYJOB)):
+        meta = cr["metadata"]
+        spec = cr["spec"] if cr["kind"] == "RayCluster" else cr["spec"]["rayClusterSpec"]
+        templates = [("head", spec["headGroupSpec"]["template"])]
+        templates += [(f"worker-{g['groupName']}", g["template"]) for g in spec["workerGroupSpecs"]]
+        for suffix, tpl in templates:
+            out.append({"apiVersion": "v1", "kind": "Pod",
+                        "metadata": {"name": f"{meta['name']}-{suffix}", "namespace": meta["namespace"],
+                                     "labels": tpl["metadata"].get("labels", {}),
+                                     "annotations": meta.get("annotations", {})},
+                        "spec": tpl["spec"]})
+        if cr["kind"] == "RayJob":
+            out.append({"apiVersion": "batch/v1", "kind": "Job",
+                        "metadata": {"name": f"{meta['name']}-submitter", "namespace": meta["namespace"],
+                                     "annotations": meta.get("annotations", {})},
+                        "spec": {"template": cr["spec"]["submitterPodTemplate"]}})
+    return out
+
+
+def skip_entries(objs: list[dict], where: str) -> list[tuple[str, str, str]]:
+    """(where, annotation, value) of every checkov.io/skip* annotation in `objs`, including those a
+    Kustomization's JSON patches add or replace."""
+    found = []
+    for obj in objs:
+        name = f"{where}:{obj.get('kind')}/{(obj.get('metadata') or {}).get('name', '')}"
+        found += [(name, k, v) for k, v in walk(obj) if isinstance(k, str) and k.startswith("checkov.io/skip")]
+        for patch in obj.get("patches", []) if obj.get("kind") == "Kustomization" else []:
+            target = f"{where}:patch of {patch.get('target', {}).get('kind')}/{patch.get('target', {}).get('name')}"
+            for op in yaml.safe_load(patch.get("patch", "")) or []:
+                key = op.get("path", "").rpartition("/")[2].replace("~1", "/")
+                if key.startswith("checkov.io/skip"):
+                    found.append((target, key, op.get("value")))
+    return found
+
+
+def skip_problems(entries: list[tuple[str, str, str]]) -> list[str]:
+    problems = []
+    for where, key, value in entries:
+        m = re.fullmatch(r"(CKV2?_K8S_\d+)=(.*)", str(value or ""), re.S)
+        if not re.fullmatch(r"checkov\.io/skip\d+", key) or not m:
+            problems.append(f"{where}: {key}: {value!r} is not `checkov.io/skipN: CKV_K8S_NN=reason`")
+        elif len(m.group(2).strip()) < 15:
+            problems.append(f"{where}: {key}: skip of {m.group(1)} without a reason")
+        elif m.group(1) not in ALLOWED_CHECKOV_SKIPS:
+            problems.append(f"{where}: {key}: {m.group(1)} is not in ALLOWED_CHECKOV_SKIPS (review it, then add it)")
+    return problems
+
+
+def resolved_config(config_yaml: str, overrides: list[str], tmp: Path) -> dict:
+    """trainapp's own resolution of a config file plus overrides (`python -m trainapp config`)."""
+    path = tmp / "config.yaml"
+    path.write_text(config_yaml)
+    r = subprocess.run([PY, "-m", "trainapp", "config", "--config", str(path), *overrides],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return yaml.safe_load(r.stdout)
+
+
+# ------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def rendered_text() -> str:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is missing: the kind overlay cannot be rendered")
+    r = subprocess.run([kubectl, "kustomize", "--load-restrictor=LoadRestrictionsNone", str(OVERLAY)],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def rendered(rendered_text) -> list[dict]:
+    return [d for d in yaml.safe_load_all(rendered_text) if d is not None]
+
+
+@pytest.fixture(scope="module")
+def rendered_file(rendered_text, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("overlay") / "kind-cpu.rendered.yaml"
+    path.write_text(rendered_text)
+    return path
+
+
+def by_kind(objs: list[dict], kind: str) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in objs if o["kind"] == kind}
+
+
+@pytest.fixture(scope="module")
+def checkov_plain():
+    return run_checkov("-d", "k8s")
+
+
+@pytest.fixture(scope="module")
+def checkov_overlay(rendered_file):
+    return run_checkov("-f", str(rendered_file))
+
+
+@pytest.fixture(scope="module")
+def checkov_kuberay(tmp_path_factory):
+    path = tmp_path_factory.mktemp("kuberay") / "kuberay-pods.yaml"
+    path.write_text(yaml.safe_dump_all(kuberay_as_core_objects(), sort_keys=False))
+    return run_checkov("-f", str(path))
+
+
+# ------------------------------------------------------------------------------------- files
+
+
+@pytest.mark.parametrize("path", ALL_YAML, ids=[rel(p) for p in ALL_YAML])
+def test_every_file_is_one_resource_with_an_apply_check_logs_clean_header(path):
+    objs = docs(path)
+    assert len(objs) == 1, f"{rel(path)}: {len(objs)} documents; one main resource per file"
+    assert {"apiVersion", "kind"} <= set(objs[0]), rel(path)
+    assert header_problems(path) == []
+    if path.name not in ("kustomization.yaml", "cluster.yaml"):  # names the tools expect
+        assert re.fullmatch(rf"(\d\d-)?{objs[0]['kind'].lower()}\.[a-z0-9-]+\.yaml", path.name), \
+            f"{rel(path)}: name it <kind>.<purpose>.yaml"
+
+
+def test_the_plain_manifests_are_the_expected_objects_in_namespace_trainapp():
+    objs = [d for p in PLAIN for d in docs(p)]
+    kinds = sorted((o["kind"], o["metadata"]["name"]) for o in objs)
+    assert kinds == sorted([("Namespace", "trainapp"), ("ConfigMap", "trainapp-nccl"),
+                            ("ConfigMap", "trainapp-config"), ("Deployment", "ray-head"),
+                            ("Deployment", "ray-gpu-workers"), ("Service", "ray-head"), ("NetworkPolicy", "ray"),
+                            ("PersistentVolumeClaim", RUNS_CLAIM), ("ServiceAccount", "trainapp")])
+    # `kubectl apply -f k8s/` goes in lexical order: the Namespace first; and no kustomization here.
+    assert PLAIN[0].name.startswith("00-namespace.") and not (K8S / "kustomization.yaml").exists()
+    for o in objs:
+        if o["kind"] != "Namespace":
+            assert o["metadata"].get("namespace") == "trainapp", f"{o['kind']}/{o['metadata']['name']}"
+    for o in [*objs, load(RAYCLUSTER), load(RAYJOB)]:
+        assert o["metadata"]["labels"].get("app.kubernetes.io/part-of") == "trainapp"
+        version = [v for k, v in walk(o) if k == "app.kubernetes.io/version"]
+        assert all(v == VERSION for v in version), f"{o['kind']}: version labels {version} != {VERSION}"
+
+
+def test_core_objects_validate_strictly_against_kubernetes_1_32():
+    core = [p for p in ALL_YAML if all(is_core(d) for d in docs(p))]
+    assert set(PLAIN) <= set(core) and OVERLAY / "persistentvolume.runs-kind.yaml" in core
+    assert kubernetes_validate_problems(core) == []
+
+
+def test_every_image_is_the_projects_gpu_image():
+    images = [(rel(p), v) for p in ALL_YAML for d in docs(p) for k, v in walk(d) if k == "image"]
+    assert len(images) == 2 + 2 * 2 + 1, images  # head+workers; RayCluster and RayJob's cluster; submitter
+    for where, image in images:
+        # A registry prefix is the deployer's (k8s/README.md: push the image, point the manifests at it).
+        name, _, tag = image.rpartition(":")
+        assert name.rpartition("/")[2] == "trainapp" and tag == f"{VERSION}-gpu", f"{where}: {image}"
+
+
+def test_no_token_or_secret_is_committed():
+    assert token_problems(K8S) == []
+
+
+def test_yamllint_strict_passes_on_k8s_ray_cluster_and_configs():
+    yamllint = tool("yamllint")
+    r = subprocess.run([str(yamllint), "-s", "-f", "parsable", "-c", str(REPO / ".yamllint"),
+                        "k8s", "ray_cluster", "configs"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+# ------------------------------------------------------------------------------------- plain manifests
+
+
+@pytest.mark.parametrize("pod", STATIC_PODS, ids=[p.where for p in STATIC_PODS])
+def test_pod_template_is_locked_down_and_gets_the_token_from_the_secret(pod):
+    assert pod_problems(pod) == []
+
+
+def test_every_pod_template_is_checked():
+    roles = sorted((p.where.split(":")[0], p.role) for p in STATIC_PODS)
+    assert roles == [("k8s", "head"), ("k8s", "worker"), (RAYCLUSTER.name, "head"), (RAYCLUSTER.name, "worker"),
+                     (RAYJOB.name, "head"), (RAYJOB.name, "submitter"), (RAYJOB.name, "worker")]
+
+
+def test_gpu_workers_ask_for_the_gpus_they_offer_ray():
+    workers = load(K8S / "deployment.ray-gpu-workers.yaml")["spec"]["template"]["spec"]
+    (c,) = workers["containers"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "--num-gpus=1" in c["args"]
+    assert any(t["key"] == "nvidia.com/gpu" for t in workers["tolerations"])
+    for spec in (load(RAYCLUSTER)["spec"], load(RAYJOB)["spec"]["rayClusterSpec"]):
+        head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
+        assert "nvidia.com/gpu" not in head["resources"]["limits"]
+        for g in spec["workerGroupSpecs"]:
+            limit = g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+            assert limit == int(g["rayStartParams"]["num-gpus"]) == 1, g["groupName"]
+
+
+def test_service_reaches_the_heads_gcs_dashboard_and_client_ports():
+    svc = load(K8S / "service.ray-head.yaml")["spec"]
+    assert sorted(p["port"] for p in svc["ports"]) == [6379, 8265, 10001]
+    assert svc.get("type", "ClusterIP") == "ClusterIP"
+    head = load(K8S / "deployment.ray-head.yaml")["spec"]["template"]
+    workers = load(K8S / "deployment.ray-gpu-workers.yaml")["spec"]["template"]
+    named = {p["name"]: p["containerPort"] for p in head["spec"]["containers"][0]["ports"]}
+    for p in svc["ports"]:
+        assert named.get(p["targetPort"]) == p["port"], f"targetPort {p['targetPort']} is not the head's {p['port']}"
+    selected = lambda labels: all(labels.get(k) == v for k, v in svc["selector"].items())  # noqa: E731
+    assert selected(head["metadata"]["labels"]) and not selected(workers["metadata"]["labels"])
+
+
+def test_network_policy_admits_only_pods_of_the_same_namespace():
+    spec = load(K8S / "networkpolicy.ray.yaml")["spec"]
+    assert spec["podSelector"] == {} and spec["policyTypes"] == ["Ingress"]
+    assert spec["ingress"], "an empty ingress list denies everything, including the workers"
+    for rule in spec["ingress"]:
+        assert rule.get("from"), "a rule without `from` admits every source"
+        for peer in rule["from"]:
+            assert set(peer) == {"podSelector"}, f"{peer}: namespaceSelector/ipBlock admit other namespaces"
+
+
+def test_the_config_map_resolves_and_its_worker_range_fits_the_worker_replicas(tmp_path):
+    config = load(K8S / "configmap.trainapp.yaml")["data"]["config.yaml"]
+    ray = resolved_config(config, [], tmp_path)["ray"]
+    replicas = load(K8S / "deployment.ray-gpu-workers.yaml")["spec"]["replicas"]
+    assert ray["storage_path"] == RUNS_MOUNT
+    most = max(ray["num_workers"]) if isinstance(ray["num_workers"], list) else ray["num_workers"]
+    assert most == replicas, f"ray.num_workers {ray['num_workers']}: the largest should be the {replicas} replicas"
+
+
+# ------------------------------------------------------------------------------------- KubeRay
+
+
+def elastic_range(entrypoint: str) -> tuple[int, int]:
+    words = shlex.split(entrypoint)
+    values = [w.partition("=")[2] for w in words if w.startswith("ray.num_workers=")]
+    assert len(values) == 1, f"one ray.num_workers=[min,max] in the entrypoint: {entrypoint}"
+    lo, hi = yaml.safe_load(values[0])
+    return lo, hi
+
+
+def test_kuberay_objects_are_ray_io_v1_with_the_ray_version_of_pyproject():
+    rc, rj = load(RAYCLUSTER), load(RAYJOB)
+    assert (rc["apiVersion"], rc["kind"]) == ("ray.io/v1", "RayCluster")
+    assert (rj["apiVersion"], rj["kind"]) == ("ray.io/v1", "RayJob")
+    assert rc["spec"]["rayVersion"] == rj["spec"]["rayClusterSpec"]["rayVersion"] == ray_pin() == "2.60.0"
+    assert rc["metadata"]["namespace"] == rj["metadata"]["namespace"] == "trainapp"
+
+
+def test_rayjob_cluster_spec_is_the_rayclusters_spec():
+    assert load(RAYJOB)["spec"]["rayClusterSpec"] == load(RAYCLUSTER)["spec"]
+
+
+def test_rayjob_runs_the_ray_driver_with_the_worker_groups_elastic_range(tmp_path):
+    spec = load(RAYJOB)["spec"]
+    entrypoint = spec["entrypoint"]
+    assert entrypoint.startswith("python -m trainapp ray "), entrypoint
+    lo, hi = elastic_range(entrypoint)
+    for g in spec["rayClusterSpec"]["workerGroupSpecs"]:
+        assert (g["minReplicas"], g["maxReplicas"]) == (lo, hi), g["groupName"]
+        assert lo <= g["replicas"] <= hi
+    # The driver's --config is the ConfigMap mounted on the head, and the overrides resolve.
+    words = shlex.split(entrypoint)
+    config_path = Path(words[words.index("--config") + 1])
+    head = spec["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    mount = next(m for m in head["containers"][0]["volumeMounts"] if m["mountPath"] == str(config_path.parent))
+    volume = next(v for v in head["volumes"] if v["name"] == mount["name"])
+    cm = load(K8S / "configmap.trainapp.yaml")
+    assert volume["configMap"]["name"] == cm["metadata"]["name"] and config_path.name in cm["data"]
+    ray = resolved_config(cm["data"][config_path.name], words[words.index("--config") + 2:], tmp_path)["ray"]
+    assert ray["num_workers"] == [lo, hi] and ray["storage_path"] == RUNS_MOUNT
+
+
+def test_rayjob_cleans_up_retries_and_sets_the_nccl_interfaces():
+    spec = load(RAYJOB)["spec"]
+    assert spec["shutdownAfterJobFinishes"] is True
+    assert isinstance(spec.get("backoffLimit"), int) and spec["backoffLimit"] >= 0
+    env = yaml.safe_load(spec["runtimeEnvYAML"])["env_vars"]
+    assert {"NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"} <= set(env)
+    assert env == load(K8S / "configmap.nccl.yaml")["data"], "runtime env and ConfigMap trainapp-nccl differ"
+
+
+# ------------------------------------------------------------------------------------- kind overlay
+
+
+def test_overlay_lists_every_plain_manifest():
+    resources = load(OVERLAY / "kustomization.yaml")["resources"]
+    assert sorted(r for r in resources if r.startswith("../../")) == sorted(f"../../{p.name}" for p in PLAIN)
+    assert load(OVERLAY / "kustomization.yaml")["images"] == [{"name": "trainapp", "newTag": f"{VERSION}-cpu"}]
+
+
+def test_overlay_renders_the_plain_objects_with_cpu_workers_and_a_kind_volume(rendered):
+    plain = {(o["kind"], o["metadata"]["name"]) for p in PLAIN for o in docs(p)}
+    want = plain - {("Deployment", "ray-gpu-workers")} | {("Deployment", "ray-cpu-workers"),
+                                                          ("PersistentVolume", "trainapp-runs-kind")}
+    assert {(o["kind"], o["metadata"]["name"]) for o in rendered} == want
+
+
+def test_overlay_uses_the_loaded_cpu_image_and_no_gpu(rendered, rendered_text):
+    containers = [c for d in by_kind(rendered, "Deployment").values()
+                  for c in d["spec"]["template"]["spec"]["containers"]]
+    assert len(containers) == 2
+    for c in containers:
+        assert c["image"] == CPU_IMAGE and c["imagePullPolicy"] == "Never", c["name"]
+    assert "nvidia.com/gpu" not in rendered_text and "--num-gpus" not in rendered_text
+
+
+def test_overlay_runs_one_head_and_two_workers(rendered, tmp_path):
+    deployments = by_kind(rendered, "Deployment")
+    assert deployments["ray-head"]["spec"]["replicas"] == 1
+    assert deployments["ray-cpu-workers"]["spec"]["replicas"] == 2
+    config = by_kind(rendered, "ConfigMap")["trainapp-config"]["data"]["config.yaml"]
+    ray = resolved_config(config, [], tmp_path)["ray"]
+    assert ray["num_workers"] == 2 and ray["storage_path"] == RUNS_MOUNT
+
+
+def test_overlay_claim_binds_by_name_to_the_host_path_volume_on_every_kind_node(rendered):
+    (pvc,) = by_kind(rendered, "PersistentVolumeClaim").values()
+    (pv,) = by_kind(rendered, "PersistentVolume").values()
+    assert pvc["spec"]["volumeName"] == pv["metadata"]["name"]
+    assert pvc["spec"]["storageClassName"] == pv["spec"]["storageClassName"] == ""
+    assert pv["spec"]["claimRef"] == {"namespace": pvc["metadata"]["namespace"], "name": pvc["metadata"]["name"]}
+    assert pvc["spec"]["accessModes"] == pv["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert pv["spec"]["capacity"]["storage"] == pvc["spec"]["resources"]["requests"]["storage"]
+    nodes = load(KIND_CLUSTER)["nodes"]
+    assert len(nodes) == 3 and all(
+        any(m["containerPath"] == pv["spec"]["hostPath"]["path"] for m in n.get("extraMounts", [])) for n in nodes)
+
+
+def test_overlay_pod_templates_are_locked_down_too(rendered):
+    pods = pods_of(rendered, "overlay")
+    assert sorted(p.role for p in pods) == ["head", "worker"]
+    assert [msg for p in pods for msg in pod_problems(p)] == []
+
+
+def test_overlay_validates_strictly_against_kubernetes_1_32(rendered_file):
+    assert kubernetes_validate_problems([rendered_file]) == []
+
+
+# ------------------------------------------------------------------------------------- checkov
+
+
+def test_checkov_passes_the_plain_manifests(checkov_plain):
+    # `-d k8s` also reads k8s/kuberay/ (0 resources: checkov skips custom resources) and the overlay folder.
+    assert checkov_problems(checkov_plain, {"Deployment.trainapp.ray-head", "Deployment.trainapp.ray-gpu-workers",
+                                            "Service.trainapp.ray-head"}) == []
+
+
+def test_checkov_passes_the_rendered_overlay(checkov_overlay):
+    assert checkov_problems(checkov_overlay, {"Deployment.trainapp.ray-head",
+                                              "Deployment.trainapp.ray-cpu-workers"}) == []
+
+
+def test_checkov_passes_the_kuberay_pod_templates(checkov_kuberay):
+    expect = {"Pod.trainapp.trainapp-gpu-head", "Pod.trainapp.trainapp-gpu-worker-gpu",
+              "Pod.trainapp.trainapp-train-head", "Pod.trainapp.trainapp-train-worker-gpu",
+              "Job.trainapp.trainapp-train-submitter"}
+    assert checkov_problems(checkov_kuberay, expect) == []
+
+
+def test_checkov_skips_are_annotations_with_a_reviewed_id_and_a_reason():
+    entries = [e for p in ALL_YAML for e in skip_entries(docs(p), rel(p))]
+    assert entries, "no skips found: did the annotations move?"
+    assert skip_problems(entries) == []
+    # Only annotations: checkov has no inline-comment skips for Kubernetes YAML.
+    for p in ALL_YAML:
+        assert "checkov:skip" not in p.read_text(), f"{rel(p)}: use a checkov.io/skipN annotation"
+
+
+def test_rendered_overlay_skips_are_reviewed_too(rendered):
+    entries = skip_entries(rendered, "overlay")
+    assert {v.partition("=")[0] for _, _, v in entries} == ALLOWED_CHECKOV_SKIPS
+    assert skip_problems(entries) == []
+
+
+# ------------------------------------------------------------------------------------- the checks can fail
+
+
+def _head_pod() -> Pod:
+    return copy.deepcopy(pods_of(docs(K8S / "deployment.ray-head.yaml"), "copy")[0])
+
+
+def _break_pod(change: Callable[[dict], None]) -> Callable[[Path], list[str]]:
+    def run(tmp: Path) -> list[str]:
+        pod = _head_pod()
+        change(pod.spec)
+        return pod_problems(pod)
+    return run
+
+
+def _env(spec: dict, name: str) -> dict:
+    return next(e for e in spec["containers"][0]["env"] if e["name"] == name)
+
+
+def _checkov_without_container_security_context(tmp: Path) -> list[str]:
+    obj = load(K8S / "deployment.ray-head.yaml")
+    del obj["spec"]["template"]["spec"]["containers"][0]["securityContext"]
+    (tmp / "deployment.broken.yaml").write_text(yaml.safe_dump(obj, sort_keys=False))
+    return checkov_problems(run_checkov("-f", str(tmp / "deployment.broken.yaml")), {"Deployment.trainapp.ray-head"})
+
+
+def _validate_unknown_field(tmp: Path) -> list[str]:
+    obj = load(K8S / "service.ray-head.yaml")
+    obj["spec"]["ports"][0]["targetport"] = 6379  # a typo kubectl would drop silently
+    (tmp / "service.broken.yaml").write_text(yaml.safe_dump(obj))
+    return kubernetes_validate_problems([tmp / "service.broken.yaml"])
+
+
+def _header_without_clean(tmp: Path) -> list[str]:
+    text = (K8S / "service.ray-head.yaml").read_text()
+    path = tmp / "service.ray-head.yaml"
+    path.write_text("\n".join(l for l in text.splitlines() if not l.startswith("# Clean:")))
+    return header_problems(path)
+
+
+def _token_in_a_manifest(tmp: Path) -> list[str]:
+    shutil.copytree(K8S, tmp / "k8s")
+    with open(tmp / "k8s" / "deployment.ray-head.yaml", "a") as f:
+        f.write(f"# token: {secrets.token_hex(32)}\n")
+    return token_problems(tmp / "k8s")
+
+
+def _unreviewed_and_unexplained_skips(tmp: Path) -> list[str]:
+    obj = load(K8S / "deployment.ray-head.yaml")
+    obj["metadata"]["annotations"].update({"checkov.io/skip8": "CKV_K8S_16=",
+                                           "checkov.io/skip9": "CKV_K8S_16=privileged, for no good reason"})
+    return skip_problems(skip_entries([obj], "copy"))
+
+
+@pytest.mark.parametrize("breaks, expect", [
+    (_checkov_without_container_security_context, "FAILED CKV_K8S_20"),
+    (_validate_unknown_field, "did not validate"),
+    (_header_without_clean, "the header lacks ['# Clean:']"),
+    (_token_in_a_manifest, "a 64-hex-digit string"),
+    (_unreviewed_and_unexplained_skips, "CKV_K8S_16 without a reason"),
+    (_unreviewed_and_unexplained_skips, "CKV_K8S_16 is not in ALLOWED_CHECKOV_SKIPS"),
+    (_break_pod(lambda s: s["securityContext"].pop("runAsNonRoot")), "runAsNonRoot is not true"),
+    (_break_pod(lambda s: s["containers"][0]["securityContext"]["capabilities"].update(drop=["NET_RAW"])),
+     "capabilities.drop lacks ALL"),
+    (_break_pod(lambda s: s["containers"][0]["resources"].pop("limits")), "resources.limits lacks"),
+    (_break_pod(lambda s: s["containers"][0].pop("livenessProbe")), "no livenessProbe"),
+    (_break_pod(lambda s: _env(s, "RAY_AUTH_TOKEN").update(value="x" * 64)), "RAY_AUTH_TOKEN does not come from"),
+    (_break_pod(lambda s: s["volumes"][0]["emptyDir"].pop("medium")), "/dev/shm is not an emptyDir"),
+    (_break_pod(lambda s: s["volumes"].pop(2)), f"the claim {RUNS_CLAIM} is not mounted"),
+], ids=["checkov", "kubernetes-validate", "header", "token", "skip-reason", "skip-review", "pod-root",
+        "capabilities", "limits", "probe", "token-literal", "shm-on-disk", "runs-not-mounted"])
+def test_the_checks_catch_a_broken_copy(breaks, expect, tmp_path):
+    problems = breaks(tmp_path)
+    assert any(expect in msg for msg in problems), problems
