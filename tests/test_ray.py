@@ -173,6 +173,8 @@ def test_bad_ray_input_fails_fast_with_one_line(cluster, tmp_path):
                               f"ray.storage_path={tmp_path}"], "can hold at most 2 workers"),
         "unwritable storage": ([f"ray.address={cluster.address}", "ray.storage_path=/proc/trainapp-store"],
                                "ray.storage_path=/proc/trainapp-store: not writable"),
+        "interface on no node": ([f"ray.address={cluster.address}", f"ray.storage_path={tmp_path}",
+                                  "network.interface=nosuch0"], "network.interface=nosuch0: host "),
     }
     for name, (args, needle) in cases.items():
         t0 = time.monotonic()

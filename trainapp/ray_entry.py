@@ -265,8 +265,12 @@ def _config_error_in(exc: BaseException) -> str | None:
         seen = err
         while seen is not None:
             if isinstance(seen, ConfigError):
-                return str(seen)
-            cause = getattr(seen, "cause", None)
+                # A RayTaskError poses as its cause's class but prints Ray's header: use the cause.
+                inner = getattr(seen, "cause", None)
+                return str(inner if isinstance(inner, ConfigError) else seen)
+            # RayTaskError keeps the worker's exception as `cause`; Ray Train's ControllerError (a
+            # failure in the backend hook, before training) as `controller_failure`.
+            cause = getattr(seen, "cause", None) or getattr(seen, "controller_failure", None)
             seen = cause if isinstance(cause, BaseException) else seen.__cause__
     return None
 
