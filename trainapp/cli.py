@@ -1,4 +1,4 @@
-"""Command line: `trainapp train|ray|inspect|config|doctor`.
+"""Command line: `trainapp train|ray|inspect|config|doctor|report`.
 
 Exit codes: 0 success; 2 bad config or bad input (one line on stderr naming the key, path or value
 and what is expected); anything else is a runtime failure.
@@ -31,6 +31,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("path", metavar="PATH", help="a snapshot (dir or state.pt), a snapshots/ dir or a run dir")
     p = sub.add_parser("config", help="print the resolved config as YAML (checks it without training)")
     _add_config_args(p)
+    p = sub.add_parser("report", help="plot loss, val_acc, samples/s, lr and loss scale of a run, restarts marked, "
+                                      "and print a short summary")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="run.dir of a run (or STORAGE/NAME of a Ray run)")
+    p.add_argument("--out", metavar="PNG", help="where the plot goes (default RUN_DIR/report.png)")
     p = sub.add_parser("doctor", help="check this node for a config: versions, GPUs, network interface, "
                                       "/dev/shm, storage, rendezvous (exit 1 if something would fail)")
     _add_config_args(p)
@@ -95,6 +99,15 @@ def cmd_config(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from trainapp import report
+
+    png, text = report.run(args.run_dir, args.out)
+    print(text)
+    print(f"report: {png} and {png.with_suffix('.txt')}")
+    return 0
+
+
 def cmd_doctor(args) -> int:
     cfg = config.load(args.config, args.overrides)
     from trainapp import doctor
@@ -115,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return {"train": cmd_train, "ray": cmd_ray, "inspect": cmd_inspect, "config": cmd_config,
-                "doctor": cmd_doctor}[args.command](args)
+                "doctor": cmd_doctor, "report": cmd_report}[args.command](args)
     except config.ConfigError as e:
         print(f"trainapp {args.command}: error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -22,7 +22,15 @@ import yaml
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
 
-_STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True, coerce_numbers_to_str=True)
+# validate_by_name: a field named after a Python keyword (`async_`) is `snapshot.async` in files and
+# on the command line (its alias), and either spelling is accepted back (a dumped config).
+_STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True, coerce_numbers_to_str=True,
+                     validate_by_name=True, validate_by_alias=True)
+
+
+def _public(name: str) -> str:
+    """The key users write for a field (`async_` -> `async`)."""
+    return name[:-1] if name.endswith("_") else name
 
 
 class ConfigError(ValueError):
@@ -147,6 +155,10 @@ class SnapshotSection:
     keep: int = Field(default=3, ge=1)
     """Complete snapshots to keep; older ones are deleted. Keep at least 2 if you want a fallback when
     the newest is found corrupt."""
+    async_: bool = Field(default=False, alias="async")
+    """`snapshot.async`: rank 0 copies the state to CPU memory and writes it in a background thread,
+    so training blocks only for the copy; the next snapshot waits for the previous write. Same atomic,
+    checksummed files. Under Ray the upload to `ray.storage_path` is what runs in the background."""
 
 
 @dataclass(config=_STRICT)
@@ -156,6 +168,9 @@ class FaultSection:
     marker in `run.dir` stops it from firing again after the restart)."""
     rank: int = Field(default=0, ge=0)
     """The rank that `fault.kill_at_step` kills."""
+    snapshot_write_delay_s: float = Field(default=0.0, ge=0)
+    """Failure drill: sleep this long inside every snapshot write, after `state.pt` and before the
+    `meta.json` that completes it, so a kill can land mid-write."""
 
 
 @dataclass(config=_STRICT)
@@ -280,7 +295,9 @@ class Config:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # Field names as users write them; the values of dict fields (ray.env, ...) are left alone.
+        return {name: {_public(k): v for k, v in value.items()} if isinstance(value, dict) else value
+                for name, value in dataclasses.asdict(self).items()}
 
 
 _ADAPTER = TypeAdapter(Config)
@@ -301,7 +318,7 @@ def _known_keys(cls=Config, prefix: str = "") -> list[str]:
     keys = []
     for f in dataclasses.fields(cls):
         section = _section_of(f)
-        keys.extend(_known_keys(section, f"{prefix}{f.name}.") if section else [prefix + f.name])
+        keys.extend(_known_keys(section, f"{prefix}{f.name}.") if section else [prefix + _public(f.name)])
     return keys
 
 
@@ -401,7 +418,7 @@ def reference_markdown() -> str:
             info = cls.__pydantic_fields__[f.name]
             default = info.get_default(call_default_factory=True)
             doc = " ".join((info.description or "").split()).replace("|", "\\|")
-            lines.append(f"| `{prefix}{f.name}` | `{default!r}` | {doc} |")
+            lines.append(f"| `{prefix}{_public(f.name)}` | `{default!r}` | {doc} |")
 
     walk(Config, "")
     return "\n".join(lines)

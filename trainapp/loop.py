@@ -79,7 +79,8 @@ class Trainer:
         if cfg.fault.kill_at_step is not None and cfg.fault.rank >= ctx.world_size:
             raise ConfigError(f"fault.rank={cfg.fault.rank}: must be < world size {ctx.world_size}")
         self.snapshots = snapshots or SnapshotManager(self.run_dir / "snapshots", cfg.snapshot.every_steps,
-                                                      cfg.snapshot.keep)
+                                                      cfg.snapshot.keep, async_write=cfg.snapshot.async_,
+                                                      write_delay_s=cfg.fault.snapshot_write_delay_s)
         self.metrics = logs.MetricsWriter(self.run_dir / "metrics.jsonl" if ctx.is_main else None)
         cuda = self.device.type == "cuda"
         if cuda:
@@ -197,6 +198,8 @@ class Trainer:
             }
             meta = {**progress, "params_sha256": params_sha256(self.model)}
         self.snapshots.save(self.ctx, self.global_step, state, meta, metrics)
+        self.metrics.write("snapshot", step=self.global_step, blocking_s=round(self.snapshots.last_blocking_s, 4),
+                           background=self.snapshots.async_write)
 
     # ------------------------------------------------------------------------------------------
     # Steps
@@ -366,6 +369,7 @@ class Trainer:
             "samples_per_s": steps_run * self.global_batch / train_time if train_time > 0 else 0.0,
             "skipped_steps": int(self._skipped.item()), "snapshots": str(self.snapshots.root),
         }
+        self.snapshots.wait()  # the final snapshot is on disk before the run says it ended
         self.metrics.write("end", **summary)
         self.metrics.close()
         return summary

@@ -14,6 +14,8 @@ import os
 import shutil
 import socket
 import tempfile
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +41,8 @@ def _is_uri(path: str) -> bool:
 class RaySnapshots(SnapshotManager):
     """Snapshots as Ray Train checkpoints, in the same directory format as local ones."""
 
-    def __init__(self, root: Path, every_steps: int, keep: int, uri: str | None = None):
-        super().__init__(root, every_steps, keep)
+    def __init__(self, root: Path, every_steps: int, keep: int, uri: str | None = None, async_write: bool = False):
+        super().__init__(root, every_steps, keep, async_write=async_write)
         self.uri = uri
 
     def load(self, ctx) -> tuple[str, dict[str, Any]] | None:
@@ -60,19 +62,27 @@ class RaySnapshots(SnapshotManager):
 
     def save(self, ctx, step, state, meta, metrics) -> None:
         import ray.train
+        from ray.train import CheckpointUploadMode
 
-        tmp = Path(tempfile.mkdtemp(prefix="trainapp-snap-")) if ctx.is_main else None
+        # With snapshot.async, Ray copies the written directory to storage in the background (and
+        # deletes it afterwards); the serialization itself still happens here.
+        mode = CheckpointUploadMode.ASYNC if self.async_write else CheckpointUploadMode.SYNC
+        local = None
+        t0 = time.perf_counter()
         try:
             ckpt = None
-            if tmp is not None:
+            if ctx.is_main:
                 from ray.train import Checkpoint
 
-                ckpt = Checkpoint.from_directory(write_dir(tmp / f"step_{step:09d}", state, meta))
+                local = write_dir(Path(tempfile.gettempdir()) / f"trainapp-snap-{uuid.uuid4().hex[:12]}", state, meta)
+                ckpt = Checkpoint.from_directory(local)
             # A barrier across workers: every rank reports at the same steps.
-            ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=f"step_{step:09d}")
+            ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=f"step_{step:09d}",
+                             checkpoint_upload_mode=mode)
         finally:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
+            if local is not None and mode is CheckpointUploadMode.SYNC:
+                shutil.rmtree(local, ignore_errors=True)
+        self.last_blocking_s = time.perf_counter() - t0
 
 
 def _prepare_worker(env: dict[str, str], threads: int, network: dict[str, Any]) -> str:
@@ -96,7 +106,8 @@ def train_worker(payload: dict[str, Any]) -> None:
     logs.setup(ctx.rank, ctx.world_size)
     # Ray stores the checkpoints as STORAGE/NAME/step_*: the run directory itself.
     uri = cfg.ray.storage_path if _is_uri(cfg.ray.storage_path) else None
-    snapshots = RaySnapshots(Path(cfg.run.dir), cfg.snapshot.every_steps, cfg.snapshot.keep, uri)
+    snapshots = RaySnapshots(Path(cfg.run.dir), cfg.snapshot.every_steps, cfg.snapshot.keep, uri,
+                             async_write=cfg.snapshot.async_)
     try:
         Trainer(cfg, ctx, snapshots=snapshots).train()
     finally:

@@ -7,6 +7,11 @@ name is complete by construction. On load the checksum is verified, and a corrup
 snapshot is reported and skipped in favour of the previous one.
 
 The same directory is what Ray Train stores as a checkpoint, so one format serves every launcher.
+
+With `snapshot.async`, rank 0 blocks only while it copies the state into CPU memory; a background
+thread writes that copy the same atomic way. One write is in flight at most: the next snapshot (and
+the end of training) waits for it. A process killed mid-write leaves a `.tmp-*` directory, never a
+`step_*` one, so the previous snapshot stays the newest valid.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -74,14 +80,29 @@ def _write_bytes(path: Path, write: Callable[[Any], None]) -> None:
         os.fsync(f.fileno())
 
 
-def write_dir(final: Path, state: dict[str, Any], meta: dict[str, Any]) -> Path:
-    """Write `state` and `meta` as the snapshot directory `final`, atomically."""
+def cpu_copy(obj: Any) -> Any:
+    """A deep copy of a state tree with every tensor copied to CPU memory (training goes on mutating
+    the originals in place while a background thread writes the copy)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cpu_copy(v) for v in obj)
+    return obj
+
+
+def write_dir(final: Path, state: dict[str, Any], meta: dict[str, Any], delay_s: float = 0.0) -> Path:
+    """Write `state` and `meta` as the snapshot directory `final`, atomically (`delay_s`: a drill's
+    pause between the state file and the meta file that completes it)."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
         _write_bytes(tmp / STATE, lambda f: torch.save(state, f))
+        if delay_s:
+            time.sleep(delay_s)
         meta = {**meta, "format": FORMAT, "sha256": file_sha256(tmp / STATE), "bytes": (tmp / STATE).stat().st_size}
         _write_bytes(tmp / META, lambda f: f.write(json.dumps(meta, indent=2).encode()))
         _fsync_dir(tmp)
@@ -189,13 +210,20 @@ def resolve(path: str | Path) -> Path:
 class SnapshotManager:
     """Snapshots in a directory every rank sees: owns the cadence, writing, purging and loading.
 
-    The loop calls `due`, then `save` and `load` on every rank; rank 0 does the file work. The Ray
-    launcher swaps in a subclass that hands snapshots to Ray Train instead.
+    The loop calls `due`, then `save` and `load` on every rank; rank 0 does the file work, in the
+    background with `async_write`. The Ray launcher swaps in a subclass that hands snapshots to Ray
+    Train instead.
     """
 
     root: Path
     every_steps: int
     keep: int
+    async_write: bool = False
+    write_delay_s: float = 0.0
+    last_blocking_s: float = 0.0
+    """Seconds the last `save` held rank 0 (the copy with async writes, the whole write without)."""
+    _pending: threading.Thread | None = field(default=None, repr=False)
+    _error: BaseException | None = field(default=None, repr=False)
 
     def due(self, step: int, last: bool) -> bool:
         return last or (self.every_steps > 0 and step % self.every_steps == 0)
@@ -227,21 +255,46 @@ class SnapshotManager:
         from trainapp import dist
 
         if ctx.is_main:
-            self.write(step, state, meta)
+            t0 = time.perf_counter()
+            if self.async_write:
+                self.wait()
+                copy = cpu_copy(state)
+                self._pending = threading.Thread(target=self._write_in_background, args=(step, copy, meta),
+                                                 name=f"snapshot-{step}")
+                self._pending.start()
+            else:
+                self.write(step, state, meta)
+            self.last_blocking_s = time.perf_counter() - t0
         dist.barrier(ctx)
+
+    def _write_in_background(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        try:
+            self.write(step, state, meta)
+        except BaseException as e:  # handed to the training thread at its next save or wait
+            self._error = e
+
+    def wait(self) -> None:
+        """Until the write in flight (if any) is on disk; re-raises its error in the caller."""
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
 
     def write(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path:
         """Rank 0 only: write the snapshot of `step` and purge old ones."""
         t0 = time.perf_counter()
-        path = write_dir(self.path_for(step), state, meta)
+        path = write_dir(self.path_for(step), state, meta, self.write_delay_s)
         self.purge()
-        log.info("snapshot step=%d path=%s seconds=%.2f", step, path, time.perf_counter() - t0)
+        log.info("snapshot step=%d path=%s seconds=%.2f%s", step, path, time.perf_counter() - t0,
+                 " (background)" if self.async_write else "")
         return path
 
     def purge(self) -> None:
         snaps = list_snapshots(self.root)
         for old in snaps[: max(0, len(snaps) - self.keep)]:
             shutil.rmtree(old, ignore_errors=True)
-        # Leftovers of writes that died (a killed process): writes are sequential, none is in flight.
+        # Leftovers of writes that died (a killed process): one write at a time, and it just ended.
         for leftover in self.root.glob(".tmp-*"):
             shutil.rmtree(leftover, ignore_errors=True)

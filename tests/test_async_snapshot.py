@@ -1,0 +1,109 @@
+"""snapshot.async: rank 0 blocks only for the CPU copy; the write runs in the background, atomically."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from helpers import PY, QUICK, REPO, inspect, metrics, torchrun, trainapp
+from trainapp import snapshot
+from trainapp.snapshot import SnapshotManager, load_state, newest_valid
+
+ALONE = SimpleNamespace(is_main=True, distributed=False, rank=0)
+
+
+def _state(value: float) -> dict:
+    return {"model": {"w": torch.full((1000,), value)}, "optimizer": {"state": {0: {"m": torch.ones(3) * value}}},
+            "progress": {"global_step": int(value)}}
+
+
+def test_the_background_write_holds_a_copy_not_the_live_tensors(tmp_path):
+    m = SnapshotManager(tmp_path, every_steps=10, keep=3, async_write=True, write_delay_s=0.3)
+    state = _state(10.0)
+    m.save(ALONE, 10, state, {"global_step": 10}, {})
+    state["model"]["w"].add_(5.0)  # training goes on mutating in place while the write is in flight
+    state["optimizer"]["state"][0]["m"].zero_()
+    m.wait()
+    loaded = load_state(m.path_for(10))
+    assert torch.equal(loaded["model"]["w"], torch.full((1000,), 10.0))
+    assert torch.equal(loaded["optimizer"]["state"][0]["m"], torch.ones(3) * 10.0)
+
+
+def test_save_blocks_for_the_copy_and_the_next_save_waits_for_the_previous_write(tmp_path):
+    m = SnapshotManager(tmp_path, every_steps=10, keep=3, async_write=True, write_delay_s=1.0)
+    m.save(ALONE, 10, _state(10.0), {"global_step": 10}, {})
+    first = m.last_blocking_s
+    assert not m.path_for(10).exists(), "returned before the write finished: it runs in the background"
+    m.save(ALONE, 20, _state(20.0), {"global_step": 20}, {})
+    second = m.last_blocking_s
+    assert m.path_for(10).exists(), "the second save started before the first write was complete"
+    m.wait()
+    assert first < 0.5 <= second, (first, second)
+    assert [p.name for p in snapshot.list_snapshots(tmp_path)] == ["step_000000010", "step_000000020"]
+
+
+def test_a_failed_background_write_surfaces_in_the_training_thread(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    m = SnapshotManager(blocker, every_steps=10, keep=3, async_write=True)
+    m.save(ALONE, 10, _state(10.0), {"global_step": 10}, {})
+    with pytest.raises(OSError):
+        m.wait()
+    m.wait()  # reported once
+
+
+@pytest.mark.slow
+def test_async_snapshots_change_nothing_in_the_math(tmp_path):
+    common = ["train.max_steps=20", "snapshot.every_steps=5", *QUICK]
+    sync = torchrun(2, f"run.dir={tmp_path}/sync", *common)
+    asyn = torchrun(2, f"run.dir={tmp_path}/async", "snapshot.async=true", *common)
+    assert sync.returncode == 0 and asyn.returncode == 0, sync.output[-2000:] + asyn.output[-2000:]
+    a, b = inspect(tmp_path / "sync"), inspect(tmp_path / "async")
+    assert a["global_step"] == b["global_step"] == 20
+    assert a["params_sha256"] == b["params_sha256"]
+    records = metrics(tmp_path / "async", "snapshot")
+    assert [r["step"] for r in records] == [5, 10, 15, 20] and all(r["background"] for r in records)
+
+
+@pytest.mark.slow
+def test_sigkill_during_a_background_write_leaves_the_previous_snapshot_intact(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [f"run.dir={run_dir}", "train.max_steps=30", "snapshot.every_steps=5", "snapshot.async=true",
+            "fault.snapshot_write_delay_s=4", *QUICK]
+    proc = subprocess.Popen([PY, "-m", "trainapp", "train", *args], cwd=REPO, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    snaps = run_dir / "snapshots"
+    try:
+        deadline = time.monotonic() + 120
+        # Wait for a complete step_5 and the state file of step_10 written but not yet completed.
+        while time.monotonic() < deadline:
+            tmp = [p for p in snaps.glob(".tmp-step_000000010-*") if (p / snapshot.STATE).exists()]
+            if tmp and (snaps / "step_000000005").exists():
+                break
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            time.sleep(0.1)
+        else:
+            pytest.fail("never saw step 10 mid-write")
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert not (snaps / "step_000000010").exists()
+    path, meta = newest_valid(snaps)
+    assert path.name == "step_000000005" and meta["global_step"] == 5
+    # The run resumes from it, sweeps the leftover and finishes.
+    r = trainapp("train", *[a for a in args if not a.startswith("fault.")], timeout=300)
+    assert r.returncode == 0, r.output[-3000:]
+    assert metrics(run_dir, "start")[-1]["resumed_step"] == 5
+    assert inspect(run_dir)["global_step"] == 30
+    assert not list(snaps.glob(".tmp-*"))

@@ -1,0 +1,49 @@
+"""`trainapp report`: plots and a summary of a run with a restart."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import QUICK, torchrun, trainapp
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def restarted_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("report") / "run"
+    r = torchrun(2, f"run.dir={run_dir}", "train.max_steps=20", "snapshot.every_steps=5", "train.eval_every=10",
+                 "fault.kill_at_step=13", "fault.rank=1", *QUICK, "train.log_every=1", max_restarts=1)
+    assert r.returncode == 0, r.output[-3000:]
+    return run_dir
+
+
+@pytest.mark.slow
+def test_report_plots_and_summarizes_a_run_with_a_restart(restarted_run, tmp_path):
+    out = tmp_path / "plots" / "run.png"
+    r = trainapp("report", str(restarted_run), "--out", str(out), timeout=120)
+    assert r.returncode == 0, r.output
+    data = out.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 20_000
+    summary = out.with_suffix(".txt").read_text()
+    assert summary.strip() in r.stdout
+    assert "finished at step 20 of 20 planned" in summary
+    assert "restarts       1: resumed at 10 after 13 (3 redone, world size 2)" in summary, summary
+    assert "val_acc        final" in summary and "snapshots      " in summary
+
+
+@pytest.mark.slow
+def test_report_without_matplotlib_says_how_to_get_it(restarted_run, tmp_path):
+    shadow = tmp_path / "shadow" / "matplotlib"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('matplotlib is not installed')\n")
+    r = trainapp("report", str(restarted_run), "--out", str(tmp_path / "r.png"), timeout=120,
+                 env={"PYTHONPATH": str(shadow.parent)})
+    assert r.returncode == 2, r.output
+    assert r.stderr.strip().splitlines()[-1] == \
+        "trainapp report: error: matplotlib is not installed (the report extra): pip install 'trainapp[report]'"
+
+
+def test_report_of_a_directory_without_metrics_is_bad_input(tmp_path):
+    r = trainapp("report", str(tmp_path), timeout=60)
+    assert r.returncode == 2 and "no metrics.jsonl here" in r.stderr

@@ -1,0 +1,150 @@
+"""`python -m trainapp report RUN_DIR`: plots and a short summary of a run, from its metrics.jsonl.
+
+One PNG (`RUN_DIR/report.png`, or `--out`) with loss, validation accuracy, samples/s, learning rate
+and the fp16 loss scale over optimizer steps, each restart marked where it resumed; the summary is
+printed and written beside it as `report.txt`. Works on `run.dir` of torchrun runs and on
+`STORAGE/NAME` of Ray runs. matplotlib is an optional extra: `pip install 'trainapp[report]'`.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from trainapp.config import ConfigError
+
+METRICS = "metrics.jsonl"
+
+
+def read(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / METRICS
+    if not path.is_file():
+        raise ConfigError(f"{run_dir}: no {METRICS} here; pass a run.dir (or STORAGE/NAME of a Ray run)")
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line torn by a killed writer
+    if not any(r.get("kind") == "start" for r in records):
+        raise ConfigError(f"{path}: no `start` record; is this a trainapp run?")
+    return records
+
+
+def restarts(records: list[dict]) -> list[dict]:
+    """One entry per start after the first: where it resumed and how many steps were done twice."""
+    out, highest = [], 0
+    starts = 0
+    for r in records:
+        kind = r.get("kind")
+        if kind == "train":
+            highest = max(highest, r["step"])
+        elif kind == "start":
+            starts += 1
+            if starts > 1:
+                resumed = r.get("resumed_step") or 0
+                out.append({"resumed_step": resumed, "trained_to": highest, "redone": max(0, highest - resumed),
+                            "world_size": r.get("world_size")})
+    return out
+
+
+def summarize(run_dir: Path, records: list[dict]) -> str:
+    train = [r for r in records if r.get("kind") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    starts = [r for r in records if r.get("kind") == "start"]
+    end = next((r for r in reversed(records) if r.get("kind") == "end"), None)
+    snaps = [r["blocking_s"] for r in records if r.get("kind") == "snapshot"]
+    first = starts[0]
+    lines = [f"run            {run_dir}"]
+    state = f"finished at step {end['steps']}" if end else f"not finished (last step {train[-1]['step'] if train else 0})"
+    lines.append(f"status         {state} of {first.get('total_steps')} planned")
+    wall = (records[-1]["time"] - first["time"]) if "time" in first else 0.0
+    lines.append(f"wall time      {wall:.1f} s from the first start to the last record")
+    sizes = sorted({s.get("world_size") for s in starts})
+    lines.append(f"world size     {', '.join(map(str, sizes))}; amp {first.get('amp')}; backend {first.get('backend')}")
+    rs = restarts(records)
+    if rs:
+        what = "; ".join(f"resumed at {r['resumed_step']} after {r['trained_to']} ({r['redone']} redone, "
+                         f"world size {r['world_size']})" for r in rs)
+        lines.append(f"restarts       {len(rs)}: {what}")
+    else:
+        lines.append("restarts       none")
+    if train:
+        lines.append(f"loss           {train[0]['loss']:.4f} at step {train[0]['step']} -> {train[-1]['loss']:.4f} "
+                     f"at step {train[-1]['step']}")
+        sps = [r["samples_per_s"] for r in train if r.get("samples_per_s")]
+        if sps:
+            lines.append(f"samples/s      median {statistics.median(sps):.1f} over {len(sps)} records")
+    if evals:
+        best = max(evals, key=lambda r: r["val_acc"])
+        lines.append(f"val_acc        final {evals[-1]['val_acc']:.4f}, best {best['val_acc']:.4f} at step {best['step']}")
+    if snaps:
+        lines.append(f"snapshots      {len(snaps)} written; training blocked a median {statistics.median(snaps) * 1000:.1f} "
+                     f"ms each")
+    network = [n for n in (first.get("network") or []) if n and n.get("gloo")]
+    if network:
+        lines.append("network        " + ", ".join(f"{n['host']} {n['gloo']} ({n['address']})" for n in network))
+    return "\n".join(lines)
+
+
+def _segments(records: list[dict], kind: str, key: str) -> list[tuple[list[int], list[float]]]:
+    """(steps, values) per attempt: a restart starts a new line, so redone steps do not zigzag."""
+    segs: list[tuple[list[int], list[float]]] = []
+    for r in records:
+        if r.get("kind") == "start":
+            segs.append(([], []))
+        elif r.get("kind") == kind and r.get(key) is not None and segs:
+            segs[-1][0].append(r["step"])
+            segs[-1][1].append(r[key])
+    return [s for s in segs if s[0]]
+
+
+def plot(records: list[dict], out: Path, title: str) -> Path:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, no display
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("matplotlib is not installed (the report extra): pip install 'trainapp[report]'") from None
+    panels = [("loss", "train", "loss", False), ("validation accuracy", "eval", "val_acc", False),
+              ("samples/s", "train", "samples_per_s", False), ("learning rate", "train", "lr", False),
+              ("loss scale (fp16)", "train", "loss_scale", True)]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.3 * len(panels)), sharex=True)
+    rs = restarts(records)
+    for ax, (name, kind, key, log_scale) in zip(axes, panels):
+        segs = _segments(records, kind, key)
+        for xs, ys in segs:
+            ax.plot(xs, ys, color="tab:blue", marker="." if len(xs) < 50 else None, linewidth=1.2)
+        if segs:
+            if log_scale:
+                ax.set_yscale("log", base=2)
+        else:
+            ax.text(0.5, 0.5, f"no {key} records" + (" (not an fp16 run)" if key == "loss_scale" else ""),
+                    transform=ax.transAxes, ha="center", va="center", color="gray")
+        for i, r in enumerate(rs):
+            ax.axvline(r["resumed_step"], color="tab:red", linestyle="--", linewidth=1,
+                       label="restart (resumed here)" if i == 0 else None)
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    if rs:
+        axes[0].legend(loc="upper right")
+    axes[-1].set_xlabel("optimizer step")
+    fig.suptitle(title)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def run(run_dir: str, out: str | None = None) -> tuple[Path, str]:
+    root = Path(run_dir)
+    records = read(root)
+    png = Path(out) if out else root / "report.png"
+    text = summarize(root, records)
+    plot(records, png, f"trainapp run {root.name}")
+    png.with_suffix(".txt").write_text(text + "\n")
+    return png, text
