@@ -143,9 +143,12 @@ test-fast: $(STAMP) $(TOOLS_STAMP) ## Run the tests that start no training proce
 ##@ Benchmarks
 
 .PHONY: bench
-bench: $(STAMP) ## Run every benchmark; results in bench/results/*.json (BENCH_ARGS="--smoke")
+bench: $(STAMP) ## Run every benchmark, then one summary table: bench/results/*.json, summary.md (BENCH_ARGS="--smoke")
 	$(BIN)/python bench/loop_overhead.py $(BENCH_ARGS)
 	$(BIN)/python bench/launchers.py $(BENCH_ARGS)
+	$(BIN)/python bench/snapshot_cost.py $(BENCH_ARGS)
+	$(BIN)/python bench/amp_cpu.py $(BENCH_ARGS)
+	$(BIN)/python bench/summary.py $(if $(findstring --smoke,$(BENCH_ARGS)),--results bench/results/smoke)
 
 ##@ Clean
 

@@ -29,3 +29,28 @@ def test_launchers_benchmark_smoke(tmp_path):
     assert result["smoke"] is True
     assert result["startup_seconds_ray"] > 0 and result["startup_seconds_torchrun"] > 0
     assert result["ray_vs_torchrun_step_ratio"] > 0
+
+
+def test_snapshot_cost_benchmark_smoke(tmp_path):
+    out = tmp_path / "snapshot_cost.json"
+    r = run_cmd([sys.executable, str(REPO / "bench" / "snapshot_cost.py"), "--smoke", "--out", str(out),
+                 "--dir", str(tmp_path)], timeout=300)
+    assert r.returncode == 0, r.output
+    result = json.loads(out.read_text())
+    assert result["smoke"] is True and result["async_vs_sync_blocking_ratio"] > 0
+    assert result["blocking"]["resnet18"]["state_mb"] > 80  # weights + momentum of 11.7M parameters
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("trainapp-snapcost-")], "left its snapshots"
+
+
+def test_amp_cpu_benchmark_smoke_and_the_summary_table(tmp_path):
+    out = tmp_path / "amp_cpu.json"
+    r = run_cmd([sys.executable, str(REPO / "bench" / "amp_cpu.py"), "--smoke", "--out", str(out)], timeout=300)
+    assert r.returncode == 0, r.output
+    assert json.loads(out.read_text())["bf16_vs_fp32_step_ratio"]["smallcnn"] > 0
+    for name in ("loop_overhead", "launchers"):
+        (tmp_path / f"{name}.json").write_text((REPO / "bench" / "results" / f"{name}.json").read_text())
+    r = run_cmd([sys.executable, str(REPO / "bench" / "summary.py"), "--results", str(tmp_path)], timeout=60)
+    assert r.returncode == 0, r.output
+    table = (tmp_path / "summary.md").read_text()
+    assert "| `loop_overhead` |" in table and "| `amp_cpu` | smallcnn" in table
+    assert "`snapshot_cost`" in table and "not run" in table  # a benchmark without results says so

@@ -1,0 +1,76 @@
+"""One table of every benchmark's headline numbers, from bench/results/*.json.
+
+    python bench/summary.py                  # prints it and writes bench/results/summary.md
+    python bench/summary.py --results DIR    # another results folder (e.g. bench/results/smoke)
+
+A row per headline metric: the value, its target where the issue set one, and whether it is met.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# (file, metric key, label, target as (op, bound) or None, format)
+ROWS = [
+    ("loop_overhead", "loop_overhead_ratio", "trainapp loop / minimal DDP loop, step time", ("<=", 1.03), "{:.3f}"),
+    ("loop_overhead", "control_ratio", "minimal loop / itself (noise floor)", None, "{:.3f}"),
+    ("launchers", "ray_vs_torchrun_step_ratio", "Ray Train / torchrun, step time", ("<=", 1.05), "{:.3f}"),
+    ("launchers", "startup_seconds_torchrun", "torchrun: launch to first step (s)", None, "{:.1f}"),
+    ("launchers", "startup_seconds_ray", "Ray: `ray job submit` to first step (s)", None, "{:.1f}"),
+    ("launchers", "recovery_seconds", "Ray: worker SIGKILL to first resumed step (s)", ("<=", 20), "{:.1f}"),
+    ("launchers", "recovery_seconds_torchrun", "torchrun: worker SIGKILL to first resumed step (s)", None, "{:.1f}"),
+    ("launchers", "node_loss_recovery_seconds", "Ray elastic: node lost to first step on the rest (s)", ("<=", 30),
+     "{:.1f}"),
+    ("snapshot_cost", "async_vs_sync_blocking_ratio", "snapshot blocking time, async / sync (worse model)",
+     ("<=", 0.25), "{:.3f}"),
+    ("snapshot_cost", "throughput_loss_at_100_steps", "throughput lost to one async snapshot per 100 steps",
+     ("<=", 0.01), "{:.2%}"),
+]
+
+
+def _value(results: dict, name: str, key: str):
+    data = results.get(name)
+    return None if data is None else data.get(key)
+
+
+def table(results_dir: Path) -> str:
+    results = {p.stem: json.loads(p.read_text()) for p in sorted(results_dir.glob("*.json"))}
+    lines = ["| benchmark | metric | value | target | met |", "|---|---|---|---|---|"]
+    for name, key, label, target, fmt in ROWS:
+        value = _value(results, name, key)
+        shown = fmt.format(value) if isinstance(value, (int, float)) else "not run"
+        if target and isinstance(value, (int, float)):
+            op, bound = target
+            met = "yes" if (value <= bound if op == "<=" else value >= bound) else "**no**"
+            goal = f"{op} {fmt.format(bound)}"
+        else:
+            met, goal = "", ""
+        lines.append(f"| `{name}` | {label} (`{key}`) | {shown} | {goal} | {met} |")
+    amp = results.get("amp_cpu", {}).get("models", {})
+    for model, m in amp.items():
+        lines.append(f"| `amp_cpu` | {model}: bf16 autocast / fp32, step time ({m['bf16_step_ms']:.1f} vs "
+                     f"{m['fp32_step_ms']:.1f} ms) | {m['bf16_vs_fp32_step_ratio']:.3f} |  |  |")
+    machines = sorted({f"{r.get('machine')} ({r.get('date')})" for r in results.values() if r.get("machine")})
+    return "\n".join(lines) + "\n\nMeasured on: " + "; ".join(machines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--results", type=Path, default=HERE / "results")
+    args = p.parse_args()
+    if not args.results.is_dir():
+        print(f"summary: error: --results {args.results}: no such directory; run `make bench` first", file=sys.stderr)
+        return 2
+    text = table(args.results)
+    (args.results / "summary.md").write_text(text)
+    print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
