@@ -7,11 +7,14 @@ snapshots of a real model's state (weights, SGD momentum, progress) to a directo
    (serialize + fsync + rename) and in async mode (the CPU copy only; the write is waited for between
    calls, outside the timing, so the number is the pure per-snapshot hold). Sync and async alternate.
    `async_vs_sync_blocking_ratio` is the worse (larger) of the two sizes' median ratios.
-2. Throughput: rounds of N training steps (one process, forward + backward + SGD on CPU), each round
-   either with no snapshot, or with one async (or sync) snapshot at its start; a round's time includes
-   that `save()` and, at its end, waiting for the background write (which the next snapshot would wait
-   for anyway). Modes rotate through every order. `throughput_loss_at_100_steps` = median(async
-   round) / median(no-snapshot round) - 1, for resnet18 (the worse of the models measured).
+2. Throughput: resnet18 training on CPU (one process, forward + backward + SGD) with a snapshot every
+   N steps, each step timed. A snapshot's cost is the time `save()` held training plus how much
+   longer the following `--window` steps took than the interval's other steps (the background write
+   competes for the cores there); divided by the N steps' time, that is the throughput lost to one
+   snapshot per N steps (`throughput_loss_at_100_steps`: median over intervals, async). A control
+   window mid-interval, where nothing happens, is measured the same way: the noise floor. (Whole
+   rounds with and without snapshots were tried first: on a small shared machine their drift, several
+   percent, is larger than the effect.)
 
     python bench/snapshot_cost.py            # writes bench/results/snapshot_cost.json
     python bench/snapshot_cost.py --smoke    # seconds; for CI, writes bench/results/smoke/
@@ -92,41 +95,60 @@ def blocking(model_name: str, reps: int, root: Path) -> dict:
             "sync_blocking_s": times["sync"], "async_blocking_s": times["async"]}
 
 
-def throughput(model_name: str, rounds: int, steps: int, batch: int, image_size: int, root: Path) -> dict:
+def throughput(model_name: str, intervals: int, steps: int, window: int, batch: int, image_size: int,
+               root: Path) -> dict:
+    """Per-step times around each snapshot, against the quiet rest of the same interval.
+
+    Round-to-round drift on a small shared machine (several percent) is larger than the effect, so
+    the cost is measured where it happens: for a snapshot at the start of an interval of `steps`
+    steps, the excess is the time `save()` held training plus, over the next `window` steps, how much
+    longer they took than the median step of that interval outside the window (the background write
+    and the copy's cache effects land there). A control window in the middle of each interval, where
+    nothing happens, gives the noise floor the same way.
+    """
     from trainapp.snapshot import SnapshotManager
 
     model, opt, x, y = build(model_name, image_size, batch)
-    managers = {"async": SnapshotManager(root / f"{model_name}-tp-async", steps, 2, async_write=True),
-                "sync": SnapshotManager(root / f"{model_name}-tp-sync", steps, 2)}
-    orders = list(itertools.permutations(("none", "async", "sync")))
-    times = {"none": [], "async": [], "sync": []}
-    n = 0
-    for r in range(rounds + 1):
-        for mode in orders[r % len(orders)]:
-            t0 = time.perf_counter()
-            if mode != "none":
-                managers[mode].save(ALONE, n, state_of(model, opt, n), {"global_step": n}, {})
-            for _ in range(steps):
+    out = {}
+    for mode in ("async", "sync"):
+        m = SnapshotManager(root / f"{model_name}-tp-{mode}", steps, 2, async_write=mode == "async")
+        losses, controls, n, step_s = [], [], 0, []
+        for k in range(intervals + 1):
+            held = 0.0
+            times = []
+            for i in range(steps):
+                if i == 0:
+                    m.save(ALONE, n, state_of(model, opt, n), {"global_step": n}, {})
+                    held = m.last_blocking_s
+                t0 = time.perf_counter()
                 step(model, opt, x, y)
+                times.append(time.perf_counter() - t0)
                 n += 1
-            if mode != "none":
-                managers[mode].wait()
-            if r > 0:  # round 0 warms up every mode
-                times[mode].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    return {"steps_per_round": steps, "batch": batch, "image_size": image_size,
-            "step_ms_no_snapshot": 1000 * med["none"] / steps,
-            "throughput_loss_async": med["async"] / med["none"] - 1,
-            "throughput_loss_sync": med["sync"] / med["none"] - 1,
-            "round_s": {k: [round(t, 3) for t in v] for k, v in times.items()}}
+            if k == 0:
+                continue  # warm-up interval
+            mid = steps // 2
+            rest = times[window:mid] + times[mid + window:]
+            base = statistics.median(rest)
+            losses.append((held + sum(t - base for t in times[:window])) / (steps * base))
+            controls.append(sum(t - base for t in times[mid:mid + window]) / (steps * base))
+            step_s.append(base)
+        m.wait()
+        out[mode] = {"throughput_loss": statistics.median(losses), "control": statistics.median(controls),
+                     "per_snapshot": [round(v, 5) for v in losses], "step_ms": 1000 * statistics.median(step_s)}
+    return {"steps_per_snapshot": steps, "window": window, "batch": batch, "image_size": image_size,
+            "intervals": intervals, "step_ms_no_snapshot": out["async"]["step_ms"],
+            "throughput_loss_async": out["async"]["throughput_loss"],
+            "throughput_loss_sync": out["sync"]["throughput_loss"],
+            "control_async": out["async"]["control"], "control_sync": out["sync"]["control"], "modes": out}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny run that only checks the benchmark works")
     p.add_argument("--reps", type=int, default=7, help="timed snapshots per mode for the blocking time")
-    p.add_argument("--rounds", type=int, default=6, help="timed rounds per mode for the throughput")
-    p.add_argument("--steps", type=int, default=100, help="training steps per round (one snapshot per round)")
+    p.add_argument("--intervals", type=int, default=8, help="snapshot intervals timed per mode for the throughput")
+    p.add_argument("--steps", type=int, default=100, help="training steps per snapshot interval")
+    p.add_argument("--window", type=int, default=30, help="steps after a snapshot that are charged to it")
     p.add_argument("--models", default="resnet18,resnet50", help="models whose state is snapshotted")
     p.add_argument("--throughput-models", default="resnet18", help="models trained for the throughput rounds")
     p.add_argument("--batch", type=int, default=8)
@@ -136,7 +158,7 @@ def main() -> int:
     p.add_argument("--out", help="result file (default bench/results/snapshot_cost.json)")
     args = p.parse_args()
     if args.smoke:
-        args.reps, args.rounds, args.steps, args.batch = 1, 1, 3, 2
+        args.reps, args.intervals, args.steps, args.window, args.batch = 1, 1, 8, 2, 2
         args.models = args.throughput_models = "resnet18"
     out = Path(args.out or HERE / "results" / ("smoke" if args.smoke else "") / "snapshot_cost.json")
     import torch
@@ -148,12 +170,12 @@ def main() -> int:
         for m, b in block.items():
             print(f"{m}: {b['state_mb']} MB state, blocking sync {b['sync_blocking_s_median'] * 1000:.0f} ms, "
                   f"async {b['async_blocking_s_median'] * 1000:.0f} ms", flush=True)
-        tput = {m: throughput(m, args.rounds, args.steps, args.batch, args.image_size, root)
+        tput = {m: throughput(m, args.intervals, args.steps, args.window, args.batch, args.image_size, root)
                 for m in args.throughput_models.split(",")}
         for m, t in tput.items():
             print(f"{m}: {t['step_ms_no_snapshot']:.1f} ms/step; one snapshot per {args.steps} steps costs "
-                  f"{100 * t['throughput_loss_async']:.2f}% async, {100 * t['throughput_loss_sync']:.2f}% sync",
-                  flush=True)
+                  f"{100 * t['throughput_loss_async']:.2f}% async, {100 * t['throughput_loss_sync']:.2f}% sync "
+                  f"(control windows: {100 * t['control_async']:.2f}%, {100 * t['control_sync']:.2f}%)", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result = {
