@@ -130,6 +130,10 @@ k8s-render-kind: ## Print the kind overlay (k8s/overlays/kind-cpu) as plain YAML
 kind-smoke: ## Needs Docker + kind: CPU image, kind cluster, job survives a deleted worker pod (scripts/kind-smoke.sh)
 	scripts/kind-smoke.sh
 
+.PHONY: container-smoke
+container-smoke: $(STAMP) ## Needs root, docker.io, debootstrap: CPU image, Ray head + 2 worker containers, job survives a killed worker
+	RAY=$(abspath $(BIN))/ray DOCKER=$(DOCKER) $(PYTHON) scripts/container_smoke.py
+
 ##@ Test
 
 .PHONY: test

@@ -117,7 +117,12 @@ port_forward() {
     sleep 1
 }
 
-job_status() { port_forward; ray_job status "${NAME}" 2>/dev/null | grep -oE 'PENDING|RUNNING|SUCCEEDED|FAILED|STOPPED' | tail -n 1 || true; }
+# `ray job status` prints "Job 'X' succeeded" / "failed" / "was stopped" / "is running" (no enum names).
+job_status() {
+    port_forward
+    ray_job status "${NAME}" 2>/dev/null | grep -oiE 'pending|running|succeeded|failed|stopped' | tail -n 1 \
+        | tr '[:lower:]' '[:upper:]' || true
+}
 
 # Fail the wait loops early when the job has ended badly.
 check_job_alive() {
@@ -212,6 +217,7 @@ log "job ${NAME} succeeded; checking the run directory"
 
 python3 "${REPO}/scripts/smoke_assert.py" "/mnt/runs/${NAME}" --backend kind --context "${CONTEXT}" \
     --namespace "${NS}" --container ray-head --expect-steps "${STEPS}" \
+    --nonroot-selector app.kubernetes.io/name=trainapp \
     || die "smoke_assert.py found a problem in /mnt/runs/${NAME}"
 log "passed"
 DETAIL="worker pod killed at step ${step}, resumed from step ${resumed}, ${STEPS}/${STEPS} steps"

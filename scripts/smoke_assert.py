@@ -8,7 +8,8 @@ obtained differs; the checks read a local copy and are the same for both:
     --backend kind    RUN_DIR is a path inside the Ray head pod (e.g. /mnt/runs/smoke); it is copied
                       out with `kubectl cp` into a temporary directory (or --dest) first.
     --backend docker  RUN_DIR is a path on this machine: the host side of the container's volume
-                      (default).
+                      (default); with --docker-container NAME, a path inside that container, copied
+                      out with `docker cp` first (the Docker-engine smoke test does this).
 
 A run directory is STORAGE/NAME of `python -m trainapp ray` (or run.dir of `trainapp train`): it holds
 metrics.jsonl (one JSON record per line: kind start/train/eval/end) and the snapshots
@@ -23,18 +24,24 @@ Checks, one line each, then a one-line summary; exit 0 when all pass, 1 otherwis
                     the two tolerances: steps after the last record, a snapshot being written)
     redone          at most snapshot.every_steps steps were trained twice at each restart
     final-step      the newest snapshot's global_step equals the planned total steps
+    non-root        (with --nonroot / --nonroot-selector) every process in each named container or
+                    pod runs with a non-zero real and effective uid; read from /proc inside it by its
+                    own python3 (`docker exec` / `kubectl exec`), so the image needs no ps
 
 snapshot.every_steps comes from the first `start` record's config, the planned total from its
 `total_steps` (or --expect-steps). Standard library only, so any python3 runs it.
 
-    python scripts/smoke_assert.py RUN_DIR [--backend kind|docker] [--expect-steps N]
-    python scripts/smoke_assert.py /mnt/runs/smoke --backend kind --context kind-trainapp
+    python scripts/smoke_assert.py RUN_DIR [--backend kind|docker] [--expect-steps N] [--nonroot NAME ...]
+    python scripts/smoke_assert.py /mnt/runs/smoke --backend kind --context kind-trainapp \
+        --nonroot-selector app.kubernetes.io/name=trainapp
+    python scripts/smoke_assert.py /mnt/runs/smoke --docker-container ray-head --nonroot ray-head
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -183,7 +190,8 @@ def check_run(run_dir: Path, expect_steps: int | None = None) -> list[Check]:
     return checks
 
 
-def report(checks: list[Check], run_dir: Path | str, out=sys.stdout) -> bool:
+def report(checks: list[Check], run_dir: Path | str, out=None) -> bool:
+    out = out or sys.stdout  # looked up at call time (pytest's capsys replaces sys.stdout)
     for c in checks:
         print(c.line(), file=out)
     failed = [c.name for c in checks if not c.ok]
@@ -216,6 +224,99 @@ def fetch_kind(remote_dir: str, dest: Path, namespace: str = "trainapp", context
     return local
 
 
+
+def fetch_docker(container: str, remote_dir: str, dest: Path, docker: str | None = None) -> Path:
+    """Copy RUN_DIR out of a container with `docker cp` (running or stopped; volumes included)."""
+    local = Path(dest) / Path(remote_dir.rstrip("/")).name
+    subprocess.run([docker or os.environ.get("DOCKER", "docker"), "cp", f"{container}:{remote_dir}", str(local)],
+                   check=True, capture_output=True, text=True, timeout=300)
+    return local
+
+
+# ------------------------------------------------------------------------------------------------
+# Non-root: every process of a container or pod, read from /proc inside it (both backends)
+
+# Run by the container's own python3: the images have no ps. One JSON list of the processes the
+# container sees (its PID namespace), with real and effective uid; this lister itself is one of them,
+# so it also shows the user that `docker exec` / `kubectl exec` get by default: the image's.
+PROCESS_LISTER = r"""
+import json, os
+procs = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            uid, euid = next(line.split()[1:3] for line in f if line.startswith("Uid:"))
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except (OSError, StopIteration):
+        continue
+    procs.append({"pid": int(pid), "uid": int(uid), "euid": int(euid), "cmd": cmd[:120]})
+print(json.dumps(procs))
+"""
+
+
+def docker_exec(container: str, docker: str | None = None) -> list[str]:
+    return [docker or os.environ.get("DOCKER", "docker"), "exec", container]
+
+
+def kind_exec(pod: str, namespace: str = "trainapp", context: str | None = None) -> list[str]:
+    return ["kubectl", *(["--context", context] if context else []), "-n", namespace, "exec", pod, "--"]
+
+
+def kind_pods(selector: str, namespace: str = "trainapp", context: str | None = None) -> list[str]:
+    """Names of the running pods with these labels."""
+    out = subprocess.run(["kubectl", *(["--context", context] if context else []), "-n", namespace, "get", "pod",
+                          "-l", selector, "--field-selector=status.phase=Running",
+                          "-o", "jsonpath={.items[*].metadata.name}"],
+                         check=True, capture_output=True, text=True, timeout=60).stdout
+    return out.split()
+
+
+def list_processes(exec_prefix: list[str]) -> list[dict]:
+    """[{pid, uid, euid, cmd}] of one container; exec_prefix runs a command in it (docker_exec, kind_exec)."""
+    out = subprocess.run([*exec_prefix, "python3", "-I", "-c", PROCESS_LISTER],
+                         check=True, capture_output=True, text=True, timeout=60).stdout
+    return json.loads(out)
+
+
+def collect_processes(targets: dict[str, list[str]]) -> dict[str, list[dict] | str]:
+    """{name: processes} for {name: exec_prefix}; a name whose listing failed maps to the error (a str)."""
+    found: dict[str, list[dict] | str] = {}
+    for name, prefix in targets.items():
+        try:
+            found[name] = list_processes(prefix)
+        except subprocess.CalledProcessError as e:
+            last = (e.stderr or "").strip().splitlines()
+            found[name] = f"exit {e.returncode}" + (f": {last[-1]}" if last else "")
+        except (OSError, subprocess.TimeoutExpired, ValueError) as e:
+            found[name] = f"{e.__class__.__name__}: {e}"
+    return found
+
+
+def check_nonroot(listings: dict[str, list[dict] | str]) -> Check:
+    """PASS when every listed process has a non-zero real and effective uid, in every container."""
+    if not listings:
+        return Check("non-root", False, "no container or pod to check")
+    problems, uids, count = [], set(), 0
+    for name, procs in listings.items():
+        if isinstance(procs, str):
+            problems.append(f"{name}: cannot list processes ({procs})")
+            continue
+        if not procs:
+            problems.append(f"{name}: no processes listed")
+            continue
+        count += len(procs)
+        uids.update(p["uid"] for p in procs)
+        uids.update(p["euid"] for p in procs)
+        root = [p for p in procs if p["uid"] == 0 or p["euid"] == 0]
+        if root:
+            problems.append(f"{name}: {len(root)} process(es) as root, e.g. pid {root[0]['pid']} {root[0]['cmd']!r}")
+    if problems:
+        return Check("non-root", False, "; ".join(problems))
+    return Check("non-root", True, f"{count} processes in {len(listings)} containers ({', '.join(listings)}), "
+                                   f"uid(s) {sorted(uids)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="smoke_assert.py", description=__doc__.splitlines()[0])
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run's storage directory (STORAGE/NAME)")
@@ -229,8 +330,22 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--pod", help="pod to copy from (default: the running pod matching --selector)")
     k.add_argument("--selector", default="app.kubernetes.io/component=ray-head")
     k.add_argument("--container", help="container of the pod (default: kubectl's choice)")
-    k.add_argument("--dest", type=Path, help="where to put the copy (default: a new temporary directory)")
+    k.add_argument("--dest", type=Path, help="where to put the copy, kind or --docker-container "
+                                             "(default: a new temporary directory)")
+    d = p.add_argument_group("docker backend")
+    d.add_argument("--docker-container", metavar="NAME",
+                   help="RUN_DIR is a path inside this container (e.g. on its volume), copied out with docker cp "
+                        "(default: RUN_DIR is a local path); the CLI is $DOCKER, else docker")
+    n = p.add_argument_group("non-root check (either backend; skipped when neither option is given)")
+    n.add_argument("--nonroot", metavar="NAME", action="append", default=[],
+                   help="container (docker) or pod (kind) whose processes must all run as a non-root uid; repeatable")
+    n.add_argument("--nonroot-selector", metavar="LABELS",
+                   help="kind: also every running pod with these labels, e.g. app.kubernetes.io/name=trainapp")
     args = p.parse_args(argv)
+    if args.nonroot_selector and args.backend != "kind":
+        p.error("--nonroot-selector needs --backend kind (name the containers with --nonroot)")
+    if args.docker_container and args.backend != "docker":
+        p.error("--docker-container needs --backend docker")
 
     run_dir: Path | str = args.run_dir
     if args.backend == "kind":
@@ -245,7 +360,34 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"smoke_assert: copied {args.run_dir} from the head pod to {local}")
         run_dir = local
-    return 0 if report(check_run(Path(run_dir), args.expect_steps), run_dir) else 1
+    elif args.docker_container:
+        dest = args.dest or Path(tempfile.mkdtemp(prefix="smoke-assert-"))
+        dest.mkdir(parents=True, exist_ok=True)
+        try:
+            local = fetch_docker(args.docker_container, args.run_dir, dest)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
+            why = (getattr(e, "stderr", None) or str(e)).strip().splitlines()[-1:] or [""]
+            print(f"FAIL fetch: cannot copy {args.run_dir} out of container {args.docker_container} ({why[0]})")
+            print(f"smoke_assert: FAIL 1 of 1 checks (fetch) in {args.run_dir}")
+            return 1
+        print(f"smoke_assert: copied {args.run_dir} from container {args.docker_container} to {local}")
+        run_dir = local
+
+    checks = check_run(Path(run_dir), args.expect_steps)
+    if args.nonroot or args.nonroot_selector:
+        if args.backend == "kind":
+            pods = list(args.nonroot)
+            if args.nonroot_selector:
+                try:
+                    pods += [x for x in kind_pods(args.nonroot_selector, args.namespace, args.context) if x not in pods]
+                except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
+                    checks.append(Check("non-root", False, f"cannot list pods {args.nonroot_selector} ({e})"))
+                    return 0 if report(checks, run_dir) else 1
+            targets = {x: kind_exec(x, args.namespace, args.context) for x in pods}
+        else:
+            targets = {x: docker_exec(x) for x in args.nonroot}
+        checks.append(check_nonroot(collect_processes(targets)))
+    return 0 if report(checks, run_dir) else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,784 @@
+#!/usr/bin/env python3
+"""Smoke test on a real Docker engine (CPU only): a Ray head and two Ray workers as containers, and a
+training job that survives a killed worker container.
+
+    engine   a private dockerd: its own socket, data root and exec root in a temporary directory; no
+             docker0, no iptables rules, no ip_forward change (containers reach nothing outside their
+             network; only the build uses the host's network)
+    base     a Debian bookworm base made with debootstrap (python3, python3-venv, ca-certificates,
+             iproute2, this machine's CA bundle) and `docker import`: no registry needed
+    image    the CPU image from docker/Dockerfile (target cpu), pip reading this machine's local
+             package folders (`pip config list`) served read-only on 127.0.0.1 for the build
+    cluster  a bridge network, a volume for the runs at /mnt/runs, a Ray head and two Ray workers:
+             read-only root, /tmp a tmpfs, all capabilities dropped, the image's user (uid 1000),
+             token auth, GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME=eth0
+    job      `ray job submit` (through the head's dashboard, published on 127.0.0.1 only) of a short
+             run: 2 workers, 60 steps, a snapshot every 10 -> `docker kill` of rank 0's worker container
+             at step >= 25 and a replacement worker container (the run asks for 2 workers, so Ray
+             Train waits for it) -> the job resumes from its newest snapshot (20) and succeeds
+    checks   scripts/smoke_assert.py on the run directory (copied out with docker cp): finished,
+             restarted, resumed from the newest snapshot, at most snapshot.every_steps redone, final
+             step, and every process in the containers non-root
+    teardown containers, network, volume, the dockerd (by PID) and the temporary directory, also
+             on failure or Ctrl-C
+
+Usage: scripts/container_smoke.py   (or `make container-smoke`); as root (it starts dockerd).
+Environment:
+  SMOKE_DOCKER_HOST=unix:///PATH  use this running engine instead of starting one: it is never stopped,
+                                  only this run's containers, network and volume are removed
+  KEEP_DOCKER_ROOT=DIR            the private dockerd keeps its data root (base, image, build cache) in
+                                  DIR between runs, so a rebuild takes seconds: local iteration only, never CI
+  SMOKE_TMPDIR=/var/tmp           where the temporary directory goes (the data root needs ~7 GB)
+  SKIP_BUILD=1                    use the engine's IMAGE as it is
+  IMAGE=trainapp:0.1.0-cpu        tag of the image built and run
+  CPU_BASE=IMAGE                  base of the build (default: python:3.11-slim-bookworm if the engine has
+                                  it, else the debootstrap base); an image the engine lacks is pulled
+  DEBIAN_MIRROR=URL               debootstrap's mirror (default http://deb.debian.org/debian)
+  SMOKE_BUILD_ARGS="..."          more `docker build` arguments, last: "--build-arg PIP_NO_INDEX=1"
+  RAY=PATH                        Ray CLI for `ray job` (default .venv/bin/ray, else ray on PATH)
+  DOCKER=docker                   docker CLI for everything but the build (see build_command)
+  TIMEOUT=900                     seconds for the job, from submission to SUCCEEDED
+Needs: Linux, root, the docker CLI, dockerd + containerd + debootstrap
+(`apt-get install -y docker.io debootstrap`), the Ray CLI (`make venv`), ~7 GB free disk.
+Exit status: 0 passed, 1 failed, 2 a prerequisite is missing or a setting is wrong, 130 interrupted.
+
+Package sources of the build: pip's configuration on this machine. Every local index (file://.../simple)
+and find-links folder is served on 127.0.0.1 by `python3 -m http.server` for the build only and
+passed as PIP_INDEX_URL / PIP_EXTRA_INDEX_URL / PIP_FIND_LINKS build arguments, local ones before the
+public index, so pip takes a wheel from local disk whenever it has the same file (ties go to the
+first source); TORCH_INDEX_URL is then empty (torch from those indexes). Nothing machine-specific
+goes into the Dockerfile: these are build arguments of this run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PROG = "container-smoke"
+LOCAL_BASE = "trainapp-smoke-base:bookworm"
+PYTHON_BASE = "python:3.11-slim-bookworm"  # the Dockerfile's CPU_BASE default
+DEBOOTSTRAP_INCLUDE = "python3,python3-venv,python3-pip,ca-certificates,iproute2"
+CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+PYPI = "https://pypi.org/simple"
+MIN_FREE_GB = 12
+PKG_PORT = 28180  # the local package server's port when free (else any)
+
+# The run: as scripts/kind-smoke.sh, plus 96-pixel images so that a step takes ~0.6 s here (at 32
+# pixels the 60 steps are over in 6 s, before a poll can see step 20). The kill comes between two
+# snapshots (20 and 30), so that steps are redone and a resume from anything but step 20 would show.
+STEPS, EVERY, KILL_AT = 60, 10, 25
+RUNS = "/mnt/runs"  # the volume, in every container
+TRAIN_ARGS = [
+    f"ray.storage_path={RUNS}", "ray.num_workers=2", "ray.max_failures=3",
+    # Time for the replacement container's node to join (~10 s) before Ray Train gives up on a group of 2.
+    "ray.worker_group_start_timeout_s=120",
+    f"train.max_steps={STEPS}", "train.epochs=20", "train.log_every=1", f"snapshot.every_steps={EVERY}",
+    "data.train_size=2048", "data.val_size=256", "data.image_size=96", "model.name=smallcnn",
+    "train.progress=false",
+]
+# Node death after 3 missed 1 s health checks, as k8s/deployment.ray-head.yaml.
+SYSTEM_CONFIG = '{"health_check_period_ms":1000,"health_check_failure_threshold":3}'
+OBJECT_STORE = str(256 * 1024 * 1024)  # must fit --shm-size
+
+T0 = time.monotonic()
+
+
+class Failure(Exception):
+    """The smoke test failed: exit 1."""
+
+
+class Usage(Exception):
+    """A prerequisite is missing or a setting is wrong: exit 2."""
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM: exit 130."""
+
+
+def log(msg: str) -> None:
+    print(f"{PROG} [{int(time.monotonic() - T0):4d}s] {msg}", flush=True)
+
+
+def tail(text: str, n: int, prefix: str) -> None:
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # Ray's colours
+    for line in text.rstrip().splitlines()[-n:]:
+        print(f"  {prefix}{line}", flush=True)
+
+
+def run(cmd: list[str], *, check: bool = True, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    """Run a command, capture its output; on failure raise Failure naming the command and its last line."""
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+    except subprocess.TimeoutExpired:
+        raise Failure(f"`{shlex.join(cmd)[:120]}` did not finish within {timeout:.0f}s") from None
+    if check and r.returncode != 0:
+        last = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise Failure(f"`{shlex.join(cmd)[:120]}` failed (exit {r.returncode}): {last[0]}")
+    return r
+
+
+def mounts_under(path: Path) -> list[str]:
+    """Mount points at or below path (deepest first): debootstrap's /proc, a dead dockerd's overlays."""
+    root = os.path.realpath(path)
+    found = []
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            mp = line.split()[1].replace("\\040", " ")
+            if mp == root or mp.startswith(root + "/"):
+                found.append(mp)
+    return sorted(found, key=len, reverse=True)
+
+
+def remove_tree(path: Path) -> None:
+    """rm -rf that first unmounts what is mounted below and never crosses into another file system."""
+    if not path.exists():
+        return
+    for mp in mounts_under(path):
+        subprocess.run(["umount", "-l", mp], capture_output=True)
+    left = mounts_under(path)
+    if left:
+        print(f"{PROG}: not removing {path}: still mounted below it: {', '.join(left[:3])}", flush=True)
+        return
+    subprocess.run(["rm", "-rf", "--one-file-system", str(path)], capture_output=True)
+
+
+class Smoke:
+    def __init__(self, env: dict[str, str]):
+        self.env = env
+        self.pip_env = {k: env[k] for k in ("HOME",) if k in env}
+        self.docker = env.get("DOCKER", "docker")
+        self.image = env.get("IMAGE", "trainapp:0.1.0-cpu")
+        self.skip_build = env.get("SKIP_BUILD", "0") == "1"
+        self.cpu_base = env.get("CPU_BASE", "")
+        self.mirror = env.get("DEBIAN_MIRROR", "http://deb.debian.org/debian")
+        self.extra_build_args = shlex.split(env.get("SMOKE_BUILD_ARGS", ""))
+        self.engine_host = env.get("SMOKE_DOCKER_HOST", "")
+        self.keep_root = Path(env["KEEP_DOCKER_ROOT"]).resolve() if env.get("KEEP_DOCKER_ROOT") else None
+        self.tmp_parent = Path(env.get("SMOKE_TMPDIR", "/var/tmp"))
+        raw_timeout = env.get("TIMEOUT", "900")
+        if not raw_timeout.isdigit() or int(raw_timeout) <= 0:
+            raise Usage(f"TIMEOUT={raw_timeout!r}: must be a positive number of seconds")
+        self.timeout = int(raw_timeout)
+        ray = env.get("RAY") or (str(REPO / ".venv/bin/ray") if (REPO / ".venv/bin/ray").exists() else "ray")
+        self.ray = shutil.which(ray) or ""
+        if not self.ray:
+            raise Usage(f"Ray CLI {ray} not found: run `make venv` (Ray 2.60.0), or set RAY=path/to/ray")
+
+        self.id = secrets.token_hex(3)
+        prefix = f"trainapp-smoke-{self.id}"
+        self.label = f"trainapp.smoke={self.id}"
+        self.net, self.volume = f"{prefix}-net", f"{prefix}-runs"
+        self.head = f"{prefix}-head"
+        self.workers = [f"{prefix}-worker-1", f"{prefix}-worker-2"]
+        self.name = time.strftime("smoke-%Y%m%d-%H%M%S")
+
+        self.tmp: Path | None = None
+        self.dockerd: subprocess.Popen | None = None
+        self.exec_root: Path | None = None
+        self.engine_up = False
+        self.build: subprocess.Popen | None = None
+        self.debootstrap: subprocess.Popen | None = None
+        self.made: set[str] = set()
+        self.servers: list[subprocess.Popen] = []
+        self.submitted = False
+        self.port = ""
+        self.stage = "checking prerequisites"
+        self.build_cmd: list[str] = []
+        self.build_env: dict[str, str] = {}
+        self.timings: dict[str, float] = {}
+        self.detail = ""
+
+    # ------------------------------------------------------------------------------------ helpers
+
+    @contextlib.contextmanager
+    def timed(self, stage: str):
+        self.stage, start = stage, time.monotonic()
+        try:
+            yield
+        finally:
+            self.timings[stage] = self.timings.get(stage, 0) + time.monotonic() - start
+
+    def d(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+        return run([self.docker, *args], check=check, timeout=timeout)
+
+    def image_exists(self, ref: str) -> bool:
+        return self.d("image", "inspect", ref, check=False).returncode == 0
+
+    def jobs_api(self, path: str = "") -> dict | list:
+        """GET the head's job REST API (/api/jobs/...) with the token: a poll costs milliseconds, where
+        `ray job status` takes seconds and prints no status word for a finished job."""
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/api/jobs/{path}",
+                                     headers={"Authorization": f"Bearer {os.environ['RAY_AUTH_TOKEN']}"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.load(r)
+
+    def job_status(self) -> str:
+        try:
+            return self.jobs_api(self.name).get("status", "")
+        except (OSError, ValueError):  # URLError is an OSError; the head may be busy: ask again later
+            return ""
+
+    def check_job_alive(self) -> None:
+        status = self.job_status()
+        if status in ("FAILED", "STOPPED"):
+            raise Failure(f"job {self.name} is {status} (its log is below)")
+
+    def records(self) -> list[dict]:
+        """The run's metrics.jsonl, read in the head container (empty while it does not exist)."""
+        r = self.d("exec", self.head, "cat", f"{RUNS}/{self.name}/metrics.jsonl", check=False, timeout=30)
+        out = []
+        for line in r.stdout.splitlines() if r.returncode == 0 else []:
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+        return out
+
+    # ----------------------------------------------------------------------------- prerequisites
+
+    def preflight(self) -> None:
+        if not sys.platform.startswith("linux"):
+            raise Usage("needs Linux (dockerd, debootstrap)")
+        if not shutil.which(self.docker):
+            raise Usage(f"docker CLI {self.docker!r} not found: apt-get install -y docker.io, or set DOCKER=path")
+        if not (REPO / "docker/Dockerfile").is_file():
+            raise Usage(f"{REPO}/docker/Dockerfile not found: run from a trainapp checkout")
+        if not self.engine_host:
+            if os.geteuid() != 0:
+                raise Usage("starting dockerd needs root: run as root, or set SMOKE_DOCKER_HOST to a running engine")
+            for tool in ("dockerd", "containerd"):
+                if not shutil.which(tool):
+                    raise Usage(f"{tool} not found: apt-get install -y docker.io "
+                                "(or set SMOKE_DOCKER_HOST to a running engine)")
+            if self.keep_root is None and not self.skip_build and not self.cpu_base and not shutil.which("debootstrap"):
+                raise Usage("debootstrap not found (it makes the base image, no registry is asked): "
+                            "apt-get install -y debootstrap, or set CPU_BASE to an image")
+            self.tmp_parent.mkdir(parents=True, exist_ok=True)
+            free = shutil.disk_usage(self.tmp_parent).free / 2**30
+            if self.keep_root is None and free < MIN_FREE_GB:
+                raise Usage(f"SMOKE_TMPDIR={self.tmp_parent}: {free:.1f} GB free, the engine's data root needs "
+                            f"{MIN_FREE_GB} GB; point SMOKE_TMPDIR at a larger disk")
+        if not self.skip_build:
+            self.build_cmd = self.build_command()
+
+    def build_command(self) -> list[str]:
+        """`docker build` with BuildKit: the legacy builder would build every stage before `cpu`,
+        the gpu one (a CUDA base from a registry) included. Docker >= 23 clients need the buildx plugin
+        for BuildKit; older clients (docker.io's /usr/bin/docker, 20.10) have it built in."""
+        if run([self.docker, "buildx", "version"], check=False).returncode == 0:
+            return [self.docker, "buildx", "build", "--load"]
+        for client in dict.fromkeys([self.docker, "/usr/bin/docker"]):
+            if not shutil.which(client):
+                continue
+            r = run([client, "version", "--format", "{{.Client.Version}}"], check=False)
+            m = re.match(r"(\d+)\.", r.stdout.strip())
+            if m and int(m.group(1)) < 23:
+                self.build_env = {"DOCKER_BUILDKIT": "1"}
+                return [client, "build"]
+        raise Usage(f"no docker client with BuildKit: {self.docker} has no buildx plugin; install docker-buildx, "
+                    "or docker.io (its /usr/bin/docker has BuildKit built in)")
+
+    # ---------------------------------------------------------------------------------- engine
+
+    def start_engine(self) -> None:
+        if self.engine_host:
+            os.environ["DOCKER_HOST"] = self.engine_host
+            r = self.d("version", "--format", "{{.Server.Version}}", check=False, timeout=30)
+            if r.returncode != 0:
+                raise Usage(f"SMOKE_DOCKER_HOST={self.engine_host}: no Docker engine answers there "
+                            f"({(r.stderr.strip().splitlines() or ['?'])[-1]})")
+            self.engine_up = True
+            log(f"using the running Docker engine {r.stdout.strip()} at {self.engine_host} (not stopped afterwards)")
+            return
+        data_root = self.keep_root or self.tmp / "docker"
+        data_root.mkdir(parents=True, exist_ok=True)
+        self.exec_root = self.tmp / "exec"
+        sock = self.tmp / "docker.sock"
+        os.environ["DOCKER_HOST"] = f"unix://{sock}"
+        logf = open(self.tmp / "dockerd.log", "w")
+        # No default bridge (docker0), no iptables rules, no ip_forward: nothing on the host changes, and
+        # containers reach only each other. Published ports go through docker-proxy.
+        self.dockerd = subprocess.Popen(
+            ["dockerd", "--host", f"unix://{sock}", "--data-root", str(data_root), "--exec-root", str(self.exec_root),
+             "--pidfile", str(self.tmp / "dockerd.pid"), "--bridge=none", "--iptables=false", "--ip-forward=false",
+             "--ip-masq=false"],
+            stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        logf.close()
+        deadline = time.monotonic() + 60
+        while True:
+            if self.dockerd.poll() is not None:
+                tail((self.tmp / "dockerd.log").read_text(), 15, "dockerd: ")
+                raise Failure(f"dockerd exited with status {self.dockerd.returncode} (its log is above)")
+            r = self.d("version", "--format", "{{.Server.Version}}", check=False, timeout=10)
+            if r.returncode == 0:
+                break
+            if time.monotonic() > deadline:
+                raise Failure("dockerd did not answer within 60s")
+            time.sleep(0.5)
+        self.engine_up = True
+        kept = " (kept: KEEP_DOCKER_ROOT)" if self.keep_root else ""
+        log(f"started dockerd {r.stdout.strip()} (pid {self.dockerd.pid}), data root {data_root}{kept}")
+
+    def stop_engine(self) -> None:
+        if self.dockerd is None:
+            return
+        containerd_pid = None
+        with contextlib.suppress(OSError, ValueError):
+            containerd_pid = int((self.exec_root / "containerd/containerd.pid").read_text())
+        if self.dockerd.poll() is None:
+            self.dockerd.terminate()
+            try:
+                self.dockerd.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.dockerd.kill()
+                self.dockerd.wait()
+        # dockerd stops the containerd it started; if it died first, that containerd is ours to stop.
+        if containerd_pid:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(containerd_pid, 0)
+                if "containerd" in Path(f"/proc/{containerd_pid}/cmdline").read_text(errors="replace"):
+                    os.kill(containerd_pid, signal.SIGTERM)
+        log(f"stopped dockerd (pid {self.dockerd.pid})")
+        self.dockerd = None
+
+    # ------------------------------------------------------------------------------------ image
+
+    def base_image(self) -> str:
+        if self.cpu_base:
+            log(f"base: CPU_BASE={self.cpu_base}")
+            return self.cpu_base
+        for ref in (LOCAL_BASE, PYTHON_BASE):
+            if self.image_exists(ref):
+                log(f"base: {ref}, already in the engine")
+                return ref
+        if not shutil.which("debootstrap"):
+            raise Usage("debootstrap not found (it makes the base image): apt-get install -y debootstrap, "
+                        "or set CPU_BASE to an image")
+        rootfs = self.tmp / "rootfs"
+        log(f"base: debootstrap bookworm ({DEBOOTSTRAP_INCLUDE}) from {self.mirror}")
+        with open(self.tmp / "debootstrap.log", "w") as f:
+            # A session of its own: on Ctrl-C its whole group (wget, dpkg, chroot) is stopped, not just the shell.
+            self.debootstrap = subprocess.Popen(
+                ["debootstrap", "--variant=minbase", f"--include={DEBOOTSTRAP_INCLUDE}", "bookworm", str(rootfs),
+                 self.mirror], stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            rc = self.debootstrap.wait(timeout=900)
+        except subprocess.TimeoutExpired:
+            raise Failure("debootstrap did not finish within 900s") from None
+        self.debootstrap = None
+        if rc != 0:
+            tail((self.tmp / "debootstrap.log").read_text(), 15, "debootstrap: ")
+            raise Failure(f"debootstrap failed (exit {rc}; its log is above)")
+        # This machine's CA bundle: pip in the build trusts what the host trusts (e.g. a proxy's CA).
+        if CA_BUNDLE.is_file():
+            shutil.copyfile(CA_BUNDLE, rootfs / "etc/ssl/certs/ca-certificates.crt")
+        for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
+            for p in (rootfs / junk).glob("*"):
+                if p.is_file():
+                    p.unlink()
+        tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
+        imp = subprocess.run([self.docker, "import", "--change", "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:"
+                              "/usr/bin:/sbin:/bin", "--change", "ENV LANG=C.UTF-8", "-", LOCAL_BASE],
+                             stdin=tar.stdout, capture_output=True, text=True, timeout=600)
+        tar.stdout.close()
+        tar.wait()
+        if tar.returncode != 0 or imp.returncode != 0:
+            raise Failure(f"docker import of the debootstrap tree failed: {imp.stderr.strip()[-200:]}")
+        remove_tree(rootfs)
+        log(f"base: imported {LOCAL_BASE}")
+        return LOCAL_BASE
+
+    def serve(self, folders: list[Path]) -> list[str]:
+        """Serve the folders read-only on 127.0.0.1, one http.server over a directory of symlinks to them;
+        returns their URLs. Port PKG_PORT when free, so the URLs (build arguments, part of the build
+        cache key) stay the same between runs and a kept data root rebuilds from cache."""
+        root = self.tmp / "packages"
+        root.mkdir(exist_ok=True)
+        names = []
+        for folder in folders:
+            name = re.sub(r"[^A-Za-z0-9_.-]+", "-", str(folder).strip("/")) or "root"
+            while (root / name).exists():
+                name += "_"
+            (root / name).symlink_to(folder.resolve(), target_is_directory=True)
+            names.append(name)
+        for port in (PKG_PORT, 0):
+            p = subprocess.Popen([sys.executable, "-u", "-m", "http.server", "--bind", "127.0.0.1", "--directory",
+                                  str(root), str(port)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                 stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+            self.servers.append(p)
+            m = re.search(r"port (\d+)", p.stdout.readline())  # "" when it could not bind: next port
+            if m:
+                return [f"http://127.0.0.1:{m.group(1)}/{n}/" for n in names]
+        raise Failure("python3 -m http.server could not listen on 127.0.0.1")
+
+    def stop_servers(self) -> None:
+        for p in self.servers:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        self.servers = []
+
+    def package_args(self) -> list[str]:
+        """Build arguments for this machine's pip sources (see the module docstring)."""
+        # pip as the caller runs it: the caller's HOME (user config), not the Ray CLI's private one.
+        r = run([sys.executable, "-m", "pip", "config", "list"], check=False, env={**os.environ, **self.pip_env})
+        conf: dict[str, list[str]] = {"index-url": [], "extra-index-url": [], "find-links": []}
+        for line in r.stdout.splitlines():
+            m = re.match(r"^[^=]*\.(index-url|extra-index-url|find-links)='(.*)'$", line.strip())
+            if m:
+                conf[m.group(1)] += [v for v in m.group(2).split() if v not in conf[m.group(1)]]
+        local_indexes, remote, local_links, remote_links = [], [], [], []
+        for url in conf["index-url"] + conf["extra-index-url"]:
+            path = Path(url.removeprefix("file://")) if url.startswith(("file://", "/")) else None
+            if path is None:
+                remote.append(url)
+            elif path.is_dir():
+                local_indexes.append(path)
+        for url in conf["find-links"]:
+            path = Path(url.removeprefix("file://")) if url.startswith(("file://", "/")) else None
+            if path is None:
+                remote_links.append(url)
+            elif path.is_dir():
+                local_links.append(path)
+        served = [*local_indexes, *local_links]
+        if not served:
+            log("image: no local package folders in `pip config list`: pip's remote indexes only")
+            if not remote:
+                return []
+            return ["--build-arg", f"PIP_INDEX_URL={remote[0]}", "--build-arg", f"PIP_EXTRA_INDEX_URL={' '.join(remote[1:])}",
+                    *(["--build-arg", f"PIP_FIND_LINKS={' '.join(remote_links)}"] if remote_links else [])]
+        # Simple-index pages link ../../files/...: serve an index's parent folder, point at the index in it.
+        urls = self.serve([p.parent for p in local_indexes] + local_links)
+        indexes = [u + p.name + "/" for u, p in zip(urls, local_indexes)]
+        links = urls[len(local_indexes):] + remote_links
+        log(f"image: serving {len(served)} local package folder(s) on {urls[0].split('/')[2]} for the build: "
+            f"{', '.join(map(str, served))}")
+        args = ["--build-arg", "TORCH_INDEX_URL="]
+        if indexes:
+            # Local indexes first; the host's own remote index (default: PyPI) last, for what only it has.
+            extra = indexes[1:] + (remote or [PYPI])
+            args += ["--build-arg", f"PIP_INDEX_URL={indexes[0]}",
+                     "--build-arg", f"PIP_EXTRA_INDEX_URL={' '.join(extra)}"]
+        if links:
+            args += ["--build-arg", f"PIP_FIND_LINKS={' '.join(links)}"]
+        return args
+
+    def build_image(self, base: str) -> None:
+        args = ["--build-arg", f"CPU_BASE={base}", *self.package_args()]
+        vcs = run(["git", "-C", str(REPO), "rev-parse", "HEAD"], check=False).stdout.strip()
+        cmd = [*self.build_cmd, "--progress=plain", "--network", "host", "-f", "docker/Dockerfile", "--target", "cpu",
+               "-t", self.image, *args, "--build-arg", f"VCS_REF={vcs}", *self.extra_build_args, "."]
+        log(f"building {self.image} (docker/Dockerfile, target cpu, base {base})")
+        build_log = self.tmp / "build.log"
+        with open(build_log, "w") as f:
+            self.build = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          env={**os.environ, **self.build_env},
+                                          start_new_session=True)
+        last_note = time.monotonic()
+        while self.build.poll() is None:
+            time.sleep(1)
+            if time.monotonic() - last_note >= 30:
+                last_note = time.monotonic()
+                steps = re.findall(r"^#\d+ \[(cpu[^\]]*)\] (.*)$", build_log.read_text(errors="replace"), re.M)
+                if steps:
+                    log(f"building: [{steps[-1][0]}] {steps[-1][1][:90]}")
+        rc = self.build.returncode
+        self.build = None
+        self.stop_servers()
+        if rc != 0:
+            tail(build_log.read_text(errors="replace"), 40, "build: ")
+            raise Failure(f"docker build failed (exit {rc}; the end of its log is above)")
+        size = self.d("image", "inspect", "-f", "{{.Size}}", self.image).stdout.strip()
+        log(f"built {self.image} ({int(size) / 1e9:.1f} GB)")
+
+    # ---------------------------------------------------------------------------------- cluster
+
+    def ray_container(self, name: str, command: list[str], publish: bool = False) -> None:
+        self.d("run", "-d", "--name", name, "--hostname", name, "--label", self.label, "--network", self.net,
+               # As the k8s manifests: read-only root, /tmp an emptyDir-like tmpfs, no capabilities.
+               "--read-only", "--tmpfs", "/tmp:rw,nosuid,nodev,noexec,size=2g", "--shm-size=512m",
+               "--cap-drop=ALL", "--security-opt=no-new-privileges",
+               "-e", "RAY_AUTH_MODE=token", "-e", "RAY_AUTH_TOKEN",  # the value comes from this environment
+               "-e", "GLOO_SOCKET_IFNAME=eth0", "-e", "NCCL_SOCKET_IFNAME=eth0",
+               "-v", f"{self.volume}:{RUNS}", *(["-p", "127.0.0.1::8265"] if publish else []),
+               self.image, *command)
+
+    def job_server_ready(self) -> bool:
+        try:
+            self.jobs_api()
+            return True
+        except (OSError, ValueError):
+            time.sleep(1)
+            return False
+
+    def start_worker(self, name: str) -> None:
+        self.ray_container(name, ["ray", "start", "--address", f"{self.head}:6379", "--block", "--num-cpus=1",
+                                  f"--object-store-memory={OBJECT_STORE}", "--disable-usage-stats"])
+
+    def alive_nodes(self) -> int:
+        r = self.d("exec", self.head, "ray", "status", check=False, timeout=60)
+        active = r.stdout.split("Active:", 1)[-1].split("Pending:", 1)[0] if "Active:" in r.stdout else ""
+        return len(re.findall(r"\bnode_[0-9a-f]+", active))
+
+    def start_cluster(self) -> None:
+        user = self.d("image", "inspect", "-f", "{{.Config.User}}", self.image).stdout.strip()
+        log(f"starting Ray: network {self.net}, volume {self.volume} at {RUNS}, head + 2 workers "
+            f"(user {user or 'root'}, read-only root, token auth)")
+        self.d("network", "create", "--label", self.label, self.net)
+        self.made.add("network")
+        self.d("volume", "create", "--label", self.label, self.volume)
+        self.made.add("volume")
+        # A new volume's root belongs to root: hand it to the image's user, which every Ray container runs as.
+        self.d("run", "--rm", "--label", self.label, "--network", "none", "--user", "0:0", "--cap-drop=ALL",
+               "--cap-add=CHOWN", "-v", f"{self.volume}:{RUNS}", self.image, "chown", user or "0", RUNS)
+        self.ray_container(self.head, [
+            "ray", "start", "--head", "--block", "--num-cpus=0", "--port=6379", "--dashboard-host=0.0.0.0",
+            "--dashboard-port=8265", "--include-dashboard=true", f"--object-store-memory={OBJECT_STORE}",
+            "--disable-usage-stats", f"--system-config={SYSTEM_CONFIG}"], publish=True)
+        self.port = self.d("port", self.head, "8265/tcp").stdout.splitlines()[0].rsplit(":", 1)[-1].strip()
+        deadline = time.monotonic() + 180
+        # The dashboard answers some seconds before its job module does: wait for the job list.
+        while not self.job_server_ready():
+            if time.monotonic() > deadline:
+                raise Failure(f"the head's job server on 127.0.0.1:{self.port} accepts no requests after 180s")
+            time.sleep(2)
+        for w in self.workers:
+            self.start_worker(w)
+        while (n := self.alive_nodes()) < 3:
+            if time.monotonic() > deadline:
+                raise Failure(f"{n} of 3 Ray nodes alive after 180s")
+            time.sleep(2)
+        log(f"cluster up: 3 nodes, dashboard on 127.0.0.1:{self.port}")
+
+    # -------------------------------------------------------------------------------------- job
+
+    def run_job(self) -> None:
+        # The entrypoint runs in the head container's shell: `python` is the image's venv.
+        run([self.ray, "job", "submit", "--address", f"http://127.0.0.1:{self.port}", "--submission-id", self.name,
+             "--no-wait", "--", "python", "-m", "trainapp", "ray", f"ray.name={self.name}", *TRAIN_ARGS])
+        self.submitted = True
+        log(f"submitted job {self.name}: 2 workers, {STEPS} steps, a snapshot every {EVERY}")
+        deadline = time.monotonic() + self.timeout
+        last_status = 0.0
+
+        def keep_waiting(what: str) -> None:
+            nonlocal last_status
+            if time.monotonic() > deadline:
+                raise Failure(f"{what} within TIMEOUT={self.timeout}s")
+            if time.monotonic() - last_status > 5:
+                self.check_job_alive()
+                last_status = time.monotonic()
+
+        step, records = 0, []
+        while step < KILL_AT:
+            keep_waiting(f"the run never reached step {KILL_AT} (at {step})")
+            time.sleep(0.5)
+            records = self.records()
+            step = max((r["step"] for r in records if r.get("kind") == "train"), default=0)
+
+        # Rank 0's node if the start record says which host it is (trainapp's `network` field):
+        # that rank writes the snapshots, so losing it is the harder case.
+        victim, why = self.workers[0], ""
+        start = next((r for r in records if r.get("kind") == "start"), {})
+        nets = [n for n in start.get("network") or [] if isinstance(n, dict)]
+        if nets:
+            log("ranks: " + ", ".join(f"{i} on {str(n.get('host')).removeprefix(f'trainapp-smoke-{self.id}-')} "
+                                      f"(gloo={n.get('gloo')}, nccl={n.get('nccl')}{', kept ' + ','.join(n['kept']) if n.get('kept') else ''})"
+                                      for i, n in enumerate(nets)))
+        if nets and nets[0].get("host") in self.workers:
+            victim, why = nets[0]["host"], " (rank 0's node)"
+        self.d("kill", victim)
+        killed_at, self.kill_step = time.time(), step
+        log(f"killed worker container {victim}{why} at step {step}")
+        replacement = f"trainapp-smoke-{self.id}-worker-3"
+        self.start_worker(replacement)
+        self.workers = [w for w in self.workers if w != victim] + [replacement]
+        log(f"started replacement worker container {replacement}")
+
+        resumed = None
+        while resumed is None:
+            keep_waiting(f"the run never restarted after {victim} was killed")
+            time.sleep(1)
+            starts = [r for r in self.records() if r.get("kind") == "start"]
+            if len(starts) > 1:
+                if starts[-1].get("resumed_step") is None:
+                    raise Failure("the run restarted from scratch instead of from a snapshot")
+                resumed = starts[-1]
+        self.resumed_step = resumed["resumed_step"]
+        log(f"resumed from step {self.resumed_step} (killed at {step}), {resumed['time'] - killed_at:.1f}s after the "
+            f"kill, world size {resumed.get('world_size')}; waiting for the job to finish")
+
+        status = ""
+        while status != "SUCCEEDED":
+            if time.monotonic() > deadline:
+                raise Failure(f"job {self.name} did not finish within TIMEOUT={self.timeout}s (status {status or '?'})")
+            time.sleep(3)
+            status = self.job_status()
+            if status in ("FAILED", "STOPPED"):
+                raise Failure(f"job {self.name} is {status} (its log is below)")
+        log(f"job {self.name} succeeded; checking the run directory and the containers' users")
+
+    def check(self) -> None:
+        cmd = [sys.executable, str(REPO / "scripts/smoke_assert.py"), f"{RUNS}/{self.name}", "--backend", "docker",
+               "--docker-container", self.head, "--dest", str(self.tmp / "copy"), "--expect-steps", str(STEPS)]
+        for c in [self.head, *self.workers]:
+            cmd += ["--nonroot", c]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        print((r.stdout + r.stderr).rstrip(), flush=True)
+        if r.returncode != 0:
+            raise Failure(f"smoke_assert.py found a problem in {RUNS}/{self.name}")
+        log("passed")
+        self.detail = (f"worker container killed at step {self.kill_step}, resumed from step {self.resumed_step}, "
+                       f"{STEPS}/{STEPS} steps, every process non-root")
+
+    # ----------------------------------------------------------------------------- diagnostics
+
+    def diagnostics(self) -> None:
+        if not self.engine_up:
+            return
+        print(f"{PROG}: diagnostics", flush=True)
+        r = self.d("ps", "-a", "--filter", f"label={self.label}", "--format", "{{.Names}}\t{{.Status}}", check=False)
+        tail(r.stdout, 10, "")
+        for name in r.stdout.split():
+            if name.startswith("trainapp-smoke-"):
+                logs = self.d("logs", "--tail", "8", name, check=False)
+                tail(logs.stdout + logs.stderr, 8, f"{name.removeprefix(f'trainapp-smoke-{self.id}-')}: ")
+        if self.submitted:
+            with contextlib.suppress(OSError, ValueError):
+                tail(self.jobs_api(f"{self.name}/logs").get("logs", ""), 40, "job: ")
+
+    @staticmethod
+    def stop_group(proc: subprocess.Popen) -> None:
+        """Stop a process started with start_new_session=True and everything in its process group."""
+        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            try:
+                proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        # The group may outlive its leader for a moment: wait until no member is left.
+        for _ in range(50):
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+    def teardown(self) -> None:
+        if self.debootstrap is not None:
+            self.stop_group(self.debootstrap)
+        if self.build is not None and self.build.poll() is None:
+            self.build.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.build.wait(timeout=30)
+        self.stop_servers()
+        if self.engine_up:
+            ids = self.d("ps", "-aq", "--filter", f"label={self.label}", check=False).stdout.split()
+            if ids:
+                self.d("rm", "-f", *ids, check=False, timeout=120)
+            gone = [f"{len(ids)} containers"] if ids else []
+            if "network" in self.made and self.d("network", "rm", self.net, check=False).returncode == 0:
+                gone.append(f"network {self.net}")
+            if "volume" in self.made and self.d("volume", "rm", self.volume, check=False).returncode == 0:
+                gone.append(f"volume {self.volume}")
+            if gone:
+                log(f"removed {', '.join(gone)}")
+        self.stop_engine()
+        if self.tmp is not None:
+            remove_tree(self.tmp)
+        if self.keep_root is not None:
+            for mp in mounts_under(self.keep_root):  # left by a dockerd that had to be killed
+                subprocess.run(["umount", "-l", mp], capture_output=True)
+
+    # -------------------------------------------------------------------------------------- all
+
+    def main(self) -> int:
+        rc = 1
+        try:
+            self.preflight()
+            self.tmp_parent.mkdir(parents=True, exist_ok=True)
+            self.tmp = Path(tempfile.mkdtemp(prefix="container-smoke-", dir=self.tmp_parent))
+            os.chmod(self.tmp, 0o700)
+            # The Ray CLI: token from here, and a HOME of its own (a stale ~/.ray/auth_token must not leak in).
+            os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
+                              HOME=str(self.tmp), RAY_USAGE_STATS_ENABLED="0")
+            with self.timed("engine"):
+                self.start_engine()
+            if self.skip_build:
+                if not self.image_exists(self.image):
+                    raise Usage(f"SKIP_BUILD=1 but the engine has no image {self.image}")
+                log(f"building: skipped (SKIP_BUILD=1), using {self.image}")
+            else:
+                with self.timed("base"):
+                    base = self.base_image()
+                with self.timed("image"):
+                    self.build_image(base)
+            with self.timed("cluster"):
+                self.start_cluster()
+            with self.timed("job"):
+                self.run_job()
+            with self.timed("checks"):
+                self.check()
+            rc = 0
+        except Usage as e:
+            self.detail, rc = str(e), 2
+            log(f"error: {e}")
+        except Failure as e:
+            self.detail = str(e)
+            log(f"error: {e}")
+            with contextlib.suppress(Exception):
+                self.diagnostics()
+        except (KeyboardInterrupt, Interrupted):
+            self.detail, rc = f"interrupted during: {self.stage}", 130
+            log("interrupted")
+        except Exception as e:  # a bug here: still clean up, and say where
+            self.detail = f"{e.__class__.__name__} during {self.stage}: {e}"
+            log(f"error: {self.detail}")
+        finally:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # one Ctrl-C does not cut the teardown short
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            with self.timed("teardown"):
+                try:
+                    self.teardown()
+                except Exception as e:  # report, never hide the test's own result
+                    log(f"teardown: {e.__class__.__name__}: {e}")
+        stages = ", ".join(f"{k} {v:.0f}s" for k, v in self.timings.items())
+        result = "PASS" if rc == 0 else "FAIL"
+        print(f"{PROG}: {result} in {time.monotonic() - T0:.0f}s: {self.detail} ({stages})", flush=True)
+        return rc
+
+
+def _interrupt(signum, frame):
+    raise Interrupted()
+
+
+def main() -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        smoke = Smoke(dict(os.environ))
+    except Usage as e:
+        print(f"{PROG}: FAIL: {e}", flush=True)
+        return 2
+    return smoke.main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
