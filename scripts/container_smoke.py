@@ -68,6 +68,8 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import smoke_assert  # noqa: E402  (the shared assertions and metrics readers, beside this script)
 PROG = "container-smoke"
 LOCAL_BASE = "trainapp-smoke-base:bookworm"
 PYTHON_BASE = "python:3.11-slim-bookworm"  # the Dockerfile's CPU_BASE default
@@ -240,11 +242,7 @@ class Smoke:
     def records(self) -> list[dict]:
         """The run's metrics.jsonl, read in the head container (empty while it does not exist)."""
         r = self.d("exec", self.head, "cat", f"{RUNS}/{self.name}/metrics.jsonl", check=False, timeout=30)
-        out = []
-        for line in r.stdout.splitlines() if r.returncode == 0 else []:
-            with contextlib.suppress(ValueError):
-                out.append(json.loads(line))
-        return out
+        return smoke_assert.parse_records(r.stdout.splitlines()) if r.returncode == 0 else []
 
     # ----------------------------------------------------------------------------- prerequisites
 
@@ -590,7 +588,7 @@ class Smoke:
             keep_waiting(f"the run never reached step {KILL_AT} (at {step})")
             time.sleep(0.5)
             records = self.records()
-            step = max((r["step"] for r in records if r.get("kind") == "train"), default=0)
+            step = smoke_assert.max_train_step(records)
 
         # Rank 0's node if the start record says which host it is (trainapp's `network` field):
         # that rank writes the snapshots, so losing it is the harder case.
@@ -615,11 +613,11 @@ class Smoke:
         while resumed is None:
             keep_waiting(f"the run never restarted after {victim} was killed")
             time.sleep(1)
-            starts = [r for r in self.records() if r.get("kind") == "start"]
-            if len(starts) > 1:
-                if starts[-1].get("resumed_step") is None:
+            restart = smoke_assert.latest_restart(self.records())
+            if restart is not None:
+                if restart.get("resumed_step") is None:
                     raise Failure("the run restarted from scratch instead of from a snapshot")
-                resumed = starts[-1]
+                resumed = restart
         self.resumed_step = resumed["resumed_step"]
         log(f"resumed from step {self.resumed_step} (killed at {step}), {resumed['time'] - killed_at:.1f}s after the "
             f"kill, world size {resumed.get('world_size')}; waiting for the job to finish")

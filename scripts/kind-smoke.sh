@@ -80,34 +80,10 @@ trap 'exit 130' INT TERM
 # The run's metrics.jsonl, read in the head pod (nothing while it does not exist yet).
 metrics() { k exec deploy/ray-head -- cat "/mnt/runs/${NAME}/metrics.jsonl" 2>/dev/null || true; }
 
-# Highest train step in the run's metrics (0 while there is none).
-max_step() {
-    metrics | python3 -c 'import json, sys
-steps = [0]
-for line in sys.stdin:
-    try:
-        r = json.loads(line)
-    except ValueError:
-        continue
-    if r.get("kind") == "train":
-        steps.append(r["step"])
-print(max(steps))'
-}
-
-# resumed_step of the newest start record, or nothing while the run has not restarted.
-resumed_step() {
-    metrics | python3 -c 'import json, sys
-starts = []
-for line in sys.stdin:
-    try:
-        r = json.loads(line)
-    except ValueError:
-        continue
-    if r.get("kind") == "start":
-        starts.append(r)
-if len(starts) > 1 and starts[-1].get("resumed_step") is not None:
-    print(starts[-1]["resumed_step"])'
-}
+# "MAX_TRAIN_STEP RESUMED_STEP" of the run (RESUMED_STEP is - until it has resumed from a snapshot).
+progress() { metrics | python3 "${REPO}/scripts/smoke_assert.py" - --progress; }
+max_step() { progress | cut -d' ' -f1; }
+resumed_step() { progress | cut -d' ' -f2 | grep -v '^-$' || true; }
 
 # (Re)start the port-forward to the dashboard: it ends when its connection breaks.
 port_forward() {

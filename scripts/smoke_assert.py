@@ -67,10 +67,10 @@ class Check:
 # Reading a run directory
 
 
-def load_records(run_dir: Path) -> list[dict]:
-    """metrics.jsonl as a list of records; a torn last line (a writer killed mid-line) is skipped."""
+def parse_records(lines) -> list[dict]:
+    """metrics.jsonl lines as records; a torn last line (a writer killed mid-line) is skipped."""
     records = []
-    for line in (Path(run_dir) / METRICS).read_text().splitlines():
+    for line in lines:
         if not line.strip():
             continue
         try:
@@ -78,6 +78,10 @@ def load_records(run_dir: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return records
+
+
+def load_records(run_dir: Path) -> list[dict]:
+    return parse_records((Path(run_dir) / METRICS).read_text().splitlines())
 
 
 def snapshot_dirs(run_dir: Path) -> dict[int, Path]:
@@ -103,6 +107,12 @@ def newest_meta(run_dir: Path) -> dict | None:
 def max_train_step(records: list[dict]) -> int:
     """Highest optimizer step of the `train` records (0 with none): the smoke scripts poll it."""
     return max((r["step"] for r in records if r.get("kind") == "train"), default=0)
+
+
+def latest_restart(records: list[dict]) -> dict | None:
+    """The newest `start` record if the run has restarted (None before): the smoke scripts poll it."""
+    starts = [r for r in records if r.get("kind") == "start"]
+    return starts[-1] if len(starts) > 1 else None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -324,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="kind: RUN_DIR is in the Ray head pod, copied out with kubectl cp; "
                         "docker (default): RUN_DIR is a path on this machine")
     p.add_argument("--expect-steps", type=int, help="planned total steps (default: the first start record's)")
+    p.add_argument("--progress", action="store_true",
+                   help="for polling: read metrics.jsonl lines from stdin (RUN_DIR: -) and print "
+                        "`MAX_TRAIN_STEP RESUMED_STEP` (`-` until the run has resumed from a snapshot)")
     k = p.add_argument_group("kind backend")
     k.add_argument("--context", help="kubectl context (default: the current one)")
     k.add_argument("--namespace", default="trainapp")
@@ -342,6 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     n.add_argument("--nonroot-selector", metavar="LABELS",
                    help="kind: also every running pod with these labels, e.g. app.kubernetes.io/name=trainapp")
     args = p.parse_args(argv)
+    if args.progress:
+        records = parse_records(sys.stdin)
+        restart = latest_restart(records) or {}
+        resumed = restart.get("resumed_step")
+        print(max_train_step(records), "-" if resumed is None else resumed)
+        return 0
     if args.nonroot_selector and args.backend != "kind":
         p.error("--nonroot-selector needs --backend kind (name the containers with --nonroot)")
     if args.docker_container and args.backend != "docker":

@@ -200,69 +200,66 @@ def check_capacity(cfg: Config, needs: dict[str, float]) -> int:
     return capacity
 
 
+def _on_every_node(fn, nodes: list[dict], what: str, *args) -> list:
+    """Run `fn(*args)` once on each of `nodes` (no CPU reserved) and return the results in order;
+    a ConfigError naming `what` if they do not all finish within 60 s."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(num_cpus=0, max_retries=0)(fn)
+    refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(*args)
+            for n in nodes]
+    try:
+        return ray.get(refs, timeout=60)
+    except ray.exceptions.GetTimeoutError:
+        raise ConfigError(f"{what}: the check did not finish on every node within 60 s") from None
+
+
+def _probe_writable(path: str) -> str:
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        marker = Path(path) / f".write-probe-{socket.gethostname()}-{os.getpid()}"
+        marker.write_text("ok")
+        marker.unlink()
+        return ""
+    except OSError as e:
+        return f"{e.__class__.__name__}: {e.strerror or e}"
+
+
+def _probe_network(network: dict, env: dict) -> tuple[str, str]:
+    from trainapp import net
+
+    try:
+        res = net.apply(config.NetworkSection(**network), net.ray_head_host(), environ={**os.environ, **env})
+        return "", res.summary()
+    except net.NetworkError as e:
+        return str(e), ""
+
+
 def check_storage(storage: str) -> None:
     """Every alive node must be able to write the storage path (a worker writes metrics and markers)."""
     if _is_uri(storage):
         return
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    @ray.remote(num_cpus=0, max_retries=0)
-    def probe(path: str) -> str:
-        import socket as s
-
-        try:
-            Path(path).mkdir(parents=True, exist_ok=True)
-            marker = Path(path) / f".write-probe-{s.gethostname()}-{os.getpid()}"
-            marker.write_text("ok")
-            marker.unlink()
-            return ""
-        except OSError as e:
-            return f"{e.__class__.__name__}: {e.strerror or e}"
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]
-    refs = {n["NodeManagerAddress"] + " " + n["NodeID"][:8]: probe.options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(storage) for n in nodes}
-    try:
-        results = dict(zip(refs, ray.get(list(refs.values()), timeout=60)))
-    except ray.exceptions.GetTimeoutError:
-        raise ConfigError(f"ray.storage_path={storage}: the write check did not finish on every node within 60 s") from None
-    bad = {node: err for node, err in results.items() if err}
-    if bad:
-        node, err = next(iter(bad.items()))
-        raise ConfigError(f"ray.storage_path={storage}: not writable on node {node} ({err}); use a path every "
-                          "node can write (shared storage) or a URI")
+    for n, err in zip(nodes, _on_every_node(_probe_writable, nodes, f"ray.storage_path={storage}", storage)):
+        if err:
+            raise ConfigError(f"ray.storage_path={storage}: not writable on node {n['NodeManagerAddress']} "
+                              f"{n['NodeID'][:8]} ({err}); use a path every node can write (shared storage) or a URI")
 
 
 def check_network(cfg: Config) -> list[str]:
-    """Resolve `network.interface` on every alive node, as its workers will; one line per node.
-
-    A node that cannot honour it stops the run here, naming the node and what it has, instead of
-    after a worker-group start and a process group that never forms.
-    """
+    """Resolve `network.interface` on every node that can hold a worker, as its workers will; one
+    line per node. A node that cannot honour it stops the run here, naming the node and what it has,
+    instead of after a worker-group start and a process group that never forms."""
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    @ray.remote(num_cpus=0, max_retries=0)
-    def probe(network: dict, env: dict) -> tuple[str, str]:
-        from trainapp import net
-
-        try:
-            res = net.apply(config.NetworkSection(**network), net.ray_head_host(), environ={**os.environ, **env})
-            return "", res.summary()
-        except net.NetworkError as e:
-            return str(e), ""
-
-    # Nodes that can hold a worker (a head with no CPUs or GPUs trains nothing).
+    # A head with no CPUs or GPUs trains nothing.
     nodes = [n for n in ray.nodes()
              if n.get("Alive") and (n["Resources"].get("CPU", 0) > 0 or n["Resources"].get("GPU", 0) > 0)]
-    network = dataclasses.asdict(cfg.network)
-    refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
-            .remote(network, dict(cfg.ray.env)) for n in nodes]
-    try:
-        results = ray.get(refs, timeout=60)
-    except ray.exceptions.GetTimeoutError:
-        raise ConfigError("network.interface: the interface check did not finish on every node within 60 s") from None
+    results = _on_every_node(_probe_network, nodes, "network.interface", dataclasses.asdict(cfg.network),
+                             dict(cfg.ray.env))
     for n, (err, _) in zip(nodes, results):
         if err:
             raise ConfigError(f"node {n['NodeManagerAddress']}: {err}")
