@@ -3,8 +3,12 @@ multi-node Ray cluster (head + 2 worker nodes, 1 CPU each, on loopback).
 
 Measured from the runs' own metrics.jsonl (one record per step, wall-clock `time`):
 - startup: seconds from launching (`torchrun ...` / `ray job submit ...`) to the first optimizer step;
-- steady-state step time: median gap between consecutive step records, runs alternating
-  torchrun / Ray; `ray_vs_torchrun_step_ratio` = Ray / torchrun;
+- steady-state step time: median gap between consecutive step records (snapshot steps left out),
+  in rounds of torchrun, Ray, torchrun back to back; `ray_vs_torchrun_step_ratio` is the median
+  over rounds of Ray / the mean of its two torchrun neighbours, and `control_ratio` the median of
+  the second torchrun / the first (the noise floor). Step times on a shared VM drift by 20% between
+  runs minutes apart, more than the difference measured, so each ratio compares neighbours in time
+  (the pooled ratio is reported too);
 - recovery: seconds from SIGKILL of one training worker (found through Ray's state API) to the first
   step after the restarted group resumed from its snapshot (and the same for torchrun, whose
   agent restarts the group, for comparison);
@@ -88,7 +92,8 @@ class Bench:
     def __init__(self, args, work: Path):
         self.args, self.work = args, work
         self.cluster = LocalCluster(Path(f"/tmp/ta-bench-{uuid.uuid4().hex[:6]}"), workers=2, cpus=1,
-                                    gcs_port=free_port(), dashboard_port=free_port())
+                                    gcs_port=free_port(), dashboard_port=free_port(),
+                                    head_nice=args.head_nice, worker_nice=args.worker_nice)
         self.procs: list[subprocess.Popen] = []
 
     def cfg(self, *extra: str) -> list[str]:
@@ -116,7 +121,7 @@ class Bench:
         if p.wait(timeout=900) != 0:
             raise RuntimeError(f"run failed: {p.args}")
 
-    def plain_run(self, launcher: str, i: int) -> tuple[float, list[float]]:
+    def plain_run(self, launcher: str, i: str) -> tuple[float, list[float]]:
         run_dir = self.work / f"{launcher}-{i}"
         p, t0 = self.launch(launcher, run_dir)
         self.finish(p)
@@ -160,12 +165,16 @@ def _children(pid: int) -> list[int]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="one short run per launcher, no faults")
-    p.add_argument("--rounds", type=int, default=2, help="plain runs per launcher (alternating)")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--rounds", type=int, default=4, help="rounds of torchrun, Ray, torchrun runs")
+    p.add_argument("--no-faults", action="store_true", help="step times and startup only: no kills")
+    p.add_argument("--steps", type=int, default=100)
     p.add_argument("--snapshot-every", type=int, default=10)
     p.add_argument("--kill-step", type=int, default=25)
     p.add_argument("--start-timeout", type=float, default=10.0,
                    help="ray.worker_group_start_timeout_s for the node-loss run (Ray's default: 60)")
+    p.add_argument("--head-nice", type=int, default=LocalCluster.head_nice, help="nice value of the head's processes")
+    p.add_argument("--worker-nice", type=int, default=LocalCluster.worker_nice,
+                   help="nice value of Ray's worker processes (Ray's default: 15)")
     p.add_argument("--out", help="result file (default bench/results/launchers.json)")
     args = p.parse_args()
     if args.smoke:
@@ -180,22 +189,35 @@ def main() -> int:
             print(f"cluster up in {cluster_up:.1f}s", flush=True)
             startup = {"torchrun": [], "ray": []}
             steps = {"torchrun": [], "ray": []}
+            ratios, controls = [], []
             for i in range(args.rounds):
-                for launcher in ("torchrun", "ray") if i % 2 == 0 else ("ray", "torchrun"):
-                    s, st = b.plain_run(launcher, i)
+                # torchrun, Ray, torchrun: Ray's run is compared with the mean of its two neighbours in
+                # time, which cancels drift that is linear over the round; the torchrun pair gives the
+                # noise floor of the same comparison.
+                medians = []
+                for j, launcher in enumerate(("torchrun", "ray", "torchrun")):
+                    s, st = b.plain_run(launcher, f"{i}{j}")
                     startup[launcher].append(s)
                     steps[launcher].extend(st)
-                    print(f"{launcher} run {i}: startup {s:.1f}s, median step {1000 * statistics.median(st):.1f}ms",
+                    medians.append(statistics.median(st))
+                    print(f"{launcher} run {i}.{j}: startup {s:.1f}s, median step {1000 * medians[-1]:.1f}ms",
                           flush=True)
+                ratios.append(medians[1] / ((medians[0] + medians[2]) / 2))
+                controls.append(medians[2] / medians[0])
+                print(f"round {i}: ray/torchrun {ratios[-1]:.3f}, torchrun/torchrun {controls[-1]:.3f}", flush=True)
             result = {
-                "ray_vs_torchrun_step_ratio": statistics.median(steps["ray"]) / statistics.median(steps["torchrun"]),
+                "ray_vs_torchrun_step_ratio": statistics.median(ratios),
+                "ray_vs_torchrun_step_ratio_per_round": [round(r, 3) for r in ratios],
+                "control_torchrun_vs_torchrun_per_round": [round(r, 3) for r in controls],
+                "control_ratio": statistics.median(controls),
+                "ray_vs_torchrun_step_ratio_pooled": statistics.median(steps["ray"]) / statistics.median(steps["torchrun"]),
                 "startup_seconds_ray": statistics.median(startup["ray"]),
                 "startup_seconds_torchrun": statistics.median(startup["torchrun"]),
                 "step_ms_ray": 1000 * statistics.median(steps["ray"]),
                 "step_ms_torchrun": 1000 * statistics.median(steps["torchrun"]),
                 "cluster_up_seconds": cluster_up,
             }
-            if not args.smoke:
+            if not (args.smoke or args.no_faults):
                 result["recovery_seconds"] = b.kill_run("ray", "worker")
                 print(f"ray worker kill: recovered in {result['recovery_seconds']:.1f}s", flush=True)
                 result["recovery_seconds_torchrun"] = b.kill_run("torchrun", "worker")
@@ -207,7 +229,8 @@ def main() -> int:
     result.update({
         "targets": {"ray_vs_torchrun_step_ratio": "<= 1.05", "recovery_seconds": "<= 20",
                     "node_loss_recovery_seconds": "<= 30"},
-        "knobs": {"health_check_period_ms": b.cluster.health_check_period_ms,
+        "knobs": {"head_nice": args.head_nice, "worker_nice": args.worker_nice,
+                  "health_check_period_ms": b.cluster.health_check_period_ms,
                   "health_check_failure_threshold": b.cluster.health_check_failure_threshold,
                   "ray.worker_group_start_timeout_s (node loss run)": args.start_timeout},
         "steps": args.steps, "rounds": args.rounds, "smoke": args.smoke,

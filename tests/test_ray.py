@@ -84,6 +84,11 @@ def ray_worker_pids(cluster) -> list[int]:
     return [a["pid"] for a in actors]
 
 
+def _nice(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[16])
+
+
 def _redone(run_dir: Path) -> tuple[int, int]:
     """(highest step trained before the restart, step resumed from)."""
     records = metrics(run_dir)
@@ -111,6 +116,10 @@ def test_sigkilled_ray_worker_costs_at_most_one_snapshot_interval(cluster):
         wait_for_step(run_dir, 12)
         pids = ray_worker_pids(cluster)
         assert len(pids) == 2
+        # Training runs at full priority (Ray's default would be nice 15, below Ray's own daemons);
+        # the head's processes yield to it.
+        assert [_nice(pid) for pid in pids] == [cluster.worker_nice] * 2
+        assert _nice(cluster.node_pids("head")["gcs_server"]) == cluster.head_nice > cluster.worker_nice
         os.kill(pids[-1], signal.SIGKILL)
     finally:
         rc, out = finish(proc)

@@ -244,8 +244,10 @@ class RaySection:
     worker_group_start_timeout_s: float = Field(default=60.0, gt=0)
     """Ray Train gives up starting a worker group after this long and retries (possibly with fewer
     workers when elastic). Ray's default is 60 s, which dominates recovery from a lost node."""
-    health_check_interval_s: float = Field(default=2.0, gt=0)
-    """How often Ray Train's controller polls the workers (Ray's default: 2 s)."""
+    health_check_interval_s: float = Field(default=0.25, gt=0)
+    """How often Ray Train's controller polls the workers (Ray's default: 2 s). Each poll takes at
+    most one `ray.train.report` per worker and a worker's next report waits for it, so snapshots more
+    often than this stall training; it also bounds how fast a dead worker is noticed."""
     check_resources: bool = True
     """Refuse to start when the cluster can never hold `ray.num_workers` (min) workers. Turn off on
     autoscaling clusters that grow on demand."""
