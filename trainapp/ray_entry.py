@@ -60,6 +60,10 @@ class RaySnapshots(SnapshotManager):
             verify(Path(d))
             return ckpt.path, load_state(Path(d))
 
+    def purge(self) -> None:
+        # Ray keeps `snapshot.keep` checkpoints (CheckpointConfig) and deletes older ones itself.
+        self.sweep_leftovers()
+
     def save(self, ctx, step, state, meta, metrics) -> None:
         import ray.train
         from ray.train import Checkpoint, CheckpointUploadMode
@@ -72,8 +76,7 @@ class RaySnapshots(SnapshotManager):
             # twice (measured: the extra copy's writeback cost ~10% of a core on a 2-core node).
             mode = CheckpointUploadMode.NO_UPLOAD
             if ctx.is_main:
-                ckpt = Checkpoint.from_directory(write_dir(self.path_for(step), state, meta, self.write_delay_s))
-                self.sweep_leftovers()
+                ckpt = Checkpoint.from_directory(self.write(step, state, meta))
         else:
             # A URI, or snapshot.async: Ray copies the directory written here to storage (in the
             # background with async, deleting it afterwards); the serialization still happens here.

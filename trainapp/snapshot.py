@@ -72,11 +72,11 @@ class _HashingFile:
     """A binary file that hashes what is written through it: the checksum costs one pass over the
     bytes, not a second read of the written file."""
 
-    def __init__(self, f) -> None:
-        self.f, self.sha256 = f, hashlib.sha256()
+    def __init__(self, f, digest) -> None:
+        self.f, self.digest = f, digest
 
     def write(self, data) -> int:
-        self.sha256.update(data)
+        self.digest.update(data)
         return self.f.write(data)
 
     def flush(self) -> None:
@@ -118,20 +118,18 @@ def write_dir(final: Path, state: dict[str, Any], meta: dict[str, Any], delay_s:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        hashing = None
+        digest = hashlib.sha256()
 
         def save(f) -> None:
-            nonlocal hashing
-            hashing = _HashingFile(f)
             # torch's zip writer would also CRC32 every record: redundant with our sha256 of the whole
             # file (checked on every load) and a fifth of a snapshot's CPU.
             with torch_serialization_config.patch({"save.compute_crc32": False}):
-                torch.save(state, hashing)
+                torch.save(state, _HashingFile(f, digest))
 
         _write_bytes(tmp / STATE, save)
         if delay_s:
             time.sleep(delay_s)
-        meta = {**meta, "format": FORMAT, "sha256": hashing.sha256.hexdigest(), "bytes": (tmp / STATE).stat().st_size}
+        meta = {**meta, "format": FORMAT, "sha256": digest.hexdigest(), "bytes": (tmp / STATE).stat().st_size}
         _write_bytes(tmp / META, lambda f: f.write(json.dumps(meta, indent=2).encode()))
         _fsync_dir(tmp)
     except BaseException:
