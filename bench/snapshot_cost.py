@@ -147,7 +147,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny run that only checks the benchmark works")
     p.add_argument("--reps", type=int, default=7, help="timed snapshots per mode for the blocking time")
-    p.add_argument("--intervals", type=int, default=8, help="snapshot intervals timed per mode for the throughput")
+    p.add_argument("--intervals", type=int, default=12, help="snapshot intervals timed per mode for the throughput")
     p.add_argument("--steps", type=int, default=100, help="training steps per snapshot interval")
     p.add_argument("--window", type=int, default=30, help="steps after a snapshot that are charged to it")
     p.add_argument("--models", default="resnet18,resnet50", help="models whose state is snapshotted")

@@ -48,6 +48,28 @@ def test_save_blocks_for_the_copy_and_the_next_save_waits_for_the_previous_write
     assert [p.name for p in snapshot.list_snapshots(tmp_path)] == ["step_000000010", "step_000000020"]
 
 
+def test_the_cpu_copy_reuses_the_previous_snapshots_buffers_and_each_snapshot_keeps_its_values(tmp_path):
+    m = SnapshotManager(tmp_path, every_steps=10, keep=3, async_write=True)
+    state = _state(10.0)
+    state["model"]["conv"] = torch.randn(4, 3, 5, 5).to(memory_format=torch.channels_last)
+    m.save(ALONE, 10, state, {"global_step": 10}, {})
+    buffer = m._staging["model"]["w"].data_ptr()
+    state["model"]["w"].fill_(20.0)
+    state["model"]["grown"] = torch.ones(7)
+    state["optimizer"]["state"][0]["m"] = torch.ones(5)  # a new shape gets a new buffer
+    m.save(ALONE, 20, state, {"global_step": 20}, {})
+    m.wait()
+    assert m._staging["model"]["w"].data_ptr() == buffer, "the copy went to fresh memory, not the reused buffer"
+    assert m._staging["model"]["w"] is not state["model"]["w"]
+    first, second = load_state(m.path_for(10)), load_state(m.path_for(20))
+    assert torch.equal(first["model"]["w"], torch.full((1000,), 10.0))
+    assert torch.equal(second["model"]["w"], torch.full((1000,), 20.0))
+    assert torch.equal(second["optimizer"]["state"][0]["m"], torch.ones(5))
+    assert torch.equal(second["model"]["grown"], torch.ones(7))
+    assert torch.equal(second["model"]["conv"], state["model"]["conv"])
+    assert second["model"]["conv"].is_contiguous(memory_format=torch.channels_last)
+
+
 def test_a_failed_background_write_surfaces_in_the_training_thread(tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")

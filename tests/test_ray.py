@@ -209,6 +209,10 @@ def test_losing_a_worker_node_continues_elastically_on_the_other(cluster):
     assert rc == 0, out[-4000:]
     before, resumed = _redone(run_dir)
     assert before - resumed <= 5
+    # The controller waited for Ray to declare the node dead before sizing the new group (NodeLossWatch),
+    # instead of asking for 2 workers again and waiting out the start timeout.
+    assert "stopped answering" in out and "declared dead after" in out, out[-4000:]
+    assert "startup timed out" not in out, out[-4000:]
     starts = metrics(run_dir, "start")
     assert starts[0]["world_size"] == 2 and starts[-1]["world_size"] == 1
     assert starts[-1]["resumed_world_size"] == 2

@@ -1,5 +1,10 @@
+import errno
+import fcntl
 import json
 import logging
+import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,6 +99,44 @@ def test_a_write_that_dies_midway_leaves_the_previous_snapshot_intact(tmp_path, 
     monkeypatch.undo()
     assert not m.path_for(20).exists() and not list(m.root.glob(".tmp-*"))
     assert newest_valid(m.root)[0] == m.path_for(10)
+
+
+@pytest.mark.parametrize("where", ["disk", "tmpfs"])
+def test_state_files_are_whole_at_every_size_on_direct_and_buffered_filesystems(tmp_path, where):
+    """O_DIRECT writes go out in aligned chunks with the tail padded and cut back; tmpfs refuses
+    O_DIRECT and gets the buffered write. Sizes straddle the block and the chunk."""
+    import tempfile
+
+    if where == "tmpfs" and not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm")
+    root = Path(tempfile.mkdtemp(dir="/dev/shm")) if where == "tmpfs" else tmp_path
+    try:
+        chunk = snapshot._StateFile.CHUNK
+        for n in (1, 4095, 4096, 4097, chunk - 7, chunk + 5000, 2 * chunk + 1):
+            state = {"model": {"w": torch.arange(n, dtype=torch.uint8)}, "progress": {"n": n}}
+            digest, size = snapshot.save_state(root / f"s{n}", state)
+            assert (root / f"s{n}").stat().st_size == size
+            assert snapshot.file_sha256(root / f"s{n}") == digest
+            back = torch.load(root / f"s{n}", weights_only=True)
+            assert torch.equal(back["model"]["w"], state["model"]["w"]) and back["progress"] == {"n": n}
+    finally:
+        if where == "tmpfs":
+            shutil.rmtree(root)
+
+
+def test_a_filesystem_that_refuses_direct_writes_midway_gets_a_buffered_one(tmp_path, monkeypatch):
+    real_write = os.write
+
+    def refusing(fd, data):
+        if os.get_blocking(fd) and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(snapshot.os, "write", refusing)
+    state = {"model": {"w": torch.randn(10_000)}}
+    digest, size = snapshot.save_state(tmp_path / "s", state)
+    assert snapshot.file_sha256(tmp_path / "s") == digest and (tmp_path / "s").stat().st_size == size
+    assert torch.equal(torch.load(tmp_path / "s", weights_only=True)["model"]["w"], state["model"]["w"])
 
 
 def test_leftovers_of_a_killed_writer_are_swept_by_the_next_write(tmp_path):

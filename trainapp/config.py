@@ -248,6 +248,11 @@ class RaySection:
     """How often Ray Train's controller polls the workers (Ray's default: 2 s). Each poll takes at
     most one `ray.train.report` per worker and a worker's next report waits for it, so snapshots more
     often than this stall training; it also bounds how fast a dead worker is noticed."""
+    node_loss_wait_s: float = Field(default=30.0, ge=0)
+    """Elastic runs: when a node that hosted workers stops answering, the restart waits up to this
+    long for Ray to declare it dead (its GCS health checks; Ray's defaults take about 15 s), so the
+    new group is sized for the nodes that are left instead of waiting out
+    `worker_group_start_timeout_s` for a worker the lost node can never start. 0: do not wait."""
     check_resources: bool = True
     """Refuse to start when the cluster can never hold `ray.num_workers` (min) workers. Turn off on
     autoscaling clusters that grow on demand."""

@@ -292,6 +292,14 @@ def _config_error_in(exc: BaseException) -> str | None:
     return None
 
 
+def _callbacks(cfg: Config) -> list:
+    if cfg.ray.min_workers == cfg.ray.max_workers:
+        return []
+    from trainapp.ray_watch import NodeLossWatch
+
+    return [NodeLossWatch(cfg.ray.node_loss_wait_s)]
+
+
 def run(cfg: Config) -> dict[str, Any]:
     """Fit a TorchTrainer over the cluster; returns the rank-0 summary of the finished run."""
     where = connect(cfg)  # first: it decides how ray is imported
@@ -325,6 +333,7 @@ def run(cfg: Config) -> dict[str, Any]:
                 name=cfg.ray.name, storage_path=storage,
                 failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
                 checkpoint_config=CheckpointConfig(num_to_keep=cfg.snapshot.keep),
+                callbacks=_callbacks(cfg),
             ),
         )
         try:

@@ -8,8 +8,8 @@ snapshot is reported and skipped in favour of the previous one.
 
 The same directory is what Ray Train stores as a checkpoint, so one format serves every launcher.
 
-With `snapshot.async`, rank 0 blocks only while it copies the state into CPU memory; a background
-thread writes that copy the same atomic way. One write is in flight at most: the next snapshot (and
+With `snapshot.async`, rank 0 blocks only while it copies the state into CPU memory (the previous
+snapshot's buffers, reused); a background thread writes that copy the same atomic way. One write is in flight at most: the next snapshot (and
 the end of training) waits for it. A process killed mid-write leaves a `.tmp-*` directory, never a
 `step_*` one, so the previous snapshot stays the newest valid.
 """
@@ -17,9 +17,11 @@ the end of training) waits for it. A process killed mid-write leaves a `.tmp-*` 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
+import mmap
 import os
 import re
 import shutil
@@ -68,19 +70,98 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-class _HashingFile:
-    """A binary file that hashes what is written through it: the checksum costs one pass over the
-    bytes, not a second read of the written file."""
+class _StateFile:
+    """The file torch.save writes a snapshot's state into: hashed in passing (the checksum costs one
+    pass over the bytes, not a second read of the file), and with `direct`, written with O_DIRECT
+    through an aligned buffer reused across snapshots. Direct writes skip the page cache: no cache
+    pages to allocate and fill, no writeback later. Measured on resnet18 state (90 MB) on a 2-core VM,
+    the whole machine's CPU for a snapshot went from 0.21 to 0.10 s, the writer's share of what a
+    background snapshot takes from training."""
 
-    def __init__(self, f, digest) -> None:
-        self.f, self.digest = f, digest
+    CHUNK = 8 << 20
+    _free: list[mmap.mmap] = []
+    _lock = threading.Lock()
+
+    def __init__(self, path: Path, direct: bool) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+        self.fd = os.open(path, flags, 0o644)
+        self.digest, self.size, self.used = hashlib.sha256(), 0, 0
+        self.buf = None
+        if direct:
+            with self._lock:
+                # page-aligned, as O_DIRECT needs; one per concurrent writer, kept for the next snapshot
+                self.buf = self._free.pop() if self._free else mmap.mmap(-1, self.CHUNK)
 
     def write(self, data) -> int:
-        self.digest.update(data)
-        return self.f.write(data)
+        view = memoryview(data).cast("B")
+        n = len(view)
+        self.digest.update(view)
+        self.size += n
+        if self.buf is None:
+            self._write_all(view)
+            return n
+        while view:
+            k = min(len(view), self.CHUNK - self.used)
+            self.buf[self.used:self.used + k] = view[:k]
+            self.used, view = self.used + k, view[k:]
+            if self.used == self.CHUNK:
+                self._write_all(memoryview(self.buf))
+                self.used = 0
+        return n
+
+    def _write_all(self, view: memoryview) -> None:
+        while view:
+            view = view[os.write(self.fd, view):]
 
     def flush(self) -> None:
-        self.f.flush()
+        pass
+
+    def finish(self) -> None:
+        """The tail (padded to whole blocks, then cut back to the real size), fsync, close."""
+        if self.buf is not None and self.used:
+            self._write_all(memoryview(self.buf)[:-(-self.used // 4096) * 4096])
+            os.ftruncate(self.fd, self.size)
+        os.fsync(self.fd)
+        self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if self.buf is not None:
+            with self._lock:
+                self._free.append(self.buf)
+            self.buf = None
+
+
+def save_state(path: Path, state: dict[str, Any]) -> tuple[str, int]:
+    """torch.save `state` to `path`, on disk when this returns; (sha256, size) of the file.
+
+    O_DIRECT first; a filesystem that refuses it (tmpfs, some network and overlay filesystems; EINVAL)
+    gets an ordinary buffered write."""
+    for direct in ((True, False) if hasattr(os, "O_DIRECT") else (False,)):
+        try:
+            f = _StateFile(path, direct)
+        except OSError as e:
+            if direct and e.errno == errno.EINVAL:
+                continue
+            raise
+        try:
+            # torch's zip writer would also CRC32 every record: redundant with our sha256 of the whole
+            # file (checked on every load) and a fifth of a snapshot's CPU.
+            with torch_serialization_config.patch({"save.compute_crc32": False}):
+                torch.save(state, f)
+            f.finish()
+        except OSError as e:
+            f.close()
+            if direct and e.errno == errno.EINVAL:  # an alignment the filesystem will not take
+                continue
+            raise
+        except BaseException:
+            f.close()
+            raise
+        return f.digest.hexdigest(), f.size
+    raise AssertionError("unreachable")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -98,15 +179,38 @@ def _write_bytes(path: Path, write: Callable[[Any], None]) -> None:
         os.fsync(f.fileno())
 
 
-def cpu_copy(obj: Any) -> Any:
+def cpu_copy(obj: Any, into: Any = None) -> Any:
     """A deep copy of a state tree with every tensor copied to CPU memory (training goes on mutating
-    the originals in place while a background thread writes the copy)."""
+    the originals in place while a background thread writes the copy).
+
+    `into` is the copy made at the previous snapshot: a tensor whose shape, dtype and strides match is
+    reused as the destination. Fresh memory is what a copy costs on a VM (page faults: 85 ms for
+    resnet18's 85 MB here, against 9 ms into reused buffers), and on a GPU node the reused buffers are
+    pinned, so the device-to-host copies run at full speed.
+    """
+    cuda: list[bool] = []
+    out = _copy(obj, into, cuda)
+    if cuda:
+        torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed before anyone reads
+    return out
+
+
+def _copy(obj: Any, into: Any, cuda: list[bool]) -> Any:
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        src = obj.detach()
+        if src.is_cuda:
+            cuda.append(True)
+        if (isinstance(into, torch.Tensor) and into.shape == src.shape and into.dtype == src.dtype
+                and into.stride() == src.stride()):
+            return into.copy_(src, non_blocking=src.is_cuda)
+        dst = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
+        return dst.copy_(src, non_blocking=src.is_cuda)
     if isinstance(obj, dict):
-        return {k: cpu_copy(v) for k, v in obj.items()}
+        into = into if isinstance(into, dict) else {}
+        return {k: _copy(v, into.get(k), cuda) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(cpu_copy(v) for v in obj)
+        into = into if isinstance(into, (list, tuple)) and len(into) == len(obj) else [None] * len(obj)
+        return type(obj)(_copy(v, i, cuda) for v, i in zip(obj, into))
     return obj
 
 
@@ -118,18 +222,10 @@ def write_dir(final: Path, state: dict[str, Any], meta: dict[str, Any], delay_s:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        digest = hashlib.sha256()
-
-        def save(f) -> None:
-            # torch's zip writer would also CRC32 every record: redundant with our sha256 of the whole
-            # file (checked on every load) and a fifth of a snapshot's CPU.
-            with torch_serialization_config.patch({"save.compute_crc32": False}):
-                torch.save(state, _HashingFile(f, digest))
-
-        _write_bytes(tmp / STATE, save)
+        digest, size = save_state(tmp / STATE, state)
         if delay_s:
             time.sleep(delay_s)
-        meta = {**meta, "format": FORMAT, "sha256": digest.hexdigest(), "bytes": (tmp / STATE).stat().st_size}
+        meta = {**meta, "format": FORMAT, "sha256": digest, "bytes": size}
         _write_bytes(tmp / META, lambda f: f.write(json.dumps(meta, indent=2).encode()))
         _fsync_dir(tmp)
     except BaseException:
@@ -249,6 +345,8 @@ class SnapshotManager:
     last_blocking_s: float = 0.0
     """Seconds the last `save` held rank 0 (the copy with async writes, the whole write without)."""
     _pending: threading.Thread | None = field(default=None, repr=False)
+    _staging: Any = field(default=None, repr=False)
+    """The CPU copy the last async snapshot was written from, reused by the next one (see cpu_copy)."""
     _error: BaseException | None = field(default=None, repr=False)
 
     def due(self, step: int, last: bool) -> bool:
@@ -284,7 +382,7 @@ class SnapshotManager:
             t0 = time.perf_counter()
             if self.async_write:
                 self.wait()
-                copy = cpu_copy(state)
+                copy = self._staging = cpu_copy(state, into=self._staging)
                 self._pending = threading.Thread(target=self._write_in_background, args=(step, copy, meta),
                                                  name=f"snapshot-{step}")
                 self._pending.start()
