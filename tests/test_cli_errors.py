@@ -62,10 +62,10 @@ CASES = {
     "interface not on this host": (lambda r: ["train", "network.interface=nosuch0", f"run.dir={r}/run"],
                                    "host "),
     "doctor bad config": (lambda r: ["doctor", "train.epochs=two"], "train.epochs='two'"),
-    "only corrupt snapshots": (lambda r: ["train", f"run.dir={_corrupt_run(r)}"], "sha256 mismatch"),
+    "only corrupt snapshots": (lambda r: ["train", f"run.dir={_corrupt_run(r)}"], "checksum mismatch"),
     "unreadable snapshot": (lambda r: ["inspect", str(_garbage_file(r))], "garbage.pt"),
     "inspect missing path": (lambda r: ["inspect", str(r / "nowhere")], "nowhere"),
-    "inspect corrupt snapshot": (lambda r: ["inspect", str(_corrupt_run(r))], "sha256 mismatch"),
+    "inspect corrupt snapshot": (lambda r: ["inspect", str(_corrupt_run(r))], "checksum mismatch"),
 }
 
 

@@ -57,7 +57,7 @@ def test_corrupt_newest_snapshot_falls_back_to_the_previous_one(tmp_path, caplog
     with caplog.at_level(logging.WARNING, logger="trainapp"):
         path, meta = newest_valid(m.root)
     assert path == m.path_for(10) and meta["global_step"] == 10
-    assert "sha256 mismatch" in caplog.text and "step_000000020" in caplog.text
+    assert "checksum mismatch" in caplog.text and "step_000000020" in caplog.text
 
 
 def test_truncated_newest_snapshot_falls_back(tmp_path):
@@ -116,7 +116,7 @@ def test_state_files_are_whole_at_every_size_on_direct_and_buffered_filesystems(
             state = {"model": {"w": torch.arange(n, dtype=torch.uint8)}, "progress": {"n": n}}
             digest, size = snapshot.save_state(root / f"s{n}", state)
             assert (root / f"s{n}").stat().st_size == size
-            assert snapshot.file_sha256(root / f"s{n}") == digest
+            assert snapshot.file_digest(root / f"s{n}") == digest
             back = torch.load(root / f"s{n}", weights_only=True)
             assert torch.equal(back["model"]["w"], state["model"]["w"]) and back["progress"] == {"n": n}
     finally:
@@ -135,8 +135,24 @@ def test_a_filesystem_that_refuses_direct_writes_midway_gets_a_buffered_one(tmp_
     monkeypatch.setattr(snapshot.os, "write", refusing)
     state = {"model": {"w": torch.randn(10_000)}}
     digest, size = snapshot.save_state(tmp_path / "s", state)
-    assert snapshot.file_sha256(tmp_path / "s") == digest and (tmp_path / "s").stat().st_size == size
+    assert snapshot.file_digest(tmp_path / "s") == digest and (tmp_path / "s").stat().st_size == size
     assert torch.equal(torch.load(tmp_path / "s", weights_only=True)["model"]["w"], state["model"]["w"])
+
+
+def test_format_1_snapshots_with_a_sha256_still_verify_and_corruption_is_still_caught(tmp_path):
+    m = _manager(tmp_path)
+    path = m.write(10, _state(10), {"global_step": 10})
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["format"] == 2 and meta["xxh3_128"] == snapshot.file_digest(path / "state.pt")
+    old = {k: v for k, v in meta.items() if k != "xxh3_128"}
+    old.update(format=1, sha256=snapshot.file_digest(path / "state.pt", "sha256"))
+    (path / "meta.json").write_text(json.dumps(old))
+    assert verify(path)["global_step"] == 10
+    data = bytearray((path / "state.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (path / "state.pt").write_bytes(bytes(data))
+    with pytest.raises(snapshot.SnapshotError, match="checksum mismatch .sha256"):
+        verify(path)
 
 
 def test_leftovers_of_a_killed_writer_are_swept_by_the_next_write(tmp_path):

@@ -1,7 +1,7 @@
 """Rank-0 snapshots: cadence, atomic writes, checksums, keep-last-k, newest-valid on load.
 
 A snapshot is a directory `step_000000123/` holding `state.pt` (everything needed to continue exactly)
-and `meta.json` (step, epoch, world size, the sha256 and size of state.pt). It is written under a
+and `meta.json` (step, epoch, world size, the checksum and size of state.pt). It is written under a
 temporary name, every file fsynced, `meta.json` last, then renamed into place: a directory with that
 name is complete by construction. On load the checksum is verified, and a corrupt or truncated
 snapshot is reported and skipped in favour of the previous one.
@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import xxhash
 from torch.utils.serialization import config as torch_serialization_config
 
 from trainapp.config import ConfigError
@@ -40,7 +41,11 @@ from trainapp.config import ConfigError
 log = logging.getLogger(__name__)
 
 STATE, META = "state.pt", "meta.json"
-FORMAT = 1
+FORMAT = 2
+# The checksum of state.pt: xxh3-128 (xxhash), 9x faster than sha256 here (7 vs 60 ms for 90 MB), and
+# a snapshot's checksum guards against torn and corrupt files, not against forgery. Format-1 snapshots
+# carry a sha256 and still verify.
+CHECKSUMS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 _NAME = re.compile(r"^step_(\d{9})$")
 
 
@@ -62,8 +67,8 @@ def params_sha256(module: torch.nn.Module) -> str:
     return tensors_sha256(module.state_dict())
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def file_digest(path: Path, algo: str = "xxh3_128") -> str:
+    h = CHECKSUMS[algo]()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
@@ -71,8 +76,8 @@ def file_sha256(path: Path) -> str:
 
 
 class _StateFile:
-    """The file torch.save writes a snapshot's state into: hashed in passing (the checksum costs one
-    pass over the bytes, not a second read of the file), and with `direct`, written with O_DIRECT
+    """The file torch.save writes a snapshot's state into: checksummed in passing (one pass over the
+    bytes, not a second read of the file), and with `direct`, written with O_DIRECT
     through an aligned buffer reused across snapshots. Direct writes skip the page cache: no cache
     pages to allocate and fill, no writeback later. Measured on resnet18 state (90 MB) on a 2-core VM,
     the whole machine's CPU for a snapshot went from 0.21 to 0.10 s, the writer's share of what a
@@ -85,7 +90,7 @@ class _StateFile:
     def __init__(self, path: Path, direct: bool) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
         self.fd = os.open(path, flags, 0o644)
-        self.digest, self.size, self.used = hashlib.sha256(), 0, 0
+        self.digest, self.size, self.used = xxhash.xxh3_128(), 0, 0
         self.buf = None
         if direct:
             with self._lock:
@@ -135,7 +140,7 @@ class _StateFile:
 
 
 def save_state(path: Path, state: dict[str, Any]) -> tuple[str, int]:
-    """torch.save `state` to `path`, on disk when this returns; (sha256, size) of the file.
+    """torch.save `state` to `path`, on disk when this returns; (xxh3_128 checksum, size) of the file.
 
     O_DIRECT first; a filesystem that refuses it (tmpfs, some network and overlay filesystems; EINVAL)
     gets an ordinary buffered write."""
@@ -147,7 +152,7 @@ def save_state(path: Path, state: dict[str, Any]) -> tuple[str, int]:
                 continue
             raise
         try:
-            # torch's zip writer would also CRC32 every record: redundant with our sha256 of the whole
+            # torch's zip writer would also CRC32 every record: redundant with our checksum of the whole
             # file (checked on every load) and a fifth of a snapshot's CPU.
             with torch_serialization_config.patch({"save.compute_crc32": False}):
                 torch.save(state, f)
@@ -225,7 +230,7 @@ def write_dir(final: Path, state: dict[str, Any], meta: dict[str, Any], delay_s:
         digest, size = save_state(tmp / STATE, state)
         if delay_s:
             time.sleep(delay_s)
-        meta = {**meta, "format": FORMAT, "sha256": digest, "bytes": size}
+        meta = {**meta, "format": FORMAT, "xxh3_128": digest, "bytes": size}
         _write_bytes(tmp / META, lambda f: f.write(json.dumps(meta, indent=2).encode()))
         _fsync_dir(tmp)
     except BaseException:
@@ -251,7 +256,7 @@ def read_meta(snap: Path) -> dict[str, Any]:
         raise SnapshotError(f"{snap}: no {META} (incomplete snapshot)") from None
     except (OSError, ValueError) as e:
         raise SnapshotError(f"{snap}/{META}: unreadable ({e})") from None
-    if not isinstance(meta, dict) or "sha256" not in meta:
+    if not isinstance(meta, dict) or not any(k in meta for k in CHECKSUMS):
         raise SnapshotError(f"{snap}/{META}: not a trainapp snapshot record")
     return meta
 
@@ -265,8 +270,9 @@ def verify(snap: Path) -> dict[str, Any]:
     size = state.stat().st_size
     if size != meta.get("bytes"):
         raise SnapshotError(f"{state}: {size} bytes, expected {meta.get('bytes')} (truncated?)")
-    if file_sha256(state) != meta["sha256"]:
-        raise SnapshotError(f"{state}: sha256 mismatch (corrupt)")
+    algo = next(k for k in CHECKSUMS if k in meta)
+    if file_digest(state, algo) != meta[algo]:
+        raise SnapshotError(f"{state}: checksum mismatch ({algo}; corrupt)")
     return meta
 
 
