@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import metrics
-from trainapp import config, dist, loop
+from trainapp import amp, config, dist, loop
 from trainapp.amp import Precision, resolve_dtype
 from trainapp.config import AmpSection
 
@@ -24,8 +24,12 @@ def _trainer(run_dir, *extra) -> loop.Trainer:
     return loop.Trainer(_cfg(run_dir, *extra), dist.setup(60))
 
 
-def test_auto_resolves_to_bf16_on_cpu_and_off_to_fp32():
-    assert resolve_dtype("auto", CPU) is torch.bfloat16
+@pytest.mark.parametrize("native, expected", [(True, torch.bfloat16), (False, None)])
+def test_auto_on_cpu_is_bf16_only_where_native_and_off_is_fp32(monkeypatch, native, expected):
+    monkeypatch.setattr(amp, "cpu_has_native_bf16", lambda: native)
+    assert resolve_dtype("auto", CPU) is expected
+    assert resolve_dtype("bf16", CPU) is torch.bfloat16  # asked for explicitly: given, with a warning
+    assert bool(amp.Precision(AmpSection(dtype="bf16"), CPU).note) is not native
     assert resolve_dtype("off", CPU) is None
     assert resolve_dtype("fp16", CPU) is torch.float16
 

@@ -13,8 +13,18 @@ import torch
 from trainapp.config import AmpSection
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether oneDNN runs bf16 on this CPU's own instructions (AVX-512, AMX). Elsewhere bf16 is
+    emulated: SmallCNN's step took 770 ms against 82 ms in fp32 on an AVX2-only AMD EPYC."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN
+        return False
+
+
 def resolve_dtype(choice: str, device: torch.device) -> torch.dtype | None:
-    """`auto` -> bf16 where supported, else fp16 (CUDA); bf16 on CPU. `off` -> None (fp32)."""
+    """`auto` -> bf16 where supported, else fp16 (CUDA); on CPU bf16 where native, else None (fp32).
+    `off` -> None (fp32)."""
     if choice == "off":
         return None
     if choice == "bf16":
@@ -23,12 +33,20 @@ def resolve_dtype(choice: str, device: torch.device) -> torch.dtype | None:
         return torch.float16
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16
+    return torch.bfloat16 if cpu_has_native_bf16() else None
 
 
 class Precision:
     def __init__(self, cfg: AmpSection, device: torch.device):
         self.dtype = resolve_dtype(cfg.dtype, device)
+        self.note = ""
+        """Why the dtype is not what the config suggests, for the run's log."""
+        if device.type == "cpu" and not cpu_has_native_bf16():
+            if cfg.dtype == "auto":
+                self.note = "amp.dtype=auto: this CPU has no native bf16 (AVX-512/AMX), training in fp32"
+            elif cfg.dtype == "bf16":
+                self.note = ("amp.dtype=bf16: this CPU has no native bf16 (AVX-512/AMX), so it is emulated and "
+                             "several times slower than fp32; amp.dtype=auto or off trains in fp32")
         self.device_type = device.type
         self.scaler = torch.amp.GradScaler(device.type, init_scale=cfg.init_scale,
                                            enabled=self.dtype is torch.float16)

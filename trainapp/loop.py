@@ -109,6 +109,8 @@ class Trainer:
             model = model.to(memory_format=torch.channels_last)
         self.model = model
         self.precision = Precision(cfg.amp, self.device)
+        if self.precision.note and ctx.is_main:
+            log.warning("%s", self.precision.note)
         self.optimizer = build_optimizer(model, cfg.optim, self.global_batch, fused=cuda)
         self.ema = build_ema(model, t.ema_decay)
         seed_all(cfg.seed + 1000 * ctx.rank)  # ranks differ in dropout/augmentation randomness
