@@ -15,11 +15,12 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from machine import describe
 
 HERE = Path(__file__).resolve().parent
 
@@ -87,7 +88,7 @@ def main() -> int:
               f"ratio {m['bf16_vs_fp32_step_ratio']:.3f}", flush=True)
     result = {"bf16_vs_fp32_step_ratio": {k: v["bf16_vs_fp32_step_ratio"] for k, v in models.items()},
               "models": models, "cpu_flags": cpu_flags(), "torch": torch.__version__, "threads": args.threads,
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or platform.system()}",
+              "machine": describe(),
               "date": time.strftime("%Y-%m-%d"), "smoke": args.smoke}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

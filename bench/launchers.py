@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -38,6 +37,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
+from machine import describe  # noqa: E402
 from trainapp.ray_local import LocalCluster, free_port  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -76,6 +76,15 @@ def step_times(run_dir: Path, snapshot_every: int) -> list[float]:
             out.append(r["time"] - prev["time"])
         prev = r
     return out[2:]  # the first steps warm up
+
+
+def steal_seconds() -> float:
+    """CPU time the hypervisor gave to other guests (all cores), from /proc/stat; 0 where not reported."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def first_step_after_restart(run_dir: Path) -> float | None:
@@ -121,12 +130,14 @@ class Bench:
         if p.wait(timeout=900) != 0:
             raise RuntimeError(f"run failed: {p.args}")
 
-    def plain_run(self, launcher: str, i: str) -> tuple[float, list[float]]:
+    def plain_run(self, launcher: str, i: str) -> tuple[float, list[float], float]:
+        """Startup seconds, steady step times, and the CPU seconds stolen by other VMs meanwhile."""
         run_dir = self.work / f"{launcher}-{i}"
+        steal0 = steal_seconds()
         p, t0 = self.launch(launcher, run_dir)
         self.finish(p)
         first = train_records(run_dir)[0]["time"]
-        return first - t0, step_times(run_dir, self.args.snapshot_every)
+        return first - t0, step_times(run_dir, self.args.snapshot_every), steal_seconds() - steal0
 
     def kill_run(self, launcher: str, what: str) -> float:
         """Kill a worker (or a worker node) at step args.kill_step; seconds to the first step after resume."""
@@ -157,6 +168,11 @@ class Bench:
         subprocess.run(["rm", "-rf", str(self.cluster.dir)], check=False)
 
 
+def _quiet_median(ratios: list[float], steal: list[float], limit: float = 1.0) -> float | None:
+    quiet = [r for i, r in enumerate(ratios) if max(steal[3 * i:3 * i + 3]) < limit]
+    return statistics.median(quiet) if quiet else None
+
+
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout.split()
     return [int(x) for x in out]
@@ -165,7 +181,7 @@ def _children(pid: int) -> list[int]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="one short run per launcher, no faults")
-    p.add_argument("--rounds", type=int, default=4, help="rounds of torchrun, Ray, torchrun runs")
+    p.add_argument("--rounds", type=int, default=6, help="rounds of torchrun, Ray, torchrun runs")
     p.add_argument("--no-faults", action="store_true", help="step times and startup only: no kills")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--snapshot-every", type=int, default=10)
@@ -189,34 +205,41 @@ def main() -> int:
             print(f"cluster up in {cluster_up:.1f}s", flush=True)
             startup = {"torchrun": [], "ray": []}
             steps = {"torchrun": [], "ray": []}
-            ratios, controls = [], []
+            ratios, controls, steal = [], [], []
             for i in range(args.rounds):
                 # torchrun, Ray, torchrun: Ray's run is compared with the mean of its two neighbours in
                 # time, which cancels drift that is linear over the round; the torchrun pair gives the
                 # noise floor of the same comparison.
                 medians = []
                 for j, launcher in enumerate(("torchrun", "ray", "torchrun")):
-                    s, st = b.plain_run(launcher, f"{i}{j}")
+                    s, st, stolen = b.plain_run(launcher, f"{i}{j}")
+                    steal.append(round(stolen, 1))
                     startup[launcher].append(s)
                     steps[launcher].extend(st)
                     medians.append(statistics.median(st))
-                    print(f"{launcher} run {i}.{j}: startup {s:.1f}s, median step {1000 * medians[-1]:.1f}ms",
-                          flush=True)
+                    print(f"{launcher} run {i}.{j}: startup {s:.1f}s, median step {1000 * medians[-1]:.1f}ms, "
+                          f"steal {stolen:.1f}s", flush=True)
                 ratios.append(medians[1] / ((medians[0] + medians[2]) / 2))
                 controls.append(medians[2] / medians[0])
                 print(f"round {i}: ray/torchrun {ratios[-1]:.3f}, torchrun/torchrun {controls[-1]:.3f}", flush=True)
-            result = {
-                "ray_vs_torchrun_step_ratio": statistics.median(ratios),
-                "ray_vs_torchrun_step_ratio_per_round": [round(r, 3) for r in ratios],
-                "control_torchrun_vs_torchrun_per_round": [round(r, 3) for r in controls],
-                "control_ratio": statistics.median(controls),
-                "ray_vs_torchrun_step_ratio_pooled": statistics.median(steps["ray"]) / statistics.median(steps["torchrun"]),
-                "startup_seconds_ray": statistics.median(startup["ray"]),
-                "startup_seconds_torchrun": statistics.median(startup["torchrun"]),
-                "step_ms_ray": 1000 * statistics.median(steps["ray"]),
-                "step_ms_torchrun": 1000 * statistics.median(steps["torchrun"]),
-                "cluster_up_seconds": cluster_up,
-            }
+            result = {"cluster_up_seconds": cluster_up}
+            if args.rounds:  # --rounds 0: the fault runs only
+                result.update({
+                    "ray_vs_torchrun_step_ratio": statistics.median(ratios),
+                    "ray_vs_torchrun_step_ratio_per_round": [round(r, 3) for r in ratios],
+                    "control_torchrun_vs_torchrun_per_round": [round(r, 3) for r in controls],
+                    "control_ratio": statistics.median(controls),
+                    "ray_vs_torchrun_step_ratio_pooled": statistics.median(steps["ray"]) / statistics.median(steps["torchrun"]),
+                    "startup_seconds_ray": statistics.median(startup["ray"]),
+                    "startup_seconds_torchrun": statistics.median(startup["torchrun"]),
+                    "step_ms_ray": 1000 * statistics.median(steps["ray"]),
+                    "step_ms_torchrun": 1000 * statistics.median(steps["torchrun"]),
+                    # Time the hypervisor ran other guests on our cores, per run in launch order: a run
+                    # that lost seconds here is slower for reasons neither launcher controls.
+                    "steal_seconds_per_run": steal,
+                    # The same ratio over the rounds none of whose runs lost a second to steal.
+                    "ray_vs_torchrun_step_ratio_quiet_rounds": _quiet_median(ratios, steal),
+                })
             if not (args.smoke or args.no_faults):
                 result["recovery_seconds"] = b.kill_run("ray", "worker")
                 print(f"ray worker kill: recovered in {result['recovery_seconds']:.1f}s", flush=True)
@@ -234,7 +257,7 @@ def main() -> int:
                   "health_check_failure_threshold": b.cluster.health_check_failure_threshold,
                   "ray.worker_group_start_timeout_s (node loss run)": args.start_timeout},
         "steps": args.steps, "rounds": args.rounds, "smoke": args.smoke,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d"),
+        "machine": describe(), "date": time.strftime("%Y-%m-%d"),
     })
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -21,6 +21,8 @@ ROWS = [
     ("loop_overhead", "control_ratio", "minimal loop / itself (noise floor)", None, "{:.3f}"),
     ("launchers", "ray_vs_torchrun_step_ratio", "Ray Train / torchrun, step time", ("<=", 1.05), "{:.3f}"),
     ("launchers", "control_ratio", "torchrun / torchrun, step time (noise floor)", None, "{:.3f}"),
+    ("launchers", "ray_vs_torchrun_step_ratio_quiet_rounds", "Ray Train / torchrun, rounds that lost no CPU to steal",
+     None, "{:.3f}"),
     ("launchers", "startup_seconds_torchrun", "torchrun: launch to first step (s)", None, "{:.1f}"),
     ("launchers", "startup_seconds_ray", "Ray: `ray job submit` to first step (s)", None, "{:.1f}"),
     ("launchers", "recovery_seconds", "Ray: worker SIGKILL to first resumed step (s)", ("<=", 20), "{:.1f}"),

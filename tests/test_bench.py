@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from helpers import REPO, run_cmd
+from trainapp.amp import cpu_has_native_bf16
 
 pytestmark = pytest.mark.slow
 
@@ -18,6 +19,9 @@ def test_loop_overhead_benchmark_smoke(tmp_path):
     assert result["smoke"] is True and result["world_size"] == 2
     assert result["loop_overhead_ratio"] > 0 and result["control_ratio"] > 0
     assert len(result["trainapp_step_ms_rounds"]) == len(result["minimal_step_ms_rounds"]) == 1
+    # Emulated bf16 would time the emulation, not the loop: bf16 only where the CPU has it.
+    assert result["amp"] == ("bf16" if cpu_has_native_bf16() else "fp32")
+    assert "cores" in result["machine"]
     assert "loop_overhead_ratio=" in r.stdout
 
 
@@ -29,6 +33,7 @@ def test_launchers_benchmark_smoke(tmp_path):
     assert result["smoke"] is True
     assert result["startup_seconds_ray"] > 0 and result["startup_seconds_torchrun"] > 0
     assert result["ray_vs_torchrun_step_ratio"] > 0
+    assert len(result["steal_seconds_per_run"]) == 3  # torchrun, Ray, torchrun
 
 
 def test_snapshot_cost_benchmark_smoke(tmp_path):
