@@ -244,7 +244,8 @@ class RaySection:
     """Extra environment variables set in every worker before the process group is created."""
     worker_group_start_timeout_s: float = Field(default=60.0, gt=0)
     """Ray Train gives up starting a worker group after this long and retries (possibly with fewer
-    workers when elastic). Ray's default is 60 s, which dominates recovery from a lost node."""
+    workers when elastic). Ray's default is 60 s; with `ray.node_loss_wait_s` the restart after a
+    lost node no longer waits it out (9.5 s to the first step with 60 s here)."""
     health_check_interval_s: float = Field(default=0.25, gt=0)
     """How often Ray Train's controller polls the workers (Ray's default: 2 s). Each poll takes at
     most one `ray.train.report` per worker and a worker's next report waits for it, so snapshots more
