@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from machine import describe
+from machine import describe, simd_flags
 
 HERE = Path(__file__).resolve().parent
 
@@ -55,14 +55,6 @@ def measure(model_name: str, batch: int, image_size: int, rounds: int, steps: in
             "rounds_ms": {k: [round(1000 * t, 2) for t in v] for k, v in times.items()}}
 
 
-def cpu_flags() -> list[str]:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return []
-    return sorted(f for f in flags.split(":", 1)[1].split() if f in ("avx512_bf16", "amx_bf16", "amx_tile", "avx512f"))
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny run that only checks the benchmark works")
@@ -87,7 +79,7 @@ def main() -> int:
         print(f"{name}: fp32 {m['fp32_step_ms']:.1f} ms/step, bf16 {m['bf16_step_ms']:.1f} ms/step, "
               f"ratio {m['bf16_vs_fp32_step_ratio']:.3f}", flush=True)
     result = {"bf16_vs_fp32_step_ratio": {k: v["bf16_vs_fp32_step_ratio"] for k, v in models.items()},
-              "models": models, "cpu_flags": cpu_flags(), "torch": torch.__version__, "threads": args.threads,
+              "models": models, "cpu_flags": simd_flags(), "torch": torch.__version__, "threads": args.threads,
               "machine": describe(),
               "date": time.strftime("%Y-%m-%d"), "smoke": args.smoke}
     out.parent.mkdir(parents=True, exist_ok=True)

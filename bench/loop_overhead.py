@@ -92,7 +92,7 @@ def trainapp_round(ctx, steps: int, batch: int, out_dir: Path, seed: int, train_
 
     cfg = config.load(None, [
         f"run.dir={out_dir}", f"seed={seed}", f"train.max_steps={steps}", f"train.batch_size={batch}",
-        f"data.train_size={train_size}", f"data.val_size={val_size}", f"amp.dtype={'bf16' if amp == 'bf16' else 'off'}",
+        f"data.train_size={train_size}", f"data.val_size={val_size}", f"amp.dtype={'off' if amp == 'fp32' else amp}",
         # Features the minimal loop lacks are switched off, and so is channels_last (it changes the
         # compute, not the loop); logging, progress bar and the end-of-run snapshot stay on, because
         # they are the loop's overhead.
@@ -110,7 +110,7 @@ def worker(args) -> None:
 
     from trainapp import dist as tdist
     from trainapp import logs
-    from trainapp.amp import cpu_has_native_bf16
+    from trainapp.amp import resolve_dtype
     from trainapp.data import SyntheticImages
 
     ctx = tdist.setup(300)
@@ -119,8 +119,9 @@ def worker(args) -> None:
     logging.getLogger("trainapp").setLevel(logging.WARNING)  # keep the bench output readable
     train_ds = SyntheticImages(args.train_size, 10, 32, 0, "train")
     val_ds = SyntheticImages(args.val_size, 10, 32, 0, "val")
-    # Emulated bf16 (no AVX-512/AMX) is ~9x slower than fp32 and would time the emulation, not the loop.
-    amp = args.amp if args.amp != "auto" else ("bf16" if cpu_has_native_bf16() else "fp32")
+    # As amp.dtype=auto: emulated bf16 (no AVX-512/AMX) is ~9x slower than fp32 and would time the
+    # emulation, not the loop.
+    amp = "bf16" if resolve_dtype(args.amp, torch.device("cpu")) is torch.bfloat16 else "fp32"
     times = {"minimal": [], "control": [], "trainapp": []}
     orders = list(itertools.permutations(times))
     with tempfile.TemporaryDirectory() as tmp:
@@ -166,8 +167,8 @@ def main() -> int:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--train-size", type=int, default=4096)
     p.add_argument("--val-size", type=int, default=256)
-    p.add_argument("--amp", choices=("auto", "bf16", "fp32"), default="auto",
-                   help="autocast dtype of both loops (auto: bf16 where the CPU runs it natively)")
+    p.add_argument("--amp", choices=("auto", "bf16", "off"), default="auto",
+                   help="amp.dtype of both loops (auto: bf16 where the CPU runs it natively, else fp32)")
     p.add_argument("--out", help="result file (default bench/results/loop_overhead.json)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()

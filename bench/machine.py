@@ -7,21 +7,34 @@ import os
 import platform
 from pathlib import Path
 
+# The instructions that decide whether bf16 is native (AVX-512 BF16, AMX) or emulated (AVX2 only).
+SIMD = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 
-def describe() -> str:
-    """'x86_64, 2 cores, AMD EPYC (avx2), torch 2.14.1' from /proc/cpuinfo; less where it is missing."""
-    model, flags = platform.processor() or platform.system(), set()
+
+def _cpuinfo() -> tuple[str, set[str]]:
+    """(model name, flags) of the first CPU in /proc/cpuinfo; ('', set()) where there is none."""
+    model, flags = "", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
             if key.strip() == "model name":
                 model = value.strip()
             elif key.strip() == "flags":
-                flags = set(value.split())
-                break
+                return model, set(value.split())
     except OSError:
         pass
-    simd = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "avx2") if f in flags][:3]
+    return model, flags
+
+
+def simd_flags() -> list[str]:
+    flags = _cpuinfo()[1]
+    return [f for f in SIMD if f in flags]
+
+
+def describe() -> str:
+    """'x86_64, 2 cores, AMD EPYC (avx2), torch 2.14.1'; less where /proc/cpuinfo is missing."""
+    model = _cpuinfo()[0] or platform.processor() or platform.system()
+    simd = simd_flags()
     text = f"{platform.machine()}, {os.cpu_count()} cores, {model}" + (f" ({', '.join(simd)})" if simd else "")
     try:
         import torch
