@@ -1,14 +1,21 @@
 """Launchers and recovery: the same trainapp config under torchrun and under Ray Train on a local
 multi-node Ray cluster (head + 2 worker nodes, 1 CPU each, on loopback).
 
-Measured from the runs' own metrics.jsonl (one record per step, wall-clock `time`):
-- startup: seconds from launching (`torchrun ...` / `ray job submit ...`) to the first optimizer step;
-- steady-state step time: median gap between consecutive step records (snapshot steps left out),
-  in rounds of torchrun, Ray, torchrun back to back; `ray_vs_torchrun_step_ratio` is the median
-  over rounds of Ray / the mean of its two torchrun neighbours, and `control_ratio` the median of
-  the second torchrun / the first (the noise floor). Step times on a shared VM drift by 20% between
-  runs minutes apart, more than the difference measured, so each ratio compares neighbours in time
-  (the pooled ratio is reported too);
+Measured from the runs' own metrics.jsonl (wall-clock `time`; a record every `train.log_every` steps,
+every step in the fault runs):
+- startup: seconds from launching (`torchrun ...` / `ray job submit ...`) until the first optimizer
+  step begins;
+- steady-state step time: the median over a run's log intervals (trainapp's default of one record
+  per 10 steps) of global batch / `samples_per_s`, which leaves snapshot and eval time out; in rounds
+  of torchrun, Ray, torchrun back to back, `ray_vs_torchrun_step_ratio` is the median over rounds of
+  Ray / the mean of its two torchrun neighbours, and `control_ratio` the median of the second
+  torchrun / the first (the noise floor). Step times on a shared VM drift by 20% between runs
+  minutes apart, more than the difference measured, so each ratio compares neighbours in time (the
+  pooled ratio is reported too);
+- CPU: once a second, the CPU time of each process of the cluster and of the launcher; over the
+  steady-state window, the cores used by the training workers and by everything else (Ray's daemons,
+  the driver and Train's actors; in torchrun runs the torchrun agent and the idle cluster). It
+  drifts far less than step times do;
 - recovery: seconds from SIGKILL of one training worker (found through Ray's state API) to the first
   step after the restarted group resumed from its snapshot (and the same for torchrun, whose
   agent restarts the group, for comparison);
@@ -29,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -38,7 +46,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
 from machine import describe  # noqa: E402
-from trainapp.ray_local import LocalCluster, free_port  # noqa: E402
+from trainapp.ray_local import LocalCluster, _session_pids, free_port  # noqa: E402
 
 BIN = Path(sys.executable).parent
 
@@ -64,18 +72,26 @@ def wait_for(pred, timeout: float, what: str) -> None:
     raise RuntimeError(f"timed out waiting for {what}")
 
 
-def step_times(run_dir: Path, snapshot_every: int) -> list[float]:
-    """Gaps between consecutive step records of the first attempt, skipping snapshot steps."""
-    out, prev = [], None
+def step_times(run_dir: Path) -> list[float]:
+    """Seconds per step over each log interval of the first attempt, the first (warm-up) one left out.
+    A record's `samples_per_s` counts only the time its steps ran, not snapshots or evals."""
+    out, batch = [], None
     for r in records(run_dir):
-        if r["kind"] == "start" and prev is not None:
-            break
-        if r["kind"] != "train":
-            continue
-        if prev is not None and r["step"] == prev["step"] + 1 and prev["step"] % snapshot_every != 0:
-            out.append(r["time"] - prev["time"])
-        prev = r
-    return out[2:]  # the first steps warm up
+        if r["kind"] == "start":
+            if batch is not None:
+                break
+            batch = r["global_batch"]
+        elif r["kind"] == "train":
+            out.append(batch / r["samples_per_s"])
+    return out[1:]
+
+
+def first_step_start(run_dir: Path) -> float:
+    """Wall-clock time the first optimizer step began: the first record's time less its interval."""
+    recs = records(run_dir)
+    start = next(r for r in recs if r["kind"] == "start")
+    first = next(r for r in recs if r["kind"] == "train")
+    return first["time"] - (first["step"] - start["step"]) * start["global_batch"] / first["samples_per_s"]
 
 
 def steal_seconds() -> float:
@@ -85,6 +101,41 @@ def steal_seconds() -> float:
         return int(fields[8]) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+def _cpu(pid: int) -> tuple[str, float] | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    return stat[stat.index("(") + 1:stat.rindex(")")], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuSampler(threading.Thread):
+    """Once a second, the CPU seconds used so far by each process `pids()` names."""
+
+    def __init__(self, pids):
+        super().__init__(daemon=True)
+        self.pids, self.samples, self.done = pids, [], threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(1.0):
+            now = {pid: c for pid in self.pids() if (c := _cpu(pid)) is not None}
+            self.samples.append((time.time(), now))
+
+    def shares(self, t0: float, t1: float, training) -> tuple[float | None, float | None]:
+        """Cores used by training processes (`training(pid, comm)`) and by the rest, between t0 and t1
+        (None when fewer than two samples fall inside)."""
+        inside = [s for s in self.samples if t0 <= s[0] <= t1]
+        if len(inside) < 2:
+            return None, None
+        (ta, a), (tb, b) = inside[0], inside[-1]
+        used = [0.0, 0.0]
+        for pid, (comm, c) in b.items():
+            if pid in a:
+                used[0 if training(pid, comm) else 1] += c - a[pid][1]
+        return used[0] / (tb - ta), used[1] / (tb - ta)
 
 
 def first_step_after_restart(run_dir: Path) -> float | None:
@@ -108,7 +159,7 @@ class Bench:
     def cfg(self, *extra: str) -> list[str]:
         a = self.args
         return [f"train.max_steps={a.steps}", "train.epochs=100", f"snapshot.every_steps={a.snapshot_every}",
-                "train.log_every=1", "train.progress=false", "data.train_size=2048", "data.val_size=256", *extra]
+                "train.progress=false", "data.train_size=2048", "data.val_size=256", *extra]
 
     def launch(self, launcher: str, run_dir: Path, *extra: str) -> tuple[subprocess.Popen, float]:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -130,20 +181,42 @@ class Bench:
         if p.wait(timeout=900) != 0:
             raise RuntimeError(f"run failed: {p.args}")
 
-    def plain_run(self, launcher: str, i: str) -> tuple[float, list[float], float]:
-        """Startup seconds, steady step times, and the CPU seconds stolen by other VMs meanwhile."""
+    def plain_run(self, launcher: str, i: str) -> dict:
+        """Startup seconds, steady step times, the CPU seconds stolen by other VMs meanwhile, and the
+        cores used by training and by everything else of the launcher and the cluster."""
         run_dir = self.work / f"{launcher}-{i}"
         steal0 = steal_seconds()
-        p, t0 = self.launch(launcher, run_dir)
-        self.finish(p)
-        first = train_records(run_dir)[0]["time"]
-        return first - t0, step_times(run_dir, self.args.snapshot_every), steal_seconds() - steal0
+        p, t0 = self.launch(launcher, run_dir, f"train.log_every={self.args.log_every}")
+        workers = set()
+
+        def pids() -> list[int]:
+            kids = _children(p.pid)
+            if launcher == "torchrun":
+                workers.update(kids)
+            return [p.pid, *kids, *(pid for n in self.cluster.nodes for pid in _session_pids(n.pid))]
+
+        sampler = CpuSampler(pids)
+        sampler.start()
+        try:
+            self.finish(p)
+        finally:
+            sampler.done.set()
+            sampler.join()
+        train = train_records(run_dir)
+        training, other = sampler.shares(train[1]["time"], train[-1]["time"],
+                                         lambda pid, comm: pid in workers or comm.startswith("ray::RayTrainWo"))
+        steps = step_times(run_dir)
+        return {"startup": first_step_start(run_dir) - t0, "steps": steps, "steal": steal_seconds() - steal0,
+                "train_cores": training, "other_cores": other,
+                "train_cpu_ms_per_step": None if training is None else 1000 * training * statistics.median(steps) / 2}
 
     def kill_run(self, launcher: str, what: str) -> float:
         """Kill a worker (or a worker node) at step args.kill_step; seconds to the first step after resume."""
         run_dir = self.work / f"{launcher}-{what}"
-        extra = ["ray.num_workers=[1,2]", f"ray.worker_group_start_timeout_s={self.args.start_timeout}"] \
-            if what == "node" else []
+        # A record every step: the first step after the restart is the moment measured.
+        extra = ["train.log_every=1"]
+        if what == "node":
+            extra += ["ray.num_workers=[1,2]", f"ray.worker_group_start_timeout_s={self.args.start_timeout}"]
         p, _ = self.launch(launcher, run_dir, *extra)
         wait_for(lambda: any(r["step"] >= self.args.kill_step for r in train_records(run_dir)), 600, "kill step")
         if what == "node":
@@ -183,7 +256,9 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true", help="one short run per launcher, no faults")
     p.add_argument("--rounds", type=int, default=6, help="rounds of torchrun, Ray, torchrun runs")
     p.add_argument("--no-faults", action="store_true", help="step times and startup only: no kills")
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--log-every", type=int, default=10,
+                   help="train.log_every of the step-time runs (trainapp's default; 1 logs every step)")
     p.add_argument("--snapshot-every", type=int, default=10)
     p.add_argument("--kill-step", type=int, default=25)
     p.add_argument("--start-timeout", type=float, default=10.0,
@@ -194,7 +269,7 @@ def main() -> int:
     p.add_argument("--out", help="result file (default bench/results/launchers.json)")
     args = p.parse_args()
     if args.smoke:
-        args.rounds, args.steps = 1, 12
+        args.rounds, args.steps = 1, 40
     out = Path(args.out or HERE / "results" / ("smoke" if args.smoke else "") / "launchers.json")
     with tempfile.TemporaryDirectory(prefix="ta-bench-") as tmp:
         b = Bench(args, Path(tmp))
@@ -203,8 +278,7 @@ def main() -> int:
             b.cluster.up(cwd=REPO)
             cluster_up = time.time() - t
             print(f"cluster up in {cluster_up:.1f}s", flush=True)
-            startup = {"torchrun": [], "ray": []}
-            steps = {"torchrun": [], "ray": []}
+            runs = {"torchrun": [], "ray": []}
             ratios, controls, steal = [], [], []
             for i in range(args.rounds):
                 # torchrun, Ray, torchrun: Ray's run is compared with the mean of its two neighbours in
@@ -212,28 +286,45 @@ def main() -> int:
                 # noise floor of the same comparison.
                 medians = []
                 for j, launcher in enumerate(("torchrun", "ray", "torchrun")):
-                    s, st, stolen = b.plain_run(launcher, f"{i}{j}")
-                    steal.append(round(stolen, 1))
-                    startup[launcher].append(s)
-                    steps[launcher].extend(st)
-                    medians.append(statistics.median(st))
-                    print(f"{launcher} run {i}.{j}: startup {s:.1f}s, median step {1000 * medians[-1]:.1f}ms, "
-                          f"steal {stolen:.1f}s", flush=True)
+                    r = b.plain_run(launcher, f"{i}{j}")
+                    steal.append(round(r["steal"], 1))
+                    runs[launcher].append(r)
+                    medians.append(statistics.median(r["steps"]))
+                    print(f"{launcher} run {i}.{j}: startup {r['startup']:.1f}s, median step "
+                          f"{1000 * medians[-1]:.1f}ms, steal {r['steal']:.1f}s, cores: training "
+                          f"{r['train_cores'] or 0:.2f}, rest {r['other_cores'] or 0:.2f}", flush=True)
                 ratios.append(medians[1] / ((medians[0] + medians[2]) / 2))
                 controls.append(medians[2] / medians[0])
                 print(f"round {i}: ray/torchrun {ratios[-1]:.3f}, torchrun/torchrun {controls[-1]:.3f}", flush=True)
             result = {"cluster_up_seconds": cluster_up}
             if args.rounds:  # --rounds 0: the fault runs only
+                def med(launcher: str, key: str) -> float | None:
+                    values = [r[key] for r in runs[launcher] if r[key] is not None]
+                    return statistics.median(values) if values else None
+
+                def pooled(launcher: str) -> float:
+                    return statistics.median(t for r in runs[launcher] for t in r["steps"])
+
                 result.update({
                     "ray_vs_torchrun_step_ratio": statistics.median(ratios),
                     "ray_vs_torchrun_step_ratio_per_round": [round(r, 3) for r in ratios],
                     "control_torchrun_vs_torchrun_per_round": [round(r, 3) for r in controls],
                     "control_ratio": statistics.median(controls),
-                    "ray_vs_torchrun_step_ratio_pooled": statistics.median(steps["ray"]) / statistics.median(steps["torchrun"]),
-                    "startup_seconds_ray": statistics.median(startup["ray"]),
-                    "startup_seconds_torchrun": statistics.median(startup["torchrun"]),
-                    "step_ms_ray": 1000 * statistics.median(steps["ray"]),
-                    "step_ms_torchrun": 1000 * statistics.median(steps["torchrun"]),
+                    "ray_vs_torchrun_step_ratio_pooled": pooled("ray") / pooled("torchrun"),
+                    "startup_seconds_ray": med("ray", "startup"),
+                    "startup_seconds_torchrun": med("torchrun", "startup"),
+                    "step_ms_ray": 1000 * pooled("ray"),
+                    "step_ms_torchrun": 1000 * pooled("torchrun"),
+                    # Cores (1.0 = one core busy) over the steady-state window, medians over runs:
+                    # the two training workers, and everything else the cluster and the launcher
+                    # ran meanwhile (in torchrun runs: the torchrun agent and the idle cluster).
+                    "train_cores_ray": med("ray", "train_cores"),
+                    "train_cores_torchrun": med("torchrun", "train_cores"),
+                    "other_cores_ray": med("ray", "other_cores"),
+                    "other_cores_torchrun": med("torchrun", "other_cores"),
+                    # CPU the training workers spend per step (per worker).
+                    "train_cpu_ms_per_step_ray": med("ray", "train_cpu_ms_per_step"),
+                    "train_cpu_ms_per_step_torchrun": med("torchrun", "train_cpu_ms_per_step"),
                     # Time the hypervisor ran other guests on our cores, per run in launch order: a run
                     # that lost seconds here is slower for reasons neither launcher controls.
                     "steal_seconds_per_run": steal,
@@ -256,7 +347,7 @@ def main() -> int:
                   "health_check_period_ms": b.cluster.health_check_period_ms,
                   "health_check_failure_threshold": b.cluster.health_check_failure_threshold,
                   "ray.worker_group_start_timeout_s (node loss run)": args.start_timeout},
-        "steps": args.steps, "rounds": args.rounds, "smoke": args.smoke,
+        "steps": args.steps, "log_every": args.log_every, "rounds": args.rounds, "smoke": args.smoke,
         "machine": describe(), "date": time.strftime("%Y-%m-%d"),
     })
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,9 @@ def test_launchers_benchmark_smoke(tmp_path):
     assert result["startup_seconds_ray"] > 0 and result["startup_seconds_torchrun"] > 0
     assert result["ray_vs_torchrun_step_ratio"] > 0
     assert len(result["steal_seconds_per_run"]) == 3  # torchrun, Ray, torchrun
+    # The CPU sampler found both training workers under each launcher, and Ray's own processes.
+    assert result["train_cores_ray"] > 0.5 and result["train_cores_torchrun"] > 0.5
+    assert result["other_cores_ray"] > 0 and result["train_cpu_ms_per_step_ray"] > 0
 
 
 def test_snapshot_cost_benchmark_smoke(tmp_path):
