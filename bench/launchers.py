@@ -46,7 +46,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
 from machine import describe  # noqa: E402
-from trainapp.ray_local import LocalCluster, _session_pids, free_port  # noqa: E402
+from trainapp.ray_local import LocalCluster, free_port, proc_stat  # noqa: E402
 
 BIN = Path(sys.executable).parent
 
@@ -72,11 +72,11 @@ def wait_for(pred, timeout: float, what: str) -> None:
     raise RuntimeError(f"timed out waiting for {what}")
 
 
-def step_times(run_dir: Path) -> list[float]:
+def step_times(recs: list[dict]) -> list[float]:
     """Seconds per step over each log interval of the first attempt, the first (warm-up) one left out.
     A record's `samples_per_s` counts only the time its steps ran, not snapshots or evals."""
     out, batch = [], None
-    for r in records(run_dir):
+    for r in recs:
         if r["kind"] == "start":
             if batch is not None:
                 break
@@ -86,9 +86,8 @@ def step_times(run_dir: Path) -> list[float]:
     return out[1:]
 
 
-def first_step_start(run_dir: Path) -> float:
+def first_step_start(recs: list[dict]) -> float:
     """Wall-clock time the first optimizer step began: the first record's time less its interval."""
-    recs = records(run_dir)
     start = next(r for r in recs if r["kind"] == "start")
     first = next(r for r in recs if r["kind"] == "train")
     return first["time"] - (first["step"] - start["step"]) * start["global_batch"] / first["samples_per_s"]
@@ -103,38 +102,34 @@ def steal_seconds() -> float:
         return 0.0
 
 
-def _cpu(pid: int) -> tuple[str, float] | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()
-    return stat[stat.index("(") + 1:stat.rindex(")")], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 class CpuSampler(threading.Thread):
-    """Once a second, the CPU seconds used so far by each process `pids()` names."""
+    """Once a second, the parent and the CPU seconds used so far of each process `pids()` names."""
 
     def __init__(self, pids):
         super().__init__(daemon=True)
         self.pids, self.samples, self.done = pids, [], threading.Event()
+        self.tick = os.sysconf("SC_CLK_TCK")
 
     def run(self) -> None:
         while not self.done.wait(1.0):
-            now = {pid: c for pid in self.pids() if (c := _cpu(pid)) is not None}
+            now = {}
+            for pid in self.pids():
+                if st := proc_stat(pid):
+                    comm, f = st
+                    now[pid] = (comm, int(f[1]), (int(f[11]) + int(f[12])) / self.tick)
             self.samples.append((time.time(), now))
 
     def shares(self, t0: float, t1: float, training) -> tuple[float | None, float | None]:
-        """Cores used by training processes (`training(pid, comm)`) and by the rest, between t0 and t1
-        (None when fewer than two samples fall inside)."""
+        """Cores used by training processes (`training(comm, ppid)`) and by the rest, between t0 and
+        t1 (None when fewer than two samples fall inside)."""
         inside = [s for s in self.samples if t0 <= s[0] <= t1]
         if len(inside) < 2:
             return None, None
         (ta, a), (tb, b) = inside[0], inside[-1]
         used = [0.0, 0.0]
-        for pid, (comm, c) in b.items():
+        for pid, (comm, ppid, cpu) in b.items():
             if pid in a:
-                used[0 if training(pid, comm) else 1] += c - a[pid][1]
+                used[0 if training(comm, ppid) else 1] += cpu - a[pid][2]
         return used[0] / (tb - ta), used[1] / (tb - ta)
 
 
@@ -187,26 +182,20 @@ class Bench:
         run_dir = self.work / f"{launcher}-{i}"
         steal0 = steal_seconds()
         p, t0 = self.launch(launcher, run_dir, f"train.log_every={self.args.log_every}")
-        workers = set()
-
-        def pids() -> list[int]:
-            kids = _children(p.pid)
-            if launcher == "torchrun":
-                workers.update(kids)
-            return [p.pid, *kids, *(pid for n in self.cluster.nodes for pid in _session_pids(n.pid))]
-
-        sampler = CpuSampler(pids)
+        sampler = CpuSampler(lambda: [p.pid, *_children(p.pid), *self.cluster.pids()])
         sampler.start()
         try:
             self.finish(p)
         finally:
             sampler.done.set()
             sampler.join()
-        train = train_records(run_dir)
+        recs = records(run_dir)
+        train = [r for r in recs if r["kind"] == "train"]
+        # Training: torchrun's children (its workers), or Ray's training actors.
         training, other = sampler.shares(train[1]["time"], train[-1]["time"],
-                                         lambda pid, comm: pid in workers or comm.startswith("ray::RayTrainWo"))
-        steps = step_times(run_dir)
-        return {"startup": first_step_start(run_dir) - t0, "steps": steps, "steal": steal_seconds() - steal0,
+                                         lambda comm, ppid: ppid == p.pid or comm.startswith("ray::RayTrainWo"))
+        steps = step_times(recs)
+        return {"startup": first_step_start(recs) - t0, "steps": steps, "steal": steal_seconds() - steal0,
                 "train_cores": training, "other_cores": other,
                 "train_cpu_ms_per_step": None if training is None else 1000 * training * statistics.median(steps) / 2}
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from helpers import QUICK, REPO, inspect, metrics, run_cmd, torchrun, trainapp
-from trainapp.ray_local import LocalCluster, free_port
+from trainapp.ray_local import LocalCluster, free_port, proc_stat
 
 pytestmark = pytest.mark.slow
 
@@ -85,8 +85,7 @@ def ray_worker_pids(cluster) -> list[int]:
 
 
 def _nice(pid: int) -> int:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat[stat.rindex(")") + 2:].split()[16])
+    return int(proc_stat(pid)[1][16])
 
 
 def _redone(run_dir: Path) -> tuple[int, int]:

@@ -36,18 +36,23 @@ DEFAULT_DIR = Path(os.environ.get("TMPDIR", "/tmp")) / f"trainapp-ray-{os.getuid
 STATE = "cluster.json"
 
 
-def _session_pids(sid: int) -> list[int]:
-    """PIDs of every process in session `sid` (Ray's children stay in their `ray start`'s session)."""
+def proc_stat(pid: int) -> tuple[str, list[str]] | None:
+    """(comm, the fields after it) of /proc/PID/stat: state is [0], ppid [1], session [3], utime and
+    stime (clock ticks) [11] and [12], nice [16]. None once the process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    end = stat.rindex(")")  # comm may itself contain ") "
+    return stat[stat.index("(") + 1:end], stat[end + 2:].split()
+
+
+def _session_pids(*sids: int) -> list[int]:
+    """PIDs of every live process in the sessions `sids` (Ray's children stay in their `ray start`'s
+    session)."""
     pids = []
     for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-        if int(fields[3]) == sid and fields[0] != "Z":
+        if d.name.isdigit() and (st := proc_stat(int(d.name))) and int(st[1][3]) in sids and st[1][0] != "Z":
             pids.append(int(d.name))
     return pids
 
@@ -245,6 +250,10 @@ class LocalCluster:
             last = (r.stderr or r.stdout).strip().splitlines()[-1:]
             time.sleep(2)
         raise RuntimeError(f"the cluster accepts no jobs after {timeout:.0f}s ({last}); logs in {self.dir / 'logs'}")
+
+    def pids(self) -> list[int]:
+        """Every process of every node."""
+        return _session_pids(*(n.pid for n in self.nodes))
 
     def node_pids(self, name: str) -> dict[str, int]:
         """{process name: pid} of one node's processes (e.g. 'raylet')."""
