@@ -77,7 +77,7 @@ config: $(STAMP) ## Print the resolved config (CONFIG=file.yaml, ARGS="key=value
 	$(BIN)/python -m trainapp config $(if $(CONFIG),--config $(CONFIG)) $(ARGS)
 
 .PHONY: config-reference
-config-reference: $(STAMP) ## Print the configuration reference table (README's, from the field docstrings)
+config-reference: $(STAMP) ## Print the configuration reference table of docs/configuration.md (from the field docstrings)
 	@$(BIN)/python -c 'from trainapp.config import reference_markdown; print(reference_markdown())'
 
 ##@ Images

@@ -88,7 +88,7 @@ def trainapp_round(ctx, steps: int, batch: int, out_dir: Path, seed: int, train_
     import torch.distributed as dist
 
     from trainapp import config
-    from trainapp.loop import Trainer
+    from trainapp.loop import trainer as make_trainer
 
     cfg = config.load(None, [
         f"run.dir={out_dir}", f"seed={seed}", f"train.max_steps={steps}", f"train.batch_size={batch}",
@@ -98,7 +98,7 @@ def trainapp_round(ctx, steps: int, batch: int, out_dir: Path, seed: int, train_
         # they are the loop's overhead.
         "train.grad_clip=0", "snapshot.every_steps=0", "train.epochs=1000", "model.channels_last=false",
     ])
-    trainer = Trainer(cfg, ctx)
+    trainer = make_trainer(cfg, ctx)
     dist.barrier()
     t0 = time.perf_counter()
     trainer.train()

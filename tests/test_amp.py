@@ -21,7 +21,7 @@ def _cfg(run_dir, *extra):
 
 
 def _trainer(run_dir, *extra) -> loop.Trainer:
-    return loop.Trainer(_cfg(run_dir, *extra), dist.setup(60))
+    return loop.trainer(_cfg(run_dir, *extra), dist.setup(60))
 
 
 @pytest.mark.parametrize("native, expected", [(True, torch.bfloat16), (False, None)])
@@ -48,20 +48,20 @@ def test_one_autocast_context_and_a_scaler_enabled_only_for_fp16(choice, dtype, 
 def test_fp16_overflow_skips_the_step_counts_it_and_backs_off_the_scale(tmp_path):
     # A loss scale of 1e20 overflows fp16 gradients in the backward pass: the step must be skipped.
     t = _trainer(tmp_path, "amp.dtype=fp16", "amp.init_scale=1e20")
-    before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
-    loss = t._run_step(iter(torch.utils.data.DataLoader(t.train_ds, batch_size=32)))
+    before = {n: p.detach().clone() for n, p in t.parts.model.named_parameters()}
+    loss = t._run_step(iter(torch.utils.data.DataLoader(t.parts.train_ds, batch_size=32)))
     assert math.isfinite(loss.item())  # the forward pass was fine
-    assert int(t._skipped) == 1
-    assert all(torch.equal(before[n], p) for n, p in t.model.named_parameters())
-    assert t.precision.scaler.get_scale() == pytest.approx(0.5e20)
+    assert int(t.parts.progress.skipped) == 1
+    assert all(torch.equal(before[n], p) for n, p in t.parts.model.named_parameters())
+    assert t.parts.precision.scaler.get_scale() == pytest.approx(0.5e20)
 
 
 def test_fp16_with_a_sane_scale_updates_the_weights(tmp_path):
     t = _trainer(tmp_path, "amp.dtype=fp16")
-    before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
-    t._run_step(iter(torch.utils.data.DataLoader(t.train_ds, batch_size=32)))
-    assert int(t._skipped) == 0
-    assert any(not torch.equal(before[n], p) for n, p in t.model.named_parameters())
+    before = {n: p.detach().clone() for n, p in t.parts.model.named_parameters()}
+    t._run_step(iter(torch.utils.data.DataLoader(t.parts.train_ds, batch_size=32)))
+    assert int(t.parts.progress.skipped) == 0
+    assert any(not torch.equal(before[n], p) for n, p in t.parts.model.named_parameters())
 
 
 @pytest.mark.parametrize("choice", ["fp16", "bf16", "off"])

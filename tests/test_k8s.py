@@ -2,7 +2,9 @@
 and has its Apply/Check/Logs/Clean header; the kind overlay renders (kubectl kustomize); the core
 objects validate against Kubernetes 1.32's schemas (kubernetes-validate --strict); the RayCluster and
 RayJob agree with each other and with the training run; every pod template is locked down and gets
-Ray's token from the Secret; yamllint and checkov report nothing, and checkov skips are reviewed.
+Ray's token from the Secret; no file in k8s/ or ray_cluster/ pins NCCL's or Gloo's interface (that
+would win over `network.interface=auto`); yamllint and checkov report nothing, and checkov skips are
+reviewed.
 
 checkov runs once per target (module-scoped fixtures): the plain manifests (`-d k8s`), the rendered
 overlay, and the KubeRay pod templates wrapped as the Pods and Job KubeRay makes of them, because
@@ -56,6 +58,11 @@ RUNS_CLAIM, RUNS_MOUNT = "trainapp-runs", "/mnt/runs"
 #   CKV_K8S_15 imagePullPolicy Always: the kind overlay's image is loaded, never pulled (Never).
 ALLOWED_CHECKOV_SKIPS = {"CKV_K8S_15", "CKV_K8S_35", "CKV_K8S_40", "CKV_K8S_43"}
 TOKEN_LIKE = re.compile(r"(?<![0-9A-Fa-f])[0-9A-Fa-f]{64}(?![0-9A-Fa-f])")
+# Set in the environment, these win over trainapp's own `network.interface` (default auto: per node, the
+# interface routing to the rendezvous address or Ray head). No shipped config may pin them; the
+# manifests show them only commented out, as an example.
+IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+PIN_SCANNED = sorted(p for d in (K8S, REPO / "ray_cluster") for p in d.rglob("*") if p.suffix in (".yaml", ".yml"))
 HEADER_KEYS = ("# Apply:", "# Check:", "# Logs:", "# Clean:")
 
 
@@ -131,6 +138,17 @@ def header_problems(path: Path) -> list[str]:
     if rel(path) not in last[0] and rel(path.parent) not in last[0]:
         return [f"{rel(path)}: the Apply line does not name the file: {last[0]}"]
     return []
+
+
+def interface_pins(paths: list[Path]) -> list[str]:
+    """Uncommented lines that mention NCCL_SOCKET_IFNAME or GLOO_SOCKET_IFNAME, in any form (a
+    ConfigMap or runtime-env key, an env entry's name, a `-e NAME=value` run option)."""
+    found = []
+    for path in paths:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = re.sub(r"(^|\s)#.*", "", line)  # YAML comments, also inside block scalars
+            found += [f"{rel(path)}:{n}: sets {var}: {line.strip()}" for var in IFNAME_VARS if var in code]
+    return found
 
 
 def token_problems(root: Path) -> list[str]:
@@ -563,13 +581,28 @@ def test_rayjob_runs_the_ray_driver_with_the_worker_groups_elastic_range(tmp_pat
     assert ray["num_workers"] == [lo, hi] and ray["storage_path"] == RUNS_MOUNT
 
 
-def test_rayjob_cleans_up_retries_and_sets_the_nccl_interfaces():
+def test_rayjob_cleans_up_retries_and_leaves_the_interface_to_network_interface_auto():
     spec = load(RAYJOB)["spec"]
     assert spec["shutdownAfterJobFinishes"] is True
     assert isinstance(spec.get("backoffLimit"), int) and spec["backoffLimit"] >= 0
     env = yaml.safe_load(spec["runtimeEnvYAML"])["env_vars"]
-    assert {"NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"} <= set(env)
-    assert env == load(K8S / "configmap.nccl.yaml")["data"], "runtime env and ConfigMap trainapp-nccl differ"
+    nccl_map = K8S / "configmap.nccl.yaml"
+    data = load(nccl_map)["data"]
+    # Neither pins the interface, so trainapp's network.interface (auto) picks it in every pod.
+    for var in IFNAME_VARS:
+        assert var not in env, f"the RayJob's runtime env pins {var}: it would win over network.interface"
+        assert var not in data, f"ConfigMap trainapp-nccl pins {var}: it would win over network.interface"
+    assert env and env == data, "runtime env and ConfigMap trainapp-nccl differ"
+    assert {"NCCL_IB_DISABLE", "NCCL_DEBUG"} <= set(data)
+    # The override stays documented: commented out in the ConfigMap, ready to uncomment.
+    text = nccl_map.read_text()
+    for var in IFNAME_VARS:
+        assert re.search(rf"^ +# {var}: \S+$", text, re.M), f"{rel(nccl_map)}: no commented-out {var} example"
+
+
+def test_no_uncommented_line_in_k8s_or_ray_cluster_pins_the_nccl_or_gloo_interface():
+    assert any(p.is_relative_to(REPO / "ray_cluster") for p in PIN_SCANNED) and RAYJOB in PIN_SCANNED
+    assert interface_pins(PIN_SCANNED) == []
 
 
 # ------------------------------------------------------------------------------------- kind overlay
@@ -712,6 +745,13 @@ def _token_in_a_manifest(tmp: Path) -> list[str]:
     return token_problems(tmp / "k8s")
 
 
+def _interface_pinned_again(tmp: Path) -> list[str]:
+    text = (K8S / "configmap.nccl.yaml").read_text()
+    path = tmp / "configmap.nccl.yaml"
+    path.write_text(text.replace("  # GLOO_SOCKET_IFNAME: eth0", "  GLOO_SOCKET_IFNAME: eth0"))
+    return interface_pins([path])
+
+
 def _unreviewed_and_unexplained_skips(tmp: Path) -> list[str]:
     obj = load(K8S / "deployment.ray-head.yaml")
     obj["metadata"]["annotations"].update({"checkov.io/skip8": "CKV_K8S_16=",
@@ -724,6 +764,7 @@ def _unreviewed_and_unexplained_skips(tmp: Path) -> list[str]:
     (_validate_unknown_field, "did not validate"),
     (_header_without_clean, "the header lacks ['# Clean:']"),
     (_token_in_a_manifest, "a 64-hex-digit string"),
+    (_interface_pinned_again, "sets GLOO_SOCKET_IFNAME"),
     (_unreviewed_and_unexplained_skips, "CKV_K8S_16 without a reason"),
     (_unreviewed_and_unexplained_skips, "CKV_K8S_16 is not in ALLOWED_CHECKOV_SKIPS"),
     (_break_pod(lambda s: s["securityContext"].pop("runAsNonRoot")), "runAsNonRoot is not true"),
@@ -734,8 +775,8 @@ def _unreviewed_and_unexplained_skips(tmp: Path) -> list[str]:
     (_break_pod(lambda s: _env(s, "RAY_AUTH_TOKEN").update(value="x" * 64)), "RAY_AUTH_TOKEN does not come from"),
     (_break_pod(lambda s: s["volumes"][0]["emptyDir"].pop("medium")), "/dev/shm is not an emptyDir"),
     (_break_pod(lambda s: s["volumes"].pop(2)), f"the claim {RUNS_CLAIM} is not mounted"),
-], ids=["checkov", "kubernetes-validate", "header", "token", "skip-reason", "skip-review", "pod-root",
-        "capabilities", "limits", "probe", "token-literal", "shm-on-disk", "runs-not-mounted"])
+], ids=["checkov", "kubernetes-validate", "header", "token", "interface-pin", "skip-reason", "skip-review",
+        "pod-root", "capabilities", "limits", "probe", "token-literal", "shm-on-disk", "runs-not-mounted"])
 def test_the_checks_catch_a_broken_copy(breaks, expect, tmp_path):
     problems = breaks(tmp_path)
     assert any(expect in msg for msg in problems), problems

@@ -339,7 +339,7 @@ def _format_error(err: dict) -> str:
         key = key.rsplit(".", 1)[0]
     if kind in ("unexpected_keyword_argument", "extra_forbidden"):
         close = difflib.get_close_matches(key, _known_keys(), n=1, cutoff=0.75)
-        hint = f"; did you mean {close[0]}?" if close else "; see README 'Configuration reference'"
+        hint = f"; did you mean {close[0]}?" if close else "; see docs/configuration.md"
         return f"unknown key {key}{hint}"
     msg = err["msg"]
     if kind == "value_error":

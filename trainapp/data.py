@@ -98,10 +98,16 @@ class ResumableDistributedSampler(DistributedSampler):
         super().set_epoch(epoch)
         self.start = start
 
+    def steps_from(self, start: int) -> int:
+        """Whole global batches (optimizer steps) in an epoch from global sample `start` on: the one
+        place that says an epoch ends when less than a global batch is left."""
+        if not self.global_batch:
+            raise ValueError("steps_from() is for training samplers (made with global_batch)")
+        return max(0, len(self.dataset) - start) // self.global_batch
+
     def steps_left(self) -> int:
         """Whole global batches left in this epoch from `start`."""
-        assert self.global_batch, "steps_left() is for training samplers"
-        return (len(self.dataset) - self.start) // self.global_batch
+        return self.steps_from(self.start)
 
     def _order(self) -> list[int]:
         n = len(self.dataset)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from trainapp import net
 from trainapp.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,8 @@ class DistContext:
     device: torch.device
     backend: str | None
     owns_group: bool
+    network: net.Resolution | None = None
+    """The interface this process chose for NCCL/Gloo (trainapp.net), None when nothing was resolved."""
 
     @property
     def is_main(self) -> bool:
@@ -49,14 +52,12 @@ def _env_int(name: str, default: int) -> int:
         raise ConfigError(f"environment {name}={raw!r}: must be an integer (set by torchrun or Ray)") from None
 
 
-def _check_network(network, store, rank: int, world_size: int) -> None:
+def _check_network(network, store, rank: int, world_size: int) -> net.Resolution:
     """Resolve the interface here, then compare notes with every rank through the store.
 
     A rank that cannot use the interface says so under its own key and stops; the others read it and
     stop too, with the same line, instead of waiting in the process group for the full timeout.
     """
-    from trainapp import net
-
     try:
         res = net.apply(network, net.rendezvous_from_env())
         store.set(f"net/{rank}", json.dumps({"ok": res.summary()}))
@@ -76,6 +77,7 @@ def _check_network(network, store, rank: int, world_size: int) -> None:
             raise net.NetworkError(f"rank {r}: {report['error']}")
         if rank == 0:
             log.info("network rank %d: %s", r, report["ok"])
+    return res
 
 
 def _elastic_store(timeout: datetime.timedelta):
@@ -100,12 +102,15 @@ def setup(timeout_s: float, network=None) -> DistContext:
     """Read ranks from the environment and make sure a process group exists when world size > 1.
 
     `network` (a NetworkSection) is resolved and checked on every rank before a group we create; a
-    group someone else created (Ray) was preceded by the same check in its backend hook.
+    group someone else created (Ray) was preceded by the same resolution in its backend hook, which
+    left its choice in the environment.
     """
+    resolution = None
     if dist.is_available() and dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
         local_rank = _env_int("LOCAL_RANK", 0)
         backend, owns = dist.get_backend(), False
+        resolution = net.Resolution.from_environ()
     else:
         rank, world_size, local_rank = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0)
         if not 0 <= rank < world_size:
@@ -124,7 +129,7 @@ def setup(timeout_s: float, network=None) -> DistContext:
                 store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 29500), world_size,
                                       is_master=rank == 0, timeout=timeout)
             if network is not None:
-                _check_network(network, store, rank, world_size)
+                resolution = _check_network(network, store, rank, world_size)
             kwargs = {"store": store}
             if torch.cuda.is_available():
                 # Binding the device first lets NCCL create its communicator on the right GPU.
@@ -132,16 +137,14 @@ def setup(timeout_s: float, network=None) -> DistContext:
             dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
             owns = True
         elif network is not None:
-            from trainapp import net
-
-            net.apply(network, None)  # alone: nothing to choose, but a named interface must exist
+            resolution = net.apply(network, None)  # alone: nothing to choose, but a named interface must exist
     if torch.cuda.is_available():
         # A launcher may show each process only its own GPU (CUDA_VISIBLE_DEVICES): then it is cuda:0.
         device = torch.device("cuda", local_rank if torch.cuda.device_count() > local_rank else 0)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    return DistContext(rank, local_rank, world_size, device, backend, owns)
+    return DistContext(rank, local_rank, world_size, device, backend, owns, resolution)
 
 
 def teardown(ctx: DistContext) -> None:

@@ -12,6 +12,7 @@ UDP socket `connect` picks the source address without sending a packet.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -23,10 +24,13 @@ log = logging.getLogger(__name__)
 
 NCCL_IFNAME, GLOO_IFNAME = "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"
 
+NETWORK_ENV = "TRAINAPP_NETWORK"
+"""Where `apply` leaves its choice (JSON) for the rest of the process: under Ray the interface is
+resolved in a hook before Ray creates the process group, and the loop reads it back from here."""
+
 # What this process exported itself, so a second resolution in the same process (Ray reuses nothing,
 # tests do) does not mistake our own value for the user's.
 _exported: dict[str, str] = {}
-current: Resolution | None = None
 
 
 class NetworkError(ConfigError):
@@ -91,6 +95,12 @@ class Resolution:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_environ(cls, environ=os.environ) -> Resolution | None:
+        """The choice `apply` made earlier in this process, if it made one."""
+        raw = environ.get(NETWORK_ENV)
+        return cls(**json.loads(raw)) if raw else None
+
     def summary(self) -> str:
         chosen = f"gloo={self.gloo} ({self.address}) nccl={self.nccl}" if self.gloo else "no interface set"
         kept = "".join(f"; {k}={v} from the environment wins" for k, v in self.kept.items())
@@ -150,8 +160,8 @@ def resolve(request: str, rendezvous: str | None, ifaces: dict[str, Interface] |
 
 
 def apply(section: NetworkSection, rendezvous: str | None, environ=os.environ) -> Resolution:
-    """Resolve, then export the variables (and `network.nccl`) unless the environment already has them."""
-    global current
+    """Resolve, then export the variables (and `network.nccl`) unless the environment already has them;
+    the choice itself goes to TRAINAPP_NETWORK for `Resolution.from_environ`."""
     env_gloo = environ.get(GLOO_IFNAME)
     if env_gloo and _exported.get(GLOO_IFNAME) != env_gloo:
         # The user's own Gloo interface still has to exist here, or Gloo fails late and obscurely.
@@ -171,7 +181,7 @@ def apply(section: NetworkSection, rendezvous: str | None, environ=os.environ) -
             log.warning("%s=%s from the environment wins over the configured %s", key, environ[key], value)
             continue
         environ[key] = _exported[key] = res.exported[key] = str(value)
-    current = res
+    environ[NETWORK_ENV] = json.dumps(res.to_dict())
     log.info("network: %s", res.summary())
     return res
 

@@ -1,5 +1,5 @@
 """`python -m trainapp ray`: the driver `ray job submit` runs. Ray Train's TorchTrainer starts one
-worker per rank, each running the same loop (`trainapp.loop.Trainer`) as torchrun would.
+worker per rank, each running the same loop (`trainapp.loop`) as torchrun would.
 
 Differences from torchrun live here only: snapshots go through `ray.train.report(checkpoint=...)`
 from rank 0 (the other ranks report metrics, so all report equally often), resume comes from
@@ -21,7 +21,7 @@ from typing import Any
 
 from trainapp import config, dist, logs
 from trainapp.config import Config, ConfigError
-from trainapp.snapshot import SnapshotManager, load_state, verify, write_dir
+from trainapp.snapshot import SnapshotManager, find_shared, load_state, verify
 
 log = logging.getLogger("trainapp.ray")
 
@@ -38,19 +38,54 @@ def _is_uri(path: str) -> bool:
 # Worker side
 
 
-class RaySnapshots(SnapshotManager):
-    """Snapshots as Ray Train checkpoints, in the same directory format as local ones."""
+class RayPublish:
+    """The publish step of snapshots under Ray Train: every rank calls `ray.train.report` at the same
+    steps (it is a barrier across workers), rank 0 with the snapshot as a checkpoint. The directory
+    format is the local one, so one format serves every launcher."""
 
-    def __init__(self, root: Path, every_steps: int, keep: int, uri: str | None = None, async_write: bool = False):
-        super().__init__(root, every_steps, keep, async_write=async_write)
+    background = False
+    """Ray registers a checkpoint when it is reported, so the write cannot trail behind it; with
+    `snapshot.async` it is Ray's upload that runs in the background instead."""
+
+    def __init__(self, uri: str | None, async_upload: bool):
+        from ray.train import CheckpointUploadMode
+
         self.uri = uri
+        # On a shared filesystem rank 0 writes the snapshot in place, atomically as under torchrun, and
+        # Ray only registers it: an upload from a local directory would write every snapshot twice.
+        self.in_place = uri is None and not async_upload
+        self.mode = (CheckpointUploadMode.NO_UPLOAD if self.in_place
+                     else CheckpointUploadMode.ASYNC if async_upload else CheckpointUploadMode.SYNC)
 
-    def load(self, ctx) -> tuple[str, dict[str, Any]] | None:
+    def root(self, run_dir: Path) -> Path:
+        return run_dir  # Ray stores the checkpoints as STORAGE/NAME/step_*: the run directory itself
+
+    def place(self, manager: SnapshotManager, step: int) -> Path:
+        if self.in_place:
+            return manager.path_for(step)
+        return Path(tempfile.gettempdir()) / f"trainapp-snap-{uuid.uuid4().hex[:12]}"  # Ray copies it to storage
+
+    def written(self, manager: SnapshotManager) -> None:
+        manager.sweep_leftovers()  # Ray keeps `snapshot.keep` checkpoints (CheckpointConfig) and deletes the rest
+
+    def publish(self, ctx, step: int, path: Path | None, metrics: dict[str, Any]) -> None:
+        import ray.train
+        from ray.train import Checkpoint, CheckpointUploadMode
+
+        ckpt = Checkpoint.from_directory(path) if path is not None else None
+        try:
+            ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=f"step_{step:09d}",
+                             checkpoint_upload_mode=self.mode)
+        finally:
+            if path is not None and self.mode is CheckpointUploadMode.SYNC:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def find(self, ctx, manager: SnapshotManager) -> tuple[str, dict[str, Any]] | None:
         if self.uri is None:
             # On a shared filesystem the directory is the truth: Ray registers a reported checkpoint
             # only when its controller next polls, so a worker lost right after a report can leave
             # Ray's newest checkpoint one snapshot behind what is safely on disk.
-            return super().load(ctx)
+            return find_shared(ctx, manager.root)
         import ray.train
 
         ckpt = ray.train.get_checkpoint()
@@ -60,41 +95,8 @@ class RaySnapshots(SnapshotManager):
             verify(Path(d))
             return ckpt.path, load_state(Path(d))
 
-    def purge(self) -> None:
-        # Ray keeps `snapshot.keep` checkpoints (CheckpointConfig) and deletes older ones itself.
-        self.sweep_leftovers()
 
-    def save(self, ctx, step, state, meta, metrics) -> None:
-        import ray.train
-        from ray.train import Checkpoint, CheckpointUploadMode
-
-        t0 = time.perf_counter()
-        ckpt, local = None, None
-        if self.uri is None and not self.async_write:
-            # A shared filesystem: rank 0 writes the snapshot in place, atomically as under torchrun,
-            # and Ray only registers it. Uploading from a local directory would write every snapshot
-            # twice (measured: the extra copy's writeback cost ~10% of a core on a 2-core node).
-            mode = CheckpointUploadMode.NO_UPLOAD
-            if ctx.is_main:
-                ckpt = Checkpoint.from_directory(self.write(step, state, meta))
-        else:
-            # A URI, or snapshot.async: Ray copies the directory written here to storage (in the
-            # background with async, deleting it afterwards); the serialization still happens here.
-            mode = CheckpointUploadMode.ASYNC if self.async_write else CheckpointUploadMode.SYNC
-            if ctx.is_main:
-                local = write_dir(Path(tempfile.gettempdir()) / f"trainapp-snap-{uuid.uuid4().hex[:12]}", state, meta)
-                ckpt = Checkpoint.from_directory(local)
-        try:
-            # A barrier across workers: every rank reports at the same steps.
-            ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=f"step_{step:09d}",
-                             checkpoint_upload_mode=mode)
-        finally:
-            if local is not None and mode is CheckpointUploadMode.SYNC:
-                shutil.rmtree(local, ignore_errors=True)
-        self.last_blocking_s = time.perf_counter() - t0
-
-
-def _prepare_worker(env: dict[str, str], threads: int, network: dict[str, Any]) -> str:
+def prepare_worker(env: dict[str, str], threads: int, network: dict[str, Any]) -> str:
     """Runs in every worker before Ray creates the process group; returns its network choice."""
     import torch
 
@@ -107,44 +109,26 @@ def _prepare_worker(env: dict[str, str], threads: int, network: dict[str, Any]) 
 
 
 def train_worker(payload: dict[str, Any]) -> None:
-    """The per-worker function: the same Trainer as torchrun's, with Ray snapshots."""
-    from trainapp.loop import Trainer
+    """The per-worker function: the same loop as torchrun's, with snapshots published to Ray."""
+    from trainapp import loop
 
     cfg = config.from_dict(payload["config"])
     ctx = dist.setup(cfg.dist.timeout_s)  # adopts the group Ray created
     logs.setup(ctx.rank, ctx.world_size)
-    # Ray stores the checkpoints as STORAGE/NAME/step_*: the run directory itself.
     uri = cfg.ray.storage_path if _is_uri(cfg.ray.storage_path) else None
-    snapshots = RaySnapshots(Path(cfg.run.dir), cfg.snapshot.every_steps, cfg.snapshot.keep, uri,
-                             async_write=cfg.snapshot.async_)
+    snapshots = SnapshotManager.from_config(cfg, RayPublish(uri, async_upload=cfg.snapshot.async_))
     try:
-        Trainer(cfg, ctx, snapshots=snapshots).train()
+        loop.trainer(cfg, ctx, snapshots).train()
     finally:
         dist.teardown(ctx)
 
 
 def _torch_config(cfg: Config, threads: int):
-    from ray.train.torch import TorchConfig
-    from ray.train.torch.config import _TorchBackend
+    from trainapp.ray_compat import TorchConfigWithSetup
 
-    class _Backend(_TorchBackend):
-        def on_start(self, worker_group, backend_config):
-            worker_group.execute(_prepare_worker, env=backend_config.worker_env, threads=backend_config.threads,
-                                 network=backend_config.network)
-            super().on_start(worker_group, backend_config)
-
-    @dataclasses.dataclass
-    class TrainappTorchConfig(TorchConfig):
-        worker_env: dict = dataclasses.field(default_factory=dict)
-        threads: int = 1
-        network: dict = dataclasses.field(default_factory=dict)
-
-        @property
-        def backend_cls(self):
-            return _Backend
-
-    return TrainappTorchConfig(timeout_s=int(cfg.dist.timeout_s), worker_env=dict(cfg.ray.env), threads=threads,
-                               network=dataclasses.asdict(cfg.network))
+    return TorchConfigWithSetup(timeout_s=int(cfg.dist.timeout_s), setup=prepare_worker,
+                                setup_kwargs={"env": dict(cfg.ray.env), "threads": threads,
+                                              "network": dataclasses.asdict(cfg.network)})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -163,15 +147,21 @@ def _check_reachable(address: str) -> None:
                           "(make ray-up) or leave ray.address empty for an embedded local Ray") from None
 
 
-def connect(cfg: Config) -> str:
-    """ray.init for the cluster we run in, the one named, or an embedded one. Returns a description."""
+def ray_address(cfg: Config) -> str:
+    """The cluster to join ('' for an embedded one), checked to answer; also the environment an
+    embedded Ray needs, which Ray reads when it is imported: so this runs before anything imports ray."""
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
     if address and address != "auto" and "://" not in address:
         _check_reachable(address)
     if not address:
         # An embedded instance is for this machine only: bind loopback, not the external address
-        # (read when ray is imported, and inherited by the processes it starts).
+        # (inherited by the processes it starts).
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    return address
+
+
+def connect(address: str) -> str:
+    """ray.init for the cluster we run in, the one named, or an embedded one. Returns a description."""
     import ray
 
     try:
@@ -276,33 +266,44 @@ def check_network(cfg: Config) -> list[str]:
 
 
 def _config_error_in(exc: BaseException) -> str | None:
-    """The message of a ConfigError raised in a worker, if that is what ended the run."""
-    failures = getattr(exc, "worker_failures", None) or {}
-    for err in list(failures.values()) + [exc]:
+    """The message of a ConfigError raised in a worker or in the backend's setup, if that is what
+    ended the run (through Ray's public failure types: WorkerGroupError.worker_failures,
+    ControllerError.controller_failure, RayTaskError.cause)."""
+    from ray.exceptions import RayTaskError
+    from ray.train import ControllerError, WorkerGroupError
+
+    roots = list(exc.worker_failures.values()) if isinstance(exc, WorkerGroupError) else []
+    for err in roots + [exc]:
         seen = err
         while seen is not None:
+            if isinstance(seen, RayTaskError) and isinstance(seen.cause, ConfigError):
+                return str(seen.cause)  # a RayTaskError poses as its cause's class but prints Ray's header
             if isinstance(seen, ConfigError):
-                # A RayTaskError poses as its cause's class but prints Ray's header: use the cause.
-                inner = getattr(seen, "cause", None)
-                return str(inner if isinstance(inner, ConfigError) else seen)
-            # RayTaskError keeps the worker's exception as `cause`; Ray Train's ControllerError (a
-            # failure in the backend hook, before training) as `controller_failure`.
-            cause = getattr(seen, "cause", None) or getattr(seen, "controller_failure", None)
-            seen = cause if isinstance(cause, BaseException) else seen.__cause__
+                return str(seen)
+            if isinstance(seen, ControllerError):
+                seen = seen.controller_failure
+            elif isinstance(seen, RayTaskError):
+                seen = seen.cause
+            else:
+                seen = seen.__cause__
     return None
 
 
 def _callbacks(cfg: Config) -> list:
     if cfg.ray.min_workers == cfg.ray.max_workers:
         return []
-    from trainapp.ray_watch import NodeLossWatch
+    from trainapp.ray_compat import NodeLossWatch
 
     return [NodeLossWatch(cfg.ray.node_loss_wait_s)]
 
 
 def run(cfg: Config) -> dict[str, Any]:
     """Fit a TorchTrainer over the cluster; returns the rank-0 summary of the finished run."""
-    where = connect(cfg)  # first: it decides how ray is imported
+    address = ray_address(cfg)
+    from trainapp import ray_compat  # the first import of ray: a Ray it was not written for stops here
+
+    ray_compat.check_version()
+    where = connect(address)
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer

@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import xxhash
@@ -335,13 +335,77 @@ def resolve(path: str | Path) -> Path:
     raise ConfigError(f"{p}: holds no snapshot (expected {STATE} + {META}, a snapshots/ dir or step_* dirs)")
 
 
+def find_shared(ctx, root: Path) -> tuple[str, dict[str, Any]] | None:
+    """(path, state) of the newest valid snapshot under `root`, on storage every rank sees: rank 0
+    chooses, every rank loads that one. None to start fresh."""
+    from trainapp import dist
+
+    found = None
+    if ctx.is_main:
+        hit = newest_valid(root)
+        found = str(hit[0]) if hit else None
+    found = dist.broadcast_object(ctx, found)
+    if found is None:
+        return None
+    try:
+        return found, load_state(Path(found))
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{root}: rank {ctx.rank} on {os.uname().nodename} cannot see snapshot {found} that rank 0 "
+            "chose; the run directory must be storage every node sees") from None
+
+
+class Publish(Protocol):
+    """The step that makes a written snapshot count, and finds the newest one again on start."""
+
+    background: bool
+    """Whether the write may run in a background thread (`snapshot.async`)."""
+
+    def root(self, run_dir: Path) -> Path: ...
+
+    def place(self, manager: SnapshotManager, step: int) -> Path:
+        """Where rank 0 writes the snapshot of `step`."""
+
+    def written(self, manager: SnapshotManager) -> None:
+        """After a write, on rank 0 (in the writer's thread): purge what is no longer kept."""
+
+    def publish(self, ctx, step: int, path: Path | None, metrics: dict[str, Any]) -> None:
+        """On every rank after rank 0's write (`path`: None on other ranks and for background writes)."""
+
+    def find(self, ctx, manager: SnapshotManager) -> tuple[str, dict[str, Any]] | None: ...
+
+
+class LocalPublish:
+    """Snapshots on storage every rank sees (one machine, NFS, a ReadWriteMany volume): the atomic
+    rename in `write_dir` publishes, the other ranks wait at a barrier, the last `snapshot.keep` stay."""
+
+    background = True
+
+    def root(self, run_dir: Path) -> Path:
+        return run_dir / "snapshots"
+
+    def place(self, manager: SnapshotManager, step: int) -> Path:
+        return manager.path_for(step)
+
+    def written(self, manager: SnapshotManager) -> None:
+        manager.purge()
+
+    def publish(self, ctx, step: int, path: Path | None, metrics: dict[str, Any]) -> None:
+        from trainapp import dist
+
+        dist.barrier(ctx)
+
+    def find(self, ctx, manager: SnapshotManager) -> tuple[str, dict[str, Any]] | None:
+        return find_shared(ctx, manager.root)
+
+
 @dataclass
 class SnapshotManager:
-    """Snapshots in a directory every rank sees: owns the cadence, writing, purging and loading.
+    """Owns the cadence, writing, purging and loading of snapshots; `publish` is the one step that
+    differs between launchers (LocalPublish, or the Ray launcher's ray.train.report).
 
     The loop calls `due`, then `save` and `load` on every rank; rank 0 does the file work, in the
-    background with `async_write`. The Ray launcher swaps in a subclass that hands snapshots to Ray
-    Train instead.
+    background with `async_write` where the publish step allows it.
     """
 
     root: Path
@@ -349,12 +413,22 @@ class SnapshotManager:
     keep: int
     async_write: bool = False
     write_delay_s: float = 0.0
+    """Failure drill (`fault.snapshot_write_delay_s`): a pause inside every write, before the meta
+    file that completes the snapshot."""
+    publish: Publish = field(default_factory=LocalPublish)
     last_blocking_s: float = 0.0
-    """Seconds the last `save` held rank 0 (the copy with async writes, the whole write without)."""
+    """Seconds the last `save` held training (the copy with async writes, the whole write without)."""
     _pending: threading.Thread | None = field(default=None, repr=False)
     _staging: Any = field(default=None, repr=False)
     """The CPU copy the last async snapshot was written from, reused by the next one (see cpu_copy)."""
     _error: BaseException | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_config(cls, cfg, publish: Publish | None = None) -> SnapshotManager:
+        """The one place a run's snapshot manager is made from its config."""
+        publish = publish or LocalPublish()
+        return cls(publish.root(Path(cfg.run.dir)), cfg.snapshot.every_steps, cfg.snapshot.keep,
+                   async_write=cfg.snapshot.async_, write_delay_s=cfg.fault.snapshot_write_delay_s, publish=publish)
 
     def due(self, step: int, last: bool) -> bool:
         return last or (self.every_steps > 0 and step % self.every_steps == 0)
@@ -364,39 +438,24 @@ class SnapshotManager:
 
     def load(self, ctx) -> tuple[str, dict[str, Any]] | None:
         """(path, state) of the newest valid snapshot, the same on every rank; None to start fresh."""
-        from trainapp import dist
-
-        found = None
-        if ctx.is_main:
-            hit = newest_valid(self.root)
-            found = str(hit[0]) if hit else None
-        found = dist.broadcast_object(ctx, found)
-        if found is None:
-            return None
-        try:
-            return found, load_state(Path(found))
-        except FileNotFoundError:
-            raise ConfigError(
-                f"{self.root}: rank {ctx.rank} on {os.uname().nodename} cannot see snapshot {found} that rank 0 "
-                "chose; the run directory must be storage every node sees") from None
+        return self.publish.find(ctx, self)
 
     def save(self, ctx, step: int, state: dict[str, Any] | None, meta: dict[str, Any] | None,
              metrics: dict[str, Any]) -> None:
-        """Every rank calls this; rank 0 passes the state and writes it, then all meet at a barrier."""
-        from trainapp import dist
-
+        """Every rank calls this; rank 0 passes the state and writes it, then every rank publishes."""
+        t0 = time.perf_counter()
+        path = None
         if ctx.is_main:
-            t0 = time.perf_counter()
-            if self.async_write:
+            if self.async_write and self.publish.background:
                 self.wait()
                 copy = self._staging = cpu_copy(state, into=self._staging)
                 self._pending = threading.Thread(target=self._write_in_background, args=(step, copy, meta),
                                                  name=f"snapshot-{step}")
                 self._pending.start()
             else:
-                self.write(step, state, meta)
-            self.last_blocking_s = time.perf_counter() - t0
-        dist.barrier(ctx)
+                path = self.write(step, state, meta)
+        self.publish.publish(ctx, step, path, metrics)
+        self.last_blocking_s = time.perf_counter() - t0
 
     def _write_in_background(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
         if sys.platform == "linux":
@@ -419,15 +478,16 @@ class SnapshotManager:
             raise err
 
     def write(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path:
-        """Rank 0 only: write the snapshot of `step` and purge old ones."""
+        """Rank 0 only: write the snapshot of `step` where the publish step wants it."""
         t0 = time.perf_counter()
-        path = write_dir(self.path_for(step), state, meta, self.write_delay_s)
-        self.purge()
+        path = write_dir(self.publish.place(self, step), state, meta, self.write_delay_s)
+        self.publish.written(self)
         log.info("snapshot step=%d path=%s seconds=%.2f%s", step, path, time.perf_counter() - t0,
-                 " (background)" if self.async_write else "")
+                 " (background)" if self._pending is not None else "")
         return path
 
     def purge(self) -> None:
+        """Keep the newest `keep` snapshots; sweep what killed writers left behind."""
         snaps = list_snapshots(self.root)
         for old in snaps[: max(0, len(snaps) - self.keep)]:
             shutil.rmtree(old, ignore_errors=True)

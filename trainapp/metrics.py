@@ -1,0 +1,106 @@
+"""metrics.jsonl: the writer (rank 0 appends one JSON record per line), the one reader, and the
+throughput meter behind every `samples_per_s`.
+
+Standard library only: scripts/smoke_assert.py imports this module with a bare python3, beside the
+report, the benchmarks and the tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+METRICS = "metrics.jsonl"
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to metrics.jsonl (rank 0 only; restarts append)."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self._f = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(path, "a", buffering=1)
+
+    def write(self, kind: str, **fields: Any) -> None:
+        if self._f is None:
+            return
+        record = {"kind": kind, "time": round(time.time(), 3), "pid": os.getpid(), **fields}
+        self._f.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def parse(lines: Iterable[str]) -> list[dict[str, Any]]:
+    """Records from metrics.jsonl lines. A line that is not a whole JSON object is skipped: a writer
+    killed mid-line leaves a torn last line, and a reader polling a live run can catch one."""
+    records = []
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def read(run_dir: str | Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """The records of RUN_DIR/metrics.jsonl (or of that file itself), oldest first, only those of
+    `kind` if given. FileNotFoundError when there is no such file."""
+    path = Path(run_dir)
+    if path.is_dir() or path.name != METRICS:
+        path = path / METRICS
+    with open(path) as f:
+        records = parse(f)
+    return [r for r in records if kind is None or r.get("kind") == kind]
+
+
+class Throughput:
+    """Samples per second of training alone: evaluation and snapshots run inside `paused()` and are
+    not counted. `interval()` is the rate since its last call (a `train` record's), `overall()` the
+    rate over this process's run (a snapshot report's and the summary's)."""
+
+    def __init__(self, samples_per_step: int):
+        self.samples_per_step = samples_per_step
+        self._since = time.perf_counter()
+        self._interval_s = self._total_s = 0.0
+        self._interval_steps = self._total_steps = 0
+
+    def step(self) -> None:
+        self._interval_steps += 1
+        self._total_steps += 1
+
+    def _clock(self) -> None:
+        now = time.perf_counter()
+        self._interval_s += now - self._since
+        self._total_s += now - self._since
+        self._since = now
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self._clock()
+        try:
+            yield
+        finally:
+            self._since = time.perf_counter()
+
+    def interval(self) -> float:
+        self._clock()
+        rate = self._interval_steps * self.samples_per_step / max(self._interval_s, 1e-9)
+        self._interval_s, self._interval_steps = 0.0, 0
+        return rate
+
+    def overall(self) -> float:
+        self._clock()
+        return self._total_steps * self.samples_per_step / self._total_s if self._total_s > 0 else 0.0

@@ -1,0 +1,120 @@
+"""The run's state: one registry of the parts a snapshot must hold to continue exactly.
+
+`TrainState` maps a name to each stateful part (data progress, model, optimizer, scheduler,
+GradScaler, EMA, RNG). Its `state_dict()` / `load_state_dict()` walk the registry, so saving and
+resuming name the parts in one place, and adding a part (a sampler cursor, a watchdog counter) is one
+entry. The names are the keys of a snapshot's `state.pt`.
+
+Parts load in registration order and the RNG comes last: nothing that runs while the others load
+may shift the generators the uninterrupted run would have had.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from trainapp import dist
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+class TrainState:
+    """`parts`: name -> stateful part, or None for a part this run does not have (no EMA): it saves as
+    None, and a snapshot that holds one is read without it. `records`: saved for the reader, never
+    loaded back (the resolved config)."""
+
+    def __init__(self, parts: dict[str, Stateful | None], records: dict[str, Any] | None = None):
+        self.parts, self.records = parts, records or {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank calls this: a part may gather across ranks (the RNG does)."""
+        out = {name: part.state_dict() if part is not None else None for name, part in self.parts.items()}
+        return {**out, **self.records}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, part in self.parts.items():
+            if part is None:
+                continue
+            if state.get(name) is None:
+                raise ValueError(f"the snapshot has no {name} state")
+            part.load_state_dict(state[name])
+
+
+class Progress:
+    """Where training is: optimizer steps done, the epoch and the global sample position in it, and
+    the fp16 steps the GradScaler skipped (a device counter, so counting costs no host sync)."""
+
+    def __init__(self, world_size: int, global_batch: int, device: torch.device):
+        self.global_step, self.epoch, self.epoch_sample = 0, 0, 0
+        self.world_size, self.global_batch = world_size, global_batch
+        self.skipped = torch.zeros((), dtype=torch.int64, device=device)
+        self.resumed: dict[str, Any] | None = None
+        """The progress of the snapshot this run resumed from (its world size and global batch too)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"global_step": self.global_step, "epoch": self.epoch, "epoch_sample": self.epoch_sample,
+                "world_size": self.world_size, "global_batch": self.global_batch,
+                "skipped_steps": int(self.skipped.item())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.global_step, self.epoch, self.epoch_sample = state["global_step"], state["epoch"], state["epoch_sample"]
+        self.skipped.fill_(state.get("skipped_steps", 0))
+        self.resumed = dict(state)
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's generators as plain Python values (bytes, ints): they travel through
+    gather_object and load with torch.load(weights_only=True)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return {
+        "python": random.getstate(),
+        "numpy": (kind, keys.tobytes(), pos, has_gauss, cached),
+        "torch": torch.get_rng_state().numpy().tobytes(),
+        "cuda": [s.numpy().tobytes() for s in cuda],
+    }
+
+
+def _byte_tensor(raw: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.frombuffer(keys, dtype=np.uint32).copy(), pos, has_gauss, cached))
+    torch.set_rng_state(_byte_tensor(state["torch"]))
+    if torch.cuda.is_available() and state["cuda"]:
+        torch.cuda.set_rng_state_all([_byte_tensor(s) for s in state["cuda"]])
+
+
+class RngState:
+    """Every rank's generators, not just rank 0's: saving gathers them to rank 0 (a collective), and
+    loading gives each rank its own. A rank the snapshot did not have (resumed at a larger world
+    size) gets a seed made from its rank and the step instead."""
+
+    def __init__(self, ctx: dist.DistContext, seed: int, progress: Progress):
+        self.ctx, self.seed, self.progress = ctx, seed, progress
+
+    def state_dict(self) -> list[dict[str, Any]] | None:
+        return dist.gather_objects(self.ctx, rng_state())
+
+    def load_state_dict(self, rngs: list[dict[str, Any]]) -> None:
+        if self.ctx.rank < len(rngs):
+            set_rng_state(rngs[self.ctx.rank])
+        else:
+            seed_all(self.seed + 1000 * self.ctx.rank + self.progress.global_step)
