@@ -137,11 +137,11 @@ container-smoke: $(STAMP) ## Needs root, docker.io, debootstrap: CPU image, Ray 
 ##@ Test
 
 .PHONY: test
-test: $(STAMP) $(TOOLS_STAMP) ## Run the whole test suite (PYTEST_ARGS="-k resume -x")
+test: $(STAMP) $(TOOLS_STAMP) ## Run the whole test suite, what CI runs (PYTEST_ARGS="-k resume -x")
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 .PHONY: test-fast
-test-fast: $(STAMP) $(TOOLS_STAMP) ## Run the tests that start no training processes
+test-fast: $(STAMP) $(TOOLS_STAMP) ## The edit-test loop: every test that starts no training process, cluster, namespace or container
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 ##@ Benchmarks

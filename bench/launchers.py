@@ -46,6 +46,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
 from machine import describe  # noqa: E402
+from trainapp import metrics  # noqa: E402
 from trainapp.ray_local import LocalCluster, free_port, proc_stat  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -53,9 +54,8 @@ BIN = Path(sys.executable).parent
 
 def records(run_dir: Path) -> list[dict]:
     try:
-        with open(run_dir / "metrics.jsonl") as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except (FileNotFoundError, json.JSONDecodeError):
+        return metrics.read(run_dir)
+    except FileNotFoundError:
         return []
 
 
@@ -103,15 +103,15 @@ def steal_seconds() -> float:
 
 
 class CpuSampler(threading.Thread):
-    """Once a second, the parent and the CPU seconds used so far of each process `pids()` names."""
+    """Every `interval` seconds, the parent and the CPU seconds used so far of each process `pids()` names."""
 
-    def __init__(self, pids):
+    def __init__(self, pids, interval: float = 1.0):
         super().__init__(daemon=True)
-        self.pids, self.samples, self.done = pids, [], threading.Event()
+        self.pids, self.interval, self.samples, self.done = pids, interval, [], threading.Event()
         self.tick = os.sysconf("SC_CLK_TCK")
 
     def run(self) -> None:
-        while not self.done.wait(1.0):
+        while not self.done.wait(self.interval):
             now = {}
             for pid in self.pids():
                 if st := proc_stat(pid):
@@ -182,7 +182,9 @@ class Bench:
         run_dir = self.work / f"{launcher}-{i}"
         steal0 = steal_seconds()
         p, t0 = self.launch(launcher, run_dir, f"train.log_every={self.args.log_every}")
-        sampler = CpuSampler(lambda: [p.pid, *_children(p.pid), *self.cluster.pids()])
+        # A smoke run's steady window lasts about a second on a fast CPU: sample it more often.
+        sampler = CpuSampler(lambda: [p.pid, *_children(p.pid), *self.cluster.pids()],
+                             interval=0.2 if self.args.smoke else 1.0)
         sampler.start()
         try:
             self.finish(p)

@@ -11,7 +11,8 @@ training job that survives a killed worker container.
              package folders (`pip config list`) served read-only on 127.0.0.1 for the build
     cluster  a bridge network, a volume for the runs at /mnt/runs, a Ray head and two Ray workers:
              read-only root, /tmp a tmpfs, all capabilities dropped, the image's user (uid 1000),
-             token auth, GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME=eth0
+             token auth; no NCCL/Gloo interface pinned: network.interface=auto must pick eth0 (the
+             bridge toward the head) in every worker container, as in the k8s manifests
     job      `ray job submit` (through the head's dashboard, published on 127.0.0.1 only) of a short
              run: 2 workers, 60 steps, a snapshot every 10 -> `docker kill` of rank 0's worker container
              at step >= 25 and a replacement worker container (the run asks for 2 workers, so Ray
@@ -513,7 +514,6 @@ class Smoke:
                "--read-only", "--tmpfs", "/tmp:rw,nosuid,nodev,noexec,size=2g", "--shm-size=512m",
                "--cap-drop=ALL", "--security-opt=no-new-privileges",
                "-e", "RAY_AUTH_MODE=token", "-e", "RAY_AUTH_TOKEN",  # the value comes from this environment
-               "-e", "GLOO_SOCKET_IFNAME=eth0", "-e", "NCCL_SOCKET_IFNAME=eth0",
                "-v", f"{self.volume}:{RUNS}", *(["-p", "127.0.0.1::8265"] if publish else []),
                self.image, *command)
 
@@ -599,6 +599,10 @@ class Smoke:
             log("ranks: " + ", ".join(f"{i} on {str(n.get('host')).removeprefix(f'trainapp-smoke-{self.id}-')} "
                                       f"(gloo={n.get('gloo')}, nccl={n.get('nccl')}{', kept ' + ','.join(n['kept']) if n.get('kept') else ''})"
                                       for i, n in enumerate(nets)))
+        auto = [n for n in nets if str(n.get("reason", "")).startswith("auto") and n.get("gloo") == "eth0"
+                and not n.get("kept")]
+        if not nets or len(auto) != len(nets):
+            raise Failure(f"network.interface=auto did not choose eth0 (toward the head) on every rank: {nets}")
         if nets and nets[0].get("host") in self.workers:
             victim, why = nets[0]["host"], " (rank 0's node)"
         self.d("kill", victim)

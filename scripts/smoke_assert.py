@@ -49,7 +49,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-METRICS = "metrics.jsonl"
+# trainapp.metrics is standard-library only, and importing the package imports nothing else: the one
+# reader of metrics.jsonl serves this script under any python3 too.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from trainapp import metrics  # noqa: E402
+
+METRICS = metrics.METRICS
 STEP_DIR = re.compile(r"^step_(\d{9})$")
 
 
@@ -67,21 +72,11 @@ class Check:
 # Reading a run directory
 
 
-def parse_records(lines) -> list[dict]:
-    """metrics.jsonl lines as records; a torn last line (a writer killed mid-line) is skipped."""
-    records = []
-    for line in lines:
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+parse_records = metrics.parse  # metrics.jsonl lines as records; a torn line is skipped
 
 
 def load_records(run_dir: Path) -> list[dict]:
-    return parse_records((Path(run_dir) / METRICS).read_text().splitlines())
+    return metrics.read(run_dir)
 
 
 def snapshot_dirs(run_dir: Path) -> dict[int, Path]:

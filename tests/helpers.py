@@ -10,6 +10,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainapp.metrics import read as read_metrics
+
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 TORCHRUN = str(Path(PY).with_name("torchrun"))
@@ -65,6 +67,4 @@ def inspect(path: Path) -> dict:
 
 
 def metrics(run_dir: Path, kind: str | None = None) -> list[dict]:
-    with open(run_dir / "metrics.jsonl") as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    return [r for r in records if kind is None or r["kind"] == kind]
+    return read_metrics(run_dir, kind)

@@ -80,3 +80,15 @@ def test_every_docs_page_links_back_to_the_readme():
     pages = [p for p in PAGES if p.parent.name == "docs"]
     missing = [p.name for p in pages if "(../README.md" not in p.read_text()]
     assert not missing, missing
+
+
+CONFIG_PATH = re.compile(r"\bconfigs/[\w.-]+\.ya?ml\b")
+
+
+def test_every_config_file_the_docs_and_docstrings_name_exists():
+    texts = [*PAGES, *sorted((REPO / "trainapp").glob("*.py")), *sorted((REPO / "k8s").rglob("*.md")),
+             REPO / "ray_cluster" / "README.md", REPO / "docker" / "README.md"]
+    named = {(p.relative_to(REPO), m) for p in texts for m in CONFIG_PATH.findall(p.read_text())}
+    assert named, "no configs/*.yaml named anywhere: the pattern is wrong"
+    missing = sorted(f"{where}: {path}" for where, path in named if not (REPO / path).is_file())
+    assert not missing, missing

@@ -1,6 +1,5 @@
 """Real training processes: learning under DDP, exact resume after SIGKILL, resume at another world size."""
 
-import socket
 import subprocess
 
 import pytest
@@ -8,6 +7,7 @@ import pytest
 from helpers import PY, QUICK, REPO, TORCHRUN, inspect, metrics, run_cmd, torchrun, trainapp
 from trainapp import snapshot
 from trainapp.amp import cpu_has_native_bf16
+from trainapp.ray_local import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -88,15 +88,9 @@ def test_resume_at_another_world_size_continues_at_the_same_global_sample(tmp_pa
     assert inspect(run)["global_step"] == 43
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_multi_node_torchrun_with_two_agents(tmp_path):
     """Two torchrun agents as two 'nodes' on loopback, c10d rendezvous, one process each."""
-    run, port = tmp_path / "run", _free_port()
+    run, port = tmp_path / "run", free_port()
     procs = []
     try:
         for node in (0, 1):

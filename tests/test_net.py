@@ -21,7 +21,7 @@ import netns
 from helpers import PY, QUICK, REPO, TORCHRUN, metrics, trainapp
 from trainapp import net
 from trainapp.config import NetworkSection
-from trainapp.ray_local import LocalCluster, _session_pids
+from trainapp.ray_local import RAY, LocalCluster, _session_pids
 
 LO = net.Interface("lo", ("127.0.0.1",), True)
 ETH0 = net.Interface("eth0", ("10.9.0.5",), True)
@@ -261,7 +261,7 @@ def _ray_on_two_hosts(hosts, procs, tmp_path, short: Path):
     (cluster.dir / "home").mkdir(parents=True)
     cluster.token_path.write_text(os.urandom(32).hex())
     env = {k: v for k, v in cluster.env().items() if k not in ("RAY_ADDRESS",)}
-    ray = str(Path(PY).with_name("ray"))
+    ray = RAY
     common = ["start", "--block", "--disable-usage-stats", "--num-cpus=1", f"--temp-dir={cluster.dir / 'r'}"]
     head = procs.start(hosts.a, [ray, *common, "--head", f"--node-ip-address={hosts.a.train_ip}", "--port=6379",
                           "--dashboard-host=0.0.0.0", "--include-dashboard=true"], tmp_path / "head.log", env)

@@ -11,7 +11,11 @@ Launch commands (the same loop every time; ranks come from the environment):
     # two nodes; run on each with NODE_RANK=0/1; run.dir must be storage both nodes see
     torchrun --nnodes=2 --nproc_per_node=8 --node_rank=$NODE_RANK \\
         --rdzv-backend=c10d --rdzv-endpoint=$HEAD_IP:29500 --max-restarts=3 \\
-        -m trainapp train --config configs/resnet50-imagefolder.yaml run.dir=/shared/runs/r50
+        -m trainapp train --config configs/imagefolder-resnet50.yaml run.dir=/shared/runs/r50
+
+    # Ray Train on a Ray cluster: `ray job submit` runs the driver, which starts one worker per rank
+    ray job submit --address http://HEAD:8265 -- python -m trainapp ray \\
+        ray.num_workers=4 ray.storage_path=/shared/runs ray.name=r50
 
     # inspect the newest valid snapshot of a run
     python -m trainapp inspect runs/ddp

@@ -15,7 +15,7 @@ from trainapp.config import AmpSection
 
 def cpu_has_native_bf16() -> bool:
     """Whether oneDNN runs bf16 on this CPU's own instructions (AVX-512, AMX). Elsewhere bf16 is
-    emulated: SmallCNN's step took 770 ms against 82 ms in fp32 on an AVX2-only AMD EPYC."""
+    emulated, and a training step takes several times longer than in fp32 (bench/amp_cpu.py)."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a build without oneDNN

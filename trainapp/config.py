@@ -137,8 +137,8 @@ class SchedSection:
 class AmpSection:
     dtype: Literal["auto", "bf16", "fp16", "off"] = "auto"
     """Autocast dtype. `auto`: bf16 where the device supports it, else fp16 with loss scaling (CUDA);
-    on CPU bf16 where oneDNN runs it natively (AVX-512 or AMX), else fp32: emulated bf16 was 9x
-    slower than fp32 on an AVX2-only CPU. `off`: full fp32."""
+    on CPU bf16 where oneDNN runs it natively (AVX-512 or AMX), else fp32, because emulated bf16 is
+    several times slower than fp32. `off`: full fp32."""
     init_scale: float = Field(default=2.0**16, gt=0)
     """fp16 only: initial loss scale of the GradScaler."""
 
@@ -244,8 +244,8 @@ class RaySection:
     """Extra environment variables set in every worker before the process group is created."""
     worker_group_start_timeout_s: float = Field(default=60.0, gt=0)
     """Ray Train gives up starting a worker group after this long and retries (possibly with fewer
-    workers when elastic). Ray's default is 60 s; with `ray.node_loss_wait_s` the restart after a
-    lost node no longer waits it out (9.5 s to the first step with 60 s here)."""
+    workers when elastic). Ray's default is 60 s. With `ray.node_loss_wait_s` the restart after a
+    lost node is sized for the nodes that are left, so it does not wait this out."""
     health_check_interval_s: float = Field(default=0.25, gt=0)
     """How often Ray Train's controller polls the workers (Ray's default: 2 s). Each poll takes at
     most one `ray.train.report` per worker and a worker's next report waits for it, so snapshots more
@@ -415,7 +415,7 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
 
 
 def reference_markdown() -> str:
-    """The configuration reference for the README, generated from the field docstrings."""
+    """The configuration reference (docs/configuration.md), generated from the field docstrings."""
     lines = ["| key | default | meaning |", "|---|---|---|"]
 
     def walk(cls, prefix):

@@ -1,4 +1,4 @@
-"""Logging with the rank in every line, and the metrics.jsonl writer.
+"""Logging with the rank in every line (metrics.jsonl is trainapp/metrics.py's).
 
 Info goes out from rank 0 only; other ranks log warnings and errors. Log lines go through tqdm.write
 so they do not tear the progress bar.
@@ -6,12 +6,9 @@ so they do not tear the progress bar.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
-import time
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -49,30 +46,3 @@ def kv(**fields: Any) -> str:
     def fmt(v):
         return f"{v:.4g}" if isinstance(v, float) else str(v)
     return " ".join(f"{k}={fmt(v)}" for k, v in fields.items())
-
-
-class MetricsWriter:
-    """Appends one JSON object per line to metrics.jsonl (rank 0 only; restarts append)."""
-
-    def __init__(self, path: Path | None):
-        self.path = path
-        self._f = None
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(path, "a", buffering=1)
-
-    def write(self, kind: str, **fields: Any) -> None:
-        if self._f is None:
-            return
-        record = {"kind": kind, "time": round(time.time(), 3), "pid": os.getpid(), **fields}
-        self._f.write(json.dumps(record) + "\n")
-
-    def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]

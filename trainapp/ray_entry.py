@@ -25,10 +25,6 @@ from trainapp.snapshot import SnapshotManager, find_shared, load_state, verify
 
 log = logging.getLogger("trainapp.ray")
 
-# Ray Train reads these in its controller; the driver's environment is propagated to it.
-_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
-_HEALTH_INTERVAL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
-
 
 def _is_uri(path: str) -> bool:
     return "://" in path
@@ -297,6 +293,32 @@ def _callbacks(cfg: Config) -> list:
     return [NodeLossWatch(cfg.ray.node_loss_wait_s)]
 
 
+def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool):
+    """Ray Train's TorchTrainer over `train_worker`, with the run directory at STORAGE/NAME."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from trainapp import ray_compat
+
+    run_dir = f"{storage}/{cfg.ray.name}" if not _is_uri(storage) else cfg.run.dir
+    worker_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir))
+    threads = cfg.ray.threads_per_worker or max(1, int(needs.get("CPU", 1)))
+    os.environ.update(ray_compat.controller_env(cfg.ray.worker_group_start_timeout_s,
+                                                cfg.ray.health_check_interval_s))
+    return TorchTrainer(
+        train_worker,
+        train_loop_config={"config": worker_cfg.to_dict()},
+        torch_config=_torch_config(cfg, threads),
+        scaling_config=ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=use_gpu, resources_per_worker=needs),
+        run_config=RunConfig(
+            name=cfg.ray.name, storage_path=storage,
+            failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.snapshot.keep),
+            callbacks=_callbacks(cfg),
+        ),
+    )
+
+
 def run(cfg: Config) -> dict[str, Any]:
     """Fit a TorchTrainer over the cluster; returns the rank-0 summary of the finished run."""
     address = ray_address(cfg)
@@ -305,8 +327,6 @@ def run(cfg: Config) -> dict[str, Any]:
     ray_compat.check_version()
     where = connect(address)
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
     try:
         resources = ray.cluster_resources()
@@ -317,28 +337,10 @@ def run(cfg: Config) -> dict[str, Any]:
         check_storage(storage)
         for line in check_network(cfg):
             log.info("network %s", line)
-        run_dir = f"{storage}/{cfg.ray.name}" if not _is_uri(storage) else cfg.run.dir
-        worker_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir))
-        threads = cfg.ray.threads_per_worker or max(1, int(needs.get("CPU", 1)))
-        os.environ[_START_TIMEOUT_ENV] = str(cfg.ray.worker_group_start_timeout_s)
-        os.environ[_HEALTH_INTERVAL_ENV] = str(cfg.ray.health_check_interval_s)
         log.info("%s: %s workers, %s per worker, storage %s/%s", where, cfg.ray.num_workers, needs, storage,
                  cfg.ray.name)
-        trainer = TorchTrainer(
-            train_worker,
-            train_loop_config={"config": worker_cfg.to_dict()},
-            torch_config=_torch_config(cfg, threads),
-            scaling_config=ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=use_gpu,
-                                         resources_per_worker=needs),
-            run_config=RunConfig(
-                name=cfg.ray.name, storage_path=storage,
-                failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
-                checkpoint_config=CheckpointConfig(num_to_keep=cfg.snapshot.keep),
-                callbacks=_callbacks(cfg),
-            ),
-        )
         try:
-            result = trainer.fit()
+            result = _trainer(cfg, storage, needs, use_gpu).fit()
         except Exception as e:
             msg = _config_error_in(e)
             if msg:

@@ -34,6 +34,8 @@ from pathlib import Path
 
 DEFAULT_DIR = Path(os.environ.get("TMPDIR", "/tmp")) / f"trainapp-ray-{os.getuid()}"
 STATE = "cluster.json"
+RAY = str(Path(sys.executable).with_name("ray"))
+"""The `ray` CLI of the Python running this (the venv's): nodes and jobs use the same Ray as trainapp."""
 
 
 def proc_stat(pid: int) -> tuple[str, list[str]] | None:
@@ -108,7 +110,7 @@ class LocalCluster:
     health_check_failure_threshold: int = 3
     # Ray's per-process metrics export (for Prometheus/Grafana). Off by default here: on a laptop
     # nothing scrapes it, and its agents and exporters cost more CPU than the training difference
-    # between launchers (see README, "A lean local cluster").
+    # between launchers (see docs/ray.md, "A lean local cluster").
     metrics: bool = False
     # The head's processes (GCS, dashboard, job driver, Train controller) run at this nice value: on
     # one machine they share the cores with training, where a real head has a machine of its own.
@@ -141,7 +143,7 @@ class LocalCluster:
             "RAY_AUTH_TOKEN_PATH": str(self.token_path),
             "RAY_USAGE_STATS_ENABLED": "0",
             # Each node's log monitor globs the session's log folder 10 times a second to find new
-            # worker logs; every 2 s is enough to stream them and saves ~3% of a core per node.
+            # worker logs; every 2 s is enough to stream them, and the scan is a steady cost on every node.
             "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
             "LOG_NAME_UPDATE_INTERVAL_S": "2",
             **({} if self.metrics else {"RAY_enable_metrics_collection": "false"}),
@@ -160,9 +162,8 @@ class LocalCluster:
 
     def _start(self, name: str, args: list[str], cwd: Path, nice: int = 0) -> Node:
         log = self.dir / "logs" / f"{name}.log"
-        ray = str(Path(sys.executable).with_name("ray"))
         with open(log, "ab") as out:
-            proc = subprocess.Popen([ray, "start", "--block", f"--node-ip-address={self.node_ip}",
+            proc = subprocess.Popen([RAY, "start", "--block", f"--node-ip-address={self.node_ip}",
                                      "--disable-usage-stats", *_own_ports(), *args],
                                     env=self.env(), cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
@@ -240,10 +241,9 @@ class LocalCluster:
 
     def wait_for_jobs(self, timeout: float) -> None:
         """Until a no-op job runs: the head's job agent registers some seconds after the node."""
-        ray = str(Path(sys.executable).with_name("ray"))
         deadline, last = time.monotonic() + timeout, ""
         while time.monotonic() < deadline:
-            r = subprocess.run([ray, "job", "submit", "--address", self.dashboard_url, "--entrypoint-num-cpus=0",
+            r = subprocess.run([RAY, "job", "submit", "--address", self.dashboard_url, "--entrypoint-num-cpus=0",
                                 "--", "true"], env=self.env(), capture_output=True, text=True, timeout=120)
             if r.returncode == 0:
                 return
@@ -335,8 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         entry = args.entrypoint[1:] if args.entrypoint[:1] == ["--"] else args.entrypoint
         if not entry:
             raise SystemExit("ray_local submit: give the entrypoint after --, e.g. -- python -m trainapp ray")
-        ray = str(Path(sys.executable).with_name("ray"))
-        return subprocess.call([ray, "job", "submit", "--address", c.dashboard_url, "--", *entry], env=c.env())
+        return subprocess.call([RAY, "job", "submit", "--address", c.dashboard_url, "--", *entry], env=c.env())
     return 0
 
 

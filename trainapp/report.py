@@ -8,28 +8,20 @@ printed and written beside it as `report.txt`. Works on `run.dir` of torchrun ru
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
+from trainapp import metrics
 from trainapp.config import ConfigError
 
-METRICS = "metrics.jsonl"
-
-
 def read(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / METRICS
-    if not path.is_file():
-        raise ConfigError(f"{run_dir}: no {METRICS} here; pass a run.dir (or STORAGE/NAME of a Ray run)")
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line torn by a killed writer
+    try:
+        records = metrics.read(run_dir)
+    except FileNotFoundError:
+        raise ConfigError(f"{run_dir}: no {metrics.METRICS} here; pass a run.dir (or STORAGE/NAME of a Ray run)") from None
     if not any(r.get("kind") == "start" for r in records):
-        raise ConfigError(f"{path}: no `start` record; is this a trainapp run?")
+        raise ConfigError(f"{run_dir / metrics.METRICS}: no `start` record; is this a trainapp run?")
     return records
 
 

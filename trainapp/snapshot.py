@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 STATE, META = "state.pt", "meta.json"
 FORMAT = 2
-# The checksum of state.pt: xxh3-128 (xxhash), 9x faster than sha256 here (7 vs 60 ms for 90 MB), and
+# The checksum of state.pt: xxh3-128 (xxhash), several times cheaper than sha256 (docs/benchmarks.md), and
 # a snapshot's checksum guards against torn and corrupt files, not against forgery. Format-1 snapshots
 # carry a sha256 and still verify.
 CHECKSUMS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
@@ -79,10 +79,9 @@ def file_digest(path: Path, algo: str = "xxh3_128") -> str:
 class _StateFile:
     """The file torch.save writes a snapshot's state into: checksummed in passing (one pass over the
     bytes, not a second read of the file), and with `direct`, written with O_DIRECT through an
-    aligned buffer reused across snapshots. Direct writes skip the page cache: no cache
-    pages to allocate and fill, no writeback later. Measured on resnet18 state (90 MB) on a 2-core VM,
-    the whole machine's CPU for a snapshot went from 0.21 to 0.10 s, the writer's share of what a
-    background snapshot takes from training."""
+    aligned buffer reused across snapshots. Direct writes skip the page cache: no cache pages to
+    allocate and fill, no writeback later. That roughly halves the machine's CPU per snapshot
+    (docs/benchmarks.md), and the writer's CPU is what a background snapshot takes from training."""
 
     CHUNK = 8 << 20
     _free: list[mmap.mmap] = []
@@ -190,9 +189,9 @@ def cpu_copy(obj: Any, into: Any = None) -> Any:
     the originals in place while a background thread writes the copy).
 
     `into` is the copy made at the previous snapshot: a tensor whose shape, dtype and strides match is
-    reused as the destination. Fresh memory is what a copy costs on a VM (page faults: 85 ms for
-    resnet18's 85 MB here, against 9 ms into reused buffers), and on a GPU node the reused buffers are
-    pinned, so the device-to-host copies run at full speed.
+    reused as the destination. Fresh memory is most of what a copy costs (a page fault per page;
+    reused buffers copy several times faster, docs/benchmarks.md), and on a GPU node the reused buffers
+    are pinned, so the device-to-host copies run at full speed.
     """
     cuda: list[bool] = []
     out = _copy(obj, into, cuda)

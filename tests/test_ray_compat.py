@@ -1,0 +1,78 @@
+"""Ray's private API is used in one module, trainapp/ray_compat.py: every private name it uses imports
+on the installed Ray, no other module of trainapp reaches into Ray's private modules, and a Ray outside
+the supported range stops the Ray driver with one line naming the range."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from helpers import REPO
+from trainapp import ray_compat
+from trainapp.config import ConfigError
+
+
+@pytest.mark.parametrize("module, name", ray_compat.PRIVATE_NAMES, ids=[n for _, n in ray_compat.PRIVATE_NAMES])
+def test_every_private_ray_name_imports_on_the_installed_ray(module, name):
+    assert hasattr(importlib.import_module(module), name), f"{module}.{name} is gone: update trainapp/ray_compat.py"
+
+
+def test_the_torch_backend_subclassed_is_the_one_torch_config_names():
+    from ray.train.torch import TorchConfig
+    from ray.train.torch.config import _TorchBackend
+
+    assert TorchConfig().backend_cls is _TorchBackend
+    assert issubclass(ray_compat.TorchConfigWithSetup().backend_cls, _TorchBackend)
+
+
+def test_the_callback_hooks_node_loss_watch_overrides_still_exist():
+    from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+    from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
+
+    assert callable(ControllerCallback.before_controller_execute_failure_decision)
+    assert callable(WorkerGroupCallback.after_worker_group_start)
+    assert ElasticScalingPolicy.GET_RESERVED_RESOURCES_INTERVAL_S > 0
+
+
+PRIVATE = re.compile(r"\bray(\.\w+)*\.(_\w+)|from ray[\w.]* import .*\b_[A-Za-z]\w*")
+
+
+def test_no_other_trainapp_module_touches_rays_private_api():
+    offenders = []
+    for path in sorted((REPO / "trainapp").glob("*.py")):
+        if path.name == "ray_compat.py":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if PRIVATE.search(code):
+                offenders.append(f"{path.name}:{n}: {line.strip()}")
+    assert not offenders, offenders
+
+
+def test_the_pinned_ray_is_in_the_supported_range():
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    pin = next(d for d in deps if d.startswith("ray[")).split("==")[1]
+    assert ray_compat.check_version(pin) == pin
+
+
+@pytest.mark.parametrize("version", ["2.59.9", "2.61.0", "3.0.0"])
+def test_a_ray_outside_the_range_is_refused_naming_the_range(version):
+    with pytest.raises(ConfigError, match=rf"ray {re.escape(version)}: .*Ray >=2\.60\.0,<2\.61\.0"):
+        ray_compat.check_version(version)
+
+
+def test_the_ray_driver_on_another_ray_exits_2_with_one_line(tmp_path):
+    # The installed version as Ray reports it is replaced before trainapp asks; nothing else changes.
+    code = ("import importlib.metadata as m, sys; real = m.version; "
+            "m.version = lambda name: '2.61.0' if name == 'ray' else real(name); "
+            "from trainapp.cli import main; sys.exit(main(['ray', 'ray.storage_path=" + str(tmp_path) + "']))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "ray 2.61.0:" in lines[0] and ">=2.60.0,<2.61.0" in lines[0], r.stderr
