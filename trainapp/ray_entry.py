@@ -1,9 +1,12 @@
 """`python -m trainapp ray`: the driver `ray job submit` runs. Ray Train's TorchTrainer starts one
 worker per rank, each running the same loop (`trainapp.loop`) as torchrun would.
 
-Differences from torchrun live here only: snapshots go through `ray.train.report(checkpoint=...)`
-from rank 0 (the other ranks report metrics, so all report equally often), resume comes from
-`ray.train.get_checkpoint()`, and the worker environment is set before Ray creates the process group.
+Differences from torchrun live here only: snapshots are published with `ray.train.report` (RayPublish,
+the snapshot manager's publish step), resume comes from the shared run directory (or from
+`ray.train.get_checkpoint()` with a URI `ray.storage_path`), the worker environment is set before Ray
+creates the process group, and the driver checks the cluster first (capacity, storage, each node's
+network interface) so a run that cannot work stops with one line. Ray's private API is used only
+through trainapp/ray_compat.py.
 """
 
 from __future__ import annotations
