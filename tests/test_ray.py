@@ -217,13 +217,14 @@ def test_losing_a_worker_node_continues_elastically_on_the_other(cluster):
     assert rc == 0, out[-4000:]
     before, resumed = _redone(run_dir)
     assert before - resumed <= 5
-    # The new group was sized for the one node left, without waiting out the start timeout. When the
-    # controller saw the failure while Ray still had the node alive, NodeLossWatch found the raylet
-    # silent and waited for the node to be declared dead; when the failure surfaced after that (the
-    # surviving worker can train on for seconds before its collective fails), there was nothing to wait for.
-    assert "startup timed out" not in out, out[-4000:]
-    if "stopped answering" in out:
-        assert "declared dead after" in out, out[-4000:]
+    # The new group was sized for the one node left, without waiting out the start timeout: before the
+    # restart NodeLossWatch found the raylet silent and waited for Ray to declare the node dead, or
+    # (when the failure surfaced after Ray's health checks) found it dead already; either way it had
+    # the cluster view re-read.
+    said = "\n".join(line[-300:] for line in out.splitlines() if "trainapp: node" in line or "timed out" in line)
+    assert "startup timed out" not in out, said
+    watched = ("stopped answering" in out and "declared dead after" in out) or "already declared dead" in out
+    assert watched, said or out[-4000:]
     starts = metrics(run_dir, "start")
     assert starts[0]["world_size"] == 2 and starts[-1]["world_size"] == 1
     assert starts[-1]["resumed_world_size"] == 2

@@ -139,8 +139,9 @@ class NodeLossWatch(ControllerCallback, WorkerGroupCallback):
 
     Before a restart this probes the raylet of every node that hosted a worker; if one does not
     answer, it waits (at most `wait_s`) until the GCS has declared that node dead, then has the
-    coordinator re-read the cluster, so the restart is sized for the nodes that are left. A worker
-    that died on a live node costs one probe per node and no wait.
+    coordinator re-read the cluster, so the restart is sized for the nodes that are left. A node the
+    GCS declared dead before the failure surfaced can still be in the coordinator's view: it is
+    re-read then too. A worker that died on a live node costs one probe per node and no wait.
     """
 
     def __init__(self, wait_s: float, probe_timeout_s: float = 1.0, poll_s: float = 0.25):
@@ -158,29 +159,25 @@ class NodeLossWatch(ControllerCallback, WorkerGroupCallback):
         except Exception as e:
             _say(f"could not check the workers' nodes before the restart ({e.__class__.__name__}: {e})")
 
-    def _lost_nodes(self) -> dict[str, str]:
-        """{node id: address} of the workers' nodes whose raylet does not answer."""
-        hosts = [n for n in ray.nodes() if n["NodeID"] in self._nodes and n.get("Alive")]
+    def _lost_nodes(self, hosts: list[dict]) -> dict[str, str]:
+        """{node id: address} of the alive-to-Ray `hosts` whose raylet does not answer."""
         with ThreadPoolExecutor(max(1, len(hosts))) as pool:
             answers = list(pool.map(lambda n: raylet_answers(n["NodeManagerAddress"], n["NodeManagerPort"],
                                                              self.probe_timeout_s), hosts))
         return {n["NodeID"]: n["NodeManagerAddress"] for n, ok in zip(hosts, answers) if not ok}
 
     def _settle(self) -> None:
-        lost = self._lost_nodes()
-        if not lost:
+        nodes = [n for n in ray.nodes() if n["NodeID"] in self._nodes]
+        # Declared dead already (the failure surfaced after Ray's health checks): nothing to wait for,
+        # but the coordinator's view may still count the node, so it is refreshed all the same.
+        dead = {n["NodeID"]: n["NodeManagerAddress"] for n in nodes if not n.get("Alive")}
+        lost = self._lost_nodes([n for n in nodes if n.get("Alive")])
+        if not lost and not dead:
             return
-        names = ", ".join(f"{ip} ({nid[:8]})" for nid, ip in lost.items())
-        _say(f"node {names} stopped answering; waiting up to {self.wait_s:.0f}s (ray.node_loss_wait_s) for Ray "
-             "to declare it dead, so the restart is sized for the nodes that are left")
         t0 = time.monotonic()
-        while time.monotonic() - t0 < self.wait_s:
-            if not any(n.get("Alive") for n in ray.nodes() if n["NodeID"] in lost):
-                break
-            time.sleep(self.poll_s)
-        else:
-            _say(f"node {names} is still alive to Ray after {self.wait_s:.0f}s; restarting anyway")
+        if lost and not self._wait_until_dead(lost):
             return
+        names = ", ".join(f"{ip} ({nid[:8]})" for nid, ip in {**dead, **lost}.items())
         from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
             get_or_create_autoscaling_coordinator,
         )
@@ -190,4 +187,18 @@ class NodeLossWatch(ControllerCallback, WorkerGroupCallback):
         ray.get(coordinator.get_reserved_resources.remote("trainapp-node-loss-watch", recompute=True), timeout=10)
         # The elastic policy caches the coordinator's answer briefly, and last asked before t0.
         time.sleep(max(0.0, ElasticScalingPolicy.GET_RESERVED_RESOURCES_INTERVAL_S - (time.monotonic() - t0)))
-        _say(f"node {names} declared dead after {time.monotonic() - t0:.1f}s; restarting on the nodes that are left")
+        when = f"declared dead after {time.monotonic() - t0:.1f}s" if lost else "already declared dead"
+        _say(f"node {names} {when}; restarting on the nodes that are left")
+
+    def _wait_until_dead(self, lost: dict[str, str]) -> bool:
+        """Until Ray has declared every node of `lost` dead (True), or `wait_s` has passed (False)."""
+        names = ", ".join(f"{ip} ({nid[:8]})" for nid, ip in lost.items())
+        _say(f"node {names} stopped answering; waiting up to {self.wait_s:.0f}s (ray.node_loss_wait_s) for Ray "
+             "to declare it dead, so the restart is sized for the nodes that are left")
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < self.wait_s:
+            if not any(n.get("Alive") for n in ray.nodes() if n["NodeID"] in lost):
+                return True
+            time.sleep(self.poll_s)
+        _say(f"node {names} is still alive to Ray after {self.wait_s:.0f}s; restarting anyway")
+        return False
