@@ -163,25 +163,6 @@ def test_ray_and_torchrun_end_with_the_same_parameters(ray_run_with_restart, tmp
     assert inspect(run_dir)["params_sha256"] == inspect(tmp_path / "tr")["params_sha256"]
 
 
-def test_stopped_job_resubmitted_with_the_same_name_resumes(cluster):
-    name, sid = "resubmit", f"resubmit-{uuid.uuid4().hex[:6]}"
-    run_dir = cluster.storage / name
-    r = run_cmd(_submit_cmd(cluster, name, *LONG, sid=sid, wait=False), env=cluster.env())
-    assert r.returncode == 0, r.output
-    wait_for_step(run_dir, 12)
-    stop = run_cmd([RAY, "job", "stop", "--address", cluster.dashboard_url, sid], env=cluster.env(), timeout=120)
-    assert stop.returncode == 0, stop.output
-    status = run_cmd([RAY, "job", "status", "--address", cluster.dashboard_url, sid], env=cluster.env()).output
-    assert "stopped" in status.lower()
-    stopped_at = inspect(run_dir)["global_step"]
-    assert stopped_at >= 10
-    r = submit(cluster, name, *LONG)
-    assert r.returncode == 0, r.output[-4000:]
-    second = metrics(run_dir, "start")[-1]
-    assert second["resumed_step"] >= stopped_at  # not a fresh start
-    assert inspect(run_dir)["global_step"] == 40
-
-
 def test_bad_ray_input_fails_fast_with_one_line(cluster, tmp_path):
     cases = {
         "no cluster": (["ray.address=127.0.0.1:1"], "ray.address=127.0.0.1:1: no Ray cluster answers"),
@@ -204,7 +185,10 @@ def test_bad_ray_input_fails_fast_with_one_line(cluster, tmp_path):
 
 
 def test_losing_a_worker_node_continues_elastically_on_the_other(cluster):
-    """Runs last in this module: it kills a node (its raylet), then starts a replacement."""
+    """Kills a node (its raylet), then starts a replacement and waits for it, so the tests after it
+    have two worker nodes again. It runs before the job-stop test: a run stopped with `ray job stop`
+    leaves its resource request in Ray's autoscaling coordinator until it expires, and an elastic run
+    started meanwhile waits for it."""
     run_dir = cluster.storage / "elastic"
     proc = submit_background(cluster, "elastic", *LONG, "ray.num_workers=[1,2]", "ray.worker_group_start_timeout_s=15")
     try:
@@ -214,6 +198,7 @@ def test_losing_a_worker_node_continues_elastically_on_the_other(cluster):
     finally:
         rc, out = finish(proc)
         cluster.add_worker("worker3", REPO)
+        cluster.wait_for_nodes(3, 120)  # the head, worker1 and worker3
     assert rc == 0, out[-4000:]
     before, resumed = _redone(run_dir)
     assert before - resumed <= 5
@@ -231,3 +216,22 @@ def test_losing_a_worker_node_continues_elastically_on_the_other(cluster):
     assert inspect(run_dir)["world_size"] == 1
     end = metrics(run_dir, "end")[-1]
     assert end["world_size"] == 1 and end["steps"] == inspect(run_dir)["global_step"]
+
+
+def test_stopped_job_resubmitted_with_the_same_name_resumes(cluster):
+    name, sid = "resubmit", f"resubmit-{uuid.uuid4().hex[:6]}"
+    run_dir = cluster.storage / name
+    r = run_cmd(_submit_cmd(cluster, name, *LONG, sid=sid, wait=False), env=cluster.env())
+    assert r.returncode == 0, r.output
+    wait_for_step(run_dir, 12)
+    stop = run_cmd([RAY, "job", "stop", "--address", cluster.dashboard_url, sid], env=cluster.env(), timeout=120)
+    assert stop.returncode == 0, stop.output
+    status = run_cmd([RAY, "job", "status", "--address", cluster.dashboard_url, sid], env=cluster.env()).output
+    assert "stopped" in status.lower()
+    stopped_at = inspect(run_dir)["global_step"]
+    assert stopped_at >= 10
+    r = submit(cluster, name, *LONG)
+    assert r.returncode == 0, r.output[-4000:]
+    second = metrics(run_dir, "start")[-1]
+    assert second["resumed_step"] >= stopped_at  # not a fresh start
+    assert inspect(run_dir)["global_step"] == 40
