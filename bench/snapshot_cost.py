@@ -24,7 +24,6 @@ snapshots of a real model's state (weights, SGD momentum, progress) to a directo
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import shutil

@@ -69,8 +69,9 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-import smoke_assert  # noqa: E402  (the shared assertions and metrics readers, beside this script)
+sys.path[:0] = [str(REPO / "scripts"), str(REPO)]
+import smoke_assert  # noqa: E402  (the shared assertions, beside this script)
+from trainapp import metrics  # noqa: E402  (standard library only: the one metrics.jsonl reader)
 PROG = "container-smoke"
 LOCAL_BASE = "trainapp-smoke-base:bookworm"
 PYTHON_BASE = "python:3.11-slim-bookworm"  # the Dockerfile's CPU_BASE default
@@ -243,7 +244,7 @@ class Smoke:
     def records(self) -> list[dict]:
         """The run's metrics.jsonl, read in the head container (empty while it does not exist)."""
         r = self.d("exec", self.head, "cat", f"{RUNS}/{self.name}/metrics.jsonl", check=False, timeout=30)
-        return smoke_assert.parse_records(r.stdout.splitlines()) if r.returncode == 0 else []
+        return metrics.parse(r.stdout.splitlines()) if r.returncode == 0 else []
 
     # ----------------------------------------------------------------------------- prerequisites
 

@@ -72,13 +72,6 @@ class Check:
 # Reading a run directory
 
 
-parse_records = metrics.parse  # metrics.jsonl lines as records; a torn line is skipped
-
-
-def load_records(run_dir: Path) -> list[dict]:
-    return metrics.read(run_dir)
-
-
 def snapshot_dirs(run_dir: Path) -> dict[int, Path]:
     """{step: directory} of the complete snapshots (with meta.json), Ray's or torchrun's layout."""
     found = {}
@@ -140,7 +133,7 @@ def check_run(run_dir: Path, expect_steps: int | None = None) -> list[Check]:
     """Every check on a local run directory, in order."""
     run_dir = Path(run_dir)
     try:
-        records = load_records(run_dir)
+        records = metrics.read(run_dir)
     except OSError as e:
         return [Check("metrics", False, f"cannot read {run_dir / METRICS} ({e.__class__.__name__}: {e})")]
     starts = [i for i, r in enumerate(records) if r.get("kind") == "start"]
@@ -351,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="kind: also every running pod with these labels, e.g. app.kubernetes.io/name=trainapp")
     args = p.parse_args(argv)
     if args.progress:
-        records = parse_records(sys.stdin)
+        records = metrics.parse(sys.stdin)
         restart = latest_restart(records) or {}
         resumed = restart.get("resumed_step")
         print(max_train_step(records), "-" if resumed is None else resumed)

@@ -4,7 +4,7 @@ import subprocess
 
 import pytest
 
-from helpers import PY, QUICK, REPO, TORCHRUN, inspect, metrics, run_cmd, torchrun, trainapp
+from helpers import QUICK, REPO, TORCHRUN, inspect, metrics, run_cmd, torchrun, trainapp
 from trainapp import snapshot
 from trainapp.amp import cpu_has_native_bf16
 from trainapp.ray_local import free_port

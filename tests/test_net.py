@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import netns
-from helpers import PY, QUICK, REPO, TORCHRUN, metrics, trainapp
+from helpers import QUICK, REPO, TORCHRUN, metrics, trainapp
 from trainapp import net
 from trainapp.config import NetworkSection
 from trainapp.ray_local import RAY, LocalCluster, _session_pids

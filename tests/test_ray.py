@@ -3,11 +3,9 @@ loopback, its own directory and HOME, torn down by PID. Jobs go in through real 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -71,7 +69,7 @@ def wait_for_step(run_dir: Path, step: int, timeout: float = 240) -> float:
         try:
             if any(r["step"] >= step for r in metrics(run_dir, "train")):
                 return time.time()
-        except (FileNotFoundError, json.JSONDecodeError):
+        except FileNotFoundError:
             pass
         time.sleep(0.1)
     raise AssertionError(f"{run_dir} never reached step {step}")

@@ -216,13 +216,13 @@ class Trainer:
 
     def _save(self, samples_per_s: float) -> None:
         p = self.parts.progress
-        state = self.parts.state.state_dict()  # on every rank: the RNG part gathers all ranks' generators
-        meta = {**state["progress"], "params_sha256": params_sha256(self.parts.model)} if self.ctx.is_main else None
+        state = self.parts.state.state_dict(self.ctx.is_main)  # every rank: the RNG part gathers all ranks'
+        meta = {**state["progress"], "params_sha256": params_sha256(self.parts.model)} if state is not None else None
         report = {"step": p.global_step, "epoch": p.epoch, "loss": self.last_loss, "world_size": self.ctx.world_size,
                   "samples_per_s": samples_per_s}
         if self.last_eval is not None and self.last_eval["step"] == p.global_step:
             report["val_acc"] = self.last_eval["val_acc"]
-        self.snapshots.save(self.ctx, p.global_step, state if self.ctx.is_main else None, meta, report)
+        self.snapshots.save(self.ctx, p.global_step, state, meta, report)
         self.metrics.write("snapshot", step=p.global_step, blocking_s=round(self.snapshots.last_blocking_s, 4),
                            background=self.snapshots.async_write)
 

@@ -56,12 +56,9 @@ def parse(lines: Iterable[str]) -> list[dict[str, Any]]:
 
 
 def read(run_dir: str | Path, kind: str | None = None) -> list[dict[str, Any]]:
-    """The records of RUN_DIR/metrics.jsonl (or of that file itself), oldest first, only those of
-    `kind` if given. FileNotFoundError when there is no such file."""
-    path = Path(run_dir)
-    if path.is_dir() or path.name != METRICS:
-        path = path / METRICS
-    with open(path) as f:
+    """The records of RUN_DIR/metrics.jsonl, oldest first, only those of `kind` if given.
+    FileNotFoundError when there is no such file."""
+    with open(Path(run_dir) / METRICS) as f:
         records = parse(f)
     return [r for r in records if kind is None or r.get("kind") == kind]
 

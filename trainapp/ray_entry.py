@@ -17,7 +17,6 @@ import os
 import shutil
 import socket
 import tempfile
-import time
 import uuid
 from pathlib import Path
 from typing import Any

@@ -15,11 +15,13 @@ from typing import Any
 from trainapp import metrics
 from trainapp.config import ConfigError
 
+
 def read(run_dir: Path) -> list[dict[str, Any]]:
     try:
         records = metrics.read(run_dir)
     except FileNotFoundError:
-        raise ConfigError(f"{run_dir}: no {metrics.METRICS} here; pass a run.dir (or STORAGE/NAME of a Ray run)") from None
+        raise ConfigError(f"{run_dir}: no {metrics.METRICS} here; pass a run.dir (or STORAGE/NAME of a Ray "
+                          "run)") from None
     if not any(r.get("kind") == "start" for r in records):
         raise ConfigError(f"{run_dir / metrics.METRICS}: no `start` record; is this a trainapp run?")
     return records

@@ -34,10 +34,16 @@ class TrainState:
     def __init__(self, parts: dict[str, Stateful | None], records: dict[str, Any] | None = None):
         self.parts, self.records = parts, records or {}
 
-    def state_dict(self) -> dict[str, Any]:
-        """Every rank calls this: a part may gather across ranks (the RNG does)."""
-        out = {name: part.state_dict() if part is not None else None for name, part in self.parts.items()}
-        return {**out, **self.records}
+    def state_dict(self, is_main: bool) -> dict[str, Any] | None:
+        """Every rank calls this, because a part may gather across ranks (one marked `collective`, as
+        the RNG is); the others are read on rank 0 only, the one that writes. None on other ranks."""
+        out = {}
+        for name, part in self.parts.items():
+            if part is None:
+                out[name] = None
+            elif is_main or getattr(part, "collective", False):
+                out[name] = part.state_dict()
+        return {**out, **self.records} if is_main else None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, part in self.parts.items():
@@ -106,6 +112,8 @@ class RngState:
     """Every rank's generators, not just rank 0's: saving gathers them to rank 0 (a collective), and
     loading gives each rank its own. A rank the snapshot did not have (resumed at a larger world
     size) gets a seed made from its rank and the step instead."""
+
+    collective = True
 
     def __init__(self, ctx: dist.DistContext, seed: int, progress: Progress):
         self.ctx, self.seed, self.progress = ctx, seed, progress
