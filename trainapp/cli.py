@@ -1,7 +1,8 @@
-"""Command line: `trainapp train|ray|inspect|config|doctor|report`.
+"""Command line: `trainapp train|ray|inspect|config|doctor|report|drain`.
 
 Exit codes: 0 success; 2 bad config or bad input (one line on stderr naming the key, path or value
-and what is expected); anything else is a runtime failure.
+and what is expected); 128 + N after a preemption notice by signal N, handled (143 for SIGTERM: the
+snapshot of the step reached is written, rerun to resume); anything else is a runtime failure.
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ def _parser() -> argparse.ArgumentParser:
                                       "and print a short summary")
     p.add_argument("run_dir", metavar="RUN_DIR", help="run.dir of a run (or STORAGE/NAME of a Ray run)")
     p.add_argument("--out", metavar="PNG", help="where the plot goes (default RUN_DIR/report.png)")
+    p = sub.add_parser("drain", help="this node is going away (a pod's preStop, a container's stop): SIGTERM every "
+                                     "trainapp training process on it and wait for their snapshots")
+    p.add_argument("--wait-s", type=float, default=30.0, metavar="S",
+                   help="wait at most this long for them to exit (at least preempt.grace_s; default 30)")
+    p.add_argument("--ray-deadline-s", type=int, default=None, metavar="S",
+                   help="first drain this node's Ray node for preemption with this deadline (`ray drain-node`), "
+                        "so Ray Train knows it is a preemption and does not restart workers here")
     p = sub.add_parser("doctor", help="check this node for a config: versions, GPUs, network interface, "
                                       "/dev/shm, storage, rendezvous (exit 1 if something would fail)")
     _add_config_args(p)
@@ -45,8 +53,14 @@ def _parser() -> argparse.ArgumentParser:
 def cmd_train(args) -> int:
     cfg = config.load(args.config, args.overrides)
     from trainapp.loop import run  # torch is imported only once the config is known to be good
+    from trainapp.preempt import Preempted
 
-    summary = run(cfg)
+    try:
+        summary = run(cfg)
+    except Preempted as e:  # a notice, handled: the snapshot is written, the scheduler sees "terminated"
+        if e.rank == 0:
+            print(e.line(), flush=True)
+        return e.exit_code
     if summary["rank"] == 0:
         print("trainapp: done " + " ".join([
             f"steps={summary['steps']}", f"final_loss={summary['final_loss']:.4f}",
@@ -108,6 +122,20 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_drain(args) -> int:
+    from trainapp import preempt
+
+    if args.wait_s <= 0:
+        raise config.ConfigError(f"--wait-s={args.wait_s:g}: must be > 0 (seconds to wait for the snapshots)")
+    stopped, left, said = preempt.drain(args.wait_s, args.ray_deadline_s)
+    if said:
+        print(f"trainapp drain: {said}", flush=True)
+    print(f"trainapp drain: {len(stopped)} training process(es) stopped" + (f" (pids {' '.join(map(str, stopped))})"
+          if stopped else "") + (f"; still running after {args.wait_s:g} s: pids {' '.join(map(str, left))}"
+                                 if left else ""), flush=True)
+    return 1 if left else 0
+
+
 def cmd_doctor(args) -> int:
     cfg = config.load(args.config, args.overrides)
     from trainapp import doctor
@@ -128,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return {"train": cmd_train, "ray": cmd_ray, "inspect": cmd_inspect, "config": cmd_config,
-                "doctor": cmd_doctor, "report": cmd_report}[args.command](args)
+                "doctor": cmd_doctor, "report": cmd_report, "drain": cmd_drain}[args.command](args)
     except config.ConfigError as e:
         print(f"trainapp {args.command}: error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -180,6 +180,43 @@ class DistSection:
     """Timeout of process-group creation and of every collective, in seconds."""
 
 
+# A handled signal that means "stop now" to the OS: never a preemption notice.
+_UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
+_NOT_NOTICES = {"SIGCHLD", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT", "SIGPIPE"}
+
+
+@dataclass(config=_STRICT)
+class PreemptSection:
+    """A preemption notice (SIGTERM from Kubernetes, `docker stop`, a spot reclaim, Slurm's `--signal`;
+    a Ray node drain) becomes a snapshot of the step reached, then an exit with 128 + the signal."""
+
+    signals: list[str] = Field(default_factory=list)
+    """Signals that also mean "preempted", besides SIGTERM and SIGINT (always handled), e.g.
+    `[SIGUSR1]` for Slurm's `--signal=USR1@60`."""
+    grace_s: float = Field(default=25.0, gt=0)
+    """From the signal to the exit, at most: if the stop cannot be agreed and the snapshot written in
+    this time (a peer gone or hung), the process exits anyway and the newest valid snapshot stays what
+    it was. Keep it under the platform's grace period (Kubernetes and `docker stop` default to 30 and
+    10 s; see k8s/ and docs/preemption.md)."""
+    ray_poll_steps: int = Field(default=10, ge=0)
+    """Under Ray Train: ask `ray.train.get_preemption_info()` every N steps (a barrier across the
+    workers); when a node of the run is being drained for preemption, take a snapshot at once and keep
+    training. 0: do not ask."""
+
+    def __post_init__(self) -> None:
+        import signal
+
+        names = []
+        for raw in self.signals:
+            name = raw.strip().upper()
+            name = name if name.startswith("SIG") else "SIG" + name
+            if name in _UNCATCHABLE or name in _NOT_NOTICES or not isinstance(getattr(signal, name, None), signal.Signals):
+                raise ConfigError(f"preempt.signals: {raw!r} is not a signal a notice can use; name one such as "
+                                  "SIGUSR1, SIGUSR2 or SIGHUP")
+            names.append(name)
+        self.signals = names
+
+
 _IFNAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")
 
 
@@ -290,6 +327,7 @@ class Config:
     amp: AmpSection = dataclasses.field(default_factory=AmpSection)
     snapshot: SnapshotSection = dataclasses.field(default_factory=SnapshotSection)
     fault: FaultSection = dataclasses.field(default_factory=FaultSection)
+    preempt: PreemptSection = dataclasses.field(default_factory=PreemptSection)
     dist: DistSection = dataclasses.field(default_factory=DistSection)
     network: NetworkSection = dataclasses.field(default_factory=NetworkSection)
     ray: RaySection = dataclasses.field(default_factory=RaySection)

@@ -16,13 +16,13 @@ import signal
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from trainapp import dist, logs
+from trainapp import dist, logs, preempt
 from trainapp.build import Parts, build
 from trainapp.config import Config
 from trainapp.data import make_loader, set_epoch
@@ -40,8 +40,14 @@ warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\
 class Trainer:
     """Trains the parts `build` made: steps, log records, evaluation, the fault drill, snapshots."""
 
-    def __init__(self, cfg: Config, ctx: dist.DistContext, parts: Parts, snapshots: SnapshotManager):
+    def __init__(self, cfg: Config, ctx: dist.DistContext, parts: Parts, snapshots: SnapshotManager,
+                 drain_notice: Callable[[], dict | None] | None = None):
         self.cfg, self.ctx, self.parts, self.snapshots = cfg, ctx, parts, snapshots
+        self.vote = preempt.StopVote(ctx)
+        self.drain_notice = drain_notice
+        """Asked every `preempt.ray_poll_steps` steps on every rank (a barrier under Ray): a dict
+        describing a drain of one of the run's nodes the first time one is seen, else None."""
+        preempt.describe_snapshots(str(snapshots.root))
         self.run_dir = Path(cfg.run.dir)
         self.metrics = MetricsWriter(self.run_dir / METRICS if ctx.is_main else None)
         self.last_loss, self.last_eval = float("nan"), None
@@ -57,6 +63,7 @@ class Trainer:
         meter = Throughput(p.global_batch)
         batches = None
         self.parts.train_model.train()
+        preempt.set_phase("train")
         while p.global_step < total:
             if batches is None:
                 batches = self._epoch_batches()
@@ -67,16 +74,20 @@ class Trainer:
                 batches = None  # the epoch is over: the next step starts the next one
             bar.update(1)
             last = p.global_step == total
+            signum = 0 if last else self.vote.stop()  # the last step ends the run anyway
+            if signum:
+                self._stop_preempted(signum, meter, bar)
             if p.global_step % t.log_every == 0 or last:
                 self._log_train(meter.interval(), bar)
             if (t.eval_every and p.global_step % t.eval_every == 0) or last:
-                with meter.paused():
+                with meter.paused(), preempt.phase("eval"):
                     self.evaluate()
             self._maybe_fault()
-            if self.snapshots.due(p.global_step, last):
-                with meter.paused():
+            if self.snapshots.due(p.global_step, last) or self._drain_noticed():
+                with meter.paused(), preempt.phase("snapshot"):
                     self._save(meter.overall())
         bar.close()
+        self.vote.close()
         return self._finish(start_step, meter.overall())
 
     # ------------------------------------------------------------------------------------------
@@ -141,8 +152,12 @@ class Trainer:
         model = parts.ema.module if parts.ema is not None else parts.model
         was_training = model.training
         model.eval()
-        stats = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)  # correct, total, loss sum
+        # correct, total, loss sum, ranks that stopped early for a preemption notice
+        stats = torch.zeros(4, dtype=torch.float64, device=self.ctx.device)
         for batch in parts.val_loader:
+            if preempt.received():  # the stop comes after the next step; a partial eval is not recorded
+                stats[3] = 1
+                break
             x, y = self._to_device(*batch)
             with parts.precision.autocast():
                 out = model(x)
@@ -150,7 +165,10 @@ class Trainer:
             stats[1] += y.numel()
             stats[2] += F.cross_entropy(out.float(), y, reduction="sum")
         model.train(was_training)
-        correct, total, loss = dist.all_reduce_sum(self.ctx, stats).tolist()
+        correct, total, loss, interrupted = dist.all_reduce_sum(self.ctx, stats).tolist()
+        if interrupted:
+            log.warning("eval at step %d cut short by a preemption notice; not recorded", parts.progress.global_step)
+            return self.last_eval
         self.last_eval = {"step": parts.progress.global_step, "val_acc": correct / max(total, 1),
                           "val_loss": loss / max(total, 1), "val_samples": int(total)}
         self.metrics.write("eval", epoch=parts.progress.epoch, **self.last_eval)
@@ -226,6 +244,33 @@ class Trainer:
         self.metrics.write("snapshot", step=p.global_step, blocking_s=round(self.snapshots.last_blocking_s, 4),
                            background=self.snapshots.async_write)
 
+    def _drain_noticed(self) -> bool:
+        every = self.cfg.preempt.ray_poll_steps
+        if self.drain_notice is None or not every or self.parts.progress.global_step % every:
+            return False
+        notice = self.drain_notice()
+        if notice is not None:
+            self.metrics.write("drain_notice", step=self.parts.progress.global_step, **notice)
+            log.warning("preemption: %s; snapshot now at step %d, training goes on", notice.get("what", "node drained"),
+                        self.parts.progress.global_step)
+        return notice is not None
+
+    def _stop_preempted(self, signum: int, meter: Throughput, bar: tqdm) -> None:
+        """Every rank, at the agreed step: the snapshot of this step (after any write in flight), a
+        `preempted` record, then `Preempted` out of train()."""
+        p = self.parts.progress
+        bar.close()
+        with meter.paused(), preempt.phase("snapshot"):
+            self._save(meter.overall())
+            self.snapshots.wait()
+        self.vote.close()
+        seconds = preempt.seconds_since()
+        self.metrics.write("preempted", step=p.global_step, signal=signal.Signals(signum).name, seconds=round(seconds, 3),
+                           phase=preempt.phase_at_signal(), snapshot=str(self.snapshots.path_for(p.global_step)))
+        self.metrics.close()
+        raise preempt.Preempted(signum, p.global_step, seconds, str(self.snapshots.path_for(p.global_step)),
+                                self.ctx.rank)
+
     def _finish(self, start_step: int, samples_per_s: float) -> dict[str, Any]:
         p = self.parts.progress
         if self.last_eval is None or self.last_eval["step"] != p.global_step:
@@ -240,19 +285,25 @@ class Trainer:
         return summary
 
 
-def trainer(cfg: Config, ctx: dist.DistContext, snapshots: SnapshotManager | None = None) -> Trainer:
+def trainer(cfg: Config, ctx: dist.DistContext, snapshots: SnapshotManager | None = None,
+            drain_notice: Callable[[], dict | None] | None = None) -> Trainer:
     """The parts of a run, resumed from its newest valid snapshot, and the Trainer over them."""
     snapshots = snapshots or SnapshotManager.from_config(cfg)
-    return Trainer(cfg, ctx, build(cfg, ctx, snapshots), snapshots)
+    return Trainer(cfg, ctx, build(cfg, ctx, snapshots), snapshots, drain_notice)
 
 
 def run(cfg: Config) -> dict[str, Any]:
     """The whole job on this process: set up distributed, train, evaluate, tear down what we created."""
     logs.setup_from_env()  # the network check logs before the group exists
-    ctx = dist.setup(cfg.dist.timeout_s, cfg.network)
-    logs.setup(ctx.rank, ctx.world_size)
+    preempt.install(cfg.preempt.signals, cfg.preempt.grace_s)
+    entry = preempt.register()
     try:
-        summary = trainer(cfg, ctx).train()
+        ctx = dist.setup(cfg.dist.timeout_s, cfg.network)
+        logs.setup(ctx.rank, ctx.world_size)
+        try:
+            summary = trainer(cfg, ctx).train()
+        finally:
+            dist.teardown(ctx)
     finally:
-        dist.teardown(ctx)
+        preempt.unregister(entry)
     return {**summary, "rank": ctx.rank}

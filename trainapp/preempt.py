@@ -1,0 +1,320 @@
+"""Preemption notices: a signal, or a Ray node drain, becomes a snapshot of the step reached.
+
+Three pieces, each with one job:
+
+- `install` (once per process, main thread): handlers for SIGTERM, SIGINT and `preempt.signals`.
+  The handler only records the signal. A watcher thread wakes on the same signal through
+  `signal.set_wakeup_fd`, so it sees the signal even while the main thread sits in a blocked
+  collective, logs it, and arms the `preempt.grace_s` deadline: if the process has not exited by
+  then, it exits anyway with 128 + the signal. The newest valid snapshot is what it was (writes are
+  atomic), and a peer that is gone or hung cannot hold the process past the platform's grace period.
+- `StopVote` (per run, every rank): at each step boundary the ranks agree whether any of them got a
+  signal, so all stop after the same step. The vote of one boundary is an asynchronous all-reduce
+  that is read at the next one; it overlaps a whole step, so the loop never waits on it, and the
+  stop comes one step after the signal was seen. Voting at every step rather than every few keeps
+  the stop that close to the notice at no measurable cost (bench/loop_overhead.py).
+- The worker registry: every training process writes its PID under `TRAINAPP_RUNTIME_DIR`, so
+  `trainapp drain` (a pod's preStop, a container's stop trap) can send exactly those processes the
+  notice and wait for their snapshot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as tdist
+
+log = logging.getLogger(__name__)
+
+ALWAYS = ("SIGTERM", "SIGINT")
+RUNTIME_ENV = "TRAINAPP_RUNTIME_DIR"
+"""Node-local directory of the worker registry (default /tmp/trainapp-runtime)."""
+
+
+class Preempted(Exception):
+    """Raised out of `Trainer.train()` on every rank once the stop step's snapshot is written."""
+
+    def __init__(self, signum: int, step: int, seconds: float, snapshot: str | None, rank: int = 0):
+        self.signum, self.step, self.seconds, self.snapshot, self.rank = signum, step, seconds, snapshot, rank
+        super().__init__(self.line())
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+    def line(self) -> str:
+        return (f"trainapp: preempted ({signal.Signals(self.signum).name}) at step {self.step} after "
+                f"{self.seconds:.1f} s; snapshot {self.snapshot}; rerun the same command to resume")
+
+
+class _Notice:
+    """The process-wide state of a notice: the first signal, when it came, the deadline armed on it."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self.at = 0.0  # time.monotonic() of the first signal
+        self.grace_s = 25.0
+        self.signals: set[int] = set()
+        self.watching = False
+        self.armed = False
+        self.lock = threading.Lock()
+        self.snapshots = "the run's snapshots directory"
+        self.phase = "start"  # what the training thread is doing: start, train, eval, snapshot
+        self.phase_at_signal = ""
+
+
+_notice = _Notice()
+
+
+def received() -> int:
+    """The signal number of the first notice this process got, 0 if none."""
+    return _notice.signum
+
+
+def seconds_since() -> float:
+    return time.monotonic() - _notice.at if _notice.signum else 0.0
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """Mark what the training thread does inside the block (named in the `preempted` record)."""
+    before, _notice.phase = _notice.phase, name
+    try:
+        yield
+    finally:
+        _notice.phase = before
+
+
+def set_phase(name: str) -> None:
+    _notice.phase = name
+
+
+def phase_at_signal() -> str:
+    return _notice.phase_at_signal
+
+
+def describe_snapshots(where: str) -> None:
+    """What the deadline's message names as the snapshots left intact."""
+    _notice.snapshots = where
+
+
+def _handler(signum, frame) -> None:
+    # Runs in the main thread between bytecodes: record only; logging here could deadlock on a lock
+    # the interrupted code holds.
+    if not _notice.signum:
+        _notice.at, _notice.phase_at_signal = time.monotonic(), _notice.phase
+        _notice.signum = signum
+    if not _notice.watching:
+        _arm(signum)
+
+
+def _arm(signum: int) -> None:
+    """First notice: log it and start the deadline; later ones: say they change nothing."""
+    with _notice.lock:
+        first = not _notice.armed
+        _notice.armed = True
+        if not _notice.signum:
+            _notice.at, _notice.phase_at_signal = time.monotonic(), _notice.phase
+            _notice.signum = signum
+    name = signal.Signals(signum).name
+    if not first:
+        log.warning("preemption: %s again; already stopping (the snapshot is on its way; exit at the latest %.0f s "
+                    "after the first notice)", name, _notice.grace_s)
+        return
+    log.warning("preemption: %s received; stopping after the next step with a snapshot (preempt.grace_s=%g)",
+                name, _notice.grace_s)
+    remaining = max(0.0, _notice.grace_s - seconds_since())
+    timer = threading.Timer(remaining, _expire)
+    timer.daemon = True
+    timer.start()
+
+
+def _expire() -> None:
+    code = 128 + _notice.signum
+    print(f"trainapp: preempt.grace_s={_notice.grace_s:g} ran out before the stop was agreed and its snapshot "
+          f"written (a peer gone or hung?); exiting with {code}; the newest valid snapshot in "
+          f"{_notice.snapshots} is unchanged", file=sys.stderr, flush=True)
+    os._exit(code)
+
+
+def _watch(fd: int) -> None:
+    while True:
+        try:
+            data = os.read(fd, 64)
+        except OSError:
+            return
+        if not data:
+            return
+        for signum in data:
+            if signum in _notice.signals:
+                _arm(signum)
+
+
+def install(names: list[str], grace_s: float) -> bool:
+    """Handle SIGTERM, SIGINT and `names` as preemption notices in this process. Call from the main
+    thread (Python delivers signals there); False, with a warning, where that is impossible."""
+    _notice.grace_s = grace_s
+    nums = {signal.Signals[n] for n in (*ALWAYS, *names)}
+    if threading.current_thread() is not threading.main_thread():
+        log.warning("preemption: signal handlers can only be installed from the main thread; %s will end this "
+                    "process without a snapshot", ", ".join(sorted(n.name for n in nums)))
+        return False
+    for s in nums:
+        signal.signal(s, _handler)
+    _notice.signals = {int(s) for s in nums}
+    if not _notice.watching:
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        if old != -1:  # someone else's wakeup fd (an asyncio loop in this thread): leave it theirs
+            signal.set_wakeup_fd(old)
+            os.close(r)
+            os.close(w)
+        else:
+            threading.Thread(target=_watch, args=(r,), name="preempt-watch", daemon=True).start()
+            _notice.watching = True
+    return True
+
+
+class StopVote:
+    """Agrees across ranks on the step to stop at: call `stop()` at every step boundary on every rank.
+
+    Boundary k starts an all-reduce (MAX) of this rank's signal number and reads the one boundary
+    k-1 started: every rank reads the same value at the same boundary. Under NCCL the vote runs
+    on a Gloo group of its own, so it is a CPU tensor and never synchronises the device.
+    """
+
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
+        self.group = None
+        if ctx.distributed and tdist.get_backend() != "gloo":
+            self.group = tdist.new_group(backend="gloo")  # collective: every rank builds the vote together
+        self.flag = torch.zeros(1, dtype=torch.int32)
+        self.work = None
+
+    def stop(self) -> int:
+        """The agreed signal number at this boundary, 0 to go on."""
+        if not self.ctx.distributed:
+            return received()
+        agreed = 0
+        if self.work is not None:
+            self.work.wait()
+            agreed = int(self.flag.item())
+        if agreed:
+            self.work = None
+            return agreed
+        self.flag.fill_(received())
+        self.work = tdist.all_reduce(self.flag, op=tdist.ReduceOp.MAX, group=self.group, async_op=True)
+        return 0
+
+    def close(self) -> None:
+        """Finish the vote in flight (the last boundary's), before the process group goes away."""
+        if self.work is not None:
+            with contextlib.suppress(Exception):
+                self.work.wait()
+            self.work = None
+
+
+# ----------------------------------------------------------------------------------------------
+# The worker registry and `trainapp drain`
+
+
+def runtime_dir() -> Path:
+    return Path(os.environ.get(RUNTIME_ENV) or "/tmp/trainapp-runtime") / "workers"
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks (field 22 of /proc/PID/stat): a PID with another start
+    time is a reused PID, not our worker."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def register() -> Path | None:
+    """Write this process's entry in the registry; removed by `unregister` (or found stale later)."""
+    d = runtime_dir()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        entry = d / str(os.getpid())
+        entry.write_text(f"{_start_time(os.getpid())}\n")
+        return entry
+    except OSError as e:
+        log.warning("preemption: cannot register this worker under %s (%s); `trainapp drain` will not see it", d, e)
+        return None
+
+
+def unregister(entry: Path | None) -> None:
+    if entry is not None:
+        with contextlib.suppress(OSError):
+            entry.unlink()
+
+
+def registered() -> list[int]:
+    """PIDs of live registered workers on this node (stale entries are removed)."""
+    live = []
+    d = runtime_dir()
+    for entry in sorted(d.glob("[0-9]*")) if d.is_dir() else []:
+        pid = int(entry.name)
+        try:
+            ok = _start_time(pid) == entry.read_text().strip()
+        except OSError:
+            ok = False
+        if ok:
+            live.append(pid)
+        else:
+            with contextlib.suppress(OSError):
+                entry.unlink()
+    return live
+
+
+def _ray_drain(deadline_s: int) -> str:
+    """Tell Ray this node is being preempted, so Ray Train snapshots in time and restarts elsewhere."""
+    import shutil
+    import subprocess
+
+    ray = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
+    cmd = [ray, "drain-node", "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message",
+           "trainapp drain (pod deleted or container stopped)", "--deadline-remaining-seconds", str(deadline_s)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"ray drain-node failed ({e.__class__.__name__}: {e})"
+    if r.returncode != 0:
+        last = (r.stderr.strip() or r.stdout.strip()).splitlines()[-1:] or ["no output"]
+        return f"ray drain-node failed (exit {r.returncode}: {last[0]})"
+    return f"Ray node drained for preemption, deadline {deadline_s} s"
+
+
+def drain(wait_s: float, ray_deadline_s: int | None = None, poll_s: float = 0.1) -> tuple[list[int], list[int], str]:
+    """This node is going away: drain its Ray node (when asked), send every registered training process
+    on it SIGTERM, and wait up to `wait_s` for them to exit. (stopped PIDs, still running PIDs, what the
+    Ray drain said)."""
+    said = _ray_drain(ray_deadline_s) if ray_deadline_s is not None else ""
+    pids = registered()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    end = time.monotonic() + wait_s
+    left = list(pids)
+    while left and time.monotonic() < end:
+        time.sleep(poll_s)
+        left = [p for p in left if Path(f"/proc/{p}").exists() and _start_time(p) is not None and not _zombie(p)]
+    return [p for p in pids if p not in left], left, said
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
