@@ -216,6 +216,53 @@ def test_losing_a_worker_node_continues_elastically_on_the_other(cluster):
     assert end["world_size"] == 1 and end["steps"] == inspect(run_dir)["global_step"]
 
 
+def _node_of(cluster, pid: int) -> str:
+    """The name of the local node whose `ray start` session holds process `pid`."""
+    return next(n.name for n in cluster.nodes if pid in cluster.node_pids(n.name).values())
+
+
+def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(cluster):
+    """A drain for preemption (what the autoscaler and our pods' preStop send) reaches the loop through
+    ray.train.get_preemption_info: a snapshot at once and every `preempt.ray_poll_steps` steps while
+    the drain lasts, training goes on; then the node dies and the elastic restart resumes from the last
+    of them. Periodic snapshots are off, so nothing else could serve the resume."""
+    run_dir = cluster.storage / "drained"
+    poll = 2
+    proc = submit_background(cluster, "drained", *LONG, "train.max_steps=200", "snapshot.every_steps=0",
+                             f"preempt.ray_poll_steps={poll}",
+                             "ray.num_workers=[1,2]", "ray.worker_group_start_timeout_s=15")
+    victim = None
+    try:
+        wait_for_step(run_dir, 8)
+        actor = cluster.state("actors", class_name="RayTrainWorker", state="ALIVE")[-1]
+        victim = _node_of(cluster, actor["pid"])
+        drain = run_cmd([RAY, "drain-node", "--address", cluster.address, "--node-id", actor["node_id"],
+                         "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "test: spot reclaim",
+                         "--deadline-remaining-seconds", "120"], env=cluster.env(), timeout=60)
+        assert drain.returncode == 0, drain.output
+        deadline = time.monotonic() + 60
+        while not metrics(run_dir, "drain_notice") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        notices = metrics(run_dir, "drain_notice")
+        assert notices, "no drain_notice record within 60 s of the drain"
+        os.kill(cluster.node_pids(victim)["raylet"], signal.SIGKILL)
+    finally:
+        rc, out = finish(proc)
+        if victim is not None:
+            cluster.add_worker(f"{victim}-after-drain", REPO)
+            cluster.wait_for_nodes(3, 120)
+    assert rc == 0, out[-4000:]
+    notice = notices[0]
+    assert notice["nodes"] == [actor["node_id"]] and 100 < notice["deadline_in_s"] <= 120, notice
+    snaps = [r["step"] for r in metrics(run_dir, "snapshot")]
+    assert notice["step"] in snaps and notice["step"] % poll == 0, (notice, snaps)
+    before, resumed = _redone(run_dir)
+    assert resumed >= notice["step"] and resumed in snaps and resumed % poll == 0, (resumed, notice, snaps)
+    assert before - resumed <= poll, (before, resumed)
+    assert metrics(run_dir, "start")[-1]["world_size"] == 1
+    assert inspect(run_dir)["global_step"] == 200
+
+
 def test_stopped_job_resubmitted_with_the_same_name_resumes(cluster):
     name, sid = "resubmit", f"resubmit-{uuid.uuid4().hex[:6]}"
     run_dir = cluster.storage / name

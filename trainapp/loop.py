@@ -46,7 +46,8 @@ class Trainer:
         self.vote = preempt.StopVote(ctx)
         self.drain_notice = drain_notice
         """Asked every `preempt.ray_poll_steps` steps on every rank (a barrier under Ray): a dict
-        describing a drain of one of the run's nodes the first time one is seen, else None."""
+        describing a drain of one of the run's nodes while one is under way (`new` the first time),
+        else None."""
         preempt.describe_snapshots(str(snapshots.root))
         self.run_dir = Path(cfg.run.dir)
         self.metrics = MetricsWriter(self.run_dir / METRICS if ctx.is_main else None)
@@ -245,14 +246,15 @@ class Trainer:
                            background=self.snapshots.async_write)
 
     def _drain_noticed(self) -> bool:
+        """True at every poll while a node of the run is being drained: snapshot now, keep training."""
         every = self.cfg.preempt.ray_poll_steps
         if self.drain_notice is None or not every or self.parts.progress.global_step % every:
             return False
         notice = self.drain_notice()
-        if notice is not None:
+        if notice is not None and notice.pop("new", True):
             self.metrics.write("drain_notice", step=self.parts.progress.global_step, **notice)
-            log.warning("preemption: %s; snapshot now at step %d, training goes on", notice.get("what", "node drained"),
-                        self.parts.progress.global_step)
+            log.warning("preemption: %s; a snapshot now and every %d steps until the node is gone, training goes on",
+                        notice.get("what", "node drained"), every)
         return notice is not None
 
     def _stop_preempted(self, signum: int, meter: Throughput, bar: tqdm) -> None:

@@ -12,8 +12,8 @@ ControllerError). Two things it has no public way to do, and what each one uses 
   env, in every process of the job (the Train controller too, not just the training workers), and a
   hook that fails ends its process without the error reaching the driver.
 - Two controller settings trainapp exposes (`ray.worker_group_start_timeout_s`,
-  `ray.health_check_interval_s`): Ray Train's controller reads them only from environment variables
-  (`controller_env`), which no config object carries.
+  `ray.health_check_interval_s`) and the preemption watcher's poll interval: Ray Train's controller
+  reads them only from environment variables (`controller_env`), which no config object carries.
 - See a lost node before an elastic restart is sized (`NodeLossWatch`): that needs the controller's
   failure decision and the worker group's start, which only the private ControllerCallback and
   WorkerGroupCallback offer (the public UserCallback sees reports and exceptions only), and the Ray
@@ -48,6 +48,7 @@ PRIVATE_NAMES = [
     ("ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator", "get_or_create_autoscaling_coordinator"),
     ("ray.train.v2._internal.constants", "WORKER_GROUP_START_TIMEOUT_S_ENV_VAR"),
     ("ray.train.v2._internal.constants", "HEALTH_CHECK_INTERVAL_S_ENV_VAR"),
+    ("ray.train.v2._internal.constants", "PREEMPTION_POLL_INTERVAL_S_ENV_VAR"),
 ]
 """(module, name) of every private Ray name used here; the tests import each one."""
 
@@ -69,7 +70,11 @@ def check_version(version: str | None = None) -> str:
 try:  # an import error here is a Ray version trainapp was not written for, said in one line
     import ray
     from ray.train.torch import TorchConfig
-    from ray.train.v2._internal.constants import HEALTH_CHECK_INTERVAL_S_ENV_VAR, WORKER_GROUP_START_TIMEOUT_S_ENV_VAR
+    from ray.train.v2._internal.constants import (
+        HEALTH_CHECK_INTERVAL_S_ENV_VAR,
+        PREEMPTION_POLL_INTERVAL_S_ENV_VAR,
+        WORKER_GROUP_START_TIMEOUT_S_ENV_VAR,
+    )
     from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
     from ray.train.v2._internal.execution.failure_handling import FailureDecision
     from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
@@ -78,11 +83,17 @@ except ImportError as e:
                       f"Ray >={SUPPORTED[0]},<{SUPPORTED[1]} (trainapp/ray_compat.py)") from None
 
 
+PREEMPTION_POLL_S = 1.0
+"""How often Ray Train's preemption watcher asks the GCS for drained nodes (Ray's default: 5 s). A
+notice often gives 30 s in all; one small GCS request a second spends less of it."""
+
+
 def controller_env(worker_group_start_timeout_s: float, health_check_interval_s: float) -> dict[str, str]:
-    """The environment that sets Ray Train's controller's worker-group start timeout and poll interval
-    (the driver's environment is propagated to the controller)."""
+    """The environment that sets Ray Train's controller's worker-group start timeout, poll interval and
+    drain-watch interval (the driver's environment is propagated to the controller)."""
     return {WORKER_GROUP_START_TIMEOUT_S_ENV_VAR: str(worker_group_start_timeout_s),
-            HEALTH_CHECK_INTERVAL_S_ENV_VAR: str(health_check_interval_s)}
+            HEALTH_CHECK_INTERVAL_S_ENV_VAR: str(health_check_interval_s),
+            PREEMPTION_POLL_INTERVAL_S_ENV_VAR: str(PREEMPTION_POLL_S)}
 
 
 # ----------------------------------------------------------------------------------------------

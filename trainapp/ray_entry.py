@@ -15,8 +15,10 @@ import dataclasses
 import logging
 import os
 import shutil
+import sys
 import socket
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -94,29 +96,65 @@ class RayPublish:
             return ckpt.path, load_state(Path(d))
 
 
-def prepare_worker(env: dict[str, str], threads: int, network: dict[str, Any]) -> str:
-    """Runs in every worker before Ray creates the process group; returns its network choice."""
+def prepare_worker(env: dict[str, str], threads: int, network: dict[str, Any], preemption: dict[str, Any]) -> str:
+    """Runs in every worker before Ray creates the process group, in the worker's main thread (where
+    Python takes signals: the loop runs in a thread of Ray's); returns its network choice."""
     import torch
 
-    from trainapp import net
+    from trainapp import net, preempt
 
+    # Ray's own SIGTERM handler ends the worker at once; ours turns it into the agreed stop.
+    preempt.install(preemption["signals"], preemption["grace_s"])
+    preempt.register()  # `trainapp drain` finds this worker; the entry goes stale with the process
     os.environ.update(env)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
     return net.apply(config.NetworkSection(**network), net.ray_head_host()).summary()
 
 
+class RayDrainNotice:
+    """`ray.train.get_preemption_info()` as the loop's drain notice (every `preempt.ray_poll_steps`
+    steps; a barrier, so every rank asks at the same steps): a description while a node of the run is
+    being drained, None otherwise (`new` is true the first time a drain is seen). The loop snapshots
+    at every such answer, so the drained node can die at any moment of its notice window and cost at
+    most `preempt.ray_poll_steps` steps; Ray Train then restarts the group from that snapshot."""
+
+    def __init__(self) -> None:
+        self.seen: tuple | None = None
+
+    def __call__(self) -> dict[str, Any] | None:
+        import ray.train
+
+        info = ray.train.get_preemption_info()
+        if info is None:
+            return None
+        key = (tuple(info.preempted_node_ids), info.deadline_ms)
+        new, self.seen = key != self.seen, key
+        left = round(info.deadline_ms / 1000 - time.time(), 1) if info.deadline_ms else None
+        return {"new": new, "nodes": info.preempted_node_ids, "ranks": info.preempted_ranks, "deadline_in_s": left,
+                "what": f"Ray node(s) {', '.join(n[:12] for n in info.preempted_node_ids)} drained for preemption "
+                        f"(ranks {info.preempted_ranks}, deadline in {left} s)"}
+
+
 def train_worker(payload: dict[str, Any]) -> None:
     """The per-worker function: the same loop as torchrun's, with snapshots published to Ray."""
-    from trainapp import loop
+    from trainapp import loop, preempt
 
     cfg = config.from_dict(payload["config"])
     ctx = dist.setup(cfg.dist.timeout_s)  # adopts the group Ray created
     logs.setup(ctx.rank, ctx.world_size)
     uri = cfg.ray.storage_path if _is_uri(cfg.ray.storage_path) else None
     snapshots = SnapshotManager.from_config(cfg, RayPublish(uri, async_upload=cfg.snapshot.async_))
+    notice = RayDrainNotice() if cfg.preempt.ray_poll_steps else None
     try:
-        loop.trainer(cfg, ctx, snapshots).train()
+        loop.trainer(cfg, ctx, snapshots, notice).train()
+    except preempt.Preempted as e:
+        # The snapshot is reported; the process ends as under torchrun, and Ray Train restarts the group
+        # from it (on the nodes that are left when a node is going away).
+        if e.rank == 0:
+            print(e.line(), file=sys.stderr, flush=True)
+        logging.shutdown()
+        os._exit(e.exit_code)
     finally:
         dist.teardown(ctx)
 
@@ -126,7 +164,8 @@ def _torch_config(cfg: Config, threads: int):
 
     return TorchConfigWithSetup(timeout_s=int(cfg.dist.timeout_s), setup=prepare_worker,
                                 setup_kwargs={"env": dict(cfg.ray.env), "threads": threads,
-                                              "network": dataclasses.asdict(cfg.network)})
+                                              "network": dataclasses.asdict(cfg.network),
+                                              "preemption": dataclasses.asdict(cfg.preempt)})
 
 
 # ----------------------------------------------------------------------------------------------
