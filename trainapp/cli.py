@@ -1,4 +1,4 @@
-"""Command line: `trainapp train|ray|inspect|config|doctor|report|drain`.
+"""Command line: `trainapp train|ray|inspect|config|doctor|report|drain|node`.
 
 Exit codes: 0 success; 2 bad config or bad input (one line on stderr naming the key, path or value
 and what is expected); 128 + N after a preemption notice by signal N, handled (143 for SIGTERM: the
@@ -43,6 +43,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ray-deadline-s", type=int, default=None, metavar="S",
                    help="first drain this node's Ray node for preemption with this deadline (`ray drain-node`), "
                         "so Ray Train knows it is a preemption and does not restart workers here")
+    p = sub.add_parser("node", help="run a node's command (`ray start --block`, torchrun) as a container's main process; "
+                                    "on SIGTERM drain the node first (see drain), then stop the command")
+    p.add_argument("--wait-s", type=float, default=30.0, metavar="S", help="as for drain (default 30)")
+    p.add_argument("--ray-deadline-s", type=int, default=None, metavar="S", help="as for drain")
+    p.add_argument("node_command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                   help="the node's command, after --")
     p = sub.add_parser("doctor", help="check this node for a config: versions, GPUs, network interface, "
                                       "/dev/shm, storage, rendezvous (exit 1 if something would fail)")
     _add_config_args(p)
@@ -136,6 +142,18 @@ def cmd_drain(args) -> int:
     return 1 if left else 0
 
 
+def cmd_node(args) -> int:
+    from trainapp import preempt
+
+    command = args.node_command[1:] if args.node_command[:1] == ["--"] else args.node_command
+    if not command:
+        raise config.ConfigError("no command to run; give it after --, e.g. trainapp node -- ray start "
+                                 "--address=HEAD:6379 --block")
+    if args.wait_s <= 0:
+        raise config.ConfigError(f"--wait-s={args.wait_s:g}: must be > 0 (seconds to wait for the snapshots)")
+    return preempt.supervise(command, args.wait_s, args.ray_deadline_s)
+
+
 def cmd_doctor(args) -> int:
     cfg = config.load(args.config, args.overrides)
     from trainapp import doctor
@@ -156,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return {"train": cmd_train, "ray": cmd_ray, "inspect": cmd_inspect, "config": cmd_config,
-                "doctor": cmd_doctor, "report": cmd_report, "drain": cmd_drain}[args.command](args)
+                "doctor": cmd_doctor, "report": cmd_report, "drain": cmd_drain,
+                "node": cmd_node}[args.command](args)
     except config.ConfigError as e:
         print(f"trainapp {args.command}: error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -318,3 +318,37 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return False
+
+
+def supervise(cmd: list[str], wait_s: float, ray_deadline_s: int | None) -> int:
+    """Run `cmd` (e.g. `ray start --block`) as a container's main process; on SIGTERM or SIGINT (`docker
+    stop`, a pod deleted) first `drain` this node, then pass the signal on and return 128 + it."""
+    import subprocess
+
+    got: list[int] = []
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, lambda signum, frame: got.append(signum))
+    try:
+        child = subprocess.Popen(cmd)
+    except OSError as e:
+        from trainapp.config import ConfigError
+
+        raise ConfigError(f"trainapp node: cannot run {cmd[0]!r} ({e.strerror}); give the node's command after --")
+    while child.poll() is None and not got:
+        time.sleep(0.2)
+    if not got:
+        return child.returncode
+    name = signal.Signals(got[0]).name
+    print(f"trainapp node: {name}: draining this node before stopping {cmd[0]}", flush=True)
+    stopped, left, said = drain(wait_s, ray_deadline_s)
+    if said:
+        print(f"trainapp node: {said}", flush=True)
+    print(f"trainapp node: {len(stopped)} training process(es) stopped with their snapshot"
+          + (f"; still running after {wait_s:g} s: pids {' '.join(map(str, left))}" if left else ""), flush=True)
+    child.send_signal(got[0])
+    try:
+        child.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+    return 128 + got[0]
