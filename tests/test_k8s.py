@@ -2,9 +2,10 @@
 and has its Apply/Check/Logs/Clean header; the kind overlay renders (kubectl kustomize); the core
 objects validate against Kubernetes 1.32's schemas (kubernetes-validate --strict); the RayCluster and
 RayJob agree with each other and with the training run; every pod template is locked down and gets
-Ray's token from the Secret; no file in k8s/ or ray_cluster/ pins NCCL's or Gloo's interface (that
-would win over `network.interface=auto`); yamllint and checkov report nothing, and checkov skips are
-reviewed.
+Ray's token from the Secret; every Ray worker pod drains on deletion (preStop `trainapp drain`) with
+numbers that fit its grace period and the config's `preempt.grace_s`; no file in k8s/ or ray_cluster/
+pins NCCL's or Gloo's interface (that would win over `network.interface=auto`); yamllint and checkov
+report nothing, and checkov skips are reviewed.
 
 checkov runs once per target (module-scoped fixtures): the plain manifests (`-d k8s`), the rendered
 overlay, and the KubeRay pod templates wrapped as the Pods and Job KubeRay makes of them, because
@@ -250,6 +251,112 @@ def pod_problems(pod: Pod) -> list[str]:
 
 STATIC_PODS = pods_of([d for p in PLAIN for d in docs(p)], "k8s") + \
     pods_of(docs(RAYCLUSTER), RAYCLUSTER.name) + pods_of(docs(RAYJOB), RAYJOB.name)
+WORKER_PODS = [p for p in STATIC_PODS if p.role == "worker"]
+
+
+# ------------------------------------------------------------------------------------- preemption
+
+# Deleting a worker pod is a preemption notice. The preStop `trainapp drain --wait-s W --ray-deadline-s D`
+# must outwait the training processes' own deadline (W > preempt.grace_s), leave Ray time to stop inside
+# the pod's grace period (W + RAY_STOP_S <= terminationGracePeriodSeconds; the hook's time counts against
+# it), and give Ray the grace period as the drain deadline (D == terminationGracePeriodSeconds).
+RAY_STOP_S = 10
+DRAIN_FLAGS = ("--wait-s", "--ray-deadline-s")
+
+
+def trainapp_call(words: list[str]) -> tuple[str, dict[str, list[str]], list[str]] | None:
+    """(subcommand, {flag: [values]}, command after `--`) of `python -m trainapp SUB [--flag V ...] [-- ...]`;
+    None if `words` is no such call."""
+    if len(words) < 4 or not Path(words[0]).name.startswith("python") or words[1:3] != ["-m", "trainapp"]:
+        return None
+    rest = words[4:]
+    opts, after = (rest[:rest.index("--")], rest[rest.index("--") + 1:]) if "--" in rest else (rest, [])
+    flags: dict[str, list[str]] = {}
+    it = iter(opts)
+    for w in it:
+        name, eq, value = w.partition("=")
+        flags.setdefault(name, []).append(value if eq else next(it, ""))
+    return words[3], flags, after
+
+
+def drain_numbers(words: list[str], what: str, say: Callable[[str], None]) -> dict[str, float]:
+    """--wait-s and --ray-deadline-s of a `trainapp drain|node` call, each given exactly once, and the
+    call accepted by trainapp's own parser."""
+    from trainapp.cli import _parser
+
+    try:
+        _parser().parse_args(words[3:])
+    except SystemExit:
+        say(f"{what}: trainapp's parser rejects {words[3:]}")
+    _, flags, _ = trainapp_call(words)
+    numbers = {}
+    for flag in DRAIN_FLAGS:
+        values = flags.get(flag, [])
+        if len(values) != 1:
+            say(f"{what}: {flag} given {len(values)} times (must be set once, explicitly)")
+            continue
+        try:
+            numbers[flag] = float(values[0])
+        except ValueError:
+            say(f"{what}: {flag} {values[0]!r} is not a number")
+    return numbers
+
+
+def config_grace_s(config_yaml: str, overrides: list[str] = ()) -> float:
+    """preempt.grace_s of a trainapp config file plus `KEY=VALUE` overrides (trainapp's default if unset)."""
+    for o in overrides:
+        if o.startswith("preempt.grace_s="):
+            return float(o.partition("=")[2])
+    preempt = (yaml.safe_load(config_yaml) or {}).get("preempt") or {}
+    if "grace_s" in preempt:
+        return float(preempt["grace_s"])
+    from trainapp.config import PreemptSection
+
+    return PreemptSection().grace_s
+
+
+def preemption_problems(pod: Pod, grace_s: float) -> list[str]:
+    """What keeps deleting this worker pod from being a clean preemption: see RAY_STOP_S above. A
+    container that sets its own command (not KubeRay, which writes `ray start` itself) must run it
+    under `trainapp node` with the preStop's numbers, so a SIGTERM without the hook still drains."""
+    problems: list[str] = []
+    say = lambda msg: problems.append(f"{pod.where}: {msg}")  # noqa: E731
+    ray = pod.spec["containers"][0]  # KubeRay's rule: the first container is the Ray container
+    grace_period = pod.spec.get("terminationGracePeriodSeconds")
+    if grace_period is None:
+        say("no terminationGracePeriodSeconds (Kubernetes' default 30 cuts the drain short)")
+    pre = (((ray.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get("command") or []
+    call = trainapp_call(pre)
+    if call is None or call[0] != "drain":
+        say(f"{ray['name']}: preStop does not run `python -m trainapp drain`: {pre}")
+        return problems
+    drain = drain_numbers(pre, "preStop", say)
+    wait, deadline = drain.get("--wait-s"), drain.get("--ray-deadline-s")
+    if wait is not None and not wait > grace_s:
+        say(f"preStop --wait-s {wait:g} is not above preempt.grace_s {grace_s:g} (the snapshot may not be done)")
+    if wait is not None and grace_period is not None and not wait + RAY_STOP_S <= grace_period:
+        say(f"preStop --wait-s {wait:g} + {RAY_STOP_S} s for Ray exceeds terminationGracePeriodSeconds {grace_period}")
+    if deadline is not None and grace_period is not None and deadline != grace_period:
+        say(f"preStop --ray-deadline-s {deadline:g} is not terminationGracePeriodSeconds {grace_period}")
+    command = [str(w) for w in ray.get("command", []) + ray.get("args", [])]
+    if command:
+        node = trainapp_call(command)
+        if node is None or node[0] != "node":
+            say(f"{ray['name']}: the command is not wrapped in `python -m trainapp node ... --`: {command[:6]}")
+        else:
+            numbers = drain_numbers(command, "trainapp node", say)
+            for flag in DRAIN_FLAGS:
+                if flag in numbers and flag in drain and numbers[flag] != drain[flag]:
+                    say(f"trainapp node {flag} {numbers[flag]:g} differs from the preStop's {drain[flag]:g}")
+            if node[2][:2] != ["ray", "start"] or "--block" not in node[2]:
+                say(f"trainapp node does not run `ray start ... --block`: {node[2]}")
+    return problems
+
+
+def rayjob_overrides() -> list[str]:
+    """The entrypoint's KEY=VALUE overrides after `--config FILE`."""
+    words = shlex.split(load(RAYJOB)["spec"]["entrypoint"])
+    return words[words.index("--config") + 2:]
 
 
 # ------------------------------------------------------------------------------------- tools
@@ -698,6 +805,37 @@ def test_rendered_overlay_skips_are_reviewed_too(rendered):
     assert skip_problems(entries) == []
 
 
+# ------------------------------------------------------------------------------------- preemption
+
+
+@pytest.mark.parametrize("pod", WORKER_PODS, ids=[p.where for p in WORKER_PODS])
+def test_worker_pod_drains_on_deletion_within_its_grace_period(pod):
+    cm = load(K8S / "configmap.trainapp.yaml")["data"]["config.yaml"]
+    grace_s = config_grace_s(cm, rayjob_overrides() if pod.where.startswith(RAYJOB.name) else [])
+    assert preemption_problems(pod, grace_s) == []
+
+
+def test_overlay_worker_pod_drains_on_deletion_within_its_grace_period(rendered):
+    workers = [p for p in pods_of(rendered, "overlay") if p.role == "worker"]
+    assert len(workers) == 1
+    grace_s = config_grace_s(by_kind(rendered, "ConfigMap")["trainapp-config"]["data"]["config.yaml"])
+    assert preemption_problems(workers[0], grace_s) == []
+
+
+def test_every_worker_pod_template_is_checked_for_preemption():
+    assert sorted(p.where.split(":")[0] for p in WORKER_PODS) == sorted(["k8s", RAYCLUSTER.name, RAYJOB.name])
+
+
+def test_the_run_configs_set_preempt_grace_s_explicitly(rendered, tmp_path):
+    """Not left to the default: the drain wait in the manifests is tuned against this number."""
+    configs = {"configmap": load(K8S / "configmap.trainapp.yaml")["data"]["config.yaml"],
+               "overlay": by_kind(rendered, "ConfigMap")["trainapp-config"]["data"]["config.yaml"]}
+    for where, text in configs.items():
+        assert "grace_s" in (yaml.safe_load(text).get("preempt") or {}), f"{where}: preempt.grace_s is not set"
+        resolved = resolved_config(text, [], tmp_path)["preempt"]["grace_s"]
+        assert resolved == config_grace_s(text) < 30, f"{where}: preempt.grace_s {resolved}"
+
+
 # ------------------------------------------------------------------------------------- the checks can fail
 
 
@@ -711,6 +849,22 @@ def _break_pod(change: Callable[[dict], None]) -> Callable[[Path], list[str]]:
         change(pod.spec)
         return pod_problems(pod)
     return run
+
+
+def _break_worker(change: Callable[[dict], None]) -> Callable[[Path], list[str]]:
+    def run(tmp: Path) -> list[str]:
+        pod = copy.deepcopy(pods_of(docs(K8S / "deployment.ray-gpu-workers.yaml"), "copy")[0])
+        change(pod.spec)
+        return preemption_problems(pod, 25.0)
+    return run
+
+
+def _set_flag(words: list[str], flag: str, value: str) -> None:
+    words[words.index(flag) + 1] = value
+
+
+def _prestop(spec: dict) -> list[str]:
+    return spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
 
 
 def _env(spec: dict, name: str) -> dict:
@@ -775,8 +929,19 @@ def _unreviewed_and_unexplained_skips(tmp: Path) -> list[str]:
     (_break_pod(lambda s: _env(s, "RAY_AUTH_TOKEN").update(value="x" * 64)), "RAY_AUTH_TOKEN does not come from"),
     (_break_pod(lambda s: s["volumes"][0]["emptyDir"].pop("medium")), "/dev/shm is not an emptyDir"),
     (_break_pod(lambda s: s["volumes"].pop(2)), f"the claim {RUNS_CLAIM} is not mounted"),
+    (_break_worker(lambda s: s["containers"][0].pop("lifecycle")), "preStop does not run"),
+    (_break_worker(lambda s: s.pop("terminationGracePeriodSeconds")), "no terminationGracePeriodSeconds"),
+    (_break_worker(lambda s: _set_flag(_prestop(s), "--wait-s", "20")), "is not above preempt.grace_s"),
+    (_break_worker(lambda s: s.update(terminationGracePeriodSeconds=30)), "exceeds terminationGracePeriodSeconds"),
+    (_break_worker(lambda s: _set_flag(_prestop(s), "--ray-deadline-s", "60")), "is not terminationGracePeriodSeconds"),
+    (_break_worker(lambda s: _prestop(s).remove("--ray-deadline-s")), "--ray-deadline-s given 0 times"),
+    (_break_worker(lambda s: _set_flag(s["containers"][0]["command"], "--wait-s", "31")), "differs from the preStop"),
+    (_break_worker(lambda s: s["containers"][0].update(command=["ray"])), "not wrapped in `python -m trainapp node"),
+    (_break_worker(lambda s: s["containers"][0]["args"].remove("--block")), "does not run `ray start ... --block`"),
 ], ids=["checkov", "kubernetes-validate", "header", "token", "interface-pin", "skip-reason", "skip-review",
-        "pod-root", "capabilities", "limits", "probe", "token-literal", "shm-on-disk", "runs-not-mounted"])
+        "pod-root", "capabilities", "limits", "probe", "token-literal", "shm-on-disk", "runs-not-mounted",
+        "no-prestop", "no-grace-period", "drain-wait-short", "grace-period-short", "ray-deadline", "prestop-flag",
+        "node-wait", "unwrapped", "no-block"])
 def test_the_checks_catch_a_broken_copy(breaks, expect, tmp_path):
     problems = breaks(tmp_path)
     assert any(expect in msg for msg in problems), problems

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -66,6 +67,8 @@ def cmd_train(args) -> int:
     except Preempted as e:  # a notice, handled: the snapshot is written, the scheduler sees "terminated"
         if e.rank == 0:
             print(e.line(), flush=True)
+        else:
+            logging.getLogger("trainapp").warning("preempted at step %d; exit %d", e.step, e.exit_code)
         return e.exit_code
     if summary["rank"] == 0:
         print("trainapp: done " + " ".join([

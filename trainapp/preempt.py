@@ -287,7 +287,8 @@ def _ray_drain(deadline_s: int) -> str:
     cmd = [ray, "drain-node", "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message",
            "trainapp drain (pod deleted or container stopped)", "--deadline-remaining-seconds", str(deadline_s)]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        # Bounded: the drain wait that follows must still fit the platform's grace period.
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"ray drain-node failed ({e.__class__.__name__}: {e})"
     if r.returncode != 0:

@@ -1,0 +1,259 @@
+"""Preemption notices with real signals to real processes: alone, under torchrun, through `trainapp
+drain` and `trainapp node`. Each run is stopped between two periodic snapshots; the rerun must start at
+the step reached (zero steps redone) and end bitwise equal to a run that was never stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import PY, REPO, TORCHRUN, inspect, metrics, run_cmd
+
+pytestmark = pytest.mark.slow
+
+# Long enough to be stopped in the middle (a few seconds), a periodic snapshot every 100 steps.
+RUN = ["train.progress=false", "train.log_every=5", "data.train_size=1024", "data.val_size=256",
+       "train.epochs=100", "train.max_steps=300", "snapshot.every_steps=100"]
+
+
+class Job:
+    """A training process group in its own session, output to files, killed by group at the end."""
+
+    def __init__(self, cmd: list[str], tmp: Path, name: str):
+        self.tmp, self.name = tmp, name
+        self.runtime = tmp / f"rt-{name}"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TRAINAPP_RUNTIME_DIR": str(self.runtime)}
+        self.out, self.err = open(tmp / f"{name}.out", "w+"), open(tmp / f"{name}.err", "w+")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.out, stderr=self.err, start_new_session=True)
+
+    def workers(self, n: int, timeout: float = 120) -> dict[int, int]:
+        """{rank: pid} of the `n` training processes, from the worker registry."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            d = self.runtime / "workers"
+            pids = [int(p.name) for p in d.iterdir()] if d.is_dir() else []
+            if len(pids) == n:
+                ranks = {}
+                for pid in pids:
+                    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                    rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), 0)
+                    ranks[rank] = pid
+                return ranks
+            time.sleep(0.05)
+        raise AssertionError(f"{n} workers never registered in {self.runtime}")
+
+    def wait(self, timeout: float = 240) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def output(self) -> tuple[str, str]:
+        self.out.seek(0)
+        self.err.seek(0)
+        return self.out.read(), self.err.read()
+
+
+def trainapp_cmd(run_dir: Path, *args: str) -> list[str]:
+    return [PY, "-m", "trainapp", "train", f"run.dir={run_dir}", *RUN, *args]
+
+
+def torchrun_cmd(run_dir: Path, *args: str) -> list[str]:
+    return [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=0", "-m", "trainapp", "train",
+            f"run.dir={run_dir}", *RUN, *args]
+
+
+def wait_for(run_dir: Path, kind: str, step: int, job: Job, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if job.proc.poll() is not None:
+            raise AssertionError(f"{job.name} ended (exit {job.proc.returncode}) before a {kind} record at "
+                                 f"step {step}: {job.output()[1][-3000:]}")
+        try:
+            if any(r["step"] >= step for r in metrics(run_dir, kind)):
+                return
+        except FileNotFoundError:
+            pass
+        time.sleep(0.02)
+    raise AssertionError(f"no {kind} record at step >= {step} in {timeout}s")
+
+
+def straight_sha(tmp: Path, cmd, *args: str) -> str:
+    """params_sha256 of the same run never stopped."""
+    run_dir = tmp / "straight"
+    r = run_cmd(cmd(run_dir, *args), timeout=300)
+    assert r.returncode == 0, r.output[-3000:]
+    return inspect(run_dir)["params_sha256"]
+
+
+def check_preempted(run_dir: Path, job: Job, rc: int | None, signum: int = signal.SIGTERM, grace_s: float = 25) -> dict:
+    """The stop: exit 128+sig (`rc` None: a launcher's own exit, checked by the caller), one `preempted`
+    record whose snapshot is the newest valid one, no traceback from trainapp, within the grace period."""
+    out, err = job.output()
+    assert rc is None or rc == 128 + signum, f"exit {rc}\n{out[-2000:]}\n{err[-3000:]}"
+    (rec,) = metrics(run_dir, "preempted")
+    assert rec["signal"] == signal.Signals(signum).name and 0 <= rec["seconds"] < grace_s, rec
+    snap = inspect(run_dir)  # the newest valid snapshot
+    assert snap["global_step"] == rec["step"] and Path(snap["path"]).name == f"step_{rec['step']:09d}"
+    assert rec["step"] % 100, "stopped exactly at a periodic snapshot: the test proves nothing"
+    trained = max(r["step"] for r in metrics(run_dir, "train"))
+    assert rec["step"] >= trained, (rec, trained)  # the snapshot holds every step trained
+    assert f"trainapp: preempted ({signal.Signals(signum).name}) at step {rec['step']}" in out, out[-2000:]
+    for tb in err.split("Traceback")[1:]:  # torchrun's own SignalException may print one; never trainapp's
+        assert "/trainapp/" not in tb.split("\n\n", 1)[0], err[-3000:]
+    return rec
+
+
+def rerun_resumes_exactly(run_dir: Path, cmd, stop_step: int, straight: str, *args: str) -> None:
+    r = run_cmd(cmd(run_dir, *args), timeout=300)
+    assert r.returncode == 0, r.output[-3000:]
+    start = metrics(run_dir, "start")[-1]
+    assert start["resumed_step"] == stop_step and start["step"] == stop_step  # zero steps redone
+    final = inspect(run_dir)
+    assert final["global_step"] == 300 and final["params_sha256"] == straight
+
+
+def test_sigterm_alone_snapshots_the_step_reached_and_the_rerun_is_bitwise_equal(tmp_path):
+    straight = straight_sha(tmp_path, trainapp_cmd)
+    run_dir = tmp_path / "run"
+    job = Job(trainapp_cmd(run_dir), tmp_path, "alone")
+    wait_for(run_dir, "train", 120, job)
+    t0 = time.monotonic()
+    os.kill(job.proc.pid, signal.SIGTERM)
+    rc = job.wait()
+    assert time.monotonic() - t0 < 25
+    rec = check_preempted(run_dir, job, rc)
+    assert rec["phase"] == "train"
+    rerun_resumes_exactly(run_dir, trainapp_cmd, rec["step"], straight)
+
+
+def test_sigterm_to_the_torchrun_process_group_stops_every_rank_at_one_step(tmp_path):
+    """What a container runtime does: the signal reaches torchrun's agent and both workers; the agent
+    forwards it again (a second notice, ignored)."""
+    straight = straight_sha(tmp_path, torchrun_cmd)
+    run_dir = tmp_path / "run"
+    job = Job(torchrun_cmd(run_dir), tmp_path, "group")
+    wait_for(run_dir, "train", 120, job)
+    t0 = time.monotonic()
+    os.killpg(job.proc.pid, signal.SIGTERM)
+    rc = job.wait()
+    assert time.monotonic() - t0 < 25
+    out, err = job.output()
+    assert rc != 0  # torchrun's own exit: its agent raises SignalException (documented)
+    assert "forcefully exiting via 9" not in err, err[-3000:]  # no worker needed torchrun's SIGKILL
+    assert "[rank 1] WARNING trainapp: preempted at step" in err and "exit 143" in err, err[-3000:]
+    rec = check_preempted(run_dir, job, None)
+    rerun_resumes_exactly(run_dir, torchrun_cmd, rec["step"], straight)
+
+
+def test_sigterm_to_one_torchrun_worker_stops_both_at_the_same_step(tmp_path):
+    run_dir = tmp_path / "run"
+    job = Job(torchrun_cmd(run_dir), tmp_path, "one")
+    ranks = job.workers(2)
+    wait_for(run_dir, "train", 120, job)
+    os.kill(ranks[1], signal.SIGTERM)  # rank 0, which writes, hears of it only through the vote
+    rc = job.wait()
+    out, err = job.output()
+    assert "exitcode: 143" in err and "forcefully exiting" not in err, err[-3000:]
+    assert rc == 1  # torchrun reports failed workers with 1; their own codes are in its summary
+    rec = check_preempted(run_dir, job, None)
+    assert "[rank 1] WARNING trainapp: preempted at step %d" % rec["step"] in err, err[-3000:]
+
+
+def test_second_signal_during_an_async_write_and_during_the_stop_keeps_every_snapshot_valid(tmp_path):
+    """The notice lands while the periodic step-100 snapshot is still being written in the background
+    (the drill slows every write by 2 s); a second signal lands while the stop's own snapshot is written."""
+    args = ("snapshot.async=true", "fault.snapshot_write_delay_s=2")
+    straight = straight_sha(tmp_path, trainapp_cmd, *args)
+    run_dir = tmp_path / "run"
+    job = Job(trainapp_cmd(run_dir, *args), tmp_path, "async")
+    wait_for(run_dir, "snapshot", 100, job)  # recorded when the copy is done; the write goes on
+    os.kill(job.proc.pid, signal.SIGTERM)
+    time.sleep(1.0)
+    os.kill(job.proc.pid, signal.SIGINT)
+    rc = job.wait()
+    rec = check_preempted(run_dir, job, rc)
+    assert 100 < rec["step"] < 110 and rec["seconds"] >= 2, rec  # it waited for the write in flight
+    assert "SIGINT again; already stopping" in job.output()[1]
+    assert inspect(run_dir / "snapshots" / "step_000000100")["global_step"] == 100
+    rerun_resumes_exactly(run_dir, trainapp_cmd, rec["step"], straight, *args)
+
+
+def test_a_signal_during_eval_cuts_the_eval_short_and_snapshots_after_the_next_step(tmp_path):
+    run_dir = tmp_path / "run"
+    # A validation set large enough that evaluating it takes seconds, after the train record at step 60.
+    job = Job(trainapp_cmd(run_dir, "data.val_size=60000", "train.eval_every=60", "train.log_every=60"),
+              tmp_path, "eval")
+    wait_for(run_dir, "train", 60, job)
+    os.kill(job.proc.pid, signal.SIGTERM)
+    rc = job.wait()
+    rec = check_preempted(run_dir, job, rc)
+    assert rec["phase"] == "eval" and rec["step"] == 61, rec
+    assert not metrics(run_dir, "eval")  # a partial eval is not recorded
+    assert "cut short by a preemption notice" in job.output()[1]
+
+
+def test_an_extra_signal_from_preempt_signals_is_a_notice_too(tmp_path):
+    run_dir = tmp_path / "run"
+    job = Job(trainapp_cmd(run_dir, "preempt.signals=[SIGUSR1]"), tmp_path, "usr1")
+    wait_for(run_dir, "train", 60, job)
+    os.kill(job.proc.pid, signal.SIGUSR1)
+    rec = check_preempted(run_dir, job, job.wait(), signal.SIGUSR1)
+    assert rec["step"] > 60
+
+
+def test_a_hung_peer_cannot_hold_the_stop_past_the_grace_period(tmp_path):
+    """Rank 0 is frozen (SIGSTOP), rank 1 gets the notice: the vote never completes, so rank 1 exits
+    with 143 when preempt.grace_s runs out, and the newest valid snapshot stays the periodic one."""
+    run_dir = tmp_path / "run"
+    job = Job(torchrun_cmd(run_dir, "preempt.grace_s=4"), tmp_path, "hung")
+    ranks = job.workers(2)
+    try:
+        wait_for(run_dir, "snapshot", 100, job)
+        wait_for(run_dir, "train", 110, job)
+        os.kill(ranks[0], signal.SIGSTOP)
+        t0 = time.monotonic()
+        os.kill(ranks[1], signal.SIGTERM)
+        while Path(f"/proc/{ranks[1]}").exists() and time.monotonic() - t0 < 30:
+            stat = Path(f"/proc/{ranks[1]}/stat").read_text() if Path(f"/proc/{ranks[1]}").exists() else ""
+            if stat.rsplit(")", 1)[-1].split()[:1] == ["Z"]:
+                break
+            time.sleep(0.05)
+        took = time.monotonic() - t0
+    finally:
+        job.kill()
+        job.wait()
+    assert 4 <= took < 8, took
+    out, err = job.output()
+    assert "preempt.grace_s=4 ran out" in err and "exiting with 143" in err, err[-3000:]
+    assert inspect(run_dir)["global_step"] == 100  # nothing half-written became the newest
+    assert not metrics(run_dir, "preempted")
+
+
+def test_trainapp_node_drains_its_training_processes_before_stopping(tmp_path):
+    """`trainapp node -- CMD` as a container's main process: `docker stop`'s SIGTERM reaches it alone
+    (a container runtime signals PID 1); it sends the notice to the registered training process,
+    waits for its snapshot, then stops the command."""
+    run_dir = tmp_path / "run"
+    job = Job([PY, "-m", "trainapp", "node", "--wait-s", "20", "--", *trainapp_cmd(run_dir)], tmp_path, "node")
+    (pid,) = job.workers(1).values()
+    wait_for(run_dir, "train", 60, job)
+    os.kill(job.proc.pid, signal.SIGTERM)
+    rc = job.wait()
+    out, err = job.output()
+    assert rc == 143, out + err
+    assert "1 training process(es) stopped with their snapshot" in out, out
+    rec = check_preempted(run_dir, job, None)
+    assert rec["step"] > 60
+    assert not (job.runtime / "workers" / str(pid)).exists()  # the worker unregistered itself
