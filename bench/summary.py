@@ -38,6 +38,9 @@ ROWS = [
      ("<=", 0.01), "{:.2%}"),
     ("snapshot_cost", "throughput_loss_at_100_steps_spare_core", "the same, training leaving one core free",
      None, "{:.2%}"),
+    ("preempt", "preempt_seconds", "SIGTERM to the snapshot of the step reached, resnet18, torchrun x2 (s)",
+     ("<=", 25), "{:.2f}"),
+    ("preempt", "periodic_snapshot_seconds", "a periodic snapshot of the same state (s)", None, "{:.2f}"),
 ]
 
 

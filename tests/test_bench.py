@@ -62,3 +62,14 @@ def test_amp_cpu_benchmark_smoke_and_the_summary_table(tmp_path):
     table = (tmp_path / "summary.md").read_text()
     assert "| `loop_overhead` |" in table and "| `amp_cpu` | smallcnn" in table
     assert "`snapshot_cost`" in table and "not run" in table  # a benchmark without results says so
+
+
+def test_preempt_benchmark_smoke(tmp_path):
+    out = tmp_path / "preempt.json"
+    r = run_cmd([sys.executable, str(REPO / "bench" / "preempt.py"), "--smoke", "--out", str(out)], timeout=300)
+    assert r.returncode == 0, r.output
+    result = json.loads(out.read_text())
+    assert result["smoke"] is True and len(result["runs"]) == 1
+    run = result["runs"][0]
+    assert 0 < run["preempt_seconds"] < 25 and run["stop_step"] >= 6 and run["snapshot_bytes"] > 0
+    assert "preempt_seconds=" in r.stdout

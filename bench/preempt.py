@@ -1,0 +1,108 @@
+"""Preemption: from SIGTERM to the snapshot of the step reached, for a resnet18 run under torchrun.
+
+Each run is a real `torchrun --nproc_per_node=2` job (resnet18, 32-pixel synthetic images, SGD with
+momentum, so the snapshot holds the weights and a momentum buffer of the same size) that writes a
+periodic snapshot every 4 steps; once it has trained past one, the whole process group gets SIGTERM,
+as a container runtime sends it. `preempt_seconds` is the median of the `preempted` records' seconds
+(rank 0's first notice to its snapshot on disk: the agreement at the next step boundary, that step,
+the write). Beside it, per run: a periodic snapshot's blocking time of the same state
+(`periodic_snapshot_seconds`, the write alone), the step time, and the wall time from the signal to
+torchrun's exit.
+
+    python bench/preempt.py            # writes bench/results/preempt.json
+    python bench/preempt.py --smoke    # smallcnn, one run; for CI, writes bench/results/smoke/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from machine import describe
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO))
+
+from trainapp.metrics import read  # noqa: E402
+
+
+def one_run(run_dir: Path, model: str, signal_after: int, timeout: float = 600) -> dict:
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    cmd = [torchrun, "--standalone", "--nproc_per_node=2", "--max-restarts=0", "-m", "trainapp", "train",
+           f"run.dir={run_dir}", f"model.name={model}", "data.train_size=2048", "data.val_size=64",
+           "train.batch_size=16", "train.epochs=1000", "train.max_steps=10000", "train.log_every=1",
+           "train.progress=false", "snapshot.every_steps=4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINAPP_RUNTIME_DIR": str(run_dir / "rt")}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while not any(r["step"] >= signal_after for r in _records(run_dir, "train")):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"preempt bench: run ended or stalled before step {signal_after}: "
+                                 f"{proc.stderr.read()[-2000:]}")
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+        wall = time.monotonic() - t0
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    (rec,) = _records(run_dir, "preempted")
+    periodic = [r["blocking_s"] for r in _records(run_dir, "snapshot") if r["step"] != rec["step"]]
+    train = _records(run_dir, "train")
+    step_s = (train[-1]["time"] - train[1]["time"]) / max(1, train[-1]["step"] - train[1]["step"])
+    return {"preempt_seconds": rec["seconds"], "stop_step": rec["step"], "periodic_snapshot_seconds": max(periodic),
+            "step_seconds": step_s, "signal_to_exit_seconds": wall,
+            "snapshot_bytes": json.loads((Path(rec["snapshot"]) / "meta.json").read_text())["bytes"]}
+
+
+def _records(run_dir: Path, kind: str) -> list[dict]:
+    try:
+        return read(run_dir, kind)
+    except FileNotFoundError:
+        return []
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="smallcnn, one run: only checks the benchmark works")
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--out", help="result file (default bench/results/preempt.json)")
+    args = p.parse_args()
+    model, runs = ("smallcnn", 1) if args.smoke else ("resnet18", args.runs)
+    out = Path(args.out or HERE / "results" / ("smoke" if args.smoke else "") / "preempt.json")
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(runs):
+            r = one_run(Path(tmp) / f"run{i}", model, signal_after=6)
+            print(f"run {i}: " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
+                  flush=True)
+            results.append(r)
+    med = {k: statistics.median(r[k] for r in results) for k in results[0]}
+    result = {"preempt_seconds": med["preempt_seconds"],
+              "periodic_snapshot_seconds": med["periodic_snapshot_seconds"], "step_seconds": med["step_seconds"],
+              "signal_to_exit_seconds": med["signal_to_exit_seconds"], "snapshot_bytes": int(med["snapshot_bytes"]),
+              "runs": results, "model": model, "world_size": 2, "machine": describe(),
+              "date": time.strftime("%Y-%m-%d"), "smoke": args.smoke, "target": "< preempt.grace_s (25 s)"}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"preempt_seconds={med['preempt_seconds']:.3f} (periodic snapshot {med['periodic_snapshot_seconds']:.3f} s, "
+          f"step {med['step_seconds']:.3f} s, signal to exit {med['signal_to_exit_seconds']:.2f} s) -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
