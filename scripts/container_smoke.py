@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Smoke test on a real Docker engine (CPU only): a Ray head and two Ray workers as containers, and a
-training job that survives a killed worker container.
+"""Smoke test on a real Docker engine (CPU only): a Ray head and two Ray workers as containers, and two
+training jobs: one survives a killed worker container, the other a stopped one without redoing a step.
 
     engine   a private dockerd: its own socket, data root and exec root in a temporary directory; no
              docker0, no iptables rules, no ip_forward change (containers reach nothing outside their
@@ -12,14 +12,24 @@ training job that survives a killed worker container.
     cluster  a bridge network, a volume for the runs at /mnt/runs, a Ray head and two Ray workers:
              read-only root, /tmp a tmpfs, all capabilities dropped, the image's user (uid 1000),
              token auth; no NCCL/Gloo interface pinned: network.interface=auto must pick eth0 (the
-             bridge toward the head) in every worker container, as in the k8s manifests
-    job      `ray job submit` (through the head's dashboard, published on 127.0.0.1 only) of a short
+             bridge toward the head) in every worker container, as in the k8s manifests. A worker
+             container's command is `python -m trainapp node --wait-s 30 --ray-deadline-s 40 -- ray
+             start ... --block`, run with `--stop-timeout 45`: on `docker stop` it drains its Ray node,
+             sends the node's training processes SIGTERM and waits for their snapshot, then stops Ray
+             (docker stop's default of 10 s would SIGKILL before the snapshot)
+    kill     `ray job submit` (through the head's dashboard, published on 127.0.0.1 only) of a short
              run: 2 workers, 60 steps, a snapshot every 10 -> `docker kill` of rank 0's worker container
              at step >= 25 and a replacement worker container (the run asks for 2 workers, so Ray
              Train waits for it) -> the job resumes from its newest snapshot (20) and succeeds
-    checks   scripts/smoke_assert.py on the run directory (copied out with docker cp): finished,
-             restarted, resumed from the newest snapshot, at most snapshot.every_steps redone, final
-             step, and every process in the containers non-root
+    stop     a second run (100 steps, so that it is still going when the notice lands) -> `docker stop`
+             of rank 0's worker container at step >= 25 (between two periodic snapshots) and a
+             replacement -> all ranks stop after the next step with a snapshot of it and a `preempted`
+             record, the container exits by itself (143, not SIGKILLed at the stop timeout), and the
+             job resumes from exactly that step: zero steps redone
+    checks   scripts/smoke_assert.py on each run directory (copied out with docker cp): finished,
+             restarted, final step, every process in the containers non-root, and for the kill run a
+             resume from the newest snapshot with at most snapshot.every_steps redone, for the stop run
+             (--preempted SIGTERM) a `preempted` record and a resume from exactly its step
     teardown containers, network, volume, the dockerd (by PID) and the temporary directory, also
              on failure or Ctrl-C
 
@@ -38,7 +48,7 @@ Environment:
   SMOKE_BUILD_ARGS="..."          more `docker build` arguments, last: "--build-arg PIP_NO_INDEX=1"
   RAY=PATH                        Ray CLI for `ray job` (default .venv/bin/ray, else ray on PATH)
   DOCKER=docker                   docker CLI for everything but the build (see build_command)
-  TIMEOUT=900                     seconds for the job, from submission to SUCCEEDED
+  TIMEOUT=900                     seconds for each job, from submission to SUCCEEDED
 Needs: Linux, root, the docker CLI, dockerd + containerd + debootstrap
 (`apt-get install -y docker.io debootstrap`), the Ray CLI (`make venv`), ~7 GB free disk.
 Exit status: 0 passed, 1 failed, 2 a prerequisite is missing or a setting is wrong, 130 interrupted.
@@ -85,15 +95,27 @@ PKG_PORT = 28180  # the local package server's port when free (else any)
 # pixels the 60 steps are over in 6 s, before a poll can see step 20). The kill comes between two
 # snapshots (20 and 30), so that steps are redone and a resume from anything but step 20 would show.
 STEPS, EVERY, KILL_AT = 60, 10, 25
+# The stop run: stopped at step >= 25 too, but the notice takes longer to land than a kill (docker
+# stop -> `ray drain-node` -> SIGTERM -> the next step), and the run must still be going then.
+STOP_STEPS, STOP_AT = 100, 25
+# A worker container's `trainapp node` wrapper: it waits up to NODE_WAIT_S for the training processes'
+# snapshot, within the container's stop timeout (docker stop's default of 10 s is too short).
+NODE_WAIT_S, RAY_DEADLINE_S, STOP_TIMEOUT = 30, 40, 45
 RUNS = "/mnt/runs"  # the volume, in every container
-TRAIN_ARGS = [
-    f"ray.storage_path={RUNS}", "ray.num_workers=2", "ray.max_failures=3",
-    # Time for the replacement container's node to join (~10 s) before Ray Train gives up on a group of 2.
-    "ray.worker_group_start_timeout_s=120",
-    f"train.max_steps={STEPS}", "train.epochs=20", "train.log_every=1", f"snapshot.every_steps={EVERY}",
-    "data.train_size=2048", "data.val_size=256", "data.image_size=96", "model.name=smallcnn",
-    "train.progress=false",
-]
+
+
+def train_args(steps: int) -> list[str]:
+    return [
+        f"ray.storage_path={RUNS}", "ray.num_workers=2", "ray.max_failures=3",
+        # Time for the replacement container's node to join (~10 s) before Ray Train gives up on a group of 2.
+        "ray.worker_group_start_timeout_s=120",
+        f"train.max_steps={steps}", "train.epochs=20", "train.log_every=1", f"snapshot.every_steps={EVERY}",
+        "data.train_size=2048", "data.val_size=256", "data.image_size=96", "model.name=smallcnn",
+        "train.progress=false",
+    ]
+
+
+TRAIN_ARGS = train_args(STEPS)
 # Node death after 3 missed 1 s health checks, as k8s/deployment.ray-head.yaml.
 SYSTEM_CONFIG = '{"health_check_period_ms":1000,"health_check_failure_threshold":3}'
 OBJECT_STORE = str(256 * 1024 * 1024)  # must fit --shm-size
@@ -189,6 +211,11 @@ class Smoke:
         self.head = f"{prefix}-head"
         self.workers = [f"{prefix}-worker-1", f"{prefix}-worker-2"]
         self.name = time.strftime("smoke-%Y%m%d-%H%M%S")
+        self.stop_name = f"{self.name}-stop"
+        self.job = self.name  # the job being run (status, records, diagnostics)
+        self.replacements = 0
+        self.last_status = 0.0
+        self.summaries: list[str] = []
 
         self.tmp: Path | None = None
         self.dockerd: subprocess.Popen | None = None
@@ -232,18 +259,18 @@ class Smoke:
 
     def job_status(self) -> str:
         try:
-            return self.jobs_api(self.name).get("status", "")
+            return self.jobs_api(self.job).get("status", "")
         except (OSError, ValueError):  # URLError is an OSError; the head may be busy: ask again later
             return ""
 
     def check_job_alive(self) -> None:
         status = self.job_status()
         if status in ("FAILED", "STOPPED"):
-            raise Failure(f"job {self.name} is {status} (its log is below)")
+            raise Failure(f"job {self.job} is {status} (its log is below)")
 
     def records(self) -> list[dict]:
         """The run's metrics.jsonl, read in the head container (empty while it does not exist)."""
-        r = self.d("exec", self.head, "cat", f"{RUNS}/{self.name}/metrics.jsonl", check=False, timeout=30)
+        r = self.d("exec", self.head, "cat", f"{RUNS}/{self.job}/metrics.jsonl", check=False, timeout=30)
         return metrics.parse(r.stdout.splitlines()) if r.returncode == 0 else []
 
     # ----------------------------------------------------------------------------- prerequisites
@@ -509,8 +536,9 @@ class Smoke:
 
     # ---------------------------------------------------------------------------------- cluster
 
-    def ray_container(self, name: str, command: list[str], publish: bool = False) -> None:
+    def ray_container(self, name: str, command: list[str], publish: bool = False, stop_timeout: int = 0) -> None:
         self.d("run", "-d", "--name", name, "--hostname", name, "--label", self.label, "--network", self.net,
+               *([f"--stop-timeout={stop_timeout}"] if stop_timeout else []),
                # As the k8s manifests: read-only root, /tmp an emptyDir-like tmpfs, no capabilities.
                "--read-only", "--tmpfs", "/tmp:rw,nosuid,nodev,noexec,size=2g", "--shm-size=512m",
                "--cap-drop=ALL", "--security-opt=no-new-privileges",
@@ -527,8 +555,13 @@ class Smoke:
             return False
 
     def start_worker(self, name: str) -> None:
-        self.ray_container(name, ["ray", "start", "--address", f"{self.head}:6379", "--block", "--num-cpus=1",
-                                  f"--object-store-memory={OBJECT_STORE}", "--disable-usage-stats"])
+        # `trainapp node` as the main process: `docker stop` SIGTERMs it, and it drains the node (Ray drain,
+        # SIGTERM to the training processes, their snapshot) before it stops `ray start` (see the docstring).
+        self.ray_container(name, ["python", "-m", "trainapp", "node", "--wait-s", str(NODE_WAIT_S),
+                                  "--ray-deadline-s", str(RAY_DEADLINE_S), "--",
+                                  "ray", "start", "--address", f"{self.head}:6379", "--block", "--num-cpus=1",
+                                  f"--object-store-memory={OBJECT_STORE}", "--disable-usage-stats"],
+                           stop_timeout=STOP_TIMEOUT)
 
     def alive_nodes(self) -> int:
         r = self.d("exec", self.head, "ray", "status", check=False, timeout=60)
@@ -567,32 +600,35 @@ class Smoke:
 
     # -------------------------------------------------------------------------------------- job
 
-    def run_job(self) -> None:
+    def submit(self, name: str, steps: int) -> float:
+        """Submit a run named `name` (its job id too) and make it the current job; returns its deadline."""
         # The entrypoint runs in the head container's shell: `python` is the image's venv.
-        run([self.ray, "job", "submit", "--address", f"http://127.0.0.1:{self.port}", "--submission-id", self.name,
-             "--no-wait", "--", "python", "-m", "trainapp", "ray", f"ray.name={self.name}", *TRAIN_ARGS])
-        self.submitted = True
-        log(f"submitted job {self.name}: 2 workers, {STEPS} steps, a snapshot every {EVERY}")
-        deadline = time.monotonic() + self.timeout
-        last_status = 0.0
+        run([self.ray, "job", "submit", "--address", f"http://127.0.0.1:{self.port}", "--submission-id", name,
+             "--no-wait", "--", "python", "-m", "trainapp", "ray", f"ray.name={name}", *train_args(steps)])
+        self.job, self.submitted, self.last_status = name, True, 0.0
+        log(f"submitted job {name}: 2 workers, {steps} steps, a snapshot every {EVERY}")
+        return time.monotonic() + self.timeout
 
-        def keep_waiting(what: str) -> None:
-            nonlocal last_status
-            if time.monotonic() > deadline:
-                raise Failure(f"{what} within TIMEOUT={self.timeout}s")
-            if time.monotonic() - last_status > 5:
-                self.check_job_alive()
-                last_status = time.monotonic()
+    def keep_waiting(self, deadline: float, what: str) -> None:
+        if time.monotonic() > deadline:
+            raise Failure(f"{what} within TIMEOUT={self.timeout}s")
+        if time.monotonic() - self.last_status > 5:
+            self.check_job_alive()
+            self.last_status = time.monotonic()
 
+    def wait_for_step(self, at: int, deadline: float) -> tuple[int, list[dict]]:
         step, records = 0, []
-        while step < KILL_AT:
-            keep_waiting(f"the run never reached step {KILL_AT} (at {step})")
+        while step < at:
+            self.keep_waiting(deadline, f"the run never reached step {at} (at {step})")
             time.sleep(0.5)
             records = self.records()
             step = smoke_assert.max_train_step(records)
+        return step, records
 
-        # Rank 0's node if the start record says which host it is (trainapp's `network` field):
-        # that rank writes the snapshots, so losing it is the harder case.
+    def pick_victim(self, records: list[dict]) -> tuple[str, str]:
+        """Rank 0's node if the start record says which host it is (trainapp's `network` field):
+        that rank writes the snapshots, so losing it is the harder case. Also checks that
+        network.interface=auto chose eth0 on every rank."""
         victim, why = self.workers[0], ""
         start = next((r for r in records if r.get("kind") == "start"), {})
         nets = [n for n in start.get("network") or [] if isinstance(n, dict)]
@@ -606,49 +642,115 @@ class Smoke:
             raise Failure(f"network.interface=auto did not choose eth0 (toward the head) on every rank: {nets}")
         if nets and nets[0].get("host") in self.workers:
             victim, why = nets[0]["host"], " (rank 0's node)"
-        self.d("kill", victim)
-        killed_at, self.kill_step = time.time(), step
-        log(f"killed worker container {victim}{why} at step {step}")
-        replacement = f"trainapp-smoke-{self.id}-worker-3"
+        return victim, why
+
+    def replace_worker(self, victim: str) -> None:
+        self.replacements += 1
+        replacement = f"trainapp-smoke-{self.id}-worker-{2 + self.replacements}"
         self.start_worker(replacement)
         self.workers = [w for w in self.workers if w != victim] + [replacement]
         log(f"started replacement worker container {replacement}")
 
-        resumed = None
-        while resumed is None:
-            keep_waiting(f"the run never restarted after {victim} was killed")
+    def wait_restart(self, deadline: float, what: str) -> dict:
+        while True:
+            self.keep_waiting(deadline, what)
             time.sleep(1)
             restart = smoke_assert.latest_restart(self.records())
             if restart is not None:
                 if restart.get("resumed_step") is None:
                     raise Failure("the run restarted from scratch instead of from a snapshot")
-                resumed = restart
-        self.resumed_step = resumed["resumed_step"]
-        log(f"resumed from step {self.resumed_step} (killed at {step}), {resumed['time'] - killed_at:.1f}s after the "
-            f"kill, world size {resumed.get('world_size')}; waiting for the job to finish")
+                return restart
 
+    def wait_succeeded(self, deadline: float) -> None:
         status = ""
         while status != "SUCCEEDED":
             if time.monotonic() > deadline:
-                raise Failure(f"job {self.name} did not finish within TIMEOUT={self.timeout}s (status {status or '?'})")
+                raise Failure(f"job {self.job} did not finish within TIMEOUT={self.timeout}s (status {status or '?'})")
             time.sleep(3)
             status = self.job_status()
             if status in ("FAILED", "STOPPED"):
-                raise Failure(f"job {self.name} is {status} (its log is below)")
-        log(f"job {self.name} succeeded; checking the run directory and the containers' users")
+                raise Failure(f"job {self.job} is {status} (its log is below)")
+        log(f"job {self.job} succeeded; checking the run directory and the containers' users")
 
-    def check(self) -> None:
-        cmd = [sys.executable, str(REPO / "scripts/smoke_assert.py"), f"{RUNS}/{self.name}", "--backend", "docker",
-               "--docker-container", self.head, "--dest", str(self.tmp / "copy"), "--expect-steps", str(STEPS)]
+    def run_job(self) -> None:
+        """The kill case: `docker kill` of a worker container between two snapshots."""
+        deadline = self.submit(self.name, STEPS)
+        step, records = self.wait_for_step(KILL_AT, deadline)
+        victim, why = self.pick_victim(records)
+        self.d("kill", victim)
+        killed_at, self.kill_step = time.time(), step
+        log(f"killed worker container {victim}{why} at step {step}")
+        self.replace_worker(victim)
+        resumed = self.wait_restart(deadline, f"the run never restarted after {victim} was killed")
+        self.resumed_step = resumed["resumed_step"]
+        log(f"resumed from step {self.resumed_step} (killed at {step}), {resumed['time'] - killed_at:.1f}s after the "
+            f"kill, world size {resumed.get('world_size')}; waiting for the job to finish")
+        self.wait_succeeded(deadline)
+
+    def run_stop_job(self) -> None:
+        """The stop case: `docker stop` of a worker container between two snapshots; its `trainapp node`
+        drains the node, the run stops with a snapshot of the step reached and resumes from it."""
+        deadline = self.submit(self.stop_name, STOP_STEPS)
+        step, records = self.wait_for_step(STOP_AT, deadline)
+        victim, why = self.pick_victim(records)
+        log(f"docker stop {victim}{why} at step {step} (its stop timeout: {STOP_TIMEOUT}s)")
+        stopped_at, began = time.time(), time.monotonic()
+        # docker waits the container's --stop-timeout, then SIGKILLs: the CLI returns in any case.
+        self.d("stop", victim, timeout=STOP_TIMEOUT + 60)
+        took = time.monotonic() - began
+        code = self.d("inspect", "-f", "{{.State.ExitCode}}", victim).stdout.strip()
+        logs = self.d("logs", victim, check=False)
+        node_lines = [x for x in (logs.stdout + logs.stderr).splitlines() if x.startswith("trainapp node:")]
+        tail("\n".join(node_lines) or "(no `trainapp node:` line in its log)", 6, "node: ")
+        self.stop_step, self.stop_took, self.stop_code = step, took, code
+        log(f"docker stop returned after {took:.1f}s: {victim} exited with {code}")
+        if code == "137" or took >= STOP_TIMEOUT:
+            raise Failure(f"docker stop of {victim} took {took:.1f}s and it exited with {code}: SIGKILLed at the "
+                          f"stop timeout ({STOP_TIMEOUT}s) instead of exiting after the drain")
+        if code not in ("143", "0"):
+            raise Failure(f"{victim} exited with {code} after docker stop (expected 143 from `trainapp node`, or 0)")
+        if any("still running" in x for x in node_lines):
+            raise Failure(f"`trainapp node` in {victim}: training processes still running after --wait-s {NODE_WAIT_S}")
+        self.replace_worker(victim)
+        resumed = self.wait_restart(deadline, f"the run never restarted after {victim} was stopped")
+        notice = smoke_assert.latest_preempted(self.records())
+        if notice is None:
+            raise Failure(f"the run restarted after docker stop of {victim} without a `preempted` record: the "
+                          "notice did not reach the training processes (no snapshot of the step reached)")
+        self.stop_preempted, self.stop_resumed = notice.get("step"), resumed["resumed_step"]
+        self.stop_snapshot_s = notice["time"] - stopped_at
+        log(f"preempted at step {notice.get('step')} ({notice.get('signal')}, phase {notice.get('phase')}): its "
+            f"snapshot {self.stop_snapshot_s:.1f}s after docker stop ({notice.get('seconds')}s after the signal); "
+            f"resumed from step {self.stop_resumed}, {resumed['time'] - stopped_at:.1f}s after docker stop, world "
+            f"size {resumed.get('world_size')}; waiting for the job to finish")
+        self.wait_succeeded(deadline)
+
+    def check(self, name: str, steps: int, *extra: str) -> None:
+        cmd = [sys.executable, str(REPO / "scripts/smoke_assert.py"), f"{RUNS}/{name}", "--backend", "docker",
+               "--docker-container", self.head, "--dest", str(self.tmp / "copy" / name), "--expect-steps", str(steps),
+               *extra]
         for c in [self.head, *self.workers]:
             cmd += ["--nonroot", c]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         print((r.stdout + r.stderr).rstrip(), flush=True)
         if r.returncode != 0:
-            raise Failure(f"smoke_assert.py found a problem in {RUNS}/{self.name}")
-        log("passed")
-        self.detail = (f"worker container killed at step {self.kill_step}, resumed from step {self.resumed_step}, "
-                       f"{STEPS}/{STEPS} steps, every process non-root")
+            raise Failure(f"smoke_assert.py found a problem in {RUNS}/{name}")
+
+    def check_kill(self) -> None:
+        self.check(self.name, STEPS)
+        line = (f"kill: worker container killed at step {self.kill_step}, resumed from step {self.resumed_step}, "
+                f"{STEPS}/{STEPS} steps")
+        log(f"PASS {line}")
+        self.summaries.append(line)
+
+    def check_stop(self) -> None:
+        self.check(self.stop_name, STOP_STEPS, "--preempted", "SIGTERM")
+        line = (f"stop: worker container stopped at step {self.stop_step} (docker stop {self.stop_took:.0f}s, exit "
+                f"{self.stop_code}), snapshot of step {self.stop_preempted} {self.stop_snapshot_s:.1f}s after the "
+                f"stop, resumed from step {self.stop_resumed} ({self.stop_preempted - self.stop_resumed} redone), "
+                f"{STOP_STEPS}/{STOP_STEPS} steps")
+        log(f"PASS {line}")
+        self.summaries.append(line)
 
     # ----------------------------------------------------------------------------- diagnostics
 
@@ -664,7 +766,7 @@ class Smoke:
                 tail(logs.stdout + logs.stderr, 8, f"{name.removeprefix(f'trainapp-smoke-{self.id}-')}: ")
         if self.submitted:
             with contextlib.suppress(OSError, ValueError):
-                tail(self.jobs_api(f"{self.name}/logs").get("logs", ""), 40, "job: ")
+                tail(self.jobs_api(f"{self.job}/logs").get("logs", ""), 40, "job: ")
 
     @staticmethod
     def stop_group(proc: subprocess.Popen) -> None:
@@ -739,7 +841,12 @@ class Smoke:
             with self.timed("job"):
                 self.run_job()
             with self.timed("checks"):
-                self.check()
+                self.check_kill()
+            with self.timed("stop job"):
+                self.run_stop_job()
+            with self.timed("stop checks"):
+                self.check_stop()
+            self.detail = "; ".join(self.summaries) + "; every process non-root"
             rc = 0
         except Usage as e:
             self.detail, rc = str(e), 2

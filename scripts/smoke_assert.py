@@ -2,8 +2,9 @@
 """The assertions of the container smoke tests: a run that lost a worker resumed and finished right.
 
 One module for every backend: the kind smoke test (scripts/kind-smoke.sh, which deletes a Ray worker
-pod) and the Docker-engine smoke test (which kills a container). Only how the run directory is
-obtained differs; the checks read a local copy and are the same for both:
+pod) and the Docker-engine smoke test (which kills a container, and in a second run stops one with
+`docker stop`). Only how the run directory is obtained differs; the checks read a local copy and are
+the same for both:
 
     --backend kind    RUN_DIR is a path inside the Ray head pod (e.g. /mnt/runs/smoke); it is copied
                       out with `kubectl cp` into a temporary directory (or --dest) first.
@@ -24,6 +25,11 @@ Checks, one line each, then a one-line summary; exit 0 when all pass, 1 otherwis
                     the two tolerances: steps after the last record, a snapshot being written)
     redone          at most snapshot.every_steps steps were trained twice at each restart
     final-step      the newest snapshot's global_step equals the planned total steps
+With --preempted SIGNAL (a worker was stopped, not killed: `docker stop`, a pod deleted), the two
+checks of a kill are replaced by those of a preemption notice, which loses no step:
+    preempted       a `preempted` record (trainapp's stop on a notice: the snapshot of the step
+                    reached) with that signal, before the last `start`
+    resumed-preempted  the first `start` after it resumed from exactly its step: zero steps redone
     non-root        (with --nonroot / --nonroot-selector) every process in each named container or
                     pod runs with a non-zero real and effective uid; read from /proc inside it by its
                     own python3 (`docker exec` / `kubectl exec`), so the image needs no ps
@@ -35,6 +41,7 @@ snapshot.every_steps comes from the first `start` record's config, the planned t
     python scripts/smoke_assert.py /mnt/runs/smoke --backend kind --context kind-trainapp \
         --nonroot-selector app.kubernetes.io/name=trainapp
     python scripts/smoke_assert.py /mnt/runs/smoke --docker-container ray-head --nonroot ray-head
+    python scripts/smoke_assert.py /mnt/runs/smoke-stop --docker-container ray-head --preempted SIGTERM
 """
 
 from __future__ import annotations
@@ -103,6 +110,11 @@ def latest_restart(records: list[dict]) -> dict | None:
     return starts[-1] if len(starts) > 1 else None
 
 
+def latest_preempted(records: list[dict]) -> dict | None:
+    """The newest `preempted` record (None before one): the smoke scripts poll it."""
+    return next((r for r in reversed(records) if r.get("kind") == "preempted"), None)
+
+
 # ------------------------------------------------------------------------------------------------
 # The checks (backend-independent)
 
@@ -129,8 +141,43 @@ def expected_resume(before: int, every: int, log_every: int = 1) -> list[int]:
     return sorted(range(lo, hi // every * every + 1, every), reverse=True)
 
 
-def check_run(run_dir: Path, expect_steps: int | None = None) -> list[Check]:
-    """Every check on a local run directory, in order."""
+def check_preempted(records: list[dict], signal_name: str) -> list[Check]:
+    """The checks of a run stopped by a preemption notice (instead of resumed-latest and redone): a
+    `preempted` record with that signal before the last `start`, and the first `start` after it
+    resumed from exactly its step (the notice's snapshot): no step trained twice."""
+    signal_name = signal_name.upper() if signal_name.upper().startswith("SIG") else "SIG" + signal_name.upper()
+    starts = [i for i, r in enumerate(records) if r.get("kind") == "start"]
+    notices = [i for i, r in enumerate(records) if r.get("kind") == "preempted" and starts and i < starts[-1]]
+    if not notices:
+        others = [r.get("signal") for r in records if r.get("kind") == "preempted"]
+        why = (f"`preempted` record(s) {others} but no `start` after them" if others
+               else "no `preempted` record (the notice never reached the training processes?)")
+        return [Check("preempted", False, why), Check("resumed-preempted", False, "no preemption to check")]
+    i = notices[-1]
+    rec = records[i]
+    step, sig = rec.get("step"), rec.get("signal")
+    seconds = rec.get("seconds")
+    ok = sig == signal_name and isinstance(step, int)
+    checks = [Check("preempted", ok,
+                    f"`preempted` record at step {step} ({sig}, snapshot {seconds} s after the signal, "
+                    f"phase {rec.get('phase')})" + ("" if sig == signal_name else f", expected {signal_name}"))]
+    after = next(records[j] for j in starts if j > i)
+    resumed = after.get("resumed_step")
+    if resumed == step and isinstance(step, int):
+        checks.append(Check("resumed-preempted", True, f"preempted at step {step}, resumed {resumed}: 0 steps redone"))
+    elif resumed is None:
+        checks.append(Check("resumed-preempted", False, f"preempted at step {step}, but the next start began from "
+                                                        "scratch (no resumed_step)"))
+    else:
+        redone = (step - resumed) if isinstance(step, int) and isinstance(resumed, int) else "?"
+        checks.append(Check("resumed-preempted", False,
+                            f"preempted at step {step} but resumed {resumed} ({redone} step(s) redone, expected 0)"))
+    return checks
+
+
+def check_run(run_dir: Path, expect_steps: int | None = None, preempted: str | None = None) -> list[Check]:
+    """Every check on a local run directory, in order. `preempted`: the signal of the notice the run
+    got (e.g. SIGTERM): its checks replace resumed-latest and redone (see check_preempted)."""
     run_dir = Path(run_dir)
     try:
         records = metrics.read(run_dir)
@@ -157,7 +204,9 @@ def check_run(run_dir: Path, expect_steps: int | None = None) -> list[Check]:
                         f"{len(starts)} `start` records, resumed at step(s) {[s for _, s in resumed]}" if resumed
                         else f"{len(starts)} `start` record(s) and none resumed from a snapshot"))
 
-    if not restarts:
+    if preempted:
+        checks += check_preempted(records, preempted)
+    elif not restarts:
         checks.append(Check("resumed-latest", False, "no restart to check"))
         checks.append(Check("redone", False, "no restart to check"))
     elif every <= 0:
@@ -322,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="kind: RUN_DIR is in the Ray head pod, copied out with kubectl cp; "
                         "docker (default): RUN_DIR is a path on this machine")
     p.add_argument("--expect-steps", type=int, help="planned total steps (default: the first start record's)")
+    p.add_argument("--preempted", metavar="SIGNAL",
+                   help="the run got a preemption notice (e.g. SIGTERM from `docker stop`), not a kill: check its "
+                        "`preempted` record and a resume from exactly that step instead of resumed-latest and redone")
     p.add_argument("--progress", action="store_true",
                    help="for polling: read metrics.jsonl lines from stdin (RUN_DIR: -) and print "
                         "`MAX_TRAIN_STEP RESUMED_STEP` (`-` until the run has resumed from a snapshot)")
@@ -380,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"smoke_assert: copied {args.run_dir} from container {args.docker_container} to {local}")
         run_dir = local
 
-    checks = check_run(Path(run_dir), args.expect_steps)
+    checks = check_run(Path(run_dir), args.expect_steps, args.preempted)
     if args.nonroot or args.nonroot_selector:
         if args.backend == "kind":
             pods = list(args.nonroot)

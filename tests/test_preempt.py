@@ -5,6 +5,7 @@ the step reached (zero steps redone) and end bitwise equal to a run that was nev
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -13,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from helpers import PY, REPO, TORCHRUN, inspect, metrics, run_cmd
+from trainapp import preempt
 
-pytestmark = pytest.mark.slow
+slow = pytest.mark.slow  # the process-level tests; the registry tests below are fast
 
 # Long enough to be stopped in the middle (a few seconds), a periodic snapshot every 100 steps.
 RUN = ["train.progress=false", "train.log_every=5", "data.train_size=1024", "data.val_size=256",
@@ -124,6 +126,7 @@ def rerun_resumes_exactly(run_dir: Path, cmd, stop_step: int, straight: str, *ar
     assert final["global_step"] == 300 and final["params_sha256"] == straight
 
 
+@slow
 def test_sigterm_alone_snapshots_the_step_reached_and_the_rerun_is_bitwise_equal(tmp_path):
     straight = straight_sha(tmp_path, trainapp_cmd)
     run_dir = tmp_path / "run"
@@ -138,6 +141,7 @@ def test_sigterm_alone_snapshots_the_step_reached_and_the_rerun_is_bitwise_equal
     rerun_resumes_exactly(run_dir, trainapp_cmd, rec["step"], straight)
 
 
+@slow
 def test_sigterm_to_the_torchrun_process_group_stops_every_rank_at_one_step(tmp_path):
     """What a container runtime does: the signal reaches torchrun's agent and both workers; the agent
     forwards it again (a second notice, ignored)."""
@@ -157,6 +161,7 @@ def test_sigterm_to_the_torchrun_process_group_stops_every_rank_at_one_step(tmp_
     rerun_resumes_exactly(run_dir, torchrun_cmd, rec["step"], straight)
 
 
+@slow
 def test_sigterm_to_one_torchrun_worker_stops_both_at_the_same_step(tmp_path):
     run_dir = tmp_path / "run"
     job = Job(torchrun_cmd(run_dir), tmp_path, "one")
@@ -171,6 +176,7 @@ def test_sigterm_to_one_torchrun_worker_stops_both_at_the_same_step(tmp_path):
     assert "[rank 1] WARNING trainapp: preempted at step %d" % rec["step"] in err, err[-3000:]
 
 
+@slow
 def test_second_signal_during_an_async_write_and_during_the_stop_keeps_every_snapshot_valid(tmp_path):
     """The notice lands while the periodic step-100 snapshot is still being written in the background
     (the drill slows every write by 2 s); a second signal lands while the stop's own snapshot is written."""
@@ -190,6 +196,7 @@ def test_second_signal_during_an_async_write_and_during_the_stop_keeps_every_sna
     rerun_resumes_exactly(run_dir, trainapp_cmd, rec["step"], straight, *args)
 
 
+@slow
 def test_a_signal_during_eval_cuts_the_eval_short_and_snapshots_after_the_next_step(tmp_path):
     run_dir = tmp_path / "run"
     # A validation set large enough that evaluating it takes seconds, after the train record at step 60.
@@ -204,6 +211,7 @@ def test_a_signal_during_eval_cuts_the_eval_short_and_snapshots_after_the_next_s
     assert "cut short by a preemption notice" in job.output()[1]
 
 
+@slow
 def test_an_extra_signal_from_preempt_signals_is_a_notice_too(tmp_path):
     run_dir = tmp_path / "run"
     job = Job(trainapp_cmd(run_dir, "preempt.signals=[SIGUSR1]"), tmp_path, "usr1")
@@ -213,6 +221,7 @@ def test_an_extra_signal_from_preempt_signals_is_a_notice_too(tmp_path):
     assert rec["step"] > 60
 
 
+@slow
 def test_a_hung_peer_cannot_hold_the_stop_past_the_grace_period(tmp_path):
     """Rank 0 is frozen (SIGSTOP), rank 1 gets the notice: the vote never completes, so rank 1 exits
     with 143 when preempt.grace_s runs out, and the newest valid snapshot stays the periodic one."""
@@ -241,6 +250,7 @@ def test_a_hung_peer_cannot_hold_the_stop_past_the_grace_period(tmp_path):
     assert not metrics(run_dir, "preempted")
 
 
+@slow
 def test_trainapp_node_drains_its_training_processes_before_stopping(tmp_path):
     """`trainapp node -- CMD` as a container's main process: `docker stop`'s SIGTERM reaches it alone
     (a container runtime signals PID 1); it sends the notice to the registered training process,
@@ -257,3 +267,25 @@ def test_trainapp_node_drains_its_training_processes_before_stopping(tmp_path):
     rec = check_preempted(run_dir, job, None)
     assert rec["step"] > 60
     assert not (job.runtime / "workers" / str(pid)).exists()  # the worker unregistered itself
+
+
+def test_the_registry_lists_live_workers_and_drops_dead_and_reused_pids(tmp_path, monkeypatch):
+    monkeypatch.setenv(preempt.RUNTIME_ENV, str(tmp_path))
+    entry = preempt.register()
+    assert entry is not None and preempt.registered() == [os.getpid()]
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / "workers" / str(dead.pid)).write_text("1\n")  # a process that is gone
+    (tmp_path / "workers" / "1").write_text("999999999\n")  # a live PID with another start time: reused
+    assert preempt.registered() == [os.getpid()]
+    assert sorted(p.name for p in (tmp_path / "workers").iterdir()) == [str(os.getpid())]
+    preempt.unregister(entry)
+    assert preempt.registered() == []
+
+
+def test_drain_and_node_do_not_import_torch(tmp_path):
+    """They run as a pod's preStop and a container's PID 1: seconds and memory matter there."""
+    r = run_cmd([PY, "-X", "importtime", "-m", "trainapp", "node", "--", "true"], timeout=60,
+                env={preempt.RUNTIME_ENV: str(tmp_path)})
+    assert r.returncode == 0, r.output
+    assert not re.search(r"\|\s+torch$", r.stderr, re.M), "torch was imported"

@@ -216,6 +216,28 @@ def test_losing_a_worker_node_continues_elastically_on_the_other(cluster):
     assert end["world_size"] == 1 and end["steps"] == inspect(run_dir)["global_step"]
 
 
+def test_sigterm_to_a_ray_training_worker_stops_every_worker_at_one_step_and_redoes_none(cluster):
+    """SIGTERM reaching one Ray training worker (its node's shutdown, a container runtime): all workers
+    agree on the step, rank 0 reports the snapshot of it, the workers exit 143 and Ray Train restarts
+    the group from that snapshot. Periodic snapshots are off: nothing else could serve the resume."""
+    run_dir = cluster.storage / "sigterm"
+    proc = submit_background(cluster, "sigterm", *LONG, "train.max_steps=150", "snapshot.every_steps=0")
+    try:
+        wait_for_step(run_dir, 10)
+        pids = ray_worker_pids(cluster)
+        assert len(pids) == 2
+        os.kill(pids[-1], signal.SIGTERM)
+    finally:
+        rc, out = finish(proc)
+    assert rc == 0, out[-4000:]
+    (rec,) = metrics(run_dir, "preempted")
+    assert rec["signal"] == "SIGTERM" and rec["seconds"] < 25, rec
+    before, resumed = _redone(run_dir)
+    assert resumed == rec["step"] >= before, (before, resumed, rec)  # zero steps redone
+    assert "trainapp: preempted (SIGTERM) at step" in out
+    assert inspect(run_dir)["global_step"] == 150
+
+
 def _node_of(cluster, pid: int) -> str:
     """The name of the local node whose `ray start` session holds process `pid`."""
     return next(n.name for n in cluster.nodes if pid in cluster.node_pids(n.name).values())
@@ -257,7 +279,8 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
     snaps = [r["step"] for r in metrics(run_dir, "snapshot")]
     assert notice["step"] in snaps and notice["step"] % poll == 0, (notice, snaps)
     before, resumed = _redone(run_dir)
-    assert resumed >= notice["step"] and resumed in snaps and resumed % poll == 0, (resumed, notice, snaps)
+    # A drain-time snapshot (rank 0 may die between writing one and recording it: check the step only)
+    assert resumed >= notice["step"] and resumed % poll == 0, (resumed, notice, snaps)
     assert before - resumed <= poll, (before, resumed)
     assert metrics(run_dir, "start")[-1]["world_size"] == 1
     assert inspect(run_dir)["global_step"] == 200

@@ -190,6 +190,60 @@ def test_a_missing_or_empty_metrics_file_fails(tmp_path):
     assert "smoke_assert: FAIL 1 of 1 checks (metrics)" in out.getvalue()
 
 
+# ------------------------------------------------------------------------------------- a preempted run
+
+PREEMPTED_CHECKS = ["finished", "restarted", "preempted", "resumed-preempted", "final-step"]
+
+
+def write_preempted_run(run_dir: Path, stop: int, resumed: int | None, *, signal: str = "SIGTERM") -> Path:
+    """A run stopped by a notice at step `stop` (its `preempted` record and the snapshot of that step,
+    as trainapp/loop.py writes them) whose restart resumed from `resumed`, then finished."""
+    write_run(run_dir, [(None, stop), (resumed, TOTAL)],
+              snapshots=sorted({*range(EVERY, TOTAL + 1, EVERY), stop}))
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    second = [i for i, line in enumerate(lines) if json.loads(line)["kind"] == "start"][1]
+    lines.insert(second, json.dumps({"kind": "preempted", "step": stop, "signal": signal, "seconds": 1.2,
+                                     "phase": "train", "snapshot": str(run_dir / f"step_{stop:09d}")}))
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return run_dir
+
+
+def failed_preempted(run_dir: Path, signal: str = "SIGTERM") -> dict[str, str]:
+    checks = smoke_assert.check_run(run_dir, preempted=signal)
+    assert [c.name for c in checks] == PREEMPTED_CHECKS
+    return {c.name: c.detail for c in checks if not c.ok}
+
+
+def test_a_run_preempted_by_sigterm_that_resumed_from_its_stop_step_passes(tmp_path):
+    run = write_preempted_run(tmp_path / "run", stop=27, resumed=27)
+    assert failed_preempted(run) == {}
+    assert failed_preempted(run, "TERM") == {}  # the SIG prefix is optional
+    out = io.StringIO()
+    assert smoke_assert.report(smoke_assert.check_run(run, preempted="SIGTERM"), run, out=out)
+    assert "PASS resumed-preempted: preempted at step 27, resumed 27: 0 steps redone" in out.getvalue()
+    assert exit_code(run, "--preempted", "SIGTERM") == 0
+    # The kill checks would fail it: step 27 is no multiple of snapshot.every_steps.
+    assert "resumed-latest" in failed(run)
+
+
+def test_a_preempted_run_that_redid_steps_fails_resumed_preempted(tmp_path):
+    # The notice's snapshot (27) was not used: the restart went back to the periodic one (20).
+    run = write_preempted_run(tmp_path / "run", stop=27, resumed=20)
+    assert failed_preempted(run) == {
+        "resumed-preempted": "preempted at step 27 but resumed 20 (7 step(s) redone, expected 0)"}
+    assert exit_code(run, "--preempted", "SIGTERM") == 1
+
+
+def test_a_run_without_a_preempted_record_or_with_another_signal_fails_preempted(tmp_path):
+    killed = write_run(tmp_path / "killed", [(None, 25), (20, TOTAL)])
+    bad = failed_preempted(killed)
+    assert set(bad) == {"preempted", "resumed-preempted"}
+    assert bad["preempted"].startswith("no `preempted` record")
+    assert exit_code(killed, "--preempted", "SIGTERM") == 1
+    sigint = write_preempted_run(tmp_path / "sigint", stop=27, resumed=27, signal="SIGINT")
+    assert set(failed_preempted(sigint)) == {"preempted"}
+
+
 # ------------------------------------------------------------------------------------- backends
 
 

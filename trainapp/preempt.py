@@ -29,9 +29,6 @@ import threading
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as tdist
-
 log = logging.getLogger(__name__)
 
 ALWAYS = ("SIGTERM", "SIGINT")
@@ -193,7 +190,10 @@ class StopVote:
     """
 
     def __init__(self, ctx) -> None:
-        self.ctx = ctx
+        import torch
+        import torch.distributed as tdist  # here: `trainapp drain`/`node` import this module without torch
+
+        self.ctx, self.dist = ctx, tdist
         self.group = None
         if ctx.distributed and tdist.get_backend() != "gloo":
             self.group = tdist.new_group(backend="gloo")  # collective: every rank builds the vote together
@@ -212,7 +212,7 @@ class StopVote:
             self.work = None
             return agreed
         self.flag.fill_(received())
-        self.work = tdist.all_reduce(self.flag, op=tdist.ReduceOp.MAX, group=self.group, async_op=True)
+        self.work = self.dist.all_reduce(self.flag, op=self.dist.ReduceOp.MAX, group=self.group, async_op=True)
         return 0
 
     def close(self) -> None:
