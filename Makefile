@@ -131,7 +131,7 @@ kind-smoke: ## Needs Docker + kind: CPU image, kind cluster, job survives a dele
 	scripts/kind-smoke.sh
 
 .PHONY: container-smoke
-container-smoke: $(STAMP) ## Needs root, docker.io, debootstrap: CPU image, Ray head + 2 worker containers, job survives a killed worker
+container-smoke: $(STAMP) ## Needs root, docker.io, debootstrap: CPU image, Ray head + 2 worker containers, jobs survive a killed and a stopped worker
 	RAY=$(abspath $(BIN))/ray DOCKER=$(DOCKER) $(PYTHON) scripts/container_smoke.py
 
 ##@ Test
