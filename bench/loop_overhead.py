@@ -7,12 +7,15 @@ timed end to end: N optimizer steps, one evaluation over the validation set and 
 which both loops do (the minimal loop the way the seed articles do it).
 
 On a 2-core machine two single-threaded workers share the cores with gloo's threads, and round times
-drift by several percent, also with the position of a round in the sequence. So three contestants run
-in every order in turn: trainapp, the minimal loop, and the minimal loop again as a control. Each
-round's ratio is trainapp against the mean of that round's two minimal runs, and
-`loop_overhead_ratio` is the median over rounds (pairing within a round cancels the drift between
-rounds; the ratio of the pooled medians is reported too); `control_ratio` (minimal vs itself, per
-round, then the median) shows the noise floor of the same run.
+drift by several percent, also with the position of a round in the sequence. So four contestants run
+in every order in turn: trainapp, the minimal loop, the minimal loop again as a control, and trainapp
+without its preemption vote. Each round's ratio is trainapp against the mean of that round's two
+minimal runs, and `loop_overhead_ratio` is the median over rounds (pairing within a round cancels the
+drift between rounds; the ratio of the pooled medians is reported too); `control_ratio` (minimal vs
+itself, per round, then the median) shows the noise floor of the same run; `vote_cost_ratio`
+(trainapp vs trainapp without the vote) is what the preemption vote costs, and `vote_cpu_ratio` the
+same in CPU time per step (all threads of rank 0's process; not stretched by waiting on the other
+rank, so it resolves smaller costs; `cpu_control_ratio` is its noise floor).
 
     python bench/loop_overhead.py            # writes bench/results/loop_overhead.json
     python bench/loop_overhead.py --smoke    # seconds; for CI, writes bench/results/smoke/
@@ -55,7 +58,7 @@ def minimal_round(ctx, steps: int, batch: int, train_ds, val_ds, out_dir: Path, 
     loader = DataLoader(train_ds, batch_size=batch, sampler=sampler, drop_last=True)
     val_loader = DataLoader(val_ds, batch_size=batch, sampler=DistributedSampler(val_ds, shuffle=False))
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     done, epoch = 0, 0
     while done < steps:
         sampler.set_epoch(epoch)
@@ -80,11 +83,11 @@ def minimal_round(ctx, steps: int, batch: int, train_ds, val_ds, out_dir: Path, 
     if ctx.rank == 0:
         torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict()}, out_dir / "minimal.pt")
     dist.barrier()
-    return (time.perf_counter() - t0) / steps
+    return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
 
 
 def trainapp_round(ctx, steps: int, batch: int, out_dir: Path, seed: int, train_size: int, val_size: int,
-                   amp: str) -> float:
+                   amp: str, vote: bool = True) -> float:
     import torch.distributed as dist
 
     from trainapp import config
@@ -99,10 +102,12 @@ def trainapp_round(ctx, steps: int, batch: int, out_dir: Path, seed: int, train_
         "train.grad_clip=0", "snapshot.every_steps=0", "train.epochs=1000", "model.channels_last=false",
     ])
     trainer = make_trainer(cfg, ctx)
+    if not vote:  # the same loop without the preemption vote: what the vote itself costs
+        trainer.vote.stop = lambda step: 0
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     trainer.train()
-    return (time.perf_counter() - t0) / steps
+    return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
 
 
 def worker(args) -> None:
@@ -122,31 +127,40 @@ def worker(args) -> None:
     # As amp.dtype=auto: emulated bf16 (no AVX-512/AMX) is ~9x slower than fp32 and would time the
     # emulation, not the loop.
     amp = "bf16" if resolve_dtype(args.amp, torch.device("cpu")) is torch.bfloat16 else "fp32"
-    times = {"minimal": [], "control": [], "trainapp": []}
+    times = {"minimal": [], "control": [], "trainapp": [], "trainapp_novote": []}
+    cpu = {k: [] for k in times}  # CPU seconds per step of this process, all its threads (gloo's too)
     orders = list(itertools.permutations(times))
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         # Round 0 is untimed: it warms up allocators and kernels.
         for r in range(args.rounds + 1):
             for name in orders[(r - 1) % len(orders)]:
-                if name == "trainapp":
-                    t = trainapp_round(ctx, args.steps, args.batch, tmp / f"trainapp-{r}", r, args.train_size,
-                                       args.val_size, amp)
+                if name.startswith("trainapp"):
+                    t, c = trainapp_round(ctx, args.steps, args.batch, tmp / f"{name}-{r}", r, args.train_size,
+                                       args.val_size, amp, vote=name == "trainapp")
                 else:
-                    t = minimal_round(ctx, args.steps, args.batch, train_ds, val_ds, tmp, seed=r, amp=amp)
+                    t, c = minimal_round(ctx, args.steps, args.batch, train_ds, val_ds, tmp, seed=r, amp=amp)
                 if r > 0:
                     times[name].append(t)
+                    cpu[name].append(c)
     if ctx.rank == 0:
         med = {k: statistics.median(v) for k, v in times.items()}
         baseline = statistics.median(times["minimal"] + times["control"])
-        rounds = list(zip(times["trainapp"], times["minimal"], times["control"]))
+        rounds = list(zip(times["trainapp"], times["minimal"], times["control"], times["trainapp_novote"]))
         result = {
-            "loop_overhead_ratio": statistics.median(t / ((m + c) / 2) for t, m, c in rounds),
-            "control_ratio": statistics.median(c / m for _, m, c in rounds),
+            "loop_overhead_ratio": statistics.median(t / ((m + c) / 2) for t, m, c, _ in rounds),
+            "control_ratio": statistics.median(c / m for _, m, c, _ in rounds),
+            "vote_cost_ratio": statistics.median(t / n for t, _, _, n in rounds),
+            # CPU time is not stretched by waiting for the other rank: a finer view of a small cost.
+            "vote_cpu_ratio": statistics.median(a / b for a, b in zip(cpu["trainapp"], cpu["trainapp_novote"])),
+            "cpu_control_ratio": statistics.median(a / b for a, b in zip(cpu["control"], cpu["minimal"])),
+            "loop_cpu_ratio": statistics.median(
+                a / ((b + c) / 2) for a, b, c in zip(cpu["trainapp"], cpu["minimal"], cpu["control"])),
             "loop_overhead_ratio_pooled": med["trainapp"] / baseline,
             "trainapp_step_ms_median": 1000 * med["trainapp"],
             "minimal_step_ms_median": 1000 * baseline,
             **{f"{k}_step_ms_rounds": [round(1000 * t, 2) for t in v] for k, v in times.items()},
+            **{f"{k}_cpu_ms_rounds": [round(1000 * t, 2) for t in v] for k, v in cpu.items()},
             "rounds": args.rounds, "steps_per_round": args.steps, "batch_per_worker": args.batch,
             "world_size": ctx.world_size, "backend": ctx.backend, "amp": amp, "model": "smallcnn",
             "torch": torch.__version__, "threads_per_worker": torch.get_num_threads(),
@@ -161,7 +175,7 @@ def worker(args) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny run that only checks the benchmark works")
-    p.add_argument("--rounds", type=int, default=12, help="timed rounds per contestant (6 orders, repeated)")
+    p.add_argument("--rounds", type=int, default=24, help="timed rounds per contestant (each of the 24 orders once)")
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per round")
     p.add_argument("--batch", type=int, default=64, help="batch per worker")
     p.add_argument("--nproc", type=int, default=2)
@@ -186,7 +200,9 @@ def main() -> int:
     if rc != 0:
         return rc
     r = json.loads(Path(args.out).read_text())
-    print(f"loop_overhead_ratio={r['loop_overhead_ratio']:.3f} control_ratio={r['control_ratio']:.3f} trainapp={r['trainapp_step_ms_median']:.1f}ms/step "
+    print(f"loop_overhead_ratio={r['loop_overhead_ratio']:.3f} control_ratio={r['control_ratio']:.3f} "
+          f"vote_cost_ratio={r['vote_cost_ratio']:.3f} vote_cpu_ratio={r['vote_cpu_ratio']:.3f} "
+          f"(control {r['cpu_control_ratio']:.3f}) trainapp={r['trainapp_step_ms_median']:.1f}ms/step "
           f"minimal={r['minimal_step_ms_median']:.1f}ms/step amp={r['amp']} rounds={r['rounds']} -> {args.out}")
     return 0
 

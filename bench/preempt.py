@@ -9,6 +9,12 @@ the write). Beside it, per run: a periodic snapshot's blocking time of the same 
 (`periodic_snapshot_seconds`, the write alone), the step time, and the wall time from the signal to
 torchrun's exit.
 
+The vote that agrees on the stop step is also measured alone, where nothing else moves the numbers:
+two gloo ranks spin 10 ms per step (a stand-in for compute) with and without trainapp's `StopVote`
+voting at every step; `vote_cpu_ms` / `vote_wall_ms` are the extra CPU and wall time per vote
+(medians of alternating blocks). The loop votes about every `StopVote.INTERVAL_S`, so
+`vote_share` (vote CPU over that interval) is what it costs a run.
+
     python bench/preempt.py            # writes bench/results/preempt.json
     python bench/preempt.py --smoke    # smallcnn, one run; for CI, writes bench/results/smoke/
 """
@@ -69,6 +75,49 @@ def one_run(run_dir: Path, model: str, signal_after: int, timeout: float = 600) 
             "snapshot_bytes": json.loads((Path(rec["snapshot"]) / "meta.json").read_text())["bytes"]}
 
 
+def vote_worker(blocks: int, steps: int) -> None:
+    """Under torchrun: alternating blocks of spinning steps with and without a vote at each step."""
+    import torch.distributed as dist
+
+    from trainapp import dist as tdist
+    from trainapp.preempt import StopVote
+
+    ctx = tdist.setup(60)
+    vote = StopVote(ctx)
+    vote.INTERVAL_S = 0.0  # every step: one vote per step is what is measured
+    cost = {"cpu": [], "wall": []}
+    for b in range(2 * blocks):
+        voting = b % 2 == 1
+        dist.barrier()
+        c0, t0 = time.process_time(), time.perf_counter()
+        for i in range(steps):
+            end = time.perf_counter() + 0.010
+            while time.perf_counter() < end:
+                pass
+            if voting:
+                assert vote.stop(b * steps + i) == 0
+        vote.close()
+        c, t = (time.process_time() - c0) / steps, (time.perf_counter() - t0) / steps
+        if voting:
+            cost["cpu"].append(c - base[0])
+            cost["wall"].append(t - base[1])
+        base = (c, t)
+    if ctx.is_main:
+        print(json.dumps({k: 1000 * statistics.median(v) for k, v in cost.items()}), flush=True)
+    tdist.teardown(ctx)
+
+
+def measure_vote(blocks: int) -> dict:
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    r = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", __file__, "--vote-worker", str(blocks)],
+                       cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=600)
+    if r.returncode != 0:
+        raise SystemExit(f"preempt bench: vote measurement failed: {r.stderr[-2000:]}")
+    ms = json.loads(r.stdout.strip().splitlines()[-1])
+    return {"vote_cpu_ms": ms["cpu"], "vote_wall_ms": ms["wall"]}
+
+
 def _records(run_dir: Path, kind: str) -> list[dict]:
     try:
         return read(run_dir, kind)
@@ -81,7 +130,11 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true", help="smallcnn, one run: only checks the benchmark works")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--out", help="result file (default bench/results/preempt.json)")
+    p.add_argument("--vote-worker", type=int, metavar="BLOCKS", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.vote_worker:
+        vote_worker(args.vote_worker, steps=200)
+        return 0
     model, runs = ("smallcnn", 1) if args.smoke else ("resnet18", args.runs)
     out = Path(args.out or HERE / "results" / ("smoke" if args.smoke else "") / "preempt.json")
     results = []
@@ -92,15 +145,20 @@ def main() -> int:
                   flush=True)
             results.append(r)
     med = {k: statistics.median(r[k] for r in results) for k in results[0]}
+    from trainapp.preempt import StopVote
+
+    vote = measure_vote(2 if args.smoke else 10)
     result = {"preempt_seconds": med["preempt_seconds"],
               "periodic_snapshot_seconds": med["periodic_snapshot_seconds"], "step_seconds": med["step_seconds"],
               "signal_to_exit_seconds": med["signal_to_exit_seconds"], "snapshot_bytes": int(med["snapshot_bytes"]),
-              "runs": results, "model": model, "world_size": 2, "machine": describe(),
+              **vote, "vote_share": vote["vote_cpu_ms"] / (1000 * StopVote.INTERVAL_S),
+              "vote_interval_s": StopVote.INTERVAL_S, "runs": results, "model": model, "world_size": 2, "machine": describe(),
               "date": time.strftime("%Y-%m-%d"), "smoke": args.smoke, "target": "< preempt.grace_s (25 s)"}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"preempt_seconds={med['preempt_seconds']:.3f} (periodic snapshot {med['periodic_snapshot_seconds']:.3f} s, "
-          f"step {med['step_seconds']:.3f} s, signal to exit {med['signal_to_exit_seconds']:.2f} s) -> {out}")
+          f"step {med['step_seconds']:.3f} s, signal to exit {med['signal_to_exit_seconds']:.2f} s); one vote "
+          f"{vote['vote_cpu_ms']:.3f} ms CPU, {vote['vote_wall_ms']:.3f} ms wall -> {out}")
     return 0
 
 

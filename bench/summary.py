@@ -19,6 +19,9 @@ HERE = Path(__file__).resolve().parent
 ROWS = [
     ("loop_overhead", "loop_overhead_ratio", "trainapp loop / minimal DDP loop, step time", ("<=", 1.03), "{:.3f}"),
     ("loop_overhead", "control_ratio", "minimal loop / itself (noise floor)", None, "{:.3f}"),
+    ("loop_overhead", "vote_cost_ratio", "trainapp / trainapp without the preemption vote, step time", None,
+     "{:.3f}"),
+    ("loop_overhead", "vote_cpu_ratio", "the same, CPU time per step", None, "{:.3f}"),
     ("launchers", "ray_vs_torchrun_step_ratio", "Ray Train / torchrun, step time", ("<=", 1.05), "{:.3f}"),
     ("launchers", "control_ratio", "torchrun / torchrun, step time (noise floor)", None, "{:.3f}"),
     ("launchers", "ray_vs_torchrun_step_ratio_quiet_rounds", "Ray Train / torchrun, rounds that lost no CPU to steal",

@@ -19,6 +19,7 @@ def test_loop_overhead_benchmark_smoke(tmp_path):
     assert result["smoke"] is True and result["world_size"] == 2
     assert result["loop_overhead_ratio"] > 0 and result["control_ratio"] > 0
     assert len(result["trainapp_step_ms_rounds"]) == len(result["minimal_step_ms_rounds"]) == 1
+    assert len(result["trainapp_novote_cpu_ms_rounds"]) == 1 and result["vote_cpu_ratio"] > 0
     # Emulated bf16 would time the emulation, not the loop: bf16 only where the CPU has it.
     assert result["amp"] == ("bf16" if cpu_has_native_bf16() else "fp32")
     assert "cores" in result["machine"]
@@ -72,4 +73,5 @@ def test_preempt_benchmark_smoke(tmp_path):
     assert result["smoke"] is True and len(result["runs"]) == 1
     run = result["runs"][0]
     assert 0 < run["preempt_seconds"] < 25 and run["stop_step"] >= 6 and run["snapshot_bytes"] > 0
+    assert result["vote_cpu_ms"] > 0 and result["vote_wall_ms"] > 0 and result["vote_share"] > 0
     assert "preempt_seconds=" in r.stdout

@@ -75,7 +75,7 @@ class Trainer:
                 batches = None  # the epoch is over: the next step starts the next one
             bar.update(1)
             last = p.global_step == total
-            signum = 0 if last else self.vote.stop()  # the last step ends the run anyway
+            signum = 0 if last else self.vote.stop(p.global_step)  # the last step ends the run anyway
             if signum:
                 self._stop_preempted(signum, meter, bar)
             if p.global_step % t.log_every == 0 or last:
@@ -156,7 +156,9 @@ class Trainer:
         # correct, total, loss sum, ranks that stopped early for a preemption notice
         stats = torch.zeros(4, dtype=torch.float64, device=self.ctx.device)
         for batch in parts.val_loader:
-            if preempt.received():  # the stop comes after the next step; a partial eval is not recorded
+            # The stop comes after the next step, so a partial eval is not recorded. The last step's eval
+            # runs to the end: no stop follows it, the run ends normally.
+            if preempt.received() and parts.progress.global_step < parts.total_steps:
                 stats[3] = 1
                 break
             x, y = self._to_device(*batch)

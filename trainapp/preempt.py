@@ -8,11 +8,9 @@ Three pieces, each with one job:
   collective, logs it, and arms the `preempt.grace_s` deadline: if the process has not exited by
   then, it exits anyway with 128 + the signal. The newest valid snapshot is what it was (writes are
   atomic), and a peer that is gone or hung cannot hold the process past the platform's grace period.
-- `StopVote` (per run, every rank): at each step boundary the ranks agree whether any of them got a
-  signal, so all stop after the same step. The vote of one boundary is an asynchronous all-reduce
-  that is read at the next one; it overlaps a whole step, so the loop never waits on it, and the
-  stop comes one step after the signal was seen. Voting at every step rather than every few keeps
-  the stop that close to the notice at no measurable cost (bench/loop_overhead.py).
+- `StopVote` (per run, every rank): about twice a second (at most once a step) the ranks agree
+  whether any of them got a signal, so all stop after the same step. A vote is an asynchronous
+  all-reduce started at one step boundary and read at the next, so the loop never waits on it.
 - The worker registry: every training process writes its PID under `TRAINAPP_RUNTIME_DIR`, so
   `trainapp drain` (a pod's preStop, a container's stop trap) can send exactly those processes the
   notice and wait for their snapshot.
@@ -122,6 +120,10 @@ def _arm(signum: int) -> None:
             _notice.at, _notice.phase_at_signal = time.monotonic(), _notice.phase
             _notice.signum = signum
     name = signal.Signals(signum).name
+    if first and _notice.phase == "start":  # no step trained yet in this process: nothing to save
+        print(f"trainapp: {name} before training started; nothing to save; exiting with {128 + signum}",
+              file=sys.stderr, flush=True)
+        os._exit(128 + signum)
     if not first:
         log.warning("preemption: %s again; already stopping (the snapshot is on its way; exit at the latest %.0f s "
                     "after the first notice)", name, _notice.grace_s)
@@ -182,12 +184,22 @@ def install(names: list[str], grace_s: float) -> bool:
 
 
 class StopVote:
-    """Agrees across ranks on the step to stop at: call `stop()` at every step boundary on every rank.
+    """Agrees across ranks on the step to stop at: call `stop(step)` at every step boundary on every rank.
 
-    Boundary k starts an all-reduce (MAX) of this rank's signal number and reads the one boundary
-    k-1 started: every rank reads the same value at the same boundary. Under NCCL the vote runs
-    on a Gloo group of its own, so it is a CPU tensor and never synchronises the device.
+    A vote is an asynchronous all-reduce (MAX) of [this rank's signal number, the step this rank
+    proposes for the next vote], started at one boundary and read at the next: it overlaps a step,
+    and every rank reads the same answer at the same boundary. Votes come about every `INTERVAL_S`
+    (each rank proposes from its own step time; the MAX is what all adopt), every step once steps take
+    that long. A vote costs a fraction of a millisecond of CPU (the wake-up of Gloo's thread and a
+    round trip; bench/preempt.py measures it): nothing against a 100 ms step, percents against a 5 ms
+    one, so the loop votes by time, not by step. Under NCCL the vote runs on a Gloo group of its own, so it is a CPU tensor and never
+    synchronises the device.
     """
+
+    INTERVAL_S = 0.5
+    """The stop comes at most this long (plus one step) after a rank saw the signal: well inside any
+    platform's grace period."""
+    MAX_EVERY = 50
 
     def __init__(self, ctx) -> None:
         import torch
@@ -197,22 +209,30 @@ class StopVote:
         self.group = None
         if ctx.distributed and tdist.get_backend() != "gloo":
             self.group = tdist.new_group(backend="gloo")  # collective: every rank builds the vote together
-        self.flag = torch.zeros(1, dtype=torch.int32)
+        self.flag = torch.zeros(2, dtype=torch.int64)
         self.work = None
+        self.next_vote = 0  # agreed: the boundary of the next vote
+        self.last_t, self.step_s = None, None
 
-    def stop(self) -> int:
+    def stop(self, step: int) -> int:
         """The agreed signal number at this boundary, 0 to go on."""
         if not self.ctx.distributed:
             return received()
-        agreed = 0
-        if self.work is not None:
+        now = time.perf_counter()
+        if self.last_t is not None:
+            dt = now - self.last_t
+            self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
+        self.last_t = now
+        if self.work is not None:  # started at the previous boundary
             self.work.wait()
-            agreed = int(self.flag.item())
-        if agreed:
             self.work = None
-            return agreed
-        self.flag.fill_(received())
-        self.work = self.dist.all_reduce(self.flag, op=self.dist.ReduceOp.MAX, group=self.group, async_op=True)
+            agreed, self.next_vote = (int(v) for v in self.flag.tolist())
+            if agreed:
+                return agreed
+        if step >= self.next_vote:
+            every = 1 if not self.step_s else min(self.MAX_EVERY, max(1, int(self.INTERVAL_S / self.step_s)))
+            self.flag[0], self.flag[1] = received(), step + every
+            self.work = self.dist.all_reduce(self.flag, op=self.dist.ReduceOp.MAX, group=self.group, async_op=True)
         return 0
 
     def close(self) -> None:
