@@ -2,7 +2,9 @@
 
 Exit codes: 0 success; 2 bad config or bad input (one line on stderr naming the key, path or value
 and what is expected); 128 + N after a preemption notice by signal N, handled (143 for SIGTERM: the
-snapshot of the step reached is written, rerun to resume); anything else is a runtime failure.
+snapshot of the step reached is written, rerun to resume); 3 snapshots cannot be written
+(`snapshot.max_failures` in a row, or the final one; one line naming the cause, the path and what to
+free); anything else is a runtime failure.
 """
 
 from __future__ import annotations
@@ -182,6 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     except config.ConfigError as e:
         print(f"trainapp {args.command}: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except Exception as e:
+        from trainapp.snapshot import StorageError  # torch is loaded by now: only a training run raises it
+
+        if not isinstance(e, StorageError):
+            raise
+        print(f"trainapp {args.command}: error: {e}", file=sys.stderr, flush=True)
+        return 3
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # output piped into `head` and the like

@@ -160,6 +160,11 @@ class SnapshotSection:
     """`snapshot.async`: rank 0 copies the state to CPU memory and writes it in a background thread,
     so training blocks only for the copy; the next snapshot waits for the previous write. Same atomic,
     checksummed files. Under Ray the upload to `ray.storage_path` is what runs in the background."""
+    max_failures: int = Field(default=3, ge=1)
+    """Snapshots that may fail in a row (a full disk, a read-only or unwritable directory, I/O errors)
+    before the run stops with exit code 3. A failed snapshot leaves nothing half-written and training
+    goes on; on a full disk older snapshots (never the newest valid one) are deleted and the write is
+    tried once more. The final snapshot may not fail: a run never reports success without it."""
 
 
 @dataclass(config=_STRICT)

@@ -65,30 +65,32 @@ class Trainer:
         batches = None
         self.parts.train_model.train()
         preempt.set_phase("train")
-        while p.global_step < total:
-            if batches is None:
-                batches = self._epoch_batches()
-            self._loss_sum += self._run_step(batches)
-            self._loss_steps += 1
-            meter.step()
-            if self._advance():
-                batches = None  # the epoch is over: the next step starts the next one
-            bar.update(1)
-            last = p.global_step == total
-            signum = 0 if last else self.vote.stop(p.global_step)  # the last step ends the run anyway
-            if signum:
-                self._stop_preempted(signum, meter, bar)
-            if p.global_step % t.log_every == 0 or last:
-                self._log_train(meter.interval(), bar)
-            if (t.eval_every and p.global_step % t.eval_every == 0) or last:
-                with meter.paused(), preempt.phase("eval"):
-                    self.evaluate()
-            self._maybe_fault()
-            if self.snapshots.due(p.global_step, last) or self._drain_noticed():
-                with meter.paused(), preempt.phase("snapshot"):
-                    self._save(meter.overall())
-        bar.close()
-        self.vote.close()
+        try:
+            while p.global_step < total:
+                if batches is None:
+                    batches = self._epoch_batches()
+                self._loss_sum += self._run_step(batches)
+                self._loss_steps += 1
+                meter.step()
+                if self._advance():
+                    batches = None  # the epoch is over: the next step starts the next one
+                bar.update(1)
+                last = p.global_step == total
+                signum = 0 if last else self.vote.stop(p.global_step)  # the last step ends the run anyway
+                if signum:
+                    self._stop_preempted(signum, meter, bar)
+                if p.global_step % t.log_every == 0 or last:
+                    self._log_train(meter.interval(), bar)
+                if (t.eval_every and p.global_step % t.eval_every == 0) or last:
+                    with meter.paused(), preempt.phase("eval"):
+                        self.evaluate()
+                self._maybe_fault()
+                if self.snapshots.due(p.global_step, last) or self._drain_noticed():
+                    with meter.paused(), preempt.phase("snapshot"):
+                        self._save(meter.overall(), final=last)
+        finally:  # also when an error ends the run: no vote may be in flight when the group goes away
+            bar.close()
+            self.vote.close()
         return self._finish(start_step, meter.overall())
 
     # ------------------------------------------------------------------------------------------
@@ -235,7 +237,7 @@ class Trainer:
         groups = self.parts.optimizer.param_groups
         return next((g["lr"] for g in groups if g["lr_mult"] == 1.0), groups[0]["lr"])
 
-    def _save(self, samples_per_s: float) -> None:
+    def _save(self, samples_per_s: float, final: bool = False) -> None:
         p = self.parts.progress
         state = self.parts.state.state_dict(self.ctx.is_main)  # every rank: the RNG part gathers all ranks'
         meta = {**state["progress"], "params_sha256": params_sha256(self.parts.model)} if state is not None else None
@@ -243,9 +245,23 @@ class Trainer:
                   "samples_per_s": samples_per_s}
         if self.last_eval is not None and self.last_eval["step"] == p.global_step:
             report["val_acc"] = self.last_eval["val_acc"]
-        self.snapshots.save(self.ctx, p.global_step, state, meta, report)
-        self.metrics.write("snapshot", step=p.global_step, blocking_s=round(self.snapshots.last_blocking_s, 4),
-                           background=self.snapshots.async_write)
+        try:
+            self.snapshots.save(self.ctx, p.global_step, state, meta, report, final=final)
+        finally:
+            self._record_snapshot_failures()
+        if self.snapshots.failures == 0 or self.snapshots.async_write:
+            self.metrics.write("snapshot", step=p.global_step, blocking_s=round(self.snapshots.last_blocking_s, 4),
+                               background=self.snapshots.async_write)
+
+    def _record_snapshot_failures(self) -> None:
+        while self.snapshots.failed:
+            self.metrics.write("snapshot_failed", **self.snapshots.failed.pop(0))
+
+    def _finish_snapshots(self) -> None:
+        try:
+            self.snapshots.finish(self.ctx)
+        finally:
+            self._record_snapshot_failures()
 
     def _drain_noticed(self) -> bool:
         """True at every poll while a node of the run is being drained: snapshot now, keep training."""
@@ -265,8 +281,8 @@ class Trainer:
         p = self.parts.progress
         bar.close()
         with meter.paused(), preempt.phase("snapshot"):
-            self._save(meter.overall())
-            self.snapshots.wait()
+            self._save(meter.overall(), final=True)
+            self._finish_snapshots()
         self.vote.close()
         seconds = preempt.seconds_since()
         self.metrics.write("preempted", step=p.global_step, signal=signal.Signals(signum).name, seconds=round(seconds, 3),
@@ -283,7 +299,7 @@ class Trainer:
                    "val_acc": self.last_eval["val_acc"], "world_size": self.ctx.world_size,
                    "samples_per_s": samples_per_s, "skipped_steps": int(p.skipped.item()),
                    "snapshots": str(self.snapshots.root)}
-        self.snapshots.wait()  # the final snapshot is on disk before the run says it ended
+        self._finish_snapshots()  # the final snapshot is on disk before the run says it ended
         self.metrics.write("end", **summary)
         self.metrics.close()
         return summary

@@ -235,11 +235,14 @@ class StopVote:
             self.work = self.dist.all_reduce(self.flag, op=self.dist.ReduceOp.MAX, group=self.group, async_op=True)
         return 0
 
-    def close(self) -> None:
-        """Finish the vote in flight (the last boundary's), before the process group goes away."""
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Finish the vote in flight (the last boundary's), before the process group goes away; bounded,
+        for the case of an error that a peer did not share."""
         if self.work is not None:
+            import datetime
+
             with contextlib.suppress(Exception):
-                self.work.wait()
+                self.work.wait(datetime.timedelta(seconds=timeout_s))
             self.work = None
 
 

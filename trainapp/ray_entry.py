@@ -68,6 +68,9 @@ class RayPublish:
     def written(self, manager: SnapshotManager) -> None:
         manager.sweep_leftovers()  # Ray keeps `snapshot.keep` checkpoints (CheckpointConfig) and deletes the rest
 
+    def make_room(self, manager: SnapshotManager) -> int:
+        return 0  # Ray owns its checkpoints' retention: deleting them under it would confuse its bookkeeping
+
     def publish(self, ctx, step: int, path: Path | None, metrics: dict[str, Any]) -> None:
         import ray.train
         from ray.train import Checkpoint, CheckpointUploadMode

@@ -22,7 +22,6 @@ import errno
 import hashlib
 import json
 import logging
-import mmap
 import os
 import re
 import shutil
@@ -31,27 +30,49 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
-import xxhash
-from torch.utils.serialization import config as torch_serialization_config
 
 from trainapp.config import ConfigError
+from trainapp.snapfile import CHECKSUMS, cpu_copy, file_digest, fsync_dir, save_state, write_bytes
 
 log = logging.getLogger(__name__)
 
 STATE, META = "state.pt", "meta.json"
 FORMAT = 2
-# The checksum of state.pt: xxh3-128 (xxhash), several times cheaper than sha256 (docs/benchmarks.md), and
-# a snapshot's checksum guards against torn and corrupt files, not against forgery. Format-1 snapshots
-# carry a sha256 and still verify.
-CHECKSUMS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 _NAME = re.compile(r"^step_(\d{9})$")
 
 
 class SnapshotError(ConfigError):
     """A snapshot that cannot be used (missing file, bad checksum, unreadable): bad input, exit 2."""
+
+
+class StorageError(Exception):
+    """Snapshots cannot be written (`snapshot.max_failures` in a row, or the final one): exit 3."""
+
+    exit_code = 3
+
+
+# Failures of the storage, not of trainapp: a snapshot that hits one is dropped (nothing half-written
+# stays) and training goes on; other errors are bugs and end the run.
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def is_storage_error(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in STORAGE_ERRNOS
+
+
+def storage_hint(e: OSError, root: Path, size: int | None) -> str:
+    """What would fix a storage error, for its one-line message."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        need = f" (a snapshot takes about {size / 1e6:.1f} MB)" if size else ""
+        return f"free space under {root}{need} or point run.dir at a larger volume"
+    if e.errno == errno.EROFS:
+        return f"{root} is on a read-only filesystem: remount it read-write or point run.dir elsewhere"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return f"uid {os.getuid()} may not write there: fix the directory's owner or mode, or point run.dir elsewhere"
+    return f"the storage under {root} reports I/O errors: check the disk or the network filesystem"
 
 
 def tensors_sha256(state: dict[str, torch.Tensor]) -> str:
@@ -68,157 +89,6 @@ def params_sha256(module: torch.nn.Module) -> str:
     return tensors_sha256(module.state_dict())
 
 
-def file_digest(path: Path, algo: str = "xxh3_128") -> str:
-    h = CHECKSUMS[algo]()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-class _StateFile:
-    """The file torch.save writes a snapshot's state into: checksummed in passing (one pass over the
-    bytes, not a second read of the file), and with `direct`, written with O_DIRECT through an
-    aligned buffer reused across snapshots. Direct writes skip the page cache: no cache pages to
-    allocate and fill, no writeback later. That roughly halves the machine's CPU per snapshot
-    (docs/benchmarks.md), and the writer's CPU is what a background snapshot takes from training."""
-
-    CHUNK = 8 << 20
-    _free: list[mmap.mmap] = []
-    _lock = threading.Lock()
-
-    def __init__(self, path: Path, direct: bool) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
-        self.fd = os.open(path, flags, 0o644)
-        self.digest, self.size, self.used = xxhash.xxh3_128(), 0, 0
-        self.buf = None
-        if direct:
-            with self._lock:
-                # page-aligned, as O_DIRECT needs; one per concurrent writer, kept for the next snapshot
-                self.buf = self._free.pop() if self._free else mmap.mmap(-1, self.CHUNK)
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        n = len(view)
-        self.digest.update(view)
-        self.size += n
-        if self.buf is None:
-            self._write_all(view)
-            return n
-        while view:
-            k = min(len(view), self.CHUNK - self.used)
-            self.buf[self.used:self.used + k] = view[:k]
-            self.used, view = self.used + k, view[k:]
-            if self.used == self.CHUNK:
-                self._write_all(memoryview(self.buf))
-                self.used = 0
-        return n
-
-    def _write_all(self, view: memoryview) -> None:
-        while view:
-            view = view[os.write(self.fd, view):]
-
-    def flush(self) -> None:
-        pass
-
-    def finish(self) -> None:
-        """The tail (padded to whole blocks, then cut back to the real size), fsync, close."""
-        if self.buf is not None and self.used:
-            self._write_all(memoryview(self.buf)[:-(-self.used // 4096) * 4096])
-            os.ftruncate(self.fd, self.size)
-        os.fsync(self.fd)
-        self.close()
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        if self.buf is not None:
-            with self._lock:
-                self._free.append(self.buf)
-            self.buf = None
-
-
-def save_state(path: Path, state: dict[str, Any]) -> tuple[str, int]:
-    """torch.save `state` to `path`, on disk when this returns; (xxh3_128 checksum, size) of the file.
-
-    O_DIRECT first; a filesystem that refuses it (tmpfs, some network and overlay filesystems; EINVAL)
-    gets an ordinary buffered write."""
-    for direct in ((True, False) if hasattr(os, "O_DIRECT") else (False,)):
-        try:
-            f = _StateFile(path, direct)
-        except OSError as e:
-            if direct and e.errno == errno.EINVAL:
-                continue
-            raise
-        try:
-            # torch's zip writer would also CRC32 every record: redundant with our checksum of the whole
-            # file (checked on every load) and a fifth of a snapshot's CPU.
-            with torch_serialization_config.patch({"save.compute_crc32": False}):
-                torch.save(state, f)
-            f.finish()
-        except OSError as e:
-            f.close()
-            if direct and e.errno == errno.EINVAL:  # an alignment the filesystem will not take
-                continue
-            raise
-        except BaseException:
-            f.close()
-            raise
-        return f.digest.hexdigest(), f.size
-    raise AssertionError("unreachable")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_bytes(path: Path, write: Callable[[Any], None]) -> None:
-    with open(path, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def cpu_copy(obj: Any, into: Any = None) -> Any:
-    """A deep copy of a state tree with every tensor copied to CPU memory (training goes on mutating
-    the originals in place while a background thread writes the copy).
-
-    `into` is the copy made at the previous snapshot: a tensor whose shape, dtype and strides match is
-    reused as the destination. Fresh memory is most of what a copy costs (a page fault per page;
-    reused buffers copy several times faster, docs/benchmarks.md), and on a GPU node the reused buffers
-    are pinned, so the device-to-host copies run at full speed.
-    """
-    cuda: list[bool] = []
-    out = _copy(obj, into, cuda)
-    if cuda:
-        torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed before anyone reads
-    return out
-
-
-def _copy(obj: Any, into: Any, cuda: list[bool]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        src = obj.detach()
-        if src.is_cuda:
-            cuda.append(True)
-        if (isinstance(into, torch.Tensor) and into.shape == src.shape and into.dtype == src.dtype
-                and into.stride() == src.stride()):
-            return into.copy_(src, non_blocking=src.is_cuda)
-        dst = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
-        return dst.copy_(src, non_blocking=src.is_cuda)
-    if isinstance(obj, dict):
-        into = into if isinstance(into, dict) else {}
-        return {k: _copy(v, into.get(k), cuda) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        into = into if isinstance(into, (list, tuple)) and len(into) == len(obj) else [None] * len(obj)
-        return type(obj)(_copy(v, i, cuda) for v, i in zip(obj, into))
-    return obj
-
-
 def write_dir(final: Path, state: dict[str, Any], meta: dict[str, Any], delay_s: float = 0.0) -> Path:
     """Write `state` and `meta` as the snapshot directory `final`, atomically (`delay_s`: a drill's
     pause between the state file and the meta file that completes it)."""
@@ -231,8 +101,8 @@ def write_dir(final: Path, state: dict[str, Any], meta: dict[str, Any], delay_s:
         if delay_s:
             time.sleep(delay_s)
         meta = {**meta, "format": FORMAT, "xxh3_128": digest, "bytes": size}
-        _write_bytes(tmp / META, lambda f: f.write(json.dumps(meta, indent=2).encode()))
-        _fsync_dir(tmp)
+        write_bytes(tmp / META, lambda f: f.write(json.dumps(meta, indent=2).encode()))
+        fsync_dir(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -245,7 +115,7 @@ def write_dir(final: Path, state: dict[str, Any], meta: dict[str, Any], delay_s:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     return final
 
 
@@ -368,6 +238,9 @@ class Publish(Protocol):
     def written(self, manager: SnapshotManager) -> None:
         """After a write, on rank 0 (in the writer's thread): purge what is no longer kept."""
 
+    def make_room(self, manager: SnapshotManager) -> int:
+        """After ENOSPC, on rank 0: delete older snapshots (never the newest valid one); how many."""
+
     def publish(self, ctx, step: int, path: Path | None, metrics: dict[str, Any]) -> None:
         """On every rank after rank 0's write (`path`: None on other ranks and for background writes)."""
 
@@ -388,6 +261,9 @@ class LocalPublish:
 
     def written(self, manager: SnapshotManager) -> None:
         manager.purge()
+
+    def make_room(self, manager: SnapshotManager) -> int:
+        return manager.keep_newest_valid()
 
     def publish(self, ctx, step: int, path: Path | None, metrics: dict[str, Any]) -> None:
         from trainapp import dist
@@ -421,13 +297,21 @@ class SnapshotManager:
     _staging: Any = field(default=None, repr=False)
     """The CPU copy the last async snapshot was written from, reused by the next one (see cpu_copy)."""
     _error: BaseException | None = field(default=None, repr=False)
+    max_failures: int = 3
+    """`snapshot.max_failures`: failed snapshots in a row that stop the run (StorageError)."""
+    failures: int = 0
+    """Rank 0: snapshots that failed in a row (a storage error: ENOSPC, EIO, EROFS, EACCES)."""
+    failed: list[dict[str, Any]] = field(default_factory=list)
+    """Rank 0: failures not yet recorded in metrics.jsonl (the loop takes them)."""
+    _last: tuple[int, OSError] | None = field(default=None, repr=False)
 
     @classmethod
     def from_config(cls, cfg, publish: Publish | None = None) -> SnapshotManager:
         """The one place a run's snapshot manager is made from its config."""
         publish = publish or LocalPublish()
         return cls(publish.root(Path(cfg.run.dir)), cfg.snapshot.every_steps, cfg.snapshot.keep,
-                   async_write=cfg.snapshot.async_, write_delay_s=cfg.fault.snapshot_write_delay_s, publish=publish)
+                   async_write=cfg.snapshot.async_, write_delay_s=cfg.fault.snapshot_write_delay_s, publish=publish,
+                   max_failures=cfg.snapshot.max_failures)
 
     def due(self, step: int, last: bool) -> bool:
         return last or (self.every_steps > 0 and step % self.every_steps == 0)
@@ -440,21 +324,83 @@ class SnapshotManager:
         return self.publish.find(ctx, self)
 
     def save(self, ctx, step: int, state: dict[str, Any] | None, meta: dict[str, Any] | None,
-             metrics: dict[str, Any]) -> None:
-        """Every rank calls this; rank 0 passes the state and writes it, then every rank publishes."""
+             metrics: dict[str, Any], final: bool = False) -> None:
+        """Every rank calls this; rank 0 passes the state and writes it, then every rank publishes.
+
+        A storage error drops this snapshot and training goes on; StorageError on every rank after
+        `max_failures` in a row, or when the `final` snapshot fails (the run's last, or a preemption's)."""
         t0 = time.perf_counter()
         path = None
-        if ctx.is_main:
-            if self.async_write and self.publish.background:
-                self.wait()
+        if self.async_write and self.publish.background:
+            if ctx.is_main:
+                self.wait()  # the previous write's outcome is counted now
+            self.agree(ctx, final=False)  # stop before starting one write too many
+            if ctx.is_main:
                 copy = self._staging = cpu_copy(state, into=self._staging)
                 self._pending = threading.Thread(target=self._write_in_background, args=(step, copy, meta),
                                                  name=f"snapshot-{step}")
                 self._pending.start()
-            else:
-                path = self.write(step, state, meta)
+        else:
+            if ctx.is_main:
+                path = self._attempt(step, state, meta)
+            self.agree(ctx, final=final)
         self.publish.publish(ctx, step, path, metrics)
         self.last_blocking_s = time.perf_counter() - t0
+
+    def finish(self, ctx) -> None:
+        """Every rank, at the end of a run or a stop: the write in flight is on disk, or StorageError."""
+        if ctx.is_main:
+            self.wait()
+        self.agree(ctx, final=True)
+
+    def _attempt(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path | None:
+        """Rank 0: write; on ENOSPC make room once and retry; a storage error is counted, not raised."""
+        try:
+            try:
+                path = self.write(step, state, meta)
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not self.publish.make_room(self):
+                    raise
+                log.warning("snapshot step=%d: %s; deleted older snapshots to make room, writing it again", step, e)
+                path = self.write(step, state, meta)
+        except OSError as e:
+            if not is_storage_error(e):
+                raise
+            if e.filename is None:  # os.write's errors name no file: say which snapshot it was
+                e = OSError(e.errno, e.strerror, str(self.path_for(step)))
+            self.failures += 1
+            self._last = (step, e)
+            self.failed.append({"step": step, "errno": errno.errorcode.get(e.errno, str(e.errno)), "error": str(e),
+                                "path": e.filename, "in_a_row": self.failures})
+            log.warning("snapshot step=%d failed: %s; nothing half-written is left; training goes on (%d of "
+                        "snapshot.max_failures=%d in a row)", step, e, self.failures, self.max_failures)
+            return None
+        self.failures, self._last = 0, None
+        return path
+
+    def agree(self, ctx, final: bool) -> None:
+        """Every rank: rank 0's verdict on the snapshots so far; StorageError everywhere when it is fatal."""
+        from trainapp import dist
+
+        fatal = None
+        if ctx.is_main and self._last is not None and (final or self.failures >= self.max_failures):
+            fatal = self._fatal_message(final)
+        fatal = dist.broadcast_object(ctx, fatal)
+        if fatal:
+            raise StorageError(fatal)
+
+    def _fatal_message(self, final: bool) -> str:
+        step, e = self._last
+        try:
+            newest = newest_valid(self.root)
+        except ConfigError:
+            newest = None
+        size = newest[1].get("bytes") if newest else None
+        why = (f"the final snapshot (step {step}) failed" if final and self.failures < self.max_failures
+               else f"snapshot.max_failures={self.max_failures}: {self.failures} snapshots in a row failed, the last "
+                    f"at step {step}")
+        kept = f"the newest valid snapshot is {newest[0]}" if newest else "there is no valid snapshot yet"
+        return f"{why}: {e}; {storage_hint(e, self.root, size)}; {kept}; rerun to resume from it"
 
     def _write_in_background(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
         if sys.platform == "linux":
@@ -463,7 +409,7 @@ class SnapshotManager:
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         try:
-            self.write(step, state, meta)
+            self._attempt(step, state, meta)  # a storage error is counted there, for the next agree()
         except BaseException as e:  # handed to the training thread at its next save or wait
             self._error = e
 
@@ -484,6 +430,18 @@ class SnapshotManager:
         log.info("snapshot step=%d path=%s seconds=%.2f%s", step, path, time.perf_counter() - t0,
                  " (background)" if self._pending is not None else "")
         return path
+
+    def keep_newest_valid(self) -> int:
+        """Delete every snapshot but the newest valid one (room after ENOSPC); how many went."""
+        try:
+            newest = newest_valid(self.root)
+        except ConfigError:  # snapshots, none of them valid: none worth keeping
+            newest = None
+        older = [p for p in list_snapshots(self.root) if newest is None or p != newest[0]]
+        for old in older:
+            shutil.rmtree(old, ignore_errors=True)
+        self.sweep_leftovers()
+        return len(older)
 
     def purge(self) -> None:
         """Keep the newest `keep` snapshots; sweep what killed writers left behind."""

@@ -1,0 +1,175 @@
+"""The bytes of a snapshot: `state.pt` written once, checksummed in passing, with O_DIRECT where the
+filesystem takes it, fsynced; and the CPU staging copy an async snapshot is written from.
+
+trainapp.snapshot builds the snapshot directory, its atomic publication and its retention on these.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import mmap
+import os
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import xxhash
+from torch.utils.serialization import config as torch_serialization_config
+
+# The checksum of state.pt: xxh3-128 (xxhash), several times cheaper than sha256 (docs/benchmarks.md), and
+# a snapshot's checksum guards against torn and corrupt files, not against forgery. Format-1 snapshots
+# carry a sha256 and still verify.
+CHECKSUMS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+
+
+def file_digest(path: Path, algo: str = "xxh3_128") -> str:
+    h = CHECKSUMS[algo]()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class _StateFile:
+    """The file torch.save writes a snapshot's state into: checksummed in passing (one pass over the
+    bytes, not a second read of the file), and with `direct`, written with O_DIRECT through an
+    aligned buffer reused across snapshots. Direct writes skip the page cache: no cache pages to
+    allocate and fill, no writeback later. That roughly halves the machine's CPU per snapshot
+    (docs/benchmarks.md), and the writer's CPU is what a background snapshot takes from training."""
+
+    CHUNK = 8 << 20
+    _free: list[mmap.mmap] = []
+    _lock = threading.Lock()
+
+    def __init__(self, path: Path, direct: bool) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+        self.fd = os.open(path, flags, 0o644)
+        self.digest, self.size, self.used = xxhash.xxh3_128(), 0, 0
+        self.buf = None
+        if direct:
+            with self._lock:
+                # page-aligned, as O_DIRECT needs; one per concurrent writer, kept for the next snapshot
+                self.buf = self._free.pop() if self._free else mmap.mmap(-1, self.CHUNK)
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        self.digest.update(view)
+        self.size += n
+        if self.buf is None:
+            self._write_all(view)
+            return n
+        while view:
+            k = min(len(view), self.CHUNK - self.used)
+            self.buf[self.used:self.used + k] = view[:k]
+            self.used, view = self.used + k, view[k:]
+            if self.used == self.CHUNK:
+                self._write_all(memoryview(self.buf))
+                self.used = 0
+        return n
+
+    def _write_all(self, view: memoryview) -> None:
+        while view:
+            view = view[os.write(self.fd, view):]
+
+    def flush(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        """The tail (padded to whole blocks, then cut back to the real size), fsync, close."""
+        if self.buf is not None and self.used:
+            self._write_all(memoryview(self.buf)[:-(-self.used // 4096) * 4096])
+            os.ftruncate(self.fd, self.size)
+        os.fsync(self.fd)
+        self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if self.buf is not None:
+            with self._lock:
+                self._free.append(self.buf)
+            self.buf = None
+
+
+def save_state(path: Path, state: dict[str, Any]) -> tuple[str, int]:
+    """torch.save `state` to `path`, on disk when this returns; (xxh3_128 checksum, size) of the file.
+
+    O_DIRECT first; a filesystem that refuses it (tmpfs, some network and overlay filesystems; EINVAL)
+    gets an ordinary buffered write."""
+    for direct in ((True, False) if hasattr(os, "O_DIRECT") else (False,)):
+        try:
+            f = _StateFile(path, direct)
+        except OSError as e:
+            if direct and e.errno == errno.EINVAL:
+                continue
+            raise
+        try:
+            # torch's zip writer would also CRC32 every record: redundant with our checksum of the whole
+            # file (checked on every load) and a fifth of a snapshot's CPU.
+            with torch_serialization_config.patch({"save.compute_crc32": False}):
+                torch.save(state, f)
+            f.finish()
+        except OSError as e:
+            f.close()
+            if direct and e.errno == errno.EINVAL:  # an alignment the filesystem will not take
+                continue
+            raise
+        except BaseException:
+            f.close()
+            raise
+        return f.digest.hexdigest(), f.size
+    raise AssertionError("unreachable")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes(path: Path, write: Callable[[Any], None]) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def cpu_copy(obj: Any, into: Any = None) -> Any:
+    """A deep copy of a state tree with every tensor copied to CPU memory (training goes on mutating
+    the originals in place while a background thread writes the copy).
+
+    `into` is the copy made at the previous snapshot: a tensor whose shape, dtype and strides match is
+    reused as the destination. Fresh memory is most of what a copy costs (a page fault per page;
+    reused buffers copy several times faster, docs/benchmarks.md), and on a GPU node the reused buffers
+    are pinned, so the device-to-host copies run at full speed.
+    """
+    cuda: list[bool] = []
+    out = _copy(obj, into, cuda)
+    if cuda:
+        torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed before anyone reads
+    return out
+
+
+def _copy(obj: Any, into: Any, cuda: list[bool]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        src = obj.detach()
+        if src.is_cuda:
+            cuda.append(True)
+        if (isinstance(into, torch.Tensor) and into.shape == src.shape and into.dtype == src.dtype
+                and into.stride() == src.stride()):
+            return into.copy_(src, non_blocking=src.is_cuda)
+        dst = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
+        return dst.copy_(src, non_blocking=src.is_cuda)
+    if isinstance(obj, dict):
+        into = into if isinstance(into, dict) else {}
+        return {k: _copy(v, into.get(k), cuda) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        into = into if isinstance(into, (list, tuple)) and len(into) == len(obj) else [None] * len(obj)
+        return type(obj)(_copy(v, i, cuda) for v, i in zip(obj, into))
+    return obj
