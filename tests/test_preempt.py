@@ -137,7 +137,7 @@ def test_sigterm_alone_snapshots_the_step_reached_and_the_rerun_is_bitwise_equal
     rc = job.wait()
     assert time.monotonic() - t0 < 25
     rec = check_preempted(run_dir, job, rc)
-    assert rec["phase"] == "train"
+    assert rec["phase"] in ("data", "step")
     rerun_resumes_exactly(run_dir, trainapp_cmd, rec["step"], straight)
 
 

@@ -4,7 +4,8 @@ Exit codes: 0 success; 2 bad config or bad input (one line on stderr naming the 
 and what is expected); 128 + N after a preemption notice by signal N, handled (143 for SIGTERM: the
 snapshot of the step reached is written, rerun to resume); 3 snapshots cannot be written
 (`snapshot.max_failures` in a row, or the final one; one line naming the cause, the path and what to
-free); anything else is a runtime failure.
+free); 124 the hang watchdog ended a rank that made no progress for `fault.hang_timeout_s` (its
+stacks are in `run.dir/hangs/`); anything else is a runtime failure.
 """
 
 from __future__ import annotations

@@ -177,6 +177,17 @@ class FaultSection:
     snapshot_write_delay_s: float = Field(default=0.0, ge=0)
     """Failure drill: sleep this long inside every snapshot write, after `state.pt` and before the
     `meta.json` that completes it, so a kill can land mid-write."""
+    hang_timeout_s: float = Field(default=60.0, ge=0)
+    """Hung-rank watchdog: a rank whose training thread made no progress (no step, data batch, eval
+    batch or snapshot chunk) for this long dumps its stacks to `run.dir/hangs/`, says so in one line and
+    exits with 124, so the launcher restarts the group from the newest snapshot. A rank blocked in a
+    collective by a hung peer counts as hung too. 0: off (the process-group timeout remains)."""
+    hang_startup_s: float = Field(default=600.0, gt=0)
+    """The watchdog's allowance until the first step is done (imports, data, compilation, the first
+    collective): first steps are slow."""
+    hang_at_step: Optional[int] = Field(default=None, ge=1)
+    """Failure drill: rank `fault.rank` stops making progress after optimizer step N (its training
+    thread sleeps, as a stuck data loader would), once (a marker in `run.dir`)."""
 
 
 @dataclass(config=_STRICT)

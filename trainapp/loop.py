@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from trainapp import dist, logs, preempt
+from trainapp import dist, heartbeat, logs, preempt
 from trainapp.build import Parts, build
 from trainapp.config import Config
 from trainapp.data import make_loader, set_epoch
@@ -43,13 +43,15 @@ class Trainer:
     def __init__(self, cfg: Config, ctx: dist.DistContext, parts: Parts, snapshots: SnapshotManager,
                  drain_notice: Callable[[], dict | None] | None = None):
         self.cfg, self.ctx, self.parts, self.snapshots = cfg, ctx, parts, snapshots
+        self.run_dir = Path(cfg.run.dir)
         self.vote = preempt.StopVote(ctx)
+        self.watchdog = heartbeat.Watchdog(cfg.fault.hang_timeout_s, cfg.fault.hang_startup_s, self.run_dir, ctx.rank,
+                                           _attempt(self.run_dir, ctx.rank))
         self.drain_notice = drain_notice
         """Asked every `preempt.ray_poll_steps` steps on every rank (a barrier under Ray): a dict
         describing a drain of one of the run's nodes while one is under way (`new` the first time),
         else None."""
         preempt.describe_snapshots(str(snapshots.root))
-        self.run_dir = Path(cfg.run.dir)
         self.metrics = MetricsWriter(self.run_dir / METRICS if ctx.is_main else None)
         self.last_loss, self.last_eval = float("nan"), None
         self._loss_sum = torch.zeros((), device=ctx.device)  # summed on the device, read at log time
@@ -62,36 +64,46 @@ class Trainer:
         bar = tqdm(total=total, initial=p.global_step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not (self.ctx.is_main and t.progress), mininterval=0.5)
         meter = Throughput(p.global_batch)
-        batches = None
         self.parts.train_model.train()
-        preempt.set_phase("train")
+        heartbeat.set_phase("step")
+        self.watchdog.start()
         try:
-            while p.global_step < total:
-                if batches is None:
-                    batches = self._epoch_batches()
-                self._loss_sum += self._run_step(batches)
-                self._loss_steps += 1
-                meter.step()
-                if self._advance():
-                    batches = None  # the epoch is over: the next step starts the next one
-                bar.update(1)
-                last = p.global_step == total
-                signum = 0 if last else self.vote.stop(p.global_step)  # the last step ends the run anyway
-                if signum:
-                    self._stop_preempted(signum, meter, bar)
-                if p.global_step % t.log_every == 0 or last:
-                    self._log_train(meter.interval(), bar)
-                if (t.eval_every and p.global_step % t.eval_every == 0) or last:
-                    with meter.paused(), preempt.phase("eval"):
-                        self.evaluate()
-                self._maybe_fault()
-                if self.snapshots.due(p.global_step, last) or self._drain_noticed():
-                    with meter.paused(), preempt.phase("snapshot"):
-                        self._save(meter.overall(), final=last)
-        finally:  # also when an error ends the run: no vote may be in flight when the group goes away
-            bar.close()
-            self.vote.close()
-        return self._finish(start_step, meter.overall())
+            try:
+                self._loop(bar, meter)
+            finally:  # also when an error ends the run: no vote may be in flight when the group goes away
+                bar.close()
+                self.vote.close()
+            return self._finish(start_step, meter.overall())
+        finally:
+            self.watchdog.stop()
+
+    def _loop(self, bar: tqdm, meter: Throughput) -> None:
+        t, p, total = self.cfg.train, self.parts.progress, self.parts.total_steps
+        batches = None
+        while p.global_step < total:
+            if batches is None:
+                batches = self._epoch_batches()
+            self._loss_sum += self._run_step(batches)
+            self._loss_steps += 1
+            meter.step()
+            if self._advance():
+                batches = None  # the epoch is over: the next step starts the next one
+            bar.update(1)
+            heartbeat.beat(p.global_step)
+            self.watchdog.started = True
+            last = p.global_step == total
+            signum = 0 if last else self.vote.stop(p.global_step)  # the last step ends the run anyway
+            if signum:
+                self._stop_preempted(signum, meter, bar)
+            if p.global_step % t.log_every == 0 or last:
+                self._log_train(meter.interval(), bar)
+            if (t.eval_every and p.global_step % t.eval_every == 0) or last:
+                with meter.paused(), heartbeat.phase("eval"):
+                    self.evaluate()
+            self._maybe_fault()
+            if self.snapshots.due(p.global_step, last) or self._drain_noticed():
+                with meter.paused(), heartbeat.phase("snapshot"):
+                    self._save(meter.overall(), final=last)
 
     # ------------------------------------------------------------------------------------------
     # Steps
@@ -109,7 +121,9 @@ class Trainer:
         scaler = parts.precision.scaler
         loss_sum = torch.zeros((), device=self.ctx.device)
         for micro in range(accum):
+            heartbeat.set_phase("data")
             x, y = self._to_device(*next(batches))
+            heartbeat.set_phase("step")
             # All-reduce only on the last micro-step; the others just accumulate local gradients.
             sync = parts.ddp is None or micro == accum - 1
             with contextlib.nullcontext() if sync else parts.ddp.no_sync():
@@ -163,6 +177,7 @@ class Trainer:
             if preempt.received() and parts.progress.global_step < parts.total_steps:
                 stats[3] = 1
                 break
+            heartbeat.beat()
             x, y = self._to_device(*batch)
             with parts.precision.autocast():
                 out = model(x)
@@ -181,18 +196,24 @@ class Trainer:
         return self.last_eval
 
     def _maybe_fault(self) -> None:
-        f = self.cfg.fault
-        if f.kill_at_step != self.parts.progress.global_step or f.rank != self.ctx.rank:
+        f, step = self.cfg.fault, self.parts.progress.global_step
+        if f.rank != self.ctx.rank or step not in (f.kill_at_step, f.hang_at_step):
             return
-        marker = self.run_dir / f"fault-fired-step{f.kill_at_step}-rank{f.rank}"
-        if marker.exists():
+        what = "kill" if step == f.kill_at_step else "hang"
+        marker = self.run_dir / f"fault-fired-{'hang-' if what == 'hang' else ''}step{step}-rank{f.rank}"
+        if marker.exists():  # fired before this restart
             return
         marker.parent.mkdir(parents=True, exist_ok=True)
         with open(marker, "w") as fh:
             fh.write(f"{time.time()}\n")
             fh.flush()
             os.fsync(fh.fileno())
-        log.warning("fault drill: rank %d kills itself with SIGKILL at step %d", f.rank, f.kill_at_step)
+        if what == "hang":
+            log.warning("fault drill: rank %d stops making progress after step %d (a stuck data loader)", f.rank, step)
+            heartbeat.set_phase("data")
+            while True:
+                time.sleep(3600)
+        log.warning("fault drill: rank %d kills itself with SIGKILL at step %d", f.rank, step)
         self.metrics.close()
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -280,7 +301,7 @@ class Trainer:
         `preempted` record, then `Preempted` out of train()."""
         p = self.parts.progress
         bar.close()
-        with meter.paused(), preempt.phase("snapshot"):
+        with meter.paused(), heartbeat.phase("snapshot"):
             self._save(meter.overall(), final=True)
             self._finish_snapshots()
         self.vote.close()
@@ -303,6 +324,14 @@ class Trainer:
         self.metrics.write("end", **summary)
         self.metrics.close()
         return summary
+
+
+def _attempt(run_dir: Path, rank: int) -> int:
+    """This process's attempt at the run, for the watchdog's file names: torchrun's restart count, else
+    how many hang files this rank left before."""
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        return int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    return len(list((run_dir / "hangs").glob(f"rank-{rank}-attempt-*.txt")))
 
 
 def trainer(cfg: Config, ctx: dist.DistContext, snapshots: SnapshotManager | None = None,

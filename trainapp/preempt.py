@@ -27,6 +27,8 @@ import threading
 import time
 from pathlib import Path
 
+from trainapp import heartbeat
+
 log = logging.getLogger(__name__)
 
 ALWAYS = ("SIGTERM", "SIGINT")
@@ -62,8 +64,7 @@ class _Notice:
         self.armed = False
         self.lock = threading.Lock()
         self.snapshots = "the run's snapshots directory"
-        self.phase = "start"  # what the training thread is doing: start, train, eval, snapshot
-        self.phase_at_signal = ""
+        self.phase_at_signal = ""  # trainapp.heartbeat's phase when the first signal came
 
 
 _notice = _Notice()
@@ -76,20 +77,6 @@ def received() -> int:
 
 def seconds_since() -> float:
     return time.monotonic() - _notice.at if _notice.signum else 0.0
-
-
-@contextlib.contextmanager
-def phase(name: str):
-    """Mark what the training thread does inside the block (named in the `preempted` record)."""
-    before, _notice.phase = _notice.phase, name
-    try:
-        yield
-    finally:
-        _notice.phase = before
-
-
-def set_phase(name: str) -> None:
-    _notice.phase = name
 
 
 def phase_at_signal() -> str:
@@ -105,7 +92,7 @@ def _handler(signum, frame) -> None:
     # Runs in the main thread between bytecodes: record only; logging here could deadlock on a lock
     # the interrupted code holds.
     if not _notice.signum:
-        _notice.at, _notice.phase_at_signal = time.monotonic(), _notice.phase
+        _notice.at, _notice.phase_at_signal = time.monotonic(), heartbeat.state.phase
         _notice.signum = signum
     if not _notice.watching:
         _arm(signum)
@@ -117,10 +104,10 @@ def _arm(signum: int) -> None:
         first = not _notice.armed
         _notice.armed = True
         if not _notice.signum:
-            _notice.at, _notice.phase_at_signal = time.monotonic(), _notice.phase
+            _notice.at, _notice.phase_at_signal = time.monotonic(), heartbeat.state.phase
             _notice.signum = signum
     name = signal.Signals(signum).name
-    if first and _notice.phase == "start":  # no step trained yet in this process: nothing to save
+    if first and heartbeat.state.phase == "start":  # no step trained yet in this process: nothing to save
         print(f"trainapp: {name} before training started; nothing to save; exiting with {128 + signum}",
               file=sys.stderr, flush=True)
         os._exit(128 + signum)

@@ -18,6 +18,8 @@ import torch
 import xxhash
 from torch.utils.serialization import config as torch_serialization_config
 
+from trainapp import heartbeat
+
 # The checksum of state.pt: xxh3-128 (xxhash), several times cheaper than sha256 (docs/benchmarks.md), and
 # a snapshot's checksum guards against torn and corrupt files, not against forgery. Format-1 snapshots
 # carry a sha256 and still verify.
@@ -54,6 +56,7 @@ class _StateFile:
                 self.buf = self._free.pop() if self._free else mmap.mmap(-1, self.CHUNK)
 
     def write(self, data) -> int:
+        heartbeat.beat()  # a long write is progress, chunk by chunk, for the hang watchdog
         view = memoryview(data).cast("B")
         n = len(view)
         self.digest.update(view)

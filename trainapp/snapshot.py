@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
+from trainapp import heartbeat
 from trainapp.config import ConfigError
 from trainapp.snapfile import CHECKSUMS, cpu_copy, file_digest, fsync_dir, save_state, write_bytes
 
@@ -98,8 +99,10 @@ def write_dir(final: Path, state: dict[str, Any], meta: dict[str, Any], delay_s:
     tmp.mkdir()
     try:
         digest, size = save_state(tmp / STATE, state)
-        if delay_s:
-            time.sleep(delay_s)
+        end = time.monotonic() + delay_s
+        while time.monotonic() < end:  # a slow write, not a hung one: it beats as a real one does
+            time.sleep(max(0.0, min(0.5, end - time.monotonic())))
+            heartbeat.beat()
         meta = {**meta, "format": FORMAT, "xxh3_128": digest, "bytes": size}
         write_bytes(tmp / META, lambda f: f.write(json.dumps(meta, indent=2).encode()))
         fsync_dir(tmp)

@@ -1,0 +1,98 @@
+"""The hung-rank watchdog with real hangs: the `fault.hang_at_step` drill (a rank's training thread
+stops making progress) and an external SIGSTOP, under torchrun with a restart; and no false alarm from a
+long eval, a slow snapshot write or the first step."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import PY, QUICK, REPO, TORCHRUN, inspect, metrics, run_cmd
+
+pytestmark = pytest.mark.slow
+
+RUN = [*QUICK, "train.epochs=100", "train.max_steps=60", "snapshot.every_steps=10"]
+
+
+def torchrun(run_dir: Path, *args: str, restarts: int = 1) -> list[str]:
+    return [TORCHRUN, "--standalone", "--nproc_per_node=2", f"--max-restarts={restarts}",
+            "-m", "trainapp", "train", f"run.dir={run_dir}", *RUN, *args]
+
+
+def test_a_hung_rank_is_found_by_both_ranks_and_the_restart_resumes_bitwise(tmp_path):
+    straight = tmp_path / "straight"
+    r = run_cmd(torchrun(straight, restarts=0))
+    assert r.returncode == 0, r.output[-3000:]
+    run_dir = tmp_path / "run"
+    t0 = time.monotonic()
+    r = run_cmd(torchrun(run_dir, "fault.hang_at_step=25", "fault.rank=1", "fault.hang_timeout_s=5"))
+    assert r.returncode == 0, r.output[-3000:]
+    assert time.monotonic() - t0 < 120
+    hung = (run_dir / "hangs" / "rank-1-attempt-0.txt").read_text()
+    assert "rank 1 on" in hung and "in phase data after step 25" in hung and "Thread 0x" in hung, hung[:2000]
+    assert "in _maybe_fault" in hung  # the hung thread's own stack is in the dump
+    blocked = (run_dir / "hangs" / "rank-0-attempt-0.txt").read_text()
+    assert "in phase step after step 25" in blocked, blocked[:500]  # waiting for rank 1 in the all-reduce
+    assert "exitcode: 124" in r.stderr or "exitcode  : 124" in r.stderr, r.stderr[-3000:]
+    starts = metrics(run_dir, "start")
+    assert [s["resumed_step"] for s in starts] == [None, 20]
+    assert inspect(run_dir)["params_sha256"] == inspect(straight)["params_sha256"]
+
+
+def test_a_sigstopped_rank_is_found_by_its_peer_in_seconds(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINAPP_RUNTIME_DIR": str(tmp_path / "rt")}
+    proc = subprocess.Popen(torchrun(run_dir, "fault.hang_timeout_s=5", "train.max_steps=200"), cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(r["step"] >= 25 for r in _train(run_dir)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = {int((Path(f"/proc/{p.name}/environ").read_bytes().split(b"RANK=", 1)[1].split(b"\0")[0])): int(p.name)
+                for p in (tmp_path / "rt" / "workers").iterdir()}
+        os.kill(pids[1], signal.SIGSTOP)
+        stopped = time.time()
+        _, err = proc.communicate(timeout=240)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, err[-3000:]
+    line = (run_dir / "hangs" / "rank-0-attempt-0.txt").read_text().splitlines()[0]
+    assert "rank 0 on" in line and "in phase step" in line, line
+    resumed = metrics(run_dir, "start")[-1]
+    # 5 s to find it, torchrun's 30 s wait before it SIGKILLs the stopped rank (its restart path ignores
+    # --shutdown-timeout in torch 2.14), the restart: within the issue's 100 s at the default 60 s
+    assert resumed["resumed_step"] is not None and resumed["time"] - stopped < 60, resumed["time"] - stopped
+    assert inspect(run_dir)["global_step"] == 200
+
+
+def _train(run_dir: Path) -> list[dict]:
+    try:
+        return metrics(run_dir, "train")
+    except FileNotFoundError:
+        return []
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_no_false_alarm_from_a_long_eval_or_a_slow_snapshot_write(tmp_path, nproc):
+    run_dir = tmp_path / "run"
+    # hang_timeout_s=2 against an eval of a 40000-image validation set (seconds) and snapshot writes
+    # held 4 s by the drill: neither may fire; the other ranks wait out rank 0's write.
+    args = ["fault.hang_timeout_s=2", "data.val_size=40000", "train.eval_every=20", "fault.snapshot_write_delay_s=4",
+            "snapshot.every_steps=30"]
+    if nproc == 1:
+        r = run_cmd([PY, "-m", "trainapp", "train", f"run.dir={run_dir}", *RUN, *args])
+    else:
+        r = run_cmd(torchrun(run_dir, *args, restarts=0))
+    assert r.returncode == 0, r.output[-3000:]
+    assert not (run_dir / "hangs").exists()
+    evals = metrics(run_dir, "eval")
+    assert len(evals) == 3 and all(e["val_samples"] == 40000 for e in evals)
+    assert [s["step"] for s in metrics(run_dir, "snapshot")] == [30, 60]
