@@ -66,3 +66,15 @@ def inspect(path: Path) -> dict:
     return json.loads(r.stdout)
 
 
+
+
+def kill_registered(runtime_root: Path) -> None:
+    """SIGKILL the live training processes registered under `runtime_root` (TRAINAPP_RUNTIME_DIR):
+    torchrun's workers sit in process groups of their own, and a SIGSTOPped one outlives its agent."""
+    from trainapp import preempt
+
+    for pid in preempt.registered(runtime_root):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

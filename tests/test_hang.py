@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PY, QUICK, REPO, TORCHRUN, inspect, metrics, run_cmd
+from helpers import PY, QUICK, REPO, TORCHRUN, inspect, kill_registered, metrics, run_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -59,6 +59,7 @@ def test_a_sigstopped_rank_is_found_by_its_peer_in_seconds(tmp_path):
         stopped = time.time()
         _, err = proc.communicate(timeout=240)
     finally:
+        kill_registered(tmp_path / "rt")
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:

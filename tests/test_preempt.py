@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PY, REPO, TORCHRUN, inspect, metrics, run_cmd
+from helpers import PY, REPO, TORCHRUN, inspect, kill_registered, metrics, run_cmd
 from trainapp import preempt
 
 slow = pytest.mark.slow  # the process-level tests; the registry tests below are fast
@@ -56,6 +56,7 @@ class Job:
             self.kill()
 
     def kill(self) -> None:
+        kill_registered(self.runtime)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:

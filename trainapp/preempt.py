@@ -237,8 +237,8 @@ class StopVote:
 # The worker registry and `trainapp drain`
 
 
-def runtime_dir() -> Path:
-    return Path(os.environ.get(RUNTIME_ENV) or "/tmp/trainapp-runtime") / "workers"
+def runtime_dir(root: str | Path | None = None) -> Path:
+    return Path(root or os.environ.get(RUNTIME_ENV) or "/tmp/trainapp-runtime") / "workers"
 
 
 def _start_time(pid: int) -> str | None:
@@ -270,10 +270,11 @@ def unregister(entry: Path | None) -> None:
             entry.unlink()
 
 
-def registered() -> list[int]:
-    """PIDs of live registered workers on this node (stale entries are removed)."""
+def registered(root: str | Path | None = None) -> list[int]:
+    """PIDs of live registered workers on this node (stale entries are removed); `root`: another
+    registry than TRAINAPP_RUNTIME_DIR's."""
     live = []
-    d = runtime_dir()
+    d = runtime_dir(root)
     for entry in sorted(d.glob("[0-9]*")) if d.is_dir() else []:
         pid = int(entry.name)
         try:
