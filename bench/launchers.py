@@ -53,10 +53,7 @@ BIN = Path(sys.executable).parent
 
 
 def records(run_dir: Path) -> list[dict]:
-    try:
-        return metrics.read(run_dir)
-    except FileNotFoundError:
-        return []
+    return metrics.read(run_dir, missing_ok=True)
 
 
 def train_records(run_dir: Path) -> list[dict]:

@@ -52,7 +52,7 @@ def one_run(run_dir: Path, model: str, signal_after: int, timeout: float = 600) 
                             start_new_session=True)
     try:
         deadline = time.monotonic() + timeout
-        while not any(r["step"] >= signal_after for r in _records(run_dir, "train")):
+        while not any(r["step"] >= signal_after for r in read(run_dir, "train", missing_ok=True)):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"preempt bench: run ended or stalled before step {signal_after}: "
                                  f"{proc.stderr.read()[-2000:]}")
@@ -66,9 +66,9 @@ def one_run(run_dir: Path, model: str, signal_after: int, timeout: float = 600) 
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    (rec,) = _records(run_dir, "preempted")
-    periodic = [r["blocking_s"] for r in _records(run_dir, "snapshot") if r["step"] != rec["step"]]
-    train = _records(run_dir, "train")
+    (rec,) = read(run_dir, "preempted")
+    periodic = [r["blocking_s"] for r in read(run_dir, "snapshot") if r["step"] != rec["step"]]
+    train = read(run_dir, "train")
     step_s = (train[-1]["time"] - train[1]["time"]) / max(1, train[-1]["step"] - train[1]["step"])
     return {"preempt_seconds": rec["seconds"], "stop_step": rec["step"], "periodic_snapshot_seconds": max(periodic),
             "step_seconds": step_s, "signal_to_exit_seconds": wall,
@@ -116,13 +116,6 @@ def measure_vote(blocks: int) -> dict:
         raise SystemExit(f"preempt bench: vote measurement failed: {r.stderr[-2000:]}")
     ms = json.loads(r.stdout.strip().splitlines()[-1])
     return {"vote_cpu_ms": ms["cpu"], "vote_wall_ms": ms["wall"]}
-
-
-def _records(run_dir: Path, kind: str) -> list[dict]:
-    try:
-        return read(run_dir, kind)
-    except FileNotFoundError:
-        return []
 
 
 def main() -> int:

@@ -54,10 +54,14 @@ def trainapp(*args: str, timeout: float = 300, env: dict | None = None) -> Resul
     return run_cmd([PY, "-m", "trainapp", *args], timeout=timeout, env=env)
 
 
+def torchrun_cmd(nproc: int, *args: str, max_restarts: int = 0) -> list[str]:
+    """`torchrun ... -m trainapp train ARGS` on this machine."""
+    return [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
+            "-m", "trainapp", "train", *args]
+
+
 def torchrun(nproc: int, *args: str, max_restarts: int = 0, timeout: float = 300) -> Result:
-    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
-           "-m", "trainapp", "train", *args]
-    return run_cmd(cmd, timeout=timeout)
+    return run_cmd(torchrun_cmd(nproc, *args, max_restarts=max_restarts), timeout=timeout)
 
 
 def inspect(path: Path) -> dict:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PY, QUICK, REPO, TORCHRUN, inspect, kill_registered, metrics, run_cmd
+from helpers import PY, QUICK, REPO, inspect, kill_registered, metrics, run_cmd, torchrun_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -20,8 +20,7 @@ RUN = [*QUICK, "train.epochs=100", "train.max_steps=60", "snapshot.every_steps=1
 
 
 def torchrun(run_dir: Path, *args: str, restarts: int = 1) -> list[str]:
-    return [TORCHRUN, "--standalone", "--nproc_per_node=2", f"--max-restarts={restarts}",
-            "-m", "trainapp", "train", f"run.dir={run_dir}", *RUN, *args]
+    return torchrun_cmd(2, f"run.dir={run_dir}", *RUN, *args, max_restarts=restarts)
 
 
 def test_a_hung_rank_is_found_by_both_ranks_and_the_restart_resumes_bitwise(tmp_path):
@@ -51,7 +50,8 @@ def test_a_sigstopped_rank_is_found_by_its_peer_in_seconds(tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while not any(r["step"] >= 25 for r in _train(run_dir)) and time.monotonic() < deadline:
+        while time.monotonic() < deadline and not any(
+                r["step"] >= 25 for r in metrics(run_dir, "train", missing_ok=True)):
             time.sleep(0.05)
         pids = {int((Path(f"/proc/{p.name}/environ").read_bytes().split(b"RANK=", 1)[1].split(b"\0")[0])): int(p.name)
                 for p in (tmp_path / "rt" / "workers").iterdir()}
@@ -72,13 +72,6 @@ def test_a_sigstopped_rank_is_found_by_its_peer_in_seconds(tmp_path):
     # --shutdown-timeout in torch 2.14), the restart: within the issue's 100 s at the default 60 s
     assert resumed["resumed_step"] is not None and resumed["time"] - stopped < 60, resumed["time"] - stopped
     assert inspect(run_dir)["global_step"] == 200
-
-
-def _train(run_dir: Path) -> list[dict]:
-    try:
-        return metrics(run_dir, "train")
-    except FileNotFoundError:
-        return []
 
 
 @pytest.mark.parametrize("nproc", [1, 2])

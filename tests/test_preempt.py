@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PY, REPO, TORCHRUN, inspect, kill_registered, metrics, run_cmd
+import helpers
+from helpers import PY, REPO, inspect, kill_registered, metrics, run_cmd
 from trainapp import preempt
 
 slow = pytest.mark.slow  # the process-level tests; the registry tests below are fast
@@ -55,6 +56,19 @@ class Job:
         finally:
             self.kill()
 
+    def signal_after(self, run_dir: Path, kind: str, step: int, pid: int | None, signum: int = signal.SIGTERM) -> int:
+        """Once metrics.jsonl has a `kind` record at `step` or later, send `signum` to `pid` (None: the
+        whole process group, as a container runtime does); the exit code, which came within the grace period."""
+        wait_for(run_dir, kind, step, self)
+        t0 = time.monotonic()
+        if pid is None:
+            os.killpg(self.proc.pid, signum)
+        else:
+            os.kill(pid, signum)
+        rc = self.wait()
+        assert time.monotonic() - t0 < 25
+        return rc
+
     def kill(self) -> None:
         kill_registered(self.runtime)
         try:
@@ -73,8 +87,7 @@ def trainapp_cmd(run_dir: Path, *args: str) -> list[str]:
 
 
 def torchrun_cmd(run_dir: Path, *args: str) -> list[str]:
-    return [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=0", "-m", "trainapp", "train",
-            f"run.dir={run_dir}", *RUN, *args]
+    return helpers.torchrun_cmd(2, f"run.dir={run_dir}", *RUN, *args)
 
 
 def wait_for(run_dir: Path, kind: str, step: int, job: Job, timeout: float = 120) -> None:
@@ -83,11 +96,8 @@ def wait_for(run_dir: Path, kind: str, step: int, job: Job, timeout: float = 120
         if job.proc.poll() is not None:
             raise AssertionError(f"{job.name} ended (exit {job.proc.returncode}) before a {kind} record at "
                                  f"step {step}: {job.output()[1][-3000:]}")
-        try:
-            if any(r["step"] >= step for r in metrics(run_dir, kind)):
-                return
-        except FileNotFoundError:
-            pass
+        if any(r["step"] >= step for r in metrics(run_dir, kind, missing_ok=True)):
+            return
         time.sleep(0.02)
     raise AssertionError(f"no {kind} record at step >= {step} in {timeout}s")
 
@@ -132,11 +142,7 @@ def test_sigterm_alone_snapshots_the_step_reached_and_the_rerun_is_bitwise_equal
     straight = straight_sha(tmp_path, trainapp_cmd)
     run_dir = tmp_path / "run"
     job = Job(trainapp_cmd(run_dir), tmp_path, "alone")
-    wait_for(run_dir, "train", 120, job)
-    t0 = time.monotonic()
-    os.kill(job.proc.pid, signal.SIGTERM)
-    rc = job.wait()
-    assert time.monotonic() - t0 < 25
+    rc = job.signal_after(run_dir, "train", 120, job.proc.pid)
     rec = check_preempted(run_dir, job, rc)
     assert rec["phase"] in ("data", "step")
     rerun_resumes_exactly(run_dir, trainapp_cmd, rec["step"], straight)
@@ -149,11 +155,7 @@ def test_sigterm_to_the_torchrun_process_group_stops_every_rank_at_one_step(tmp_
     straight = straight_sha(tmp_path, torchrun_cmd)
     run_dir = tmp_path / "run"
     job = Job(torchrun_cmd(run_dir), tmp_path, "group")
-    wait_for(run_dir, "train", 120, job)
-    t0 = time.monotonic()
-    os.killpg(job.proc.pid, signal.SIGTERM)
-    rc = job.wait()
-    assert time.monotonic() - t0 < 25
+    rc = job.signal_after(run_dir, "train", 120, None)
     out, err = job.output()
     assert rc != 0  # torchrun's own exit: its agent raises SignalException (documented)
     assert "forcefully exiting via 9" not in err, err[-3000:]  # no worker needed torchrun's SIGKILL
@@ -167,9 +169,7 @@ def test_sigterm_to_one_torchrun_worker_stops_both_at_the_same_step(tmp_path):
     run_dir = tmp_path / "run"
     job = Job(torchrun_cmd(run_dir), tmp_path, "one")
     ranks = job.workers(2)
-    wait_for(run_dir, "train", 120, job)
-    os.kill(ranks[1], signal.SIGTERM)  # rank 0, which writes, hears of it only through the vote
-    rc = job.wait()
+    rc = job.signal_after(run_dir, "train", 120, ranks[1])  # rank 0, which writes, hears of it only through the vote
     out, err = job.output()
     assert "exitcode: 143" in err and "forcefully exiting" not in err, err[-3000:]
     assert rc == 1  # torchrun reports failed workers with 1; their own codes are in its summary
@@ -203,9 +203,7 @@ def test_a_signal_during_eval_cuts_the_eval_short_and_snapshots_after_the_next_s
     # A validation set large enough that evaluating it takes seconds, after the train record at step 60.
     job = Job(trainapp_cmd(run_dir, "data.val_size=60000", "train.eval_every=60", "train.log_every=60"),
               tmp_path, "eval")
-    wait_for(run_dir, "train", 60, job)
-    os.kill(job.proc.pid, signal.SIGTERM)
-    rc = job.wait()
+    rc = job.signal_after(run_dir, "train", 60, job.proc.pid)
     rec = check_preempted(run_dir, job, rc)
     assert rec["phase"] == "eval" and rec["step"] > 60, rec
     assert not metrics(run_dir, "eval")  # a partial eval is not recorded
@@ -216,9 +214,8 @@ def test_a_signal_during_eval_cuts_the_eval_short_and_snapshots_after_the_next_s
 def test_an_extra_signal_from_preempt_signals_is_a_notice_too(tmp_path):
     run_dir = tmp_path / "run"
     job = Job(trainapp_cmd(run_dir, "preempt.signals=[SIGUSR1]"), tmp_path, "usr1")
-    wait_for(run_dir, "train", 60, job)
-    os.kill(job.proc.pid, signal.SIGUSR1)
-    rec = check_preempted(run_dir, job, job.wait(), signal.SIGUSR1)
+    rc = job.signal_after(run_dir, "train", 60, job.proc.pid, signal.SIGUSR1)
+    rec = check_preempted(run_dir, job, rc, signal.SIGUSR1)
     assert rec["step"] > 60
 
 
@@ -259,9 +256,7 @@ def test_trainapp_node_drains_its_training_processes_before_stopping(tmp_path):
     run_dir = tmp_path / "run"
     job = Job([PY, "-m", "trainapp", "node", "--wait-s", "20", "--", *trainapp_cmd(run_dir)], tmp_path, "node")
     (pid,) = job.workers(1).values()
-    wait_for(run_dir, "train", 60, job)
-    os.kill(job.proc.pid, signal.SIGTERM)
-    rc = job.wait()
+    rc = job.signal_after(run_dir, "train", 60, job.proc.pid)
     out, err = job.output()
     assert rc == 143, out + err
     assert "1 training process(es) stopped with their snapshot" in out, out

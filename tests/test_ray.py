@@ -66,11 +66,8 @@ def wait_for_step(run_dir: Path, step: int, timeout: float = 240) -> float:
     """Block until metrics.jsonl shows a train record at `step` or later; returns the time seen."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            if any(r["step"] >= step for r in metrics(run_dir, "train")):
-                return time.time()
-        except FileNotFoundError:
-            pass
+        if any(r["step"] >= step for r in metrics(run_dir, "train", missing_ok=True)):
+            return time.time()
         time.sleep(0.1)
     raise AssertionError(f"{run_dir} never reached step {step}")
 

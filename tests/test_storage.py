@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PY, QUICK, TORCHRUN, inspect, metrics, run_cmd, trainapp
+from helpers import PY, QUICK, inspect, metrics, run_cmd, torchrun, trainapp
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs and a read-only bind mount: needs root")]
@@ -77,8 +77,7 @@ def test_a_full_disk_with_room_for_one_stops_after_max_failures_with_exit_3(tmp_
     if launcher == "alone":
         r = trainapp("train", *args, "snapshot.async=true")
     else:
-        r = run_cmd([TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=0", "-m", "trainapp", "train",
-                     *args], timeout=300)
+        r = torchrun(2, *args)
     assert r.returncode == (3 if launcher == "alone" else 1), r.output[-3000:]
     if launcher == "torchrun":  # both ranks agreed and exited 3, none hung in a collective
         assert r.stderr.count("exitcode: 3") >= 1 and "forcefully" not in r.stderr, r.stderr[-3000:]

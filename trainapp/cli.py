@@ -25,6 +25,15 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="dotted overrides, e.g. train.max_steps=50 run.dir=/tmp/r (CLI > file > defaults)")
 
 
+def _add_drain_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--wait-s", type=float, default=30.0, metavar="S",
+                   help="wait at most this long for the training processes to exit (more than preempt.grace_s; "
+                        "default 30)")
+    p.add_argument("--ray-deadline-s", type=int, default=None, metavar="S",
+                   help="first drain this node's Ray node for preemption with this deadline (`ray drain-node`), "
+                        "so Ray Train knows it is a preemption and does not restart workers here")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainapp", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -42,15 +51,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="PNG", help="where the plot goes (default RUN_DIR/report.png)")
     p = sub.add_parser("drain", help="this node is going away (a pod's preStop, a container's stop): SIGTERM every "
                                      "trainapp training process on it and wait for their snapshots")
-    p.add_argument("--wait-s", type=float, default=30.0, metavar="S",
-                   help="wait at most this long for them to exit (at least preempt.grace_s; default 30)")
-    p.add_argument("--ray-deadline-s", type=int, default=None, metavar="S",
-                   help="first drain this node's Ray node for preemption with this deadline (`ray drain-node`), "
-                        "so Ray Train knows it is a preemption and does not restart workers here")
+    _add_drain_args(p)
     p = sub.add_parser("node", help="run a node's command (`ray start --block`, torchrun) as a container's main process; "
                                     "on SIGTERM drain the node first (see drain), then stop the command")
-    p.add_argument("--wait-s", type=float, default=30.0, metavar="S", help="as for drain (default 30)")
-    p.add_argument("--ray-deadline-s", type=int, default=None, metavar="S", help="as for drain")
+    _add_drain_args(p)
     p.add_argument("node_command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                    help="the node's command, after --")
     p = sub.add_parser("doctor", help="check this node for a config: versions, GPUs, network interface, "
@@ -134,17 +138,19 @@ def cmd_report(args) -> int:
     return 0
 
 
+def _check_drain_args(args) -> None:
+    if args.wait_s <= 0:
+        raise config.ConfigError(f"--wait-s={args.wait_s:g}: must be > 0 (seconds to wait for the snapshots)")
+
+
 def cmd_drain(args) -> int:
     from trainapp import preempt
 
-    if args.wait_s <= 0:
-        raise config.ConfigError(f"--wait-s={args.wait_s:g}: must be > 0 (seconds to wait for the snapshots)")
+    _check_drain_args(args)
     stopped, left, said = preempt.drain(args.wait_s, args.ray_deadline_s)
     if said:
         print(f"trainapp drain: {said}", flush=True)
-    print(f"trainapp drain: {len(stopped)} training process(es) stopped" + (f" (pids {' '.join(map(str, stopped))})"
-          if stopped else "") + (f"; still running after {args.wait_s:g} s: pids {' '.join(map(str, left))}"
-                                 if left else ""), flush=True)
+    print(f"trainapp drain: {preempt.drain_line(stopped, left, args.wait_s)}", flush=True)
     return 1 if left else 0
 
 
@@ -155,8 +161,7 @@ def cmd_node(args) -> int:
     if not command:
         raise config.ConfigError("no command to run; give it after --, e.g. trainapp node -- ray start "
                                  "--address=HEAD:6379 --block")
-    if args.wait_s <= 0:
-        raise config.ConfigError(f"--wait-s={args.wait_s:g}: must be > 0 (seconds to wait for the snapshots)")
+    _check_drain_args(args)
     return preempt.supervise(command, args.wait_s, args.ray_deadline_s)
 
 
@@ -186,12 +191,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainapp {args.command}: error: {e}", file=sys.stderr, flush=True)
         return 2
     except Exception as e:
-        from trainapp.snapshot import StorageError  # torch is loaded by now: only a training run raises it
-
-        if not isinstance(e, StorageError):
+        code = getattr(e, "exit_code", None)  # a failure that names its own exit code (snapshot.StorageError)
+        if not isinstance(code, int):
             raise
         print(f"trainapp {args.command}: error: {e}", file=sys.stderr, flush=True)
-        return 3
+        return code
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # output piped into `head` and the like

@@ -196,9 +196,8 @@ class DistSection:
     """Timeout of process-group creation and of every collective, in seconds."""
 
 
-# A handled signal that means "stop now" to the OS: never a preemption notice.
-_UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
-_NOT_NOTICES = {"SIGCHLD", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT", "SIGPIPE"}
+# Signals that cannot be caught (KILL, STOP) or that mean a crash or plumbing: never a preemption notice.
+_NOT_NOTICES = {"SIGKILL", "SIGSTOP", "SIGCHLD", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT", "SIGPIPE"}
 
 
 @dataclass(config=_STRICT)
@@ -226,7 +225,7 @@ class PreemptSection:
         for raw in self.signals:
             name = raw.strip().upper()
             name = name if name.startswith("SIG") else "SIG" + name
-            if name in _UNCATCHABLE or name in _NOT_NOTICES or not isinstance(getattr(signal, name, None), signal.Signals):
+            if name in _NOT_NOTICES or not isinstance(getattr(signal, name, None), signal.Signals):
                 raise ConfigError(f"preempt.signals: {raw!r} is not a signal a notice can use; name one such as "
                                   "SIGUSR1, SIGUSR2 or SIGHUP")
             names.append(name)

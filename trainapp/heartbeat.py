@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import logging
 import os
 import sys
 import threading
 import time
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 HUNG_EXIT = 124
 """Exit code of a rank the watchdog ended (as GNU timeout's): not 0, not 2, 3 or 128+N."""
@@ -69,12 +66,13 @@ class Watchdog:
         self.timeout_s, self.startup_s = timeout_s, startup_s
         self.path = Path(run_dir) / "hangs" / f"rank-{rank}-attempt-{attempt}.txt"
         self.rank = rank
-        self.started = False  # the first step is done: the normal timeout applies
+        self._first_step: int | None = None  # the step the run started at; past it, the normal timeout applies
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> Watchdog:
         if self.timeout_s > 0:
+            self._first_step = state.step
             beat()
             self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
             self._thread.start()
@@ -86,7 +84,8 @@ class Watchdog:
     def _allowance(self) -> float | None:
         if self.rank != 0 and state.phase == "snapshot":
             return None  # waiting for rank 0's write, which rank 0's watchdog watches
-        return self.timeout_s if self.started else max(self.startup_s, self.timeout_s)
+        started = state.step != self._first_step  # a step was done since start()
+        return self.timeout_s if started else max(self.startup_s, self.timeout_s)
 
     def _watch(self) -> None:
         poll = min(1.0, self.timeout_s / 4)

@@ -65,6 +65,7 @@ class Trainer:
                    disable=not (self.ctx.is_main and t.progress), mininterval=0.5)
         meter = Throughput(p.global_batch)
         self.parts.train_model.train()
+        heartbeat.beat(p.global_step)  # the watchdog's startup allowance lasts until the step moves
         heartbeat.set_phase("step")
         self.watchdog.start()
         try:
@@ -90,7 +91,6 @@ class Trainer:
                 batches = None  # the epoch is over: the next step starts the next one
             bar.update(1)
             heartbeat.beat(p.global_step)
-            self.watchdog.started = True
             last = p.global_step == total
             signum = 0 if last else self.vote.stop(p.global_step)  # the last step ends the run anyway
             if signum:

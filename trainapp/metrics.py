@@ -55,11 +55,17 @@ def parse(lines: Iterable[str]) -> list[dict[str, Any]]:
     return records
 
 
-def read(run_dir: str | Path, kind: str | None = None) -> list[dict[str, Any]]:
+def read(run_dir: str | Path, kind: str | None = None, missing_ok: bool = False) -> list[dict[str, Any]]:
     """The records of RUN_DIR/metrics.jsonl, oldest first, only those of `kind` if given.
-    FileNotFoundError when there is no such file."""
-    with open(Path(run_dir) / METRICS) as f:
-        records = parse(f)
+    FileNotFoundError when there is no such file, unless `missing_ok` (a run that has not started yet:
+    no records)."""
+    try:
+        with open(Path(run_dir) / METRICS) as f:
+            records = parse(f)
+    except FileNotFoundError:
+        if missing_ok:
+            return []
+        raise
     return [r for r in records if kind is None or r.get("kind") == kind]
 
 

@@ -88,12 +88,16 @@ def describe_snapshots(where: str) -> None:
     _notice.snapshots = where
 
 
-def _handler(signum, frame) -> None:
-    # Runs in the main thread between bytecodes: record only; logging here could deadlock on a lock
-    # the interrupted code holds.
+def _record(signum: int) -> None:
     if not _notice.signum:
         _notice.at, _notice.phase_at_signal = time.monotonic(), heartbeat.state.phase
         _notice.signum = signum
+
+
+def _handler(signum, frame) -> None:
+    # Runs in the main thread between bytecodes: record only; logging here could deadlock on a lock
+    # the interrupted code holds. The watcher thread arms the deadline (here only without one).
+    _record(signum)
     if not _notice.watching:
         _arm(signum)
 
@@ -103,9 +107,7 @@ def _arm(signum: int) -> None:
     with _notice.lock:
         first = not _notice.armed
         _notice.armed = True
-        if not _notice.signum:
-            _notice.at, _notice.phase_at_signal = time.monotonic(), heartbeat.state.phase
-            _notice.signum = signum
+        _record(signum)  # the watcher may see a signal before the blocked main thread runs the handler
     name = signal.Signals(signum).name
     if first and heartbeat.state.phase == "start":  # no step trained yet in this process: nothing to save
         print(f"trainapp: {name} before training started; nothing to save; exiting with {128 + signum}",
@@ -241,14 +243,24 @@ def runtime_dir(root: str | Path | None = None) -> Path:
     return Path(root or os.environ.get(RUNTIME_ENV) or "/tmp/trainapp-runtime") / "workers"
 
 
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat after the command name (state first), None when there is no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def _start_time(pid: int) -> str | None:
     """The process's start time in clock ticks (field 22 of /proc/PID/stat): a PID with another start
     time is a reused PID, not our worker."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
+    stat = _stat(pid)
+    return stat[19] if stat else None
+
+
+def _running(pid: int) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z"  # a zombie has exited; only its parent has not reaped it
 
 
 def register() -> Path | None:
@@ -321,15 +333,15 @@ def drain(wait_s: float, ray_deadline_s: int | None = None, poll_s: float = 0.1)
     left = list(pids)
     while left and time.monotonic() < end:
         time.sleep(poll_s)
-        left = [p for p in left if Path(f"/proc/{p}").exists() and _start_time(p) is not None and not _zombie(p)]
+        left = [p for p in left if _running(p)]
     return [p for p in pids if p not in left], left, said
 
 
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return False
+def drain_line(stopped: list[int], left: list[int], wait_s: float) -> str:
+    """What a drain did, in one line (`trainapp drain` and `trainapp node` print it)."""
+    return (f"{len(stopped)} training process(es) stopped with their snapshot"
+            + (f" (pids {' '.join(map(str, stopped))})" if stopped else "")
+            + (f"; still running after {wait_s:g} s: pids {' '.join(map(str, left))}" if left else ""))
 
 
 def supervise(cmd: list[str], wait_s: float, ray_deadline_s: int | None) -> int:
@@ -355,8 +367,7 @@ def supervise(cmd: list[str], wait_s: float, ray_deadline_s: int | None) -> int:
     stopped, left, said = drain(wait_s, ray_deadline_s)
     if said:
         print(f"trainapp node: {said}", flush=True)
-    print(f"trainapp node: {len(stopped)} training process(es) stopped with their snapshot"
-          + (f"; still running after {wait_s:g} s: pids {' '.join(map(str, left))}" if left else ""), flush=True)
+    print(f"trainapp node: {drain_line(stopped, left, wait_s)}", flush=True)
     child.send_signal(got[0])
     try:
         child.wait(timeout=15)

@@ -252,7 +252,7 @@ class Publish(Protocol):
 
 class LocalPublish:
     """Snapshots on storage every rank sees (one machine, NFS, a ReadWriteMany volume): the atomic
-    rename in `write_dir` publishes, the other ranks wait at a barrier, the last `snapshot.keep` stay."""
+    rename in `write_dir` publishes, the last `snapshot.keep` stay."""
 
     background = True
 
@@ -269,9 +269,7 @@ class LocalPublish:
         return manager.keep_newest_valid()
 
     def publish(self, ctx, step: int, path: Path | None, metrics: dict[str, Any]) -> None:
-        from trainapp import dist
-
-        dist.barrier(ctx)
+        pass  # the rename published it; the other ranks waited for rank 0 in the manager's `agree`
 
     def find(self, ctx, manager: SnapshotManager) -> tuple[str, dict[str, Any]] | None:
         return find_shared(ctx, manager.root)
@@ -394,10 +392,7 @@ class SnapshotManager:
 
     def _fatal_message(self, final: bool) -> str:
         step, e = self._last
-        try:
-            newest = newest_valid(self.root)
-        except ConfigError:
-            newest = None
+        newest = self._newest()
         size = newest[1].get("bytes") if newest else None
         why = (f"the final snapshot (step {step}) failed" if final and self.failures < self.max_failures
                else f"snapshot.max_failures={self.max_failures}: {self.failures} snapshots in a row failed, the last "
@@ -434,12 +429,16 @@ class SnapshotManager:
                  " (background)" if self._pending is not None else "")
         return path
 
+    def _newest(self) -> tuple[Path, dict[str, Any]] | None:
+        """The newest valid snapshot, None when there is none (not an error here: nothing to keep)."""
+        try:
+            return newest_valid(self.root)
+        except ConfigError:
+            return None
+
     def keep_newest_valid(self) -> int:
         """Delete every snapshot but the newest valid one (room after ENOSPC); how many went."""
-        try:
-            newest = newest_valid(self.root)
-        except ConfigError:  # snapshots, none of them valid: none worth keeping
-            newest = None
+        newest = self._newest()  # None when no snapshot is valid: none worth keeping
         older = [p for p in list_snapshots(self.root) if newest is None or p != newest[0]]
         for old in older:
             shutil.rmtree(old, ignore_errors=True)
