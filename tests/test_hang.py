@@ -33,10 +33,14 @@ def test_a_hung_rank_is_found_by_both_ranks_and_the_restart_resumes_bitwise(tmp_
     assert r.returncode == 0, r.output[-3000:]
     assert time.monotonic() - t0 < 120
     hung = (run_dir / "hangs" / "rank-1-attempt-0.txt").read_text()
-    assert "rank 1 on" in hung and "in phase data after step 25" in hung and "Thread 0x" in hung, hung[:2000]
-    assert "in _maybe_fault" in hung  # the hung thread's own stack is in the dump
-    blocked = (run_dir / "hangs" / "rank-0-attempt-0.txt").read_text()
-    assert "in phase step after step 25" in blocked, blocked[:500]  # waiting for rank 1 in the all-reduce
+    assert "rank 1 on" in hung and "after step 25 in phase data: hang: no progress" in hung, hung[:2000]
+    assert "Thread 0x" in hung and "in _maybe_fault" in hung  # the hung thread's own stack is in the dump
+    # Rank 0 waits for rank 1 in the all-reduce: its own watchdog finds that, or rank 1's word reaches it first.
+    failures = {f["rank"]: f for f in metrics(run_dir, "failure")}
+    assert failures[1]["cause"] == "hang" and failures[1]["phase"] == "data" and failures[1]["step"] == 25
+    assert failures[0]["cause"] in ("hang", "peer") and failures[0]["phase"] == "step", failures[0]
+    blocked = run_dir / "hangs" / "rank-0-attempt-0.txt"
+    assert failures[0]["cause"] == "peer" or "after step 25 in phase step" in blocked.read_text()
     assert "exitcode: 124" in r.stderr or "exitcode  : 124" in r.stderr, r.stderr[-3000:]
     starts = metrics(run_dir, "start")
     assert [s["resumed_step"] for s in starts] == [None, 20]
@@ -78,11 +82,12 @@ def test_a_sigstopped_rank_is_found_by_its_peer_in_seconds(tmp_path):
 def test_no_false_alarm_from_a_long_eval_or_a_slow_snapshot_write(tmp_path, nproc):
     run_dir = tmp_path / "run"
     # hang_timeout_s=2 against an eval of a 40000-image validation set (seconds) and snapshot writes
-    # held 4 s by the drill: neither may fire; the other ranks wait out rank 0's write.
+    # held 4 s by the drill: neither may fire; the other ranks wait out rank 0's write. Alone the
+    # writes are asynchronous: the end of the run waits for the last one, which progresses meanwhile.
     args = ["fault.hang_timeout_s=2", "data.val_size=40000", "train.eval_every=20", "fault.snapshot_write_delay_s=4",
             "snapshot.every_steps=30"]
     if nproc == 1:
-        r = run_cmd([PY, "-m", "trainapp", "train", f"run.dir={run_dir}", *RUN, *args])
+        r = run_cmd([PY, "-m", "trainapp", "train", f"run.dir={run_dir}", *RUN, *args, "snapshot.async=true"])
     else:
         r = run_cmd(torchrun(run_dir, *args, restarts=0))
     assert r.returncode == 0, r.output[-3000:]
@@ -90,3 +95,16 @@ def test_no_false_alarm_from_a_long_eval_or_a_slow_snapshot_write(tmp_path, npro
     evals = metrics(run_dir, "eval")
     assert len(evals) == 3 and all(e["val_samples"] == 40000 for e in evals)
     assert [s["step"] for s in metrics(run_dir, "snapshot")] == [30, 60]
+
+
+def test_a_background_snapshot_write_does_not_hide_a_hung_training_thread(tmp_path):
+    """The writer of an asynchronous snapshot makes progress for 30 s while the training thread hangs
+    one step later: the watchdog counts only the training thread, and fires after its 3 s."""
+    run_dir = tmp_path / "run"
+    r = run_cmd([PY, "-m", "trainapp", "train", f"run.dir={run_dir}", *RUN, "snapshot.async=true",
+                 "fault.snapshot_write_delay_s=30", "fault.hang_at_step=11", "fault.rank=0", "fault.hang_timeout_s=3"])
+    assert r.returncode == 124, r.output[-3000:]
+    hung_at = float((run_dir / "fault-fired-hang-step11-rank0").read_text().split()[0])
+    (rec,) = metrics(run_dir, "failure")
+    assert rec["cause"] == "hang" and rec["step"] == 11 and rec["phase"] == "data", rec
+    assert rec["time"] - hung_at < 10, rec["time"] - hung_at  # not after the 30 s write

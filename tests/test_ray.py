@@ -158,6 +158,61 @@ def test_ray_and_torchrun_end_with_the_same_parameters(ray_run_with_restart, tmp
     assert inspect(run_dir)["params_sha256"] == inspect(tmp_path / "tr")["params_sha256"]
 
 
+def test_an_out_of_memory_rank_then_a_hung_rank_are_explained_and_the_ray_run_ends_as_if_neither_happened(
+        cluster, ray_run_with_restart):
+    """Rank 1 raises torch.OutOfMemoryError after step 8 (attempt 0), then hangs after step 17
+    (attempt 1): each time its peer follows it out within seconds, Ray Train restarts the group from
+    the newest snapshot, and the run ends with the parameters of the drill run without these faults."""
+    name = "failures"
+    run_dir = cluster.storage / name
+    r = submit(cluster, name, "train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5", *QUICK,
+               "fault.oom_at_step=8", "fault.hang_at_step=17", "fault.rank=1", "fault.hang_timeout_s=5",
+               "ray.max_failures=2")
+    assert r.returncode == 0, r.output[-4000:]
+    by_attempt: dict[int, dict[int, dict]] = {}
+    for f in metrics(run_dir, "failure"):
+        by_attempt.setdefault(f["attempt"], {})[f["rank"]] = f
+    oom, hang = by_attempt[0][1], by_attempt[1][1]
+    assert (oom["cause"], oom["step"], oom["memory"]["device"]) == ("oom", 8, "cpu"), oom
+    assert (hang["cause"], hang["step"], hang["phase"]) == ("hang", 17, "data"), hang
+    assert (run_dir / "hangs" / "rank-1-attempt-1.txt").exists()
+    for attempt, failed in ((0, oom), (1, hang)):
+        peer = by_attempt[attempt][0]
+        assert peer["cause"] in ("peer", "hang") and peer["time"] - failed["time"] < 10, (peer, failed)
+    assert [s["resumed_step"] for s in metrics(run_dir, "start")] == [None, 5, 15]
+    assert inspect(run_dir)["params_sha256"] == inspect(ray_run_with_restart[1])["params_sha256"]
+    rep = trainapp("report", str(run_dir), timeout=120)
+    assert "failures       2" in rep.stdout and "attempt 1: rank 1 on" in rep.stdout, rep.output
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: needs root")
+def test_a_failed_upload_to_uri_storage_is_a_failed_snapshot_and_the_final_one_stops_the_run(cluster, tmp_path):
+    """`ray.storage_path` a URI (file:// on a 1.2 MB tmpfs, room for one snapshot): rank 0 uploads, the
+    second upload hits ENOSPC and is counted like a full local disk (training goes on, nothing partial
+    stays), the failed final one stops the run with one line and no retry (ray.max_failures=0)."""
+    mount = tmp_path / "bucket"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1200k", "tmpfs", str(mount)], check=True)
+    try:
+        run_dir = tmp_path / "run"
+        r = submit(cluster, "uri", "train.max_steps=30", "train.epochs=10", "snapshot.every_steps=10", *QUICK,
+                   f"run.dir={run_dir}", "ray.max_failures=0", f"ray.storage_path=file://{mount}")
+        stored = sorted(p.name for p in (mount / "uri").iterdir() if p.name.startswith("step_"))
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+    assert r.returncode != 0, r.output[-4000:]
+    failed = metrics(run_dir, "snapshot_failed", missing_ok=True)
+    assert [(f["step"], f["errno"]) for f in failed] == [(20, "ENOSPC"), (30, "ENOSPC")], r.output[-4000:]
+    assert failed[0]["path"] == f"file://{mount}/uri/step_000000020"
+    assert stored == ["step_000000010"]  # the partial uploads were deleted
+    # One line (`ray job submit` shows the job's last lines twice: streamed, then in its status).
+    errors = sorted({line for line in r.output.splitlines() if line.startswith("trainapp ray: error:")})
+    assert len(errors) == 1 and "the final snapshot (step 30) failed: [Errno 28] No space left on device" in errors[0]
+    assert f"free space under file://{mount}/uri" in errors[0] and "ray.storage_path" in errors[0], errors
+    assert f"the newest valid snapshot is {mount}/uri/step_000000010" in errors[0], errors
+    assert [f["cause"] for f in metrics(run_dir, "failure")] == ["storage", "storage"]
+
+
 def test_bad_ray_input_fails_fast_with_one_line(cluster, tmp_path):
     cases = {
         "no cluster": (["ray.address=127.0.0.1:1"], "ray.address=127.0.0.1:1: no Ray cluster answers"),

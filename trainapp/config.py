@@ -36,6 +36,8 @@ def _public(name: str) -> str:
 class ConfigError(ValueError):
     """Bad configuration or bad input: the CLI prints the message as one line and exits 2."""
 
+    failure_cause = ""  # says what is wrong itself: no `failure` record (trainapp/failure.py)
+
 
 @dataclass(config=_STRICT)
 class RunSection:
@@ -173,7 +175,7 @@ class FaultSection:
     """Failure drill: rank `fault.rank` kills itself with SIGKILL after optimizer step N, once (a
     marker in `run.dir` stops it from firing again after the restart)."""
     rank: int = Field(default=0, ge=0)
-    """The rank that `fault.kill_at_step` kills."""
+    """The rank the drills (`kill_at_step`, `hang_at_step`, `oom_at_step`) act on."""
     snapshot_write_delay_s: float = Field(default=0.0, ge=0)
     """Failure drill: sleep this long inside every snapshot write, after `state.pt` and before the
     `meta.json` that completes it, so a kill can land mid-write."""
@@ -188,6 +190,10 @@ class FaultSection:
     hang_at_step: Optional[int] = Field(default=None, ge=1)
     """Failure drill: rank `fault.rank` stops making progress after optimizer step N (its training
     thread sleeps, as a stuck data loader would), once (a marker in `run.dir`)."""
+    oom_at_step: Optional[int] = Field(default=None, ge=1)
+    """Failure drill: rank `fault.rank` raises `torch.OutOfMemoryError` after optimizer step N, once
+    (a marker in `run.dir`), as a CUDA allocation beyond the device's memory would: the rank records
+    the failure with its memory, its peers follow it out, the launcher restarts the group."""
 
 
 @dataclass(config=_STRICT)

@@ -98,6 +98,20 @@ def _elastic_store(timeout: datetime.timedelta):
     return dist.PrefixStore(f"trainapp/{run_id}/attempt{attempt}", store)
 
 
+def side_store(ctx: DistContext, timeout_s: float = 10.0):
+    """A client of the group's store of our own (MASTER_ADDR:MASTER_PORT: torchrun's agent, or rank 0
+    under Ray and plain launches), for word between ranks outside the process group, such as a rank's
+    failure: a collective cannot carry it, it is what hangs. Keys are scoped to this attempt of the
+    group. None alone or when no store address is known."""
+    if not ctx.distributed or "MASTER_ADDR" not in os.environ:
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 29500), is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    scope = "side" if attempt is None else f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/attempt{attempt}/side"
+    return dist.PrefixStore(f"trainapp/{scope}", store)
+
+
 def setup(timeout_s: float, network=None) -> DistContext:
     """Read ranks from the environment and make sure a process group exists when world size > 1.
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -32,6 +31,8 @@ class _State:
         self.last = time.monotonic()
         self.phase = "start"  # start, data, step, eval, snapshot
         self.step = 0
+        self.owner: int | None = None  # the training thread (the one that started the watchdog)
+        self.aside = 0.0  # the last progress of another thread (the background snapshot writer)
 
 
 state = _State()
@@ -41,6 +42,27 @@ def beat(step: int | None = None) -> None:
     state.last = time.monotonic()
     if step is not None:
         state.step = step
+
+
+def progress() -> None:
+    """A beat from code that also runs in other threads (a snapshot chunk). From another thread it is
+    only noted aside: an asynchronous write must not hide that the training thread hangs, and the
+    training thread, when it waits for that write, beats while the write progresses (`wait_for`)."""
+    if state.owner is None or threading.get_ident() == state.owner:
+        state.last = time.monotonic()
+    else:
+        state.aside = time.monotonic()
+
+
+def wait_for(thread: threading.Thread, poll_s: float = 0.5) -> None:
+    """Join `thread` from the training thread, beating while it makes progress: a writer that stops
+    making progress leaves the training thread silent, and the watchdog finds it."""
+    seen = state.aside
+    while thread.is_alive():
+        thread.join(poll_s)
+        if state.aside != seen:
+            seen = state.aside
+            beat()
 
 
 def set_phase(name: str) -> None:
@@ -72,6 +94,7 @@ class Watchdog:
 
     def start(self) -> Watchdog:
         if self.timeout_s > 0:
+            state.owner = threading.get_ident()
             self._first_step = state.step
             beat()
             self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
@@ -96,17 +119,17 @@ class Watchdog:
                 self._fire(silent)
 
     def _fire(self, silent: float) -> None:
-        host = os.uname().nodename
-        line = (f"trainapp: rank {self.rank} on {host} hung: no progress for {silent:.0f} s (fault.hang_timeout_s="
-                f"{self.timeout_s:g}) in phase {state.phase} after step {state.step}; stacks in {self.path}; "
-                f"exiting with {HUNG_EXIT} so the launcher restarts the group from the newest snapshot")
+        from trainapp import failure  # here: failure reads this module's state
+
+        error = (f"no progress for {silent:.0f} s (fault.hang_timeout_s={self.timeout_s:g}); stacks in "
+                 f"{self.path}; the launcher restarts the group from the newest snapshot")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "w") as f:
-                f.write(line + "\n\n")
+                f.write(failure.line_for("hang", error, HUNG_EXIT) + "\n\n")
                 f.flush()
                 faulthandler.dump_traceback(file=f, all_threads=True)
         except OSError as e:
-            line += f" (could not write the stacks: {e})"
-        print(line, file=sys.stderr, flush=True)
+            error += f" (could not write the stacks: {e})"
+        failure.record("hang", error, HUNG_EXIT, silent_s=round(silent, 1))
         os._exit(HUNG_EXIT)

@@ -22,11 +22,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from trainapp import dist, heartbeat, logs, preempt
+from trainapp import dist, failure, heartbeat, logs, preempt
 from trainapp.build import Parts, build
 from trainapp.config import Config
 from trainapp.data import make_loader, set_epoch
 from trainapp.metrics import METRICS, MetricsWriter, Throughput
+from trainapp.metrics import read as read_metrics
 from trainapp.optim import scaled_lr
 from trainapp.snapshot import SnapshotManager, params_sha256
 
@@ -46,7 +47,7 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
         self.vote = preempt.StopVote(ctx)
         self.watchdog = heartbeat.Watchdog(cfg.fault.hang_timeout_s, cfg.fault.hang_startup_s, self.run_dir, ctx.rank,
-                                           _attempt(self.run_dir, ctx.rank))
+                                           attempt(self.run_dir))
         self.drain_notice = drain_notice
         """Asked every `preempt.ray_poll_steps` steps on every rank (a barrier under Ray): a dict
         describing a drain of one of the run's nodes while one is under way (`new` the first time),
@@ -197,10 +198,11 @@ class Trainer:
 
     def _maybe_fault(self) -> None:
         f, step = self.cfg.fault, self.parts.progress.global_step
-        if f.rank != self.ctx.rank or step not in (f.kill_at_step, f.hang_at_step):
+        drills = {"kill": f.kill_at_step, "hang": f.hang_at_step, "oom": f.oom_at_step}
+        what = next((name for name, at in drills.items() if at == step), None)
+        if f.rank != self.ctx.rank or what is None:
             return
-        what = "kill" if step == f.kill_at_step else "hang"
-        marker = self.run_dir / f"fault-fired-{'hang-' if what == 'hang' else ''}step{step}-rank{f.rank}"
+        marker = self.run_dir / f"fault-fired-{'' if what == 'kill' else what + '-'}step{step}-rank{f.rank}"
         if marker.exists():  # fired before this restart
             return
         marker.parent.mkdir(parents=True, exist_ok=True)
@@ -213,6 +215,10 @@ class Trainer:
             heartbeat.set_phase("data")
             while True:
                 time.sleep(3600)
+        if what == "oom":
+            heartbeat.set_phase("step")
+            raise torch.OutOfMemoryError(f"fault drill (fault.oom_at_step={step}): rank {f.rank} ran out of memory "
+                                         f"on {self.ctx.device}")
         log.warning("fault drill: rank %d kills itself with SIGKILL at step %d", f.rank, step)
         self.metrics.close()
         os.kill(os.getpid(), signal.SIGKILL)
@@ -326,12 +332,11 @@ class Trainer:
         return summary
 
 
-def _attempt(run_dir: Path, rank: int) -> int:
-    """This process's attempt at the run, for the watchdog's file names: torchrun's restart count, else
-    how many hang files this rank left before."""
-    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
-        return int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    return len(list((run_dir / "hangs").glob(f"rank-{rank}-attempt-*.txt")))
+def attempt(run_dir: Path) -> int:
+    """Which attempt at the run this is, counted from 0 by the `start` records before it (rank 0 writes
+    one per attempt, once every rank has read this): the same under every launcher and across
+    resubmissions, for the watchdog's file names and the failure records."""
+    return len(read_metrics(run_dir, "start", missing_ok=True))
 
 
 def trainer(cfg: Config, ctx: dist.DistContext, snapshots: SnapshotManager | None = None,
@@ -350,7 +355,8 @@ def run(cfg: Config) -> dict[str, Any]:
         ctx = dist.setup(cfg.dist.timeout_s, cfg.network)
         logs.setup(ctx.rank, ctx.world_size)
         try:
-            summary = trainer(cfg, ctx).train()
+            with failure.watching(cfg.run.dir, ctx, attempt(Path(cfg.run.dir))):
+                summary = trainer(cfg, ctx).train()
         finally:
             dist.teardown(ctx)
     finally:

@@ -1,4 +1,4 @@
-"""metrics.jsonl: the writer (rank 0 appends one JSON record per line), the one reader, and the
+"""metrics.jsonl: the writer (rank 0 appends one JSON record per line; any rank its `failure`), the one reader, and the
 throughput meter behind every `samples_per_s`.
 
 Standard library only: scripts/smoke_assert.py imports this module with a bare python3, beside the
@@ -28,15 +28,29 @@ class MetricsWriter:
             self._f = open(path, "a", buffering=1)
 
     def write(self, kind: str, **fields: Any) -> None:
-        if self._f is None:
-            return
-        record = {"kind": kind, "time": round(time.time(), 3), "pid": os.getpid(), **fields}
-        self._f.write(json.dumps(record) + "\n")
+        if self._f is not None:
+            self._f.write(_line(kind, fields))
 
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
             self._f = None
+
+
+def _line(kind: str, fields: dict[str, Any]) -> str:
+    return json.dumps({"kind": kind, "time": round(time.time(), 3), "pid": os.getpid(), **fields}) + "\n"
+
+
+def append(run_dir: str | Path, kind: str, **fields: Any) -> None:
+    """One record from any rank, any thread: a single O_APPEND write of one line, which lands whole
+    between rank 0's lines (a `failure` record; rank 0's other records go through MetricsWriter)."""
+    path = Path(run_dir) / METRICS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, _line(kind, fields).encode())
+    finally:
+        os.close(fd)
 
 
 def parse(lines: Iterable[str]) -> list[dict[str, Any]]:

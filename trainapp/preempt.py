@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from trainapp import heartbeat
+from trainapp import failure, heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,8 @@ RUNTIME_ENV = "TRAINAPP_RUNTIME_DIR"
 
 class Preempted(Exception):
     """Raised out of `Trainer.train()` on every rank once the stop step's snapshot is written."""
+
+    failure_cause = ""  # a handled notice, on record as `preempted`, not a failure
 
     def __init__(self, signum: int, step: int, seconds: float, snapshot: str | None, rank: int = 0):
         self.signum, self.step, self.seconds, self.snapshot, self.rank = signum, step, seconds, snapshot, rank
@@ -110,8 +112,7 @@ def _arm(signum: int) -> None:
         _record(signum)  # the watcher may see a signal before the blocked main thread runs the handler
     name = signal.Signals(signum).name
     if first and heartbeat.state.phase == "start":  # no step trained yet in this process: nothing to save
-        print(f"trainapp: {name} before training started; nothing to save; exiting with {128 + signum}",
-              file=sys.stderr, flush=True)
+        failure.record("signal", f"{name} before training started; nothing to save", 128 + signum)
         os._exit(128 + signum)
     if not first:
         log.warning("preemption: %s again; already stopping (the snapshot is on its way; exit at the latest %.0f s "
@@ -127,9 +128,9 @@ def _arm(signum: int) -> None:
 
 def _expire() -> None:
     code = 128 + _notice.signum
-    print(f"trainapp: preempt.grace_s={_notice.grace_s:g} ran out before the stop was agreed and its snapshot "
-          f"written (a peer gone or hung?); exiting with {code}; the newest valid snapshot in "
-          f"{_notice.snapshots} is unchanged", file=sys.stderr, flush=True)
+    failure.record("signal", f"{signal.Signals(_notice.signum).name}: preempt.grace_s={_notice.grace_s:g} ran out "
+                   f"before the stop was agreed and its snapshot written (a peer gone or hung?); the newest valid "
+                   f"snapshot in {_notice.snapshots} is unchanged", code)
     os._exit(code)
 
 

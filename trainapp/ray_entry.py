@@ -11,7 +11,9 @@ through trainapp/ray_compat.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import shutil
@@ -47,15 +49,25 @@ class RayPublish:
     """Ray registers a checkpoint when it is reported, so the write cannot trail behind it; with
     `snapshot.async` it is Ray's upload that runs in the background instead."""
 
-    def __init__(self, uri: str | None, async_upload: bool):
+    def __init__(self, uri: str | None, async_upload: bool, name: str):
         from ray.train import CheckpointUploadMode
 
         self.uri = uri
         # On a shared filesystem rank 0 writes the snapshot in place, atomically as under torchrun, and
         # Ray only registers it: an upload from a local directory would write every snapshot twice.
         self.in_place = uri is None and not async_upload
-        self.mode = (CheckpointUploadMode.NO_UPLOAD if self.in_place
-                     else CheckpointUploadMode.ASYNC if async_upload else CheckpointUploadMode.SYNC)
+        # To a URI, rank 0 uploads itself (pyarrow, as Ray would) and Ray only registers the result: a
+        # failed upload inside `ray.train.report` would end the run (and leave the worker's report
+        # sequence broken), while one here is a failed snapshot like a full local disk, counted
+        # against `snapshot.max_failures`, the partial upload deleted.
+        self.own_upload = uri is not None and not async_upload
+        if self.own_upload:
+            from pyarrow.fs import FileSystem
+
+            self.fs, base = FileSystem.from_uri(uri)
+            self.experiment, self.name = f"{base.rstrip('/')}/{name}", name
+        self.mode = (CheckpointUploadMode.NO_UPLOAD if self.in_place or self.own_upload
+                     else CheckpointUploadMode.ASYNC)
 
     def root(self, run_dir: Path) -> Path:
         return run_dir  # Ray stores the checkpoints as STORAGE/NAME/step_*: the run directory itself
@@ -65,23 +77,44 @@ class RayPublish:
             return manager.path_for(step)
         return Path(tempfile.gettempdir()) / f"trainapp-snap-{uuid.uuid4().hex[:12]}"  # Ray copies it to storage
 
-    def written(self, manager: SnapshotManager) -> None:
+    def written(self, manager: SnapshotManager, step: int, path: Path) -> Path | str:
         manager.sweep_leftovers()  # Ray keeps `snapshot.keep` checkpoints (CheckpointConfig) and deletes the rest
+        return self._upload(step, path) if self.own_upload else path
+
+    def _upload(self, step: int, path: Path) -> str:
+        from pyarrow.fs import copy_files
+
+        dest = f"{self.experiment}/step_{step:09d}"
+        try:
+            self.fs.create_dir(dest)
+            copy_files(str(path), dest, destination_filesystem=self.fs)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                self.fs.delete_dir(dest)
+            # pyarrow names no file, and a remote store's errors carry no errno: EIO stands for those.
+            code = e.errno or errno.EIO
+            why = os.strerror(e.errno) if e.errno else f"upload failed: {str(e).split('. Detail:')[0]}"
+            raise OSError(code, why, f"{self.uri.rstrip('/')}/{self.name}/step_{step:09d}") from None
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+        return dest
 
     def make_room(self, manager: SnapshotManager) -> int:
         return 0  # Ray owns its checkpoints' retention: deleting them under it would confuse its bookkeeping
 
-    def publish(self, ctx, step: int, path: Path | None, metrics: dict[str, Any]) -> None:
-        import ray.train
-        from ray.train import Checkpoint, CheckpointUploadMode
+    def destination(self, manager: SnapshotManager) -> tuple[str, str]:
+        where = f"{self.uri.rstrip('/')}/{self.name}" if self.own_upload else str(manager.root)
+        return where, "ray.storage_path"
 
-        ckpt = Checkpoint.from_directory(path) if path is not None else None
-        try:
-            ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=f"step_{step:09d}",
-                             checkpoint_upload_mode=self.mode)
-        finally:
-            if path is not None and self.mode is CheckpointUploadMode.SYNC:
-                shutil.rmtree(path, ignore_errors=True)
+    def publish(self, ctx, step: int, path: Path | str | None, metrics: dict[str, Any]) -> None:
+        import ray.train
+        from ray.train import Checkpoint
+
+        ckpt = None
+        if path is not None:
+            ckpt = Checkpoint(str(path), filesystem=self.fs) if self.own_upload else Checkpoint.from_directory(path)
+        ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=f"step_{step:09d}",
+                         checkpoint_upload_mode=self.mode)
 
     def find(self, ctx, manager: SnapshotManager) -> tuple[str, dict[str, Any]] | None:
         if self.uri is None:
@@ -141,16 +174,17 @@ class RayDrainNotice:
 
 def train_worker(payload: dict[str, Any]) -> None:
     """The per-worker function: the same loop as torchrun's, with snapshots published to Ray."""
-    from trainapp import loop, preempt
+    from trainapp import failure, loop, preempt
 
     cfg = config.from_dict(payload["config"])
     ctx = dist.setup(cfg.dist.timeout_s)  # adopts the group Ray created
     logs.setup(ctx.rank, ctx.world_size)
     uri = cfg.ray.storage_path if _is_uri(cfg.ray.storage_path) else None
-    snapshots = SnapshotManager.from_config(cfg, RayPublish(uri, async_upload=cfg.snapshot.async_))
+    snapshots = SnapshotManager.from_config(cfg, RayPublish(uri, async_upload=cfg.snapshot.async_, name=cfg.ray.name))
     notice = RayDrainNotice() if cfg.preempt.ray_poll_steps else None
     try:
-        loop.trainer(cfg, ctx, snapshots, notice).train()
+        with failure.watching(cfg.run.dir, ctx, loop.attempt(Path(cfg.run.dir))):
+            loop.trainer(cfg, ctx, snapshots, notice).train()
     except preempt.Preempted as e:
         # The snapshot is reported; the process ends as under torchrun, and Ray Train restarts the group
         # from it (on the nodes that are left when a node is going away).
@@ -305,21 +339,25 @@ def check_network(cfg: Config) -> list[str]:
     return [f"node {n['NodeManagerAddress']}: {summary}" for n, (_, summary) in zip(nodes, results)]
 
 
-def _config_error_in(exc: BaseException) -> str | None:
-    """The message of a ConfigError raised in a worker or in the backend's setup, if that is what
+def _error_in(exc: BaseException) -> Exception | None:
+    """A ConfigError or StorageError raised in a worker or in the backend's setup, if that is what
     ended the run (through Ray's public failure types: WorkerGroupError.worker_failures,
-    ControllerError.controller_failure, RayTaskError.cause)."""
+    ControllerError.controller_failure, RayTaskError.cause), as a plain one of its class."""
     from ray.exceptions import RayTaskError
     from ray.train import ControllerError, WorkerGroupError
+
+    from trainapp.snapshot import StorageError
 
     roots = list(exc.worker_failures.values()) if isinstance(exc, WorkerGroupError) else []
     for err in roots + [exc]:
         seen = err
         while seen is not None:
-            if isinstance(seen, RayTaskError) and isinstance(seen.cause, ConfigError):
-                return str(seen.cause)  # a RayTaskError poses as its cause's class but prints Ray's header
-            if isinstance(seen, ConfigError):
-                return str(seen)
+            for kind in (ConfigError, StorageError):
+                # A RayTaskError poses as its cause's class but prints Ray's header: rebuild the plain one.
+                if isinstance(seen, RayTaskError) and isinstance(seen.cause, kind):
+                    return kind(str(seen.cause))
+                if isinstance(seen, kind):
+                    return kind(str(seen))
             if isinstance(seen, ControllerError):
                 seen = seen.controller_failure
             elif isinstance(seen, RayTaskError):
@@ -386,9 +424,9 @@ def run(cfg: Config) -> dict[str, Any]:
         try:
             result = _trainer(cfg, storage, needs, use_gpu).fit()
         except Exception as e:
-            msg = _config_error_in(e)
-            if msg:
-                raise ConfigError(msg) from None
+            plain = _error_in(e)
+            if plain is not None:
+                raise plain from None
             raise
         return {**(result.metrics or {}), "storage": f"{storage}/{cfg.ray.name}"}
     finally:

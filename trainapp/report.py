@@ -1,7 +1,8 @@
 """`python -m trainapp report RUN_DIR`: plots and a short summary of a run, from its metrics.jsonl.
 
 One PNG (`RUN_DIR/report.png`, or `--out`) with loss, validation accuracy, samples/s, learning rate
-and the fp16 loss scale over optimizer steps, each restart marked where it resumed; the summary is
+and the fp16 loss scale over optimizer steps, each restart marked where it resumed and each failure
+where it happened; the summary (with one line per failed attempt: which rank, where, why) is
 printed and written beside it as `report.txt`. Works on `run.dir` of torchrun runs and on
 `STORAGE/NAME` of Ray runs. matplotlib is an optional extra: `pip install 'trainapp[report]'`.
 """
@@ -44,6 +45,26 @@ def restarts(records: list[dict]) -> list[dict]:
     return out
 
 
+def failures(records: list[dict]) -> list[str]:
+    """One line per attempt that ended early: its ranks' `failure` records, root cause first, or, with
+    none, that it ended without a word (a SIGKILL: a lost node, the OOM killer)."""
+    starts = [i for i, r in enumerate(records) if r.get("kind") == "start"]
+    fails = [r for r in records if r.get("kind") == "failure"]
+    out = []
+    for k, i in enumerate(starts):
+        mine = sorted((f for f in fails if f.get("attempt", 0) == k), key=lambda f: (f.get("cause") == "peer", f["time"]))
+        nxt = starts[k + 1] if k + 1 < len(starts) else len(records)
+        ended = {r.get("kind") for r in records[i:nxt]} & {"end", "preempted"}
+        if mine:
+            first = mine[0]
+            also = "; ".join(f"rank {f['rank']} {f['cause']}" for f in mine[1:])
+            out.append(f"attempt {k}: rank {first['rank']} on {first['host']} after step {first['step']} (phase "
+                       f"{first['phase']}): {first['cause']}: {first['error']}" + (f"; then {also}" if also else ""))
+        elif k + 1 < len(starts) and not ended:
+            out.append(f"attempt {k}: ended without a failure record (SIGKILL: a lost node, the OOM killer)")
+    return out
+
+
 def summarize(run_dir: Path, records: list[dict]) -> str:
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
@@ -65,6 +86,9 @@ def summarize(run_dir: Path, records: list[dict]) -> str:
         lines.append(f"restarts       {len(rs)}: {what}")
     else:
         lines.append("restarts       none")
+    fails = failures(records)
+    lines.append(f"failures       {len(fails) or 'none'}")
+    lines.extend(f"  {f}" for f in fails)
     if train:
         lines.append(f"loss           {train[0]['loss']:.4f} at step {train[0]['step']} -> {train[-1]['loss']:.4f} "
                      f"at step {train[-1]['step']}")
@@ -108,6 +132,7 @@ def plot(records: list[dict], out: Path, title: str) -> Path:
               ("loss scale (fp16)", "train", "loss_scale", True)]
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.3 * len(panels)), sharex=True)
     rs = restarts(records)
+    fails = [r for r in records if r.get("kind") == "failure" and r.get("cause") != "peer"]
     for ax, (name, kind, key, log_scale) in zip(axes, panels):
         segs = _segments(records, kind, key)
         for xs, ys in segs:
@@ -121,9 +146,12 @@ def plot(records: list[dict], out: Path, title: str) -> Path:
         for i, r in enumerate(rs):
             ax.axvline(r["resumed_step"], color="tab:red", linestyle="--", linewidth=1,
                        label="restart (resumed here)" if i == 0 else None)
+        for i, f in enumerate(fails):
+            ax.axvline(f["step"], color="black", linestyle=":", linewidth=1,
+                       label="failure (see report.txt)" if i == 0 else None)
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
-    if rs:
+    if rs or fails:
         axes[0].legend(loc="upper right")
     axes[-1].set_xlabel("optimizer step")
     fig.suptitle(title)

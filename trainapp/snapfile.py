@@ -56,7 +56,7 @@ class _StateFile:
                 self.buf = self._free.pop() if self._free else mmap.mmap(-1, self.CHUNK)
 
     def write(self, data) -> int:
-        heartbeat.beat()  # a long write is progress, chunk by chunk, for the hang watchdog
+        heartbeat.progress()  # a long write is progress, chunk by chunk, for the hang watchdog
         view = memoryview(data).cast("B")
         n = len(view)
         self.digest.update(view)

@@ -53,6 +53,8 @@ class StorageError(Exception):
     """Snapshots cannot be written (`snapshot.max_failures` in a row, or the final one): exit 3."""
 
     exit_code = 3
+    failure_cause = "storage"
+    everywhere = True  # every rank raises it at the same step (the verdict is broadcast): nobody to tell
 
 
 # Failures of the storage, not of trainapp: a snapshot that hits one is dropped (nothing half-written
@@ -64,16 +66,16 @@ def is_storage_error(e: BaseException) -> bool:
     return isinstance(e, OSError) and e.errno in STORAGE_ERRNOS
 
 
-def storage_hint(e: OSError, root: Path, size: int | None) -> str:
-    """What would fix a storage error, for its one-line message."""
+def storage_hint(e: OSError, root: Path | str, size: int | None, setting: str = "run.dir") -> str:
+    """What would fix a storage error, for its one-line message (`setting`: the key that names the storage)."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         need = f" (a snapshot takes about {size / 1e6:.1f} MB)" if size else ""
-        return f"free space under {root}{need} or point run.dir at a larger volume"
+        return f"free space under {root}{need} or point {setting} at a larger volume"
     if e.errno == errno.EROFS:
-        return f"{root} is on a read-only filesystem: remount it read-write or point run.dir elsewhere"
+        return f"{root} is on a read-only filesystem: remount it read-write or point {setting} elsewhere"
     if e.errno in (errno.EACCES, errno.EPERM):
-        return f"uid {os.getuid()} may not write there: fix the directory's owner or mode, or point run.dir elsewhere"
-    return f"the storage under {root} reports I/O errors: check the disk or the network filesystem"
+        return f"uid {os.getuid()} may not write there: fix the directory's owner or mode, or point {setting} elsewhere"
+    return f"the storage under {root} reports I/O errors: check the disk, the network filesystem or the object store"
 
 
 def tensors_sha256(state: dict[str, torch.Tensor]) -> str:
@@ -102,7 +104,7 @@ def write_dir(final: Path, state: dict[str, Any], meta: dict[str, Any], delay_s:
         end = time.monotonic() + delay_s
         while time.monotonic() < end:  # a slow write, not a hung one: it beats as a real one does
             time.sleep(max(0.0, min(0.5, end - time.monotonic())))
-            heartbeat.beat()
+            heartbeat.progress()
         meta = {**meta, "format": FORMAT, "xxh3_128": digest, "bytes": size}
         write_bytes(tmp / META, lambda f: f.write(json.dumps(meta, indent=2).encode()))
         fsync_dir(tmp)
@@ -238,14 +240,19 @@ class Publish(Protocol):
     def place(self, manager: SnapshotManager, step: int) -> Path:
         """Where rank 0 writes the snapshot of `step`."""
 
-    def written(self, manager: SnapshotManager) -> None:
-        """After a write, on rank 0 (in the writer's thread): purge what is no longer kept."""
+    def written(self, manager: SnapshotManager, step: int, path: Path) -> Path | str:
+        """After a write, on rank 0 (in the writer's thread): take it where it goes (an upload; an
+        OSError here counts as a failed snapshot), purge what is no longer kept; where it is now."""
 
     def make_room(self, manager: SnapshotManager) -> int:
         """After ENOSPC, on rank 0: delete older snapshots (never the newest valid one); how many."""
 
-    def publish(self, ctx, step: int, path: Path | None, metrics: dict[str, Any]) -> None:
-        """On every rank after rank 0's write (`path`: None on other ranks and for background writes)."""
+    def destination(self, manager: SnapshotManager) -> tuple[str, str]:
+        """(where snapshots go, the setting that names it), for the one line of a storage error."""
+
+    def publish(self, ctx, step: int, path: Path | str | None, metrics: dict[str, Any]) -> None:
+        """On every rank after rank 0's write (`path`, from `written`: None on other ranks, for background
+        writes and when the write failed)."""
 
     def find(self, ctx, manager: SnapshotManager) -> tuple[str, dict[str, Any]] | None: ...
 
@@ -262,13 +269,17 @@ class LocalPublish:
     def place(self, manager: SnapshotManager, step: int) -> Path:
         return manager.path_for(step)
 
-    def written(self, manager: SnapshotManager) -> None:
+    def written(self, manager: SnapshotManager, step: int, path: Path) -> Path:
         manager.purge()
+        return path
 
     def make_room(self, manager: SnapshotManager) -> int:
         return manager.keep_newest_valid()
 
-    def publish(self, ctx, step: int, path: Path | None, metrics: dict[str, Any]) -> None:
+    def destination(self, manager: SnapshotManager) -> tuple[str, str]:
+        return str(manager.root), "run.dir"
+
+    def publish(self, ctx, step: int, path: Path | str | None, metrics: dict[str, Any]) -> None:
         pass  # the rename published it; the other ranks waited for rank 0 in the manager's `agree`
 
     def find(self, ctx, manager: SnapshotManager) -> tuple[str, dict[str, Any]] | None:
@@ -305,6 +316,8 @@ class SnapshotManager:
     failed: list[dict[str, Any]] = field(default_factory=list)
     """Rank 0: failures not yet recorded in metrics.jsonl (the loop takes them)."""
     _last: tuple[int, OSError] | None = field(default=None, repr=False)
+    last_written: Path | str | None = None
+    """Rank 0: where this process's last successful snapshot went."""
 
     @classmethod
     def from_config(cls, cfg, publish: Publish | None = None) -> SnapshotManager:
@@ -354,7 +367,7 @@ class SnapshotManager:
             self.wait()
         self.agree(ctx, final=True)
 
-    def _attempt(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path | None:
+    def _attempt(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path | str | None:
         """Rank 0: write; on ENOSPC make room once and retry; a storage error is counted, not raised."""
         try:
             try:
@@ -377,6 +390,7 @@ class SnapshotManager:
                         "snapshot.max_failures=%d in a row)", step, e, self.failures, self.max_failures)
             return None
         self.failures, self._last = 0, None
+        self.last_written = path
         return path
 
     def agree(self, ctx, final: bool) -> None:
@@ -393,12 +407,15 @@ class SnapshotManager:
     def _fatal_message(self, final: bool) -> str:
         step, e = self._last
         newest = self._newest()
+        if newest is None and self.last_written is not None:  # published elsewhere (a URI): this process wrote it
+            newest = (self.last_written, {})
         size = newest[1].get("bytes") if newest else None
         why = (f"the final snapshot (step {step}) failed" if final and self.failures < self.max_failures
                else f"snapshot.max_failures={self.max_failures}: {self.failures} snapshots in a row failed, the last "
                     f"at step {step}")
         kept = f"the newest valid snapshot is {newest[0]}" if newest else "there is no valid snapshot yet"
-        return f"{why}: {e}; {storage_hint(e, self.root, size)}; {kept}; rerun to resume from it"
+        where, setting = self.publish.destination(self)
+        return f"{why}: {e}; {storage_hint(e, where, size, setting)}; {kept}; rerun to resume from it"
 
     def _write_in_background(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
         if sys.platform == "linux":
@@ -414,17 +431,17 @@ class SnapshotManager:
     def wait(self) -> None:
         """Until the write in flight (if any) is on disk; re-raises its error in the caller."""
         if self._pending is not None:
-            self._pending.join()
+            heartbeat.wait_for(self._pending)
             self._pending = None
         if self._error is not None:
             err, self._error = self._error, None
             raise err
 
-    def write(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path:
+    def write(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path | str:
         """Rank 0 only: write the snapshot of `step` where the publish step wants it."""
         t0 = time.perf_counter()
         path = write_dir(self.publish.place(self, step), state, meta, self.write_delay_s)
-        self.publish.written(self)
+        path = self.publish.written(self, step, path)
         log.info("snapshot step=%d path=%s seconds=%.2f%s", step, path, time.perf_counter() - t0,
                  " (background)" if self._pending is not None else "")
         return path

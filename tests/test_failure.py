@@ -1,0 +1,162 @@
+"""Every failure explained: `failure` records from the rank that failed and from its peers, the
+peers out within seconds (real processes, a real store, a real Gloo collective), the out-of-memory
+drill under torchrun, `trainapp report` listing it all; the GPU memory summary on a mocked allocator
+(the one part this machine cannot have)."""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import PY, QUICK, REPO, metrics, run_cmd, torchrun_cmd, trainapp
+from trainapp import failure
+from trainapp.config import ConfigError
+from trainapp.preempt import Preempted
+from trainapp.ray_local import free_port
+from trainapp.snapshot import StorageError
+
+# Two ranks of a plain launch (RANK/WORLD_SIZE/MASTER_ADDR, no torchrun to end the survivor): rank 0
+# hosts the store. MODE raise: rank 1 fails and stays alive (its sockets open, like a process stuck in
+# its teardown), rank 0 waits in a real all-reduce rank 1 never joins. MODE store: both wait in a call
+# that cannot see a dead peer (as an NCCL collective cannot), and the test SIGKILLs rank 0.
+RANKS = """
+import sys, time, torch, torch.distributed
+from trainapp import dist, failure
+mode, run_dir = sys.argv[1], sys.argv[2]
+ctx = dist.setup(60)
+try:
+    with failure.watching(run_dir, ctx):
+        print("ready", flush=True)
+        if mode == "raise" and ctx.rank == 1:
+            raise RuntimeError("boom in rank 1")
+        if mode == "raise":
+            torch.distributed.all_reduce(torch.zeros(1))
+        time.sleep(120)
+except RuntimeError:
+    time.sleep(120)
+"""
+
+
+def _start_ranks(mode: str, run_dir: Path) -> list[subprocess.Popen]:
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return [subprocess.Popen([PY, "-c", RANKS, mode, str(run_dir)], cwd=REPO, env={**env, "RANK": str(rank)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+            for rank in (0, 1)]
+
+
+def _wait_exit(proc: subprocess.Popen, timeout: float) -> tuple[int | None, float]:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, time.time()
+    return proc.returncode, time.time()
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.communicate()
+
+
+@pytest.mark.slow
+def test_a_peer_blocked_in_a_collective_with_a_failed_rank_exits_within_seconds(tmp_path):
+    procs = _start_ranks("raise", tmp_path)
+    try:
+        code, at = _wait_exit(procs[0], timeout=60)
+        assert code == failure.PEER_EXIT, procs[0].communicate(timeout=5)
+        assert procs[1].poll() is None  # the failed rank is still alive: only the watch ended rank 0
+        failed, peer = sorted(metrics(tmp_path, "failure"), key=lambda r: r["rank"], reverse=True)
+        assert (failed["rank"], failed["cause"], failed["error"]) == (1, "exception", "RuntimeError: boom in rank 1")
+        assert peer["rank"] == 0 and peer["cause"] == "peer" and "rank 1 on" in peer["error"], peer
+        assert "boom in rank 1" in peer["error"]
+        assert at - failed["time"] < 10, at - failed["time"]
+        err = procs[0].communicate(timeout=5)[1]
+        assert "trainapp: rank 0 on" in err and "failed after step 0 in phase start: peer: rank 1 on" in err, err
+    finally:
+        _kill(procs)
+
+
+@pytest.mark.slow
+def test_the_ranks_exit_within_seconds_when_the_stores_host_dies(tmp_path):
+    procs = _start_ranks("store", tmp_path)
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        os.kill(procs[0].pid, signal.SIGKILL)
+        killed = time.time()
+        code, at = _wait_exit(procs[1], timeout=60)
+        assert code == failure.PEER_EXIT and at - killed < 10, (code, at - killed)
+        [peer] = metrics(tmp_path, "failure")
+        assert peer["rank"] == 1 and peer["cause"] == "peer" and "store stopped answering" in peer["error"], peer
+    finally:
+        _kill(procs)
+
+
+@pytest.mark.slow
+def test_out_of_memory_drill_under_torchrun_is_explained_and_the_restart_finishes(tmp_path):
+    run_dir = tmp_path / "run"
+    r = run_cmd(torchrun_cmd(2, f"run.dir={run_dir}", *QUICK, "train.epochs=100", "train.max_steps=30",
+                             "snapshot.every_steps=10", "fault.oom_at_step=15", "fault.rank=1", max_restarts=1))
+    assert r.returncode == 0, r.output[-3000:]
+    oom, peer = metrics(run_dir, "failure")
+    assert (oom["rank"], oom["cause"], oom["step"], oom["phase"], oom["attempt"]) == (1, "oom", 15, "step", 0)
+    assert oom["error"].startswith("OutOfMemoryError: fault drill (fault.oom_at_step=15)"), oom
+    assert oom["memory"]["device"] == "cpu" and oom["memory"]["peak_rss_mb"] > 50, oom
+    assert oom["host"] == os.uname().nodename and oom["exit_code"] == 1
+    assert (peer["rank"], peer["cause"]) == (0, "peer") and "rank 1 on" in peer["error"] and "oom" in peer["error"]
+    assert peer["time"] - oom["time"] < 10
+    assert "trainapp: rank 1 on" in r.stderr and "failed after step 15 in phase step: oom: OutOfMemoryError" in r.stderr
+    starts = metrics(run_dir, "start")
+    assert [s["resumed_step"] for s in starts] == [None, 10] and metrics(run_dir, "end")[0]["steps"] == 30
+    rep = trainapp("report", str(run_dir), timeout=120)
+    assert rep.returncode == 0, rep.output
+    assert "failures       1\n  attempt 0: rank 1 on" in rep.stdout and "oom: OutOfMemoryError" in rep.stdout, rep.stdout
+    assert "then rank 0 peer" in rep.stdout
+
+
+def test_cuda_out_of_memory_records_the_allocators_peak_and_summary(monkeypatch):
+    import torch
+    import torch.cuda.memory as cuda_memory
+
+    gib = 2 ** 30
+    stats = collections.defaultdict(int, {"allocated_bytes.all.peak": 7 * gib, "allocated_bytes.all.current": 6 * gib,
+                                          "reserved_bytes.all.current": 8 * gib, "num_ooms": 1, "num_alloc_retries": 2,
+                                          "num_sync_all_streams": 0, "num_device_alloc": 3, "num_device_free": 0})
+    monkeypatch.setattr(cuda_memory, "memory_stats", lambda device=None: stats)  # the real summary's input
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: 7 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 6 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 8 * gib)
+
+    def broken(d):  # a call that fails after the OOM must not lose the rest
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", broken)
+    mem = failure.memory(torch.device("cuda", 0))
+    assert mem["device"] == "cuda:0"
+    assert (mem["peak_allocated_mb"], mem["allocated_mb"], mem["reserved_mb"]) == (7168.0, 6144.0, 8192.0)
+    assert "free_mb" not in mem
+    rows = mem["summary"]
+    assert rows[0].startswith("CUDA OOMs: 1") and rows[1].startswith("Metric | Cur Usage | Peak Usage")
+    assert "Allocated memory | 6144 MiB | 7168 MiB | 0 B | 0 B" in rows and len(rows) == 9, rows
+
+
+def test_which_endings_are_failures():
+    assert failure.explain(ConfigError("x=1: bad")) is None
+    assert failure.explain(Preempted(15, 10, 1.0, "/s", 0)) is None
+    assert failure.explain(KeyboardInterrupt()) is None
+    cause, error, _ = failure.explain(StorageError("snapshot.max_failures=3: ..."))
+    assert (cause, StorageError.everywhere) == ("storage", True)
+    cause, error, extra = failure.explain(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                                                       "[127.0.0.1]:4242"))
+    assert cause == "peer" and "died without a word" in error and extra == {"peer": "unknown"}
+    assert failure.explain(ValueError("bad batch\nmore")) == ("exception", "ValueError: bad batch", {})

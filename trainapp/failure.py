@@ -1,0 +1,231 @@
+"""Every failure explained: whatever ends a rank leaves one line and a `failure` record, and its
+peers follow it out within seconds.
+
+The record goes to `run.dir/metrics.jsonl` from the failing rank itself (one append of one line:
+rank 1's failure is on record, not only rank 0's). Its fields: rank, host, step and phase (from the
+heartbeat), cause, error, exit_code, attempt; for an out-of-memory error also the device's memory
+(the allocator's peak and a short summary on a GPU, the peak RSS on CPU). Causes:
+
+- `exception`: the loop raised (a bug, a data error);
+- `oom`: `torch.OutOfMemoryError`;
+- `storage`: snapshots cannot be written (every rank stops together, see trainapp/snapshot.py);
+- `hang`: the watchdog found no progress (trainapp/heartbeat.py);
+- `signal`: a preemption notice whose grace period ran out before the agreed stop;
+- `peer`: another rank failed first, or the group's store stopped answering.
+
+A SIGKILL (the kernel's OOM killer, a lost node) leaves no record: `trainapp report` names such an
+attempt by the restart that followed it.
+
+Peers: a failing rank posts its line in the group's store (a client of its own, not the process
+group: a collective is what hangs). Every rank polls that key once a second from a thread and, once
+a peer posted, records `peer` and exits at once, also while its training thread is blocked in a
+collective with the failed rank, which NCCL would hold for its whole timeout (10 minutes by default).
+The launcher then restarts the group as it would for the failed rank alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+from trainapp import heartbeat, metrics
+
+PEER_EXIT = 1
+"""Exit code of a rank that ends because a peer failed (the peer's own code says why)."""
+POLL_S = 1.0
+"""How often each rank asks the store whether a peer failed."""
+STORE_MISSES = 3
+"""Polls in a row the store may fail to answer before its host counts as gone."""
+KEY = "failed"
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+"""What Gloo's errors say when the process at the other end of a collective is gone."""
+
+
+class _Where:
+    """What a record needs that the failure itself does not know; set by `watching`."""
+
+    def __init__(self) -> None:
+        self.run_dir: Path | None = None
+        self.rank = 0
+        self.device = None
+        self.store = None
+        self.attempt = 0
+        self.done = threading.Event()  # this process's failure is recorded: nothing more to say
+        self.lock = threading.Lock()
+
+
+_where = _Where()
+
+
+def host() -> str:
+    return os.uname().nodename
+
+
+def what(cause: str, error: str) -> str:
+    """'rank R on HOST failed after step S in phase P: CAUSE: ERROR' (what peers are told)."""
+    s = heartbeat.state
+    return f"rank {_where.rank} on {host()} failed after step {s.step} in phase {s.phase}: {cause}: {error}"
+
+
+def line_for(cause: str, error: str, code: int) -> str:
+    return f"trainapp: {what(cause, error)}; exiting with {code}"
+
+
+def record(cause: str, error: str, exit_code: int, post: bool = True, **extra: Any) -> str:
+    """Write this rank's `failure` record and print its line (once per process); post it to the peers
+    unless every rank fails the same way at once. Returns the line. Safe from any thread."""
+    with _where.lock:
+        if _where.done.is_set():
+            return ""
+        _where.done.set()
+    line = line_for(cause, error, exit_code)
+    fields = {"rank": _where.rank, "host": host(), "step": heartbeat.state.step, "phase": heartbeat.state.phase,
+              "cause": cause, "error": error, "exit_code": exit_code, "attempt": _where.attempt, **extra}
+    if _where.run_dir is not None:
+        try:
+            metrics.append(_where.run_dir, "failure", **fields)
+        except OSError as e:  # the storage may be what failed: the line still says it
+            line += f" (no failure record: {e})"
+    print(line, file=sys.stderr, flush=True)
+    if post and _where.store is not None:
+        with contextlib.suppress(Exception):  # a store that is gone has no one left to tell
+            _where.store.set(KEY, what(cause, error))
+    return line
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def memory(device) -> dict[str, Any]:
+    """The device's memory at an out-of-memory error. Every call is guarded: after a CUDA OOM the
+    allocator answers, but a broken context must not turn the explanation into a second error."""
+    mb = 2 ** 20
+    out: dict[str, Any] = {"device": str(device)}
+    if device is not None and device.type == "cuda":
+        import torch
+
+        idx = device.index if device.index is not None else 0
+        for key, fn in (("peak_allocated_mb", torch.cuda.max_memory_allocated),
+                        ("allocated_mb", torch.cuda.memory_allocated),
+                        ("reserved_mb", torch.cuda.memory_reserved)):
+            with contextlib.suppress(Exception):
+                out[key] = round(fn(idx) / mb, 1)
+        with contextlib.suppress(Exception):
+            free, total = torch.cuda.mem_get_info(idx)
+            out["free_mb"], out["total_mb"] = round(free / mb, 1), round(total / mb, 1)
+        with contextlib.suppress(Exception):
+            out["summary"] = summary_rows(torch.cuda.memory_summary(idx, abbreviated=True))
+    else:
+        # Linux reports ru_maxrss in KiB.
+        out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    return out
+
+
+SUMMARY_ROWS = ("Metric", "Allocated memory", "Active memory", "Requested memory", "GPU reserved memory",
+                "Non-releasable memory", "Allocations", "Oversize allocations")
+
+
+def summary_rows(table: str) -> list[str]:
+    """The rows of `torch.cuda.memory_summary(abbreviated=True)` worth a record ('Allocated memory |
+    cur | peak | allocs | frees' and the like), whitespace collapsed."""
+    rows = []
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells and (cells[0] in SUMMARY_ROWS or cells[0].startswith("CUDA OOMs")):
+            rows.append(" | ".join(" ".join(c.split()) for c in cells))
+    return rows
+
+
+def explain(e: BaseException) -> tuple[str, str, dict[str, Any]] | None:
+    """(cause, error, extra fields) of an exception that ends this rank; None for an ending that is
+    not a failure (a handled preemption, bad input: each says so itself)."""
+    cause = getattr(e, "failure_cause", "exception")
+    if not cause or isinstance(e, (KeyboardInterrupt, SystemExit)):
+        return None
+    error = _first_line(e)
+    extra: dict[str, Any] = {}
+    if type(e).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch here
+        cause, extra["memory"] = "oom", memory(_where.device)
+        mem = extra["memory"]
+        peak = mem.get("peak_allocated_mb", mem.get("peak_rss_mb"))
+        error += f" (peak {peak} MB on {mem['device']})" if peak is not None else ""
+    if cause == "exception":
+        # A collective that broke because a peer went away: the peer's failure is the cause.
+        peer = _peer_line()
+        if peer:
+            return "peer", f"{peer} (here: {error})", {"peer": peer}
+        if any(s in str(e) for s in PEER_GONE):
+            return "peer", f"a peer's connection closed: it died without a word (SIGKILL, the OOM killer, a lost " \
+                           f"node) ({error})", {"peer": "unknown"}
+    return cause, error, extra
+
+
+def _peer_line() -> str:
+    if _where.store is None:
+        return ""
+    with contextlib.suppress(Exception):
+        if _where.store.check([KEY]):
+            return _where.store.get(KEY).decode(errors="replace")
+    return ""
+
+
+class _PeerWatch:
+    def __init__(self, store) -> None:
+        self.store = store
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="peer-watch", daemon=True)
+
+    def _run(self) -> None:
+        misses = 0
+        while not self.stop.wait(POLL_S):
+            try:
+                posted = self.store.check([KEY])
+                misses = 0
+            except Exception as e:
+                misses += 1
+                if misses >= STORE_MISSES and not self.stop.is_set():
+                    self._leave(f"the group's store stopped answering ({_first_line(e)}): its host, rank 0 or the "
+                                "launcher, is gone")
+                continue
+            if posted and not self.stop.is_set():
+                self._leave(self.store.get(KEY).decode(errors="replace"))
+
+    def _leave(self, why: str) -> None:
+        if record("peer", why, PEER_EXIT, post=False, peer=why):
+            os._exit(PEER_EXIT)
+
+
+@contextlib.contextmanager
+def watching(run_dir: str | Path, ctx, attempt: int = 0) -> Iterator[None]:
+    """The run of this rank: exceptions out of the block are recorded (and re-raised), peers' failures
+    are watched for. Leave the block before the process group goes away: rank 0 may host the store."""
+    from trainapp import dist
+
+    _where.run_dir, _where.rank, _where.device, _where.attempt = Path(run_dir), ctx.rank, ctx.device, attempt
+    try:
+        _where.store = dist.side_store(ctx)
+    except Exception as e:  # the group formed a moment ago: its store's host died since
+        record("peer", f"the group's store is unreachable ({_first_line(e)}): its host, rank 0 or the launcher, is gone",
+               PEER_EXIT, post=False)
+        raise
+    watch = _PeerWatch(_where.store) if _where.store is not None else None
+    if watch is not None:
+        watch.thread.start()
+    try:
+        yield
+    except BaseException as e:
+        explained = explain(e)
+        if explained is not None:
+            cause, error, extra = explained
+            record(cause, error, getattr(e, "exit_code", 1), post=not getattr(e, "everywhere", False), **extra)
+        raise
+    finally:
+        if watch is not None:
+            watch.stop.set()
