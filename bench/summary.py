@@ -45,6 +45,11 @@ ROWS = [
     ("preempt", "periodic_snapshot_seconds", "a periodic snapshot of the same state (s)", None, "{:.2f}"),
     ("preempt", "vote_cpu_ms", "one preemption vote, measured alone: CPU (ms)", None, "{:.3f}"),
     ("preempt", "vote_share", "votes' share of the CPU at one vote per 0.5 s", None, "{:.3%}"),
+    ("hang", "hang_detect_seconds_torchrun", "torchrun: a rank hangs to the first watchdog firing (s)", None, "{:.1f}"),
+    ("hang", "hang_recovery_seconds_torchrun", "torchrun: a rank hangs to the first resumed step (s)", ("<=", 100),
+     "{:.1f}"),
+    ("hang", "hang_detect_seconds_ray", "Ray: a rank hangs to the first watchdog firing (s)", None, "{:.1f}"),
+    ("hang", "hang_recovery_seconds_ray", "Ray: a rank hangs to the first resumed step (s)", ("<=", 100), "{:.1f}"),
 ]
 
 
