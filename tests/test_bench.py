@@ -75,3 +75,16 @@ def test_preempt_benchmark_smoke(tmp_path):
     assert 0 < run["preempt_seconds"] < 25 and run["stop_step"] >= 6 and run["snapshot_bytes"] > 0
     assert result["vote_cpu_ms"] > 0 and result["vote_wall_ms"] > 0 and result["vote_share"] > 0
     assert "preempt_seconds=" in r.stdout
+
+
+def test_hang_benchmark_smoke(tmp_path):
+    # torchrun only: the Ray half starts a cluster of its own (a minute and a half), and the Ray hang
+    # path is tested in test_ray.py.
+    out = tmp_path / "hang.json"
+    r = run_cmd([sys.executable, str(REPO / "bench" / "hang.py"), "--smoke", "--launchers", "torchrun",
+                 "--out", str(out)], timeout=300)
+    assert r.returncode == 0, r.output[-4000:]
+    result = json.loads(out.read_text())
+    assert result["smoke"] is True and result["fault.hang_timeout_s"] == 5.0
+    assert result["hang_recovery_seconds_torchrun"] > result["hang_detect_seconds_torchrun"] >= 5.0
+    assert set(result["breakdown_seconds"]["torchrun"]) == {"detect", "restart", "resume"}

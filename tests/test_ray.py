@@ -128,6 +128,8 @@ def test_job_submit_runs_two_workers_and_inspect_reads_the_ray_run(ray_run_with_
     r, run_dir = ray_run_with_restart
     assert r.returncode == 0, r.output[-4000:]
     assert "trainapp ray: done steps=24" in r.output and "world_size=2" in r.output
+    # Ray stops a worker group whose training is over with SIGTERM: that is no preemption notice.
+    assert "preemption: SIGTERM received" not in r.output, r.output[-4000:]
     assert {m["world_size"] for m in metrics(run_dir, "train")} == {2}
     info = inspect(run_dir)
     assert info["global_step"] == 24 and info["world_size"] == 2

@@ -67,6 +67,7 @@ class _Notice:
         self.lock = threading.Lock()
         self.snapshots = "the run's snapshots directory"
         self.phase_at_signal = ""  # trainapp.heartbeat's phase when the first signal came
+        self.done = False  # this process's training is over (a Ray worker lives on): signals are not notices
 
 
 _notice = _Notice()
@@ -85,6 +86,13 @@ def phase_at_signal() -> str:
     return _notice.phase_at_signal
 
 
+def training_over() -> None:
+    """Training in this process is over (finished, failed or stopped): from now on a signal is not a
+    notice, it ends the process as it would without trainapp (Ray stops a finished worker group with
+    SIGTERM: no "stopping after the next step" then)."""
+    _notice.done = True
+
+
 def describe_snapshots(where: str) -> None:
     """What the deadline's message names as the snapshots left intact."""
     _notice.snapshots = where
@@ -99,6 +107,10 @@ def _record(signum: int) -> None:
 def _handler(signum, frame) -> None:
     # Runs in the main thread between bytecodes: record only; logging here could deadlock on a lock
     # the interrupted code holds. The watcher thread arms the deadline (here only without one).
+    if _notice.done:  # no training left to save: the signal does what it would without us
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     _record(signum)
     if not _notice.watching:
         _arm(signum)
@@ -106,6 +118,8 @@ def _handler(signum, frame) -> None:
 
 def _arm(signum: int) -> None:
     """First notice: log it and start the deadline; later ones: say they change nothing."""
+    if _notice.done:
+        return
     with _notice.lock:
         first = not _notice.armed
         _notice.armed = True

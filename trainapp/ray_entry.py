@@ -193,6 +193,7 @@ def train_worker(payload: dict[str, Any]) -> None:
         logging.shutdown()
         os._exit(e.exit_code)
     finally:
+        preempt.training_over()
         dist.teardown(ctx)
 
 
