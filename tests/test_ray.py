@@ -62,6 +62,22 @@ def finish(proc: subprocess.Popen, timeout: float = 400) -> tuple[int, str]:
     return proc.returncode, out
 
 
+def _wait_for_record(run_dir: Path, kind: str, match, timeout: float = 240) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [r for r in metrics(run_dir, kind, missing_ok=True) if match(r)]
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    raise AssertionError(f"{run_dir}: no matching {kind} record in {timeout}s")
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its parent."""
+    stat = proc_stat(pid)
+    return stat is not None and stat[1][0] != "Z"
+
+
 def wait_for_step(run_dir: Path, step: int, timeout: float = 240) -> float:
     """Block until metrics.jsonl shows a train record at `step` or later; returns the time seen."""
     deadline = time.monotonic() + timeout
@@ -163,14 +179,26 @@ def test_ray_and_torchrun_end_with_the_same_parameters(ray_run_with_restart, tmp
 def test_an_out_of_memory_rank_then_a_hung_rank_are_explained_and_the_ray_run_ends_as_if_neither_happened(
         cluster, ray_run_with_restart):
     """Rank 1 raises torch.OutOfMemoryError after step 8 (attempt 0), then hangs after step 17
-    (attempt 1): each time its peer follows it out within seconds, Ray Train restarts the group from
-    the newest snapshot, and the run ends with the parameters of the drill run without these faults."""
+    (attempt 1): each time its peer is gone within seconds (its own watch, or Ray Train's controller
+    stopping the group first), Ray Train restarts the group from the newest snapshot, and the run ends
+    with the parameters of the drill run without these faults."""
     name = "failures"
     run_dir = cluster.storage / name
-    r = submit(cluster, name, "train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5", *QUICK,
-               "fault.oom_at_step=8", "fault.hang_at_step=17", "fault.rank=1", "fault.hang_timeout_s=5",
-               "ray.max_failures=2")
-    assert r.returncode == 0, r.output[-4000:]
+    proc = submit_background(cluster, name, "train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5",
+                             *QUICK, "train.log_every=1", "fault.oom_at_step=8", "fault.hang_at_step=17",
+                             "fault.rank=1", "fault.hang_timeout_s=5", "ray.max_failures=2")
+    try:
+        gone = []  # per attempt: seconds from rank 1's failure record until rank 0's process was gone
+        for attempt in (0, 1):
+            failed = _wait_for_record(run_dir, "failure", lambda f: f["rank"] == 1 and f["attempt"] == attempt)
+            rank0 = metrics(run_dir, "start")[attempt]["pid"]  # rank 0 writes each attempt's start record
+            while _alive(rank0) and time.time() - failed["time"] < 30:
+                time.sleep(0.05)
+            gone.append(time.time() - failed["time"])
+    finally:
+        rc, out = finish(proc)
+    assert rc == 0, out[-4000:]
+    assert max(gone) < 10, gone
     by_attempt: dict[int, dict[int, dict]] = {}
     for f in metrics(run_dir, "failure"):
         by_attempt.setdefault(f["attempt"], {})[f["rank"]] = f
@@ -178,9 +206,9 @@ def test_an_out_of_memory_rank_then_a_hung_rank_are_explained_and_the_ray_run_en
     assert (oom["cause"], oom["step"], oom["memory"]["device"]) == ("oom", 8, "cpu"), oom
     assert (hang["cause"], hang["step"], hang["phase"]) == ("hang", 17, "data"), hang
     assert (run_dir / "hangs" / "rank-1-attempt-1.txt").exists()
-    for attempt, failed in ((0, oom), (1, hang)):
-        peer = by_attempt[attempt][0]
-        assert peer["cause"] in ("peer", "hang") and peer["time"] - failed["time"] < 10, (peer, failed)
+    for attempt in (0, 1):  # rank 0 says why it left, unless Ray's controller stopped it first
+        peer = by_attempt[attempt].get(0)
+        assert peer is None or peer["cause"] in ("peer", "hang"), peer
     assert [s["resumed_step"] for s in metrics(run_dir, "start")] == [None, 5, 15]
     assert inspect(run_dir)["params_sha256"] == inspect(ray_run_with_restart[1])["params_sha256"]
     rep = trainapp("report", str(run_dir), timeout=120)
@@ -242,7 +270,9 @@ def test_losing_a_worker_node_continues_elastically_on_the_other(cluster):
     leaves its resource request in Ray's autoscaling coordinator until it expires, and an elastic run
     started meanwhile waits for it."""
     run_dir = cluster.storage / "elastic"
-    proc = submit_background(cluster, "elastic", *LONG, "ray.num_workers=[1,2]", "ray.worker_group_start_timeout_s=15")
+    # 100 steps: on a fast CPU 40 are over before the killed raylet's worker notices.
+    proc = submit_background(cluster, "elastic", *LONG, "train.max_steps=100", "ray.num_workers=[1,2]",
+                             "ray.worker_group_start_timeout_s=15")
     try:
         wait_for_step(run_dir, 12)
         raylet = cluster.node_pids("worker2")["raylet"]
