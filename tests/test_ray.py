@@ -181,12 +181,13 @@ def test_an_out_of_memory_rank_then_a_hung_rank_are_explained_and_the_ray_run_en
     """Rank 1 raises torch.OutOfMemoryError after step 8 (attempt 0), then hangs after step 17
     (attempt 1): each time its peer is gone within seconds (its own watch, or Ray Train's controller
     stopping the group first), Ray Train restarts the group from the newest snapshot, and the run ends
-    with the parameters of the drill run without these faults."""
+    with the parameters of the drill run without these faults. Snapshots are written in the background
+    and registered with Ray at the next report (the last one at the end of the run)."""
     name = "failures"
     run_dir = cluster.storage / name
     proc = submit_background(cluster, name, "train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5",
                              *QUICK, "train.log_every=1", "fault.oom_at_step=8", "fault.hang_at_step=17",
-                             "fault.rank=1", "fault.hang_timeout_s=5", "ray.max_failures=2")
+                             "fault.rank=1", "fault.hang_timeout_s=5", "ray.max_failures=2", "snapshot.async=true")
     try:
         gone = []  # per attempt: seconds from rank 1's failure record until rank 0's process was gone
         for attempt in (0, 1):
@@ -198,6 +199,7 @@ def test_an_out_of_memory_rank_then_a_hung_rank_are_explained_and_the_ray_run_en
     finally:
         rc, out = finish(proc)
     assert rc == 0, out[-4000:]
+    assert "trainapp ray: done steps=24" in out and "val_acc=" in out, out[-3000:]
     assert max(gone) < 10, gone
     by_attempt: dict[int, dict[int, dict]] = {}
     for f in metrics(run_dir, "failure"):
@@ -216,17 +218,20 @@ def test_an_out_of_memory_rank_then_a_hung_rank_are_explained_and_the_ray_run_en
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: needs root")
-def test_a_failed_upload_to_uri_storage_is_a_failed_snapshot_and_the_final_one_stops_the_run(cluster, tmp_path):
+@pytest.mark.parametrize("write", ["sync", "async"])
+def test_a_failed_upload_to_uri_storage_is_a_failed_snapshot_and_the_final_one_stops_the_run(cluster, tmp_path, write):
     """`ray.storage_path` a URI (file:// on a 1.2 MB tmpfs, room for one snapshot): rank 0 uploads, the
     second upload hits ENOSPC and is counted like a full local disk (training goes on, nothing partial
-    stays), the failed final one stops the run with one line and no retry (ray.max_failures=0)."""
+    stays), the failed final one stops the run with one line and no retry (ray.max_failures=0). With
+    snapshot.async the upload runs in the writer's thread and its failure is counted at the next save."""
     mount = tmp_path / "bucket"
     mount.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1200k", "tmpfs", str(mount)], check=True)
     try:
         run_dir = tmp_path / "run"
         r = submit(cluster, "uri", "train.max_steps=30", "train.epochs=10", "snapshot.every_steps=10", *QUICK,
-                   f"run.dir={run_dir}", "ray.max_failures=0", f"ray.storage_path=file://{mount}")
+                   f"run.dir={run_dir}", "ray.max_failures=0", f"ray.storage_path=file://{mount}",
+                   f"snapshot.async={write == 'async'}")
         stored = sorted(p.name for p in (mount / "uri").iterdir() if p.name.startswith("step_"))
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
@@ -241,6 +246,7 @@ def test_a_failed_upload_to_uri_storage_is_a_failed_snapshot_and_the_final_one_s
     assert f"free space under file://{mount}/uri" in errors[0] and "ray.storage_path" in errors[0], errors
     assert f"the newest valid snapshot is {mount}/uri/step_000000010" in errors[0], errors
     assert [f["cause"] for f in metrics(run_dir, "failure")] == ["storage", "storage"]
+    assert {s["background"] for s in metrics(run_dir, "snapshot")} == {write == "async"}
 
 
 def test_bad_ray_input_fails_fast_with_one_line(cluster, tmp_path):

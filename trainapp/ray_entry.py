@@ -43,43 +43,50 @@ def _is_uri(path: str) -> bool:
 class RayPublish:
     """The publish step of snapshots under Ray Train: every rank calls `ray.train.report` at the same
     steps (it is a barrier across workers), rank 0 with the snapshot as a checkpoint. The directory
-    format is the local one, so one format serves every launcher."""
+    format is the local one, so one format serves every launcher.
 
-    background = False
-    """Ray registers a checkpoint when it is reported, so the write cannot trail behind it; with
-    `snapshot.async` it is Ray's upload that runs in the background instead."""
+    Ray only ever registers a snapshot trainapp has put in place (`NO_UPLOAD`), never uploads one:
+    on a filesystem path rank 0 writes it there atomically, as under torchrun (an upload from a local
+    directory would write every snapshot twice); to a URI rank 0 writes it locally and uploads it with
+    pyarrow, as Ray would. So a failed write or upload is a failed snapshot like a full local disk
+    (counted against `snapshot.max_failures`, nothing partial left), not an error inside
+    `ray.train.report` that ends the run and leaves the worker's report sequence broken.
 
-    def __init__(self, uri: str | None, async_upload: bool, name: str):
+    With `snapshot.async` the write (and upload) runs in the snapshot writer's thread, and the snapshot
+    is registered with the next report, one interval later (or by `flush` at the end of the run or a
+    stop): Ray must not register what is not on storage yet.
+    """
+
+    def __init__(self, uri: str | None, async_write: bool, name: str):
         from ray.train import CheckpointUploadMode
 
-        self.uri = uri
-        # On a shared filesystem rank 0 writes the snapshot in place, atomically as under torchrun, and
-        # Ray only registers it: an upload from a local directory would write every snapshot twice.
-        self.in_place = uri is None and not async_upload
-        # To a URI, rank 0 uploads itself (pyarrow, as Ray would) and Ray only registers the result: a
-        # failed upload inside `ray.train.report` would end the run (and leave the worker's report
-        # sequence broken), while one here is a failed snapshot like a full local disk, counted
-        # against `snapshot.max_failures`, the partial upload deleted.
-        self.own_upload = uri is not None and not async_upload
-        if self.own_upload:
+        self.uri, self.name = uri, name
+        self.background = async_write
+        self.mode = CheckpointUploadMode.NO_UPLOAD
+        self.fs = None
+        if uri is not None:
             from pyarrow.fs import FileSystem
 
             self.fs, base = FileSystem.from_uri(uri)
-            self.experiment, self.name = f"{base.rstrip('/')}/{name}", name
-        self.mode = (CheckpointUploadMode.NO_UPLOAD if self.in_place or self.own_upload
-                     else CheckpointUploadMode.ASYNC)
+            self.experiment = f"{base.rstrip('/')}/{name}"
+        self.pending: tuple[int, Path | str] | None = None
+        """Rank 0, background writes: the snapshot written since the last report, not yet registered."""
+        self.last_metrics: dict[str, Any] = {}
 
     def root(self, run_dir: Path) -> Path:
         return run_dir  # Ray stores the checkpoints as STORAGE/NAME/step_*: the run directory itself
 
     def place(self, manager: SnapshotManager, step: int) -> Path:
-        if self.in_place:
+        if self.uri is None:
             return manager.path_for(step)
-        return Path(tempfile.gettempdir()) / f"trainapp-snap-{uuid.uuid4().hex[:12]}"  # Ray copies it to storage
+        return Path(tempfile.gettempdir()) / f"trainapp-snap-{uuid.uuid4().hex[:12]}"  # uploaded in `written`
 
     def written(self, manager: SnapshotManager, step: int, path: Path) -> Path | str:
         manager.sweep_leftovers()  # Ray keeps `snapshot.keep` checkpoints (CheckpointConfig) and deletes the rest
-        return self._upload(step, path) if self.own_upload else path
+        where = self._upload(step, path) if self.uri is not None else path
+        if self.background:
+            self.pending = (step, where)  # read by the training thread after it joined this writer
+        return where
 
     def _upload(self, step: int, path: Path) -> str:
         from pyarrow.fs import copy_files
@@ -103,18 +110,28 @@ class RayPublish:
         return 0  # Ray owns its checkpoints' retention: deleting them under it would confuse its bookkeeping
 
     def destination(self, manager: SnapshotManager) -> tuple[str, str]:
-        where = f"{self.uri.rstrip('/')}/{self.name}" if self.own_upload else str(manager.root)
+        where = f"{self.uri.rstrip('/')}/{self.name}" if self.uri is not None else str(manager.root)
         return where, "ray.storage_path"
 
     def publish(self, ctx, step: int, path: Path | str | None, metrics: dict[str, Any]) -> None:
+        self.last_metrics = metrics
+        self._report(ctx, step, path, metrics)
+
+    def flush(self, ctx) -> None:
+        if self.background:  # every rank: one more report, registering the last background write
+            self._report(ctx, None, None, self.last_metrics)
+
+    def _report(self, ctx, step: int | None, path: Path | str | None, metrics: dict[str, Any]) -> None:
         import ray.train
         from ray.train import Checkpoint
 
+        if path is None and self.pending is not None and ctx.is_main:
+            (step, path), self.pending = self.pending, None
         ckpt = None
         if path is not None:
-            ckpt = Checkpoint(str(path), filesystem=self.fs) if self.own_upload else Checkpoint.from_directory(path)
-        ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=f"step_{step:09d}",
-                         checkpoint_upload_mode=self.mode)
+            ckpt = Checkpoint(str(path), filesystem=self.fs) if self.fs is not None else Checkpoint.from_directory(path)
+        ray.train.report(metrics, checkpoint=ckpt, checkpoint_upload_mode=self.mode,
+                         checkpoint_dir_name=f"step_{step:09d}" if step is not None else None)
 
     def find(self, ctx, manager: SnapshotManager) -> tuple[str, dict[str, Any]] | None:
         if self.uri is None:
@@ -180,7 +197,7 @@ def train_worker(payload: dict[str, Any]) -> None:
     ctx = dist.setup(cfg.dist.timeout_s)  # adopts the group Ray created
     logs.setup(ctx.rank, ctx.world_size)
     uri = cfg.ray.storage_path if _is_uri(cfg.ray.storage_path) else None
-    snapshots = SnapshotManager.from_config(cfg, RayPublish(uri, async_upload=cfg.snapshot.async_, name=cfg.ray.name))
+    snapshots = SnapshotManager.from_config(cfg, RayPublish(uri, async_write=cfg.snapshot.async_, name=cfg.ray.name))
     notice = RayDrainNotice() if cfg.preempt.ray_poll_steps else None
     try:
         with failure.watching(cfg.run.dir, ctx, loop.attempt(Path(cfg.run.dir))):

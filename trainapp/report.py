@@ -45,6 +45,12 @@ def restarts(records: list[dict]) -> list[dict]:
     return out
 
 
+def _root_cause_first(f: dict) -> tuple:
+    # A peer's record follows another's failure; a rank found hung inside the step is most often
+    # waiting in the gradient all-reduce for the rank that hung elsewhere (data, eval, its write).
+    return f.get("cause") == "peer", f.get("cause") == "hang" and f.get("phase") == "step", f["time"]
+
+
 def failures(records: list[dict]) -> list[str]:
     """One line per attempt that ended early: its ranks' `failure` records, root cause first, or, with
     none, that it ended without a word (a SIGKILL: a lost node, the OOM killer)."""
@@ -52,7 +58,7 @@ def failures(records: list[dict]) -> list[str]:
     fails = [r for r in records if r.get("kind") == "failure"]
     out = []
     for k, i in enumerate(starts):
-        mine = sorted((f for f in fails if f.get("attempt", 0) == k), key=lambda f: (f.get("cause") == "peer", f["time"]))
+        mine = sorted((f for f in fails if f.get("attempt", 0) == k), key=_root_cause_first)
         nxt = starts[k + 1] if k + 1 < len(starts) else len(records)
         ended = {r.get("kind") for r in records[i:nxt]} & {"end", "preempted"}
         if mine:

@@ -254,6 +254,9 @@ class Publish(Protocol):
         """On every rank after rank 0's write (`path`, from `written`: None on other ranks, for background
         writes and when the write failed)."""
 
+    def flush(self, ctx) -> None:
+        """Every rank, once the last write is on storage (the end of a run, a stop): make it count too."""
+
     def find(self, ctx, manager: SnapshotManager) -> tuple[str, dict[str, Any]] | None: ...
 
 
@@ -278,6 +281,9 @@ class LocalPublish:
 
     def destination(self, manager: SnapshotManager) -> tuple[str, str]:
         return str(manager.root), "run.dir"
+
+    def flush(self, ctx) -> None:
+        pass  # the rename published it
 
     def publish(self, ctx, step: int, path: Path | str | None, metrics: dict[str, Any]) -> None:
         pass  # the rename published it; the other ranks waited for rank 0 in the manager's `agree`
@@ -366,6 +372,7 @@ class SnapshotManager:
         if ctx.is_main:
             self.wait()
         self.agree(ctx, final=True)
+        self.publish.flush(ctx)
 
     def _attempt(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path | str | None:
         """Rank 0: write; on ENOSPC make room once and retry; a storage error is counted, not raised."""
