@@ -379,7 +379,8 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
 def test_stopped_job_resubmitted_with_the_same_name_resumes(cluster):
     name, sid = "resubmit", f"resubmit-{uuid.uuid4().hex[:6]}"
     run_dir = cluster.storage / name
-    r = run_cmd(_submit_cmd(cluster, name, *LONG, sid=sid, wait=False), env=cluster.env())
+    steps = "train.max_steps=150"  # on a fast CPU 40 steps can be over before `ray job stop` lands
+    r = run_cmd(_submit_cmd(cluster, name, *LONG, steps, sid=sid, wait=False), env=cluster.env())
     assert r.returncode == 0, r.output
     wait_for_step(run_dir, 12)
     stop = run_cmd([RAY, "job", "stop", "--address", cluster.dashboard_url, sid], env=cluster.env(), timeout=120)
@@ -388,8 +389,8 @@ def test_stopped_job_resubmitted_with_the_same_name_resumes(cluster):
     assert "stopped" in status.lower()
     stopped_at = inspect(run_dir)["global_step"]
     assert stopped_at >= 10
-    r = submit(cluster, name, *LONG)
+    r = submit(cluster, name, *LONG, steps)
     assert r.returncode == 0, r.output[-4000:]
     second = metrics(run_dir, "start")[-1]
     assert second["resumed_step"] >= stopped_at  # not a fresh start
-    assert inspect(run_dir)["global_step"] == 40
+    assert inspect(run_dir)["global_step"] == 150
