@@ -34,6 +34,41 @@ def test_auto_on_cpu_is_bf16_only_where_native_and_off_is_fp32(monkeypatch, nati
     assert resolve_dtype("fp16", CPU) is torch.float16
 
 
+# /proc/cpuinfo excerpts: the 2-core Xeon the issue was seen on (AVX-512F, no AVX512_BF16: oneDNN emulates
+# bf16), a Sapphire Rapids (AMX), an EPYC with AVX512_BF16, a Graviton3 (Arm BF16), an AVX2-only EPYC.
+XEON_AVX512F = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512dq avx512cd avx512bw avx512vl\n"
+SAPPHIRE = "processor\t: 0\nflags\t\t: avx2 avx512f avx512_vnni amx_bf16 amx_tile amx_int8\n"
+EPYC_BF16 = "processor\t: 0\nflags\t\t: avx2 avx512f avx512_bf16 avx512_vnni\n"
+GRAVITON3 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\nCPU implementer\t: 0x41\n"
+EPYC_AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n"
+
+
+@pytest.mark.parametrize("cpuinfo, native", [(XEON_AVX512F, False), (SAPPHIRE, True), (EPYC_BF16, True),
+                                             (GRAVITON3, True), (EPYC_AVX2, False), ("", False)])
+def test_native_bf16_is_read_from_the_cpus_instruction_flags(tmp_path, monkeypatch, cpuinfo, native):
+    path = tmp_path / "cpuinfo"
+    path.write_text(cpuinfo)
+    # oneDNN says yes on every one of them (it does on AVX-512F alone, by emulation): the flags decide.
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    amp.cpu_has_native_bf16.cache_clear()
+    try:
+        assert amp.cpu_has_native_bf16(str(path)) is native
+        assert amp.cpu_has_native_bf16(str(tmp_path / "missing")) is False  # no /proc/cpuinfo: fp32
+    finally:
+        amp.cpu_has_native_bf16.cache_clear()
+
+
+def test_auto_trains_fp32_on_the_avx512f_xeon_and_bf16_with_amx(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    uncached = amp.cpu_has_native_bf16.__wrapped__
+    monkeypatch.setattr(amp, "cpu_has_native_bf16", lambda: uncached(str(tmp_path / "cpuinfo")))
+    for cpuinfo, dtype in ((XEON_AVX512F, None), (SAPPHIRE, torch.bfloat16)):
+        (tmp_path / "cpuinfo").write_text(cpuinfo)
+        p = Precision(AmpSection(dtype="auto"), CPU)
+        assert p.dtype is dtype
+        assert ("no bf16 instructions" in p.note) is (dtype is None)
+
+
 @pytest.mark.parametrize("choice, dtype, scaling", [("bf16", torch.bfloat16, False), ("fp16", torch.float16, True),
                                                     ("off", torch.float32, False)])
 def test_one_autocast_context_and_a_scaler_enabled_only_for_fp16(choice, dtype, scaling):

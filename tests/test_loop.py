@@ -30,6 +30,8 @@ def test_make_run_trains_two_ddp_processes_that_learn(tmp_path):
     # amp.dtype=auto: bf16 where this CPU runs it natively, fp32 where bf16 would be emulated.
     assert metrics(run_dir, "start")[0]["amp"] == ("bf16" if cpu_has_native_bf16() else "fp32")
     assert metrics(run_dir, "start")[0]["backend"] == "gloo"
+    placement = metrics(run_dir, "start")[0]["placement"]  # one node, two local ranks
+    assert [(p["rank"], p["node_rank"], p["local_rank"]) for p in placement] == [(0, 0, 0), (1, 0, 1)], placement
     assert inspect(run_dir)["world_size"] == 2
 
 
@@ -107,6 +109,8 @@ def test_multi_node_torchrun_with_two_agents(tmp_path):
                 p.kill()
                 p.wait()
     assert inspect(run)["world_size"] == 2 and inspect(run)["global_step"] == 12
+    placement = metrics(run, "start")[0]["placement"]
+    assert sorted((p["node_rank"], p["local_rank"]) for p in placement) == [(0, 0), (1, 0)], placement
 
 
 def test_a_finished_run_rerun_does_no_more_steps(tmp_path):

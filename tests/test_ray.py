@@ -147,6 +147,9 @@ def test_job_submit_runs_two_workers_and_inspect_reads_the_ray_run(ray_run_with_
     # Ray stops a worker group whose training is over with SIGTERM: that is no preemption notice.
     assert "preemption: SIGTERM received" not in r.output, r.output[-4000:]
     assert {m["world_size"] for m in metrics(run_dir, "train")} == {2}
+    # Each local node has an address of its own: Ray Train places the ranks as on two machines.
+    placement = metrics(run_dir, "start")[0]["placement"]
+    assert sorted((p["node_rank"], p["local_rank"]) for p in placement) == [(0, 0), (1, 0)], placement
     info = inspect(run_dir)
     assert info["global_step"] == 24 and info["world_size"] == 2
     assert (run_dir / "step_000000024" / "state.pt").exists()

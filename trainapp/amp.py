@@ -7,19 +7,42 @@ loop has a single code path.
 from __future__ import annotations
 
 import contextlib
+import functools
+from pathlib import Path
 
 import torch
 
 from trainapp.config import AmpSection
 
+BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}
+"""CPU feature flags (/proc/cpuinfo) of bf16 arithmetic in hardware: AVX512_BF16 and AMX on x86,
+BF16 on Arm. oneDNN's own check (`_is_mkldnn_bf16_supported`) also says yes on AVX-512F alone, where
+it emulates bf16, and a step is then about 1.5x slower than in fp32 (bench/amp_cpu.py)."""
 
-def cpu_has_native_bf16() -> bool:
-    """Whether oneDNN runs bf16 on this CPU's own instructions (AVX-512, AMX). Elsewhere bf16 is
-    emulated, and a training step takes several times longer than in fp32 (bench/amp_cpu.py)."""
+
+def native_bf16_flags(cpuinfo: str) -> set[str]:
+    """The bf16 instruction flags of the first CPU listed in /proc/cpuinfo text (x86 `flags`, Arm
+    `Features`)."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return BF16_FLAGS & set(value.split())
+    return set()
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_native_bf16(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU does bf16 arithmetic in hardware and this torch build's oneDNN can use it.
+    Without a /proc/cpuinfo to read (not Linux) the answer is no: fp32 is never the slow choice."""
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        onednn = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a build without oneDNN
         return False
+    try:
+        flags = native_bf16_flags(Path(cpuinfo_path).read_text())
+    except OSError:
+        return False
+    return onednn and bool(flags)
 
 
 def resolve_dtype(choice: str, device: torch.device) -> torch.dtype | None:
@@ -43,10 +66,10 @@ class Precision:
         """Why the dtype is not what the config suggests, for the run's log."""
         if device.type == "cpu" and not cpu_has_native_bf16():
             if cfg.dtype == "auto":
-                self.note = "amp.dtype=auto: this CPU has no native bf16 (AVX-512/AMX), training in fp32"
+                self.note = "amp.dtype=auto: this CPU has no bf16 instructions (AVX512_BF16, AMX), training in fp32"
             elif cfg.dtype == "bf16":
-                self.note = ("amp.dtype=bf16: this CPU has no native bf16 (AVX-512/AMX), so it is emulated and "
-                             "several times slower than fp32; amp.dtype=auto or off trains in fp32")
+                self.note = ("amp.dtype=bf16: this CPU has no bf16 instructions (AVX512_BF16, AMX), so bf16 is "
+                             "emulated and slower than fp32; amp.dtype=auto or off trains in fp32")
         self.device_type = device.type
         self.scaler = torch.amp.GradScaler(device.type, init_scale=cfg.init_scale,
                                            enabled=self.dtype is torch.float16)

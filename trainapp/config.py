@@ -139,8 +139,9 @@ class SchedSection:
 class AmpSection:
     dtype: Literal["auto", "bf16", "fp16", "off"] = "auto"
     """Autocast dtype. `auto`: bf16 where the device supports it, else fp16 with loss scaling (CUDA);
-    on CPU bf16 where oneDNN runs it natively (AVX-512 or AMX), else fp32, because emulated bf16 is
-    several times slower than fp32. `off`: full fp32."""
+    on CPU bf16 where the CPU has bf16 instructions (AVX512_BF16, AMX, Arm BF16 in /proc/cpuinfo),
+    else fp32, because emulated bf16 (oneDNN's path on AVX-512F or AVX2 alone) is slower than fp32.
+    `off`: full fp32."""
     init_scale: float = Field(default=2.0**16, gt=0)
     """fp16 only: initial loss scale of the GradScaler."""
 

@@ -98,6 +98,14 @@ def _elastic_store(timeout: datetime.timedelta):
     return dist.PrefixStore(f"trainapp/{run_id}/attempt{attempt}", store)
 
 
+def placement(ctx: DistContext) -> dict:
+    """Where this rank runs, as its launcher placed it: host, node rank (torchrun's GROUP_RANK, Ray's
+    NODE_RANK), local rank, PID."""
+    node_rank = os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK"))
+    return {"rank": ctx.rank, "host": os.uname().nodename, "node_rank": int(node_rank) if node_rank else None,
+            "local_rank": ctx.local_rank, "pid": os.getpid()}
+
+
 def side_store(ctx: DistContext, timeout_s: float = 10.0):
     """A client of the group's store of our own (MASTER_ADDR:MASTER_PORT: torchrun's agent, or rank 0
     under Ray and plain launches), for word between ranks outside the process group, such as a rank's

@@ -228,7 +228,8 @@ class Trainer:
 
     def _log_start(self) -> None:
         ctx, p, cfg = self.ctx, self.parts.progress, self.cfg
-        network = dist.gather_objects(ctx, ctx.network.to_dict() if ctx.network else None)
+        gathered = dist.gather_objects(ctx, (ctx.network.to_dict() if ctx.network else None, dist.placement(ctx)))
+        network, placement = ([g[0] for g in gathered], [g[1] for g in gathered]) if gathered else (None, None)
         resumed = p.resumed or {}
         self.metrics.write("start", step=p.global_step, epoch=p.epoch, epoch_sample=p.epoch_sample,
                            world_size=ctx.world_size, global_batch=p.global_batch, total_steps=self.parts.total_steps,
@@ -237,7 +238,8 @@ class Trainer:
                            interop_threads=torch.get_num_interop_threads(),
                            restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                            resumed_from=self.parts.resumed_from, resumed_step=resumed.get("global_step"),
-                           resumed_world_size=resumed.get("world_size"), network=network, config=cfg.to_dict())
+                           resumed_world_size=resumed.get("world_size"), network=network, placement=placement,
+                           config=cfg.to_dict())
         log.info("config %s", json.dumps(cfg.to_dict(), separators=(",", ":")))
         log.info(logs.kv(world_size=ctx.world_size, backend=ctx.backend, device=ctx.device,
                          amp=self.parts.precision.name, global_batch=p.global_batch,

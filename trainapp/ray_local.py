@@ -1,9 +1,14 @@
 """A real multi-node Ray cluster on one machine, for development, demos and tests.
 
 A head with no task CPUs and N worker nodes, each its own `ray start` with its own resources, all on
-loopback. The nodes use 127.0.0.2: Ray rewrites 127.0.0.1 and `localhost` into the machine's external
-address ("remotely reachable"), while any other 127/8 address is kept, and Linux routes all of 127/8
-to loopback. The dashboard (job submission) listens on 127.0.0.1. Token authentication is on: a
+loopback. Each node has an address of its own: the head 127.0.0.2, the workers 127.0.0.3, .4, ...
+(Ray rewrites 127.0.0.1 and `localhost` into the machine's external address, "remotely reachable",
+while any other 127/8 address is kept, and Linux routes all of 127/8 to loopback). Ray Train places
+workers by node address, so the workers get `node_rank` 0, 1, ... and `local_rank` 0 on each, as on
+separate machines, not ranks of one machine. Each node also has its own temp directory, so its log
+monitor streams its own workers' logs only (with one shared directory every node streamed every
+worker's, and a job's output showed each line once per node). The dashboard (job submission) listens
+on 127.0.0.1. Token authentication is on: a
 fresh token in a file under the cluster's directory (outside the repository), handed to every node
 and to `ray job submit` through RAY_AUTH_TOKEN_PATH. The nodes also get their own HOME, so a stale
 `~/.ray/auth_token` from another Ray instance cannot leak in.
@@ -103,6 +108,7 @@ class LocalCluster:
     workers: int = 2
     cpus: float = 1
     node_ip: str = "127.0.0.2"
+    """The head's address; worker node i (from 1) gets the next ones, 127.0.0.(2+i)."""
     gcs_port: int = 26379
     dashboard_port: int = 28265
     # Node-death detection (GCS health checks of each raylet). Ray's defaults: 3000 ms x 5 misses.
@@ -162,8 +168,11 @@ class LocalCluster:
 
     def _start(self, name: str, args: list[str], cwd: Path, nice: int = 0) -> Node:
         log = self.dir / "logs" / f"{name}.log"
+        ip = self.node_ip if not self.nodes else self._address_of(len(self.nodes))
+        # A short per-node temp directory: Ray's socket paths under it must stay under 108 bytes.
+        temp = self.dir / ("r" if not self.nodes else f"n{len(self.nodes)}")
         with open(log, "ab") as out:
-            proc = subprocess.Popen([RAY, "start", "--block", f"--node-ip-address={self.node_ip}",
+            proc = subprocess.Popen([RAY, "start", "--block", f"--node-ip-address={ip}", f"--temp-dir={temp}",
                                      "--disable-usage-stats", *_own_ports(), *args],
                                     env=self.env(), cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
@@ -191,7 +200,7 @@ class LocalCluster:
         try:
             self._start("head", ["--head", "--num-cpus=0", f"--port={self.gcs_port}", "--dashboard-host=127.0.0.1",
                                  f"--dashboard-port={self.dashboard_port}", "--include-dashboard=true",
-                                 f"--ray-client-server-port={free_port()}", f"--temp-dir={self.dir / 'r'}",
+                                 f"--ray-client-server-port={free_port()}",
                                  f"--system-config={system_config}"], cwd, nice=self.head_nice)
             if not _wait_port(self.gcs_port, timeout, self.node_ip) or not _wait_port(self.dashboard_port, timeout):
                 raise RuntimeError(f"head did not come up; see {self.nodes[0].log}")
@@ -206,6 +215,11 @@ class LocalCluster:
             self.down()
             raise
         return self
+
+    def _address_of(self, index: int) -> str:
+        """The loopback address of the node started `index`-th (0: the head)."""
+        head = self.node_ip.split(".")
+        return ".".join([*head[:3], str(int(head[3]) + index)])
 
     def add_worker(self, name: str, cwd: Path | None = None) -> Node:
         """Start one more worker node (e.g. to replace a lost one)."""
@@ -301,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainapp.ray_local", description=__doc__.splitlines()[0])
     p.add_argument("--dir", type=Path, default=DEFAULT_DIR, help=f"cluster state, token, logs (default {DEFAULT_DIR})")
     sub = p.add_subparsers(dest="cmd", required=True)
-    up = sub.add_parser("up", help="start a head and N worker nodes on 127.0.0.1")
+    up = sub.add_parser("up", help="start a head and N worker nodes on loopback (127.0.0.2, .3, ...)")
     up.add_argument("--workers", type=int, default=2)
     up.add_argument("--cpus", type=float, default=1, help="CPUs each worker node offers")
     up.add_argument("--port", type=int, default=26379, help="GCS port of the head")
