@@ -150,6 +150,9 @@ def test_job_submit_runs_two_workers_and_inspect_reads_the_ray_run(ray_run_with_
     # Each local node has an address of its own: Ray Train places the ranks as on two machines.
     placement = metrics(run_dir, "start")[0]["placement"]
     assert sorted((p["node_rank"], p["local_rank"]) for p in placement) == [(0, 0), (1, 0)], placement
+    # One copy of each line in the job's output (two attempts): each node streams only its own logs.
+    assert r.output.count("Started training worker group") == 2, r.output[-4000:]
+    assert r.output.count("trainapp.loop: world_size=2 backend=gloo") == 2, r.output[-4000:]
     info = inspect(run_dir)
     assert info["global_step"] == 24 and info["world_size"] == 2
     assert (run_dir / "step_000000024" / "state.pt").exists()
