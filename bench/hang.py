@@ -39,7 +39,7 @@ import time
 import uuid
 from pathlib import Path
 
-from launchers import BIN, HERE, REPO, first_step_after_restart, records
+from launchers import HERE, REPO, first_step_after_restart, launch_cmd, overrides, records
 from machine import describe
 
 # This checkout's trainapp: importing launchers put REPO first on sys.path.
@@ -47,33 +47,22 @@ from trainapp import preempt
 from trainapp.config import FaultSection
 from trainapp.ray_local import LocalCluster, free_port
 
-# Ray's worker processes do not start in this checkout: make them import its trainapp, not whichever
-# one the venv's editable install points at.
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-
 LAUNCHERS = ("torchrun", "ray")
 
 
 def config(args) -> list[str]:
     """Overrides shared by both launchers (the model and data are launchers.py's)."""
-    out = [f"train.max_steps={args.steps}", "train.epochs=100", f"snapshot.every_steps={args.snapshot_every}",
-           "train.progress=false", "train.log_every=1", "data.train_size=2048", "data.val_size=256",
-           f"fault.hang_at_step={args.hang_step}", f"fault.rank={args.rank}"]
+    out = overrides(args.steps, args.snapshot_every, "train.log_every=1", f"fault.hang_at_step={args.hang_step}",
+                    f"fault.rank={args.rank}")
     if args.hang_timeout is not None:  # else trainapp's default: what is measured
         out.append(f"fault.hang_timeout_s={args.hang_timeout:g}")
     return out
 
 
 def launch(launcher: str, run_dir: Path, args, cluster: LocalCluster | None, log: Path) -> subprocess.Popen:
+    cmd, env = launch_cmd(launcher, run_dir, config(args), cluster, max_failures=1)
     if launcher == "torchrun":
-        env = {**os.environ, "OMP_NUM_THREADS": "1", preempt.RUNTIME_ENV: str(runtime_dir(run_dir))}
-        cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "--max-restarts=1", "-m", "trainapp",
-               "train", f"run.dir={run_dir}", *config(args)]
-    else:
-        env = cluster.env()
-        cmd = [str(BIN / "ray"), "job", "submit", "--address", cluster.dashboard_url, "--", "python", "-m",
-               "trainapp", "ray", f"ray.storage_path={run_dir.parent}", f"ray.name={run_dir.name}",
-               "ray.max_failures=1", *config(args)]
+        env[preempt.RUNTIME_ENV] = str(runtime_dir(run_dir))
     with open(log, "w") as out:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)

@@ -51,6 +51,28 @@ from trainapp.ray_local import LocalCluster, free_port, proc_stat  # noqa: E402
 
 BIN = Path(sys.executable).parent
 
+# Ray's worker processes do not start in this checkout: make them import its trainapp (a worktree's,
+# say), not whichever one the venv's editable install points at.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+
+
+def overrides(steps: int, snapshot_every: int, *extra: str) -> list[str]:
+    """The benchmarks' run: the built-in model on 2048 synthetic images, `steps` steps."""
+    return [f"train.max_steps={steps}", "train.epochs=100", f"snapshot.every_steps={snapshot_every}",
+            "train.progress=false", "data.train_size=2048", "data.val_size=256", *extra]
+
+
+def launch_cmd(launcher: str, run_dir: Path, args: list[str], cluster: LocalCluster | None,
+               max_failures: int) -> tuple[list[str], dict[str, str]]:
+    """(command, environment) running trainapp with `args` under torchrun (2 processes, one restart)
+    or as a 2-worker `ray job submit` to `cluster` with `ray.max_failures`."""
+    if launcher == "torchrun":
+        return ([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "--max-restarts=1", "-m", "trainapp",
+                 "train", f"run.dir={run_dir}", *args], {**os.environ, "OMP_NUM_THREADS": "1"})
+    return ([str(BIN / "ray"), "job", "submit", "--address", cluster.dashboard_url, "--", "python", "-m", "trainapp",
+             "ray", f"ray.storage_path={run_dir.parent}", f"ray.name={run_dir.name}",
+             f"ray.max_failures={max_failures}", *args], cluster.env())
+
 
 def records(run_dir: Path) -> list[dict]:
     return metrics.read(run_dir, missing_ok=True)
@@ -148,21 +170,9 @@ class Bench:
                                     head_nice=args.head_nice, worker_nice=args.worker_nice)
         self.procs: list[subprocess.Popen] = []
 
-    def cfg(self, *extra: str) -> list[str]:
-        a = self.args
-        return [f"train.max_steps={a.steps}", "train.epochs=100", f"snapshot.every_steps={a.snapshot_every}",
-                "train.progress=false", "data.train_size=2048", "data.val_size=256", *extra]
-
     def launch(self, launcher: str, run_dir: Path, *extra: str) -> tuple[subprocess.Popen, float]:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        if launcher == "torchrun":
-            cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "--max-restarts=1", "-m", "trainapp",
-                   "train", f"run.dir={run_dir}", *self.cfg(*extra)]
-        else:
-            env = self.cluster.env()
-            cmd = [str(BIN / "ray"), "job", "submit", "--address", self.cluster.dashboard_url, "--", "python", "-m",
-                   "trainapp", "ray", f"ray.storage_path={run_dir.parent}", f"ray.name={run_dir.name}",
-                   "ray.max_failures=2", *self.cfg(*extra)]
+        cmd, env = launch_cmd(launcher, run_dir, overrides(self.args.steps, self.args.snapshot_every, *extra),
+                              self.cluster, max_failures=2)
         t0 = time.time()
         p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)

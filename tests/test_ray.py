@@ -80,12 +80,8 @@ def _alive(pid: int) -> bool:
 
 def wait_for_step(run_dir: Path, step: int, timeout: float = 240) -> float:
     """Block until metrics.jsonl shows a train record at `step` or later; returns the time seen."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(r["step"] >= step for r in metrics(run_dir, "train", missing_ok=True)):
-            return time.time()
-        time.sleep(0.1)
-    raise AssertionError(f"{run_dir} never reached step {step}")
+    _wait_for_record(run_dir, "train", lambda r: r["step"] >= step, timeout)
+    return time.time()
 
 
 def ray_worker_pids(cluster) -> list[int]:

@@ -55,7 +55,7 @@ class _Where:
         self.device = None
         self.store = None
         self.attempt = 0
-        self.done = threading.Event()  # this process's failure is recorded: nothing more to say
+        self.done = False  # this process's failure is recorded: nothing more to say
         self.lock = threading.Lock()
 
 
@@ -80,9 +80,9 @@ def record(cause: str, error: str, exit_code: int, post: bool = True, **extra: A
     """Write this rank's `failure` record and print its line (once per process); post it to the peers
     unless every rank fails the same way at once. Returns the line. Safe from any thread."""
     with _where.lock:
-        if _where.done.is_set():
+        if _where.done:
             return ""
-        _where.done.set()
+        _where.done = True
     line = line_for(cause, error, exit_code)
     fields = {"rank": _where.rank, "host": host(), "step": heartbeat.state.step, "phase": heartbeat.state.phase,
               "cause": cause, "error": error, "exit_code": exit_code, "attempt": _where.attempt, **extra}
@@ -167,12 +167,14 @@ def explain(e: BaseException) -> tuple[str, str, dict[str, Any]] | None:
     return cause, error, extra
 
 
+def _posted(store) -> str:
+    """A peer's failure line from the store, '' while there is none; raises when the store is gone."""
+    return store.get(KEY).decode(errors="replace") if store.check([KEY]) else ""
+
+
 def _peer_line() -> str:
-    if _where.store is None:
-        return ""
     with contextlib.suppress(Exception):
-        if _where.store.check([KEY]):
-            return _where.store.get(KEY).decode(errors="replace")
+        return _posted(_where.store) if _where.store is not None else ""
     return ""
 
 
@@ -186,7 +188,7 @@ class _PeerWatch:
         misses = 0
         while not self.stop.wait(POLL_S):
             try:
-                posted = self.store.check([KEY])
+                posted = _posted(self.store)
                 misses = 0
             except Exception as e:
                 misses += 1
@@ -195,7 +197,7 @@ class _PeerWatch:
                                 "launcher, is gone")
                 continue
             if posted and not self.stop.is_set():
-                self._leave(self.store.get(KEY).decode(errors="replace"))
+                self._leave(posted)
 
     def _leave(self, why: str) -> None:
         if record("peer", why, PEER_EXIT, post=False, peer=why):

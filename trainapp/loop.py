@@ -1,7 +1,8 @@
 """The training loop: DDP + autocast, gradient accumulation, distributed eval, rank-0 snapshots.
 
-`run(cfg)` is the whole job on this process; `trainer(cfg, ctx)` builds the parts (trainapp.build)
-and hands them to the `Trainer`, whose `train()` reads top to bottom. Neither knows who launched it:
+`run(cfg)` is the whole job on this process; `train(cfg, ctx)` is a rank's training under any launcher
+(`run`'s, a Ray worker's), with its failures explained; `trainer(cfg, ctx)` builds the parts
+(trainapp.build) and hands them to the `Trainer`, whose `train()` reads top to bottom. Neither knows who launched it:
 alone, torchrun or a Ray Train worker all look the same from here (ranks in the environment, maybe a
 process group already created).
 """
@@ -42,12 +43,16 @@ class Trainer:
     """Trains the parts `build` made: steps, log records, evaluation, the fault drill, snapshots."""
 
     def __init__(self, cfg: Config, ctx: dist.DistContext, parts: Parts, snapshots: SnapshotManager,
-                 drain_notice: Callable[[], dict | None] | None = None):
+                 drain_notice: Callable[[], dict | None] | None = None, attempt_no: int | None = None):
         self.cfg, self.ctx, self.parts, self.snapshots = cfg, ctx, parts, snapshots
         self.run_dir = Path(cfg.run.dir)
         self.vote = preempt.StopVote(ctx)
         self.watchdog = heartbeat.Watchdog(cfg.fault.hang_timeout_s, cfg.fault.hang_startup_s, self.run_dir, ctx.rank,
-                                           attempt(self.run_dir))
+                                           attempt(self.run_dir) if attempt_no is None else attempt_no)
+        f = cfg.fault
+        self._drills = {at: name for name, at in (("kill", f.kill_at_step), ("hang", f.hang_at_step),
+                                                  ("oom", f.oom_at_step)) if at is not None and f.rank == ctx.rank}
+        """This rank's fault drills by step: one dict lookup per step, and none when no drill is set."""
         self.drain_notice = drain_notice
         """Asked every `preempt.ray_poll_steps` steps on every rank (a barrier under Ray): a dict
         describing a drain of one of the run's nodes while one is under way (`new` the first time),
@@ -197,10 +202,11 @@ class Trainer:
         return self.last_eval
 
     def _maybe_fault(self) -> None:
+        if not self._drills:
+            return
         f, step = self.cfg.fault, self.parts.progress.global_step
-        drills = {"kill": f.kill_at_step, "hang": f.hang_at_step, "oom": f.oom_at_step}
-        what = next((name for name, at in drills.items() if at == step), None)
-        if f.rank != self.ctx.rank or what is None:
+        what = self._drills.get(step)
+        if what is None:
             return
         marker = self.run_dir / f"fault-fired-{'' if what == 'kill' else what + '-'}step{step}-rank{f.rank}"
         if marker.exists():  # fired before this restart
@@ -342,10 +348,19 @@ def attempt(run_dir: Path) -> int:
 
 
 def trainer(cfg: Config, ctx: dist.DistContext, snapshots: SnapshotManager | None = None,
-            drain_notice: Callable[[], dict | None] | None = None) -> Trainer:
+            drain_notice: Callable[[], dict | None] | None = None, attempt_no: int | None = None) -> Trainer:
     """The parts of a run, resumed from its newest valid snapshot, and the Trainer over them."""
     snapshots = snapshots or SnapshotManager.from_config(cfg)
-    return Trainer(cfg, ctx, build(cfg, ctx, snapshots), snapshots, drain_notice)
+    return Trainer(cfg, ctx, build(cfg, ctx, snapshots), snapshots, drain_notice, attempt_no)
+
+
+def train(cfg: Config, ctx: dist.DistContext, snapshots: SnapshotManager | None = None,
+          drain_notice: Callable[[], dict | None] | None = None) -> dict[str, Any]:
+    """This rank's whole training under any launcher: build, resume and train, with whatever ends it
+    explained and its peers' failures watched for (trainapp/failure.py)."""
+    attempt_no = attempt(Path(cfg.run.dir))
+    with failure.watching(cfg.run.dir, ctx, attempt_no):
+        return trainer(cfg, ctx, snapshots, drain_notice, attempt_no).train()
 
 
 def run(cfg: Config) -> dict[str, Any]:
@@ -357,8 +372,7 @@ def run(cfg: Config) -> dict[str, Any]:
         ctx = dist.setup(cfg.dist.timeout_s, cfg.network)
         logs.setup(ctx.rank, ctx.world_size)
         try:
-            with failure.watching(cfg.run.dir, ctx, attempt(Path(cfg.run.dir))):
-                summary = trainer(cfg, ctx).train()
+            summary = train(cfg, ctx)
         finally:
             dist.teardown(ctx)
     finally:

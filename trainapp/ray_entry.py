@@ -27,7 +27,7 @@ from typing import Any
 
 from trainapp import config, dist, logs
 from trainapp.config import Config, ConfigError
-from trainapp.snapshot import SnapshotManager, find_shared, load_state, verify
+from trainapp.snapshot import SnapshotManager, find_shared, load_state, step_name, verify
 
 log = logging.getLogger("trainapp.ray")
 
@@ -58,17 +58,15 @@ class RayPublish:
     """
 
     def __init__(self, uri: str | None, async_write: bool, name: str):
-        from ray.train import CheckpointUploadMode
-
-        self.uri, self.name = uri, name
+        self.uri = uri
         self.background = async_write
-        self.mode = CheckpointUploadMode.NO_UPLOAD
         self.fs = None
         if uri is not None:
             from pyarrow.fs import FileSystem
 
             self.fs, base = FileSystem.from_uri(uri)
-            self.experiment = f"{base.rstrip('/')}/{name}"
+            self.experiment = f"{base.rstrip('/')}/{name}"  # the path on `fs`
+            self.shown = f"{uri.rstrip('/')}/{name}"  # the same as a URI, for messages
         self.pending: tuple[int, Path | str] | None = None
         """Rank 0, background writes: the snapshot written since the last report, not yet registered."""
         self.last_metrics: dict[str, Any] = {}
@@ -91,7 +89,7 @@ class RayPublish:
     def _upload(self, step: int, path: Path) -> str:
         from pyarrow.fs import copy_files
 
-        dest = f"{self.experiment}/step_{step:09d}"
+        dest = f"{self.experiment}/{step_name(step)}"
         try:
             self.fs.create_dir(dest)
             copy_files(str(path), dest, destination_filesystem=self.fs)
@@ -101,7 +99,7 @@ class RayPublish:
             # pyarrow names no file, and a remote store's errors carry no errno: EIO stands for those.
             code = e.errno or errno.EIO
             why = os.strerror(e.errno) if e.errno else f"upload failed: {str(e).split('. Detail:')[0]}"
-            raise OSError(code, why, f"{self.uri.rstrip('/')}/{self.name}/step_{step:09d}") from None
+            raise OSError(code, why, f"{self.shown}/{step_name(step)}") from None
         finally:
             shutil.rmtree(path, ignore_errors=True)
         return dest
@@ -110,8 +108,7 @@ class RayPublish:
         return 0  # Ray owns its checkpoints' retention: deleting them under it would confuse its bookkeeping
 
     def destination(self, manager: SnapshotManager) -> tuple[str, str]:
-        where = f"{self.uri.rstrip('/')}/{self.name}" if self.uri is not None else str(manager.root)
-        return where, "ray.storage_path"
+        return (self.shown if self.uri is not None else str(manager.root)), "ray.storage_path"
 
     def publish(self, ctx, step: int, path: Path | str | None, metrics: dict[str, Any]) -> None:
         self.last_metrics = metrics
@@ -123,15 +120,15 @@ class RayPublish:
 
     def _report(self, ctx, step: int | None, path: Path | str | None, metrics: dict[str, Any]) -> None:
         import ray.train
-        from ray.train import Checkpoint
+        from ray.train import Checkpoint, CheckpointUploadMode
 
         if path is None and self.pending is not None and ctx.is_main:
             (step, path), self.pending = self.pending, None
         ckpt = None
         if path is not None:
             ckpt = Checkpoint(str(path), filesystem=self.fs) if self.fs is not None else Checkpoint.from_directory(path)
-        ray.train.report(metrics, checkpoint=ckpt, checkpoint_upload_mode=self.mode,
-                         checkpoint_dir_name=f"step_{step:09d}" if step is not None else None)
+        ray.train.report(metrics, checkpoint=ckpt, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
+                         checkpoint_dir_name=step_name(step) if step is not None else None)
 
     def find(self, ctx, manager: SnapshotManager) -> tuple[str, dict[str, Any]] | None:
         if self.uri is None:
@@ -191,7 +188,7 @@ class RayDrainNotice:
 
 def train_worker(payload: dict[str, Any]) -> None:
     """The per-worker function: the same loop as torchrun's, with snapshots published to Ray."""
-    from trainapp import failure, loop, preempt
+    from trainapp import loop, preempt
 
     cfg = config.from_dict(payload["config"])
     ctx = dist.setup(cfg.dist.timeout_s)  # adopts the group Ray created
@@ -200,8 +197,7 @@ def train_worker(payload: dict[str, Any]) -> None:
     snapshots = SnapshotManager.from_config(cfg, RayPublish(uri, async_write=cfg.snapshot.async_, name=cfg.ray.name))
     notice = RayDrainNotice() if cfg.preempt.ray_poll_steps else None
     try:
-        with failure.watching(cfg.run.dir, ctx, loop.attempt(Path(cfg.run.dir))):
-            loop.trainer(cfg, ctx, snapshots, notice).train()
+        loop.train(cfg, ctx, snapshots, notice)
     except preempt.Preempted as e:
         # The snapshot is reported; the process ends as under torchrun, and Ray Train restarts the group
         # from it (on the nodes that are left when a node is going away).

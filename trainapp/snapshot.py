@@ -78,6 +78,11 @@ def storage_hint(e: OSError, root: Path | str, size: int | None, setting: str = 
     return f"the storage under {root} reports I/O errors: check the disk, the network filesystem or the object store"
 
 
+def step_name(step: int) -> str:
+    """The directory name of the snapshot of `step` (`step_000000123`), on every kind of storage."""
+    return f"step_{step:09d}"
+
+
 def tensors_sha256(state: dict[str, torch.Tensor]) -> str:
     """sha256 over the raw bytes of every tensor, in sorted key order."""
     h = hashlib.sha256()
@@ -337,7 +342,7 @@ class SnapshotManager:
         return last or (self.every_steps > 0 and step % self.every_steps == 0)
 
     def path_for(self, step: int) -> Path:
-        return self.root / f"step_{step:09d}"
+        return self.root / step_name(step)
 
     def load(self, ctx) -> tuple[str, dict[str, Any]] | None:
         """(path, state) of the newest valid snapshot, the same on every rank; None to start fresh."""
