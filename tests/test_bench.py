@@ -38,6 +38,15 @@ def test_launchers_benchmark_smoke(tmp_path):
     # The CPU sampler found both training workers under each launcher, and Ray's own processes.
     assert result["train_cores_ray"] > 0.5 and result["train_cores_torchrun"] > 0.5
     assert result["other_cores_ray"] > 0 and result["train_cpu_ms_per_step_ray"] > 0
+    assert result["train_cpu_ratio_ray_vs_torchrun"] > 0 and result["train_faults_per_step_torchrun"] >= 0
+    # Where the start-up went, phase by phase, under each launcher (trainapp/timeline.py marks).
+    ray, torchrun = result["startup_breakdown_ray"], result["startup_breakdown_torchrun"]
+    assert {"job submission", "preflight probes", "worker imports, Ray Train context", "data and model",
+            "first step"} <= ray.keys(), ray
+    assert "job submission" not in torchrun and "process group (torchrun: and imports)" in torchrun, torchrun
+    assert abs(sum(ray.values()) - result["startup_seconds_ray"]) < 0.5, (ray, result["startup_seconds_ray"])
+    # One training worker of one thread under each launcher.
+    assert result["ray_vs_torchrun_step_ratio_spare_core"] > 0 and result["train_cores_ray_spare_core"] < 1.2
 
 
 def test_snapshot_cost_benchmark_smoke(tmp_path):

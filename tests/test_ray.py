@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers import QUICK, REPO, inspect, metrics, run_cmd, torchrun, trainapp
+from trainapp import report
 from trainapp.ray_local import RAY, LocalCluster, free_port, proc_stat
 
 pytestmark = pytest.mark.slow
@@ -114,6 +115,7 @@ def test_sigkilled_ray_worker_costs_at_most_one_snapshot_interval(cluster):
         # the head's processes yield to it.
         assert [_nice(pid) for pid in pids] == [cluster.worker_nice] * 2
         assert _nice(cluster.node_pids("head")["gcs_server"]) == cluster.head_nice > cluster.worker_nice
+        killed_at = time.time()
         os.kill(pids[-1], signal.SIGKILL)
     finally:
         rc, out = finish(proc)
@@ -121,6 +123,19 @@ def test_sigkilled_ray_worker_costs_at_most_one_snapshot_interval(cluster):
     before, resumed = _redone(run_dir)
     assert resumed % 5 == 0 and before - resumed <= 5, (before, resumed)
     assert inspect(run_dir)["global_step"] == 40
+    # The killed rank wrote nothing; Ray Train's controller recorded what it saw, between the kill and
+    # the new group's start, and the report says it.
+    records = metrics(run_dir)
+    seen = [r for r in records if r["kind"] == "group_failure"]
+    starts = [r for r in records if r["kind"] == "start"]
+    assert len(seen) == 1 and killed_at < seen[0]["time"] < starts[1]["time"], (seen, killed_at)
+    # The killed worker fails Ray's health check (or its actor is seen dead); the other one loses its peer.
+    assert any(e.startswith(("WorkerHealthCheckFailedError", "ActorDiedError")) for e in seen[0]["errors"].values()), seen
+    said = report.failures(records)
+    assert len(said) == 1 and said[0].startswith("attempt 0: Ray Train saw rank"), said
+    # The restarted group's start-up phases, for the recovery breakdown (trainapp/timeline.py).
+    assert {"worker_process", "worker_setup", "process_group", "built", "loaded"} <= starts[1]["startup"].keys()
+    assert killed_at < starts[1]["startup"]["worker_setup"] < starts[1]["startup"]["loaded"] < starts[1]["time"]
 
 
 DRILL_DELAY_S = 0.5

@@ -13,7 +13,7 @@ import tomllib
 import pytest
 
 from helpers import REPO
-from trainapp import ray_compat
+from trainapp import ray_checks, ray_compat
 from trainapp.config import ConfigError
 
 
@@ -57,13 +57,13 @@ def test_no_other_trainapp_module_touches_rays_private_api():
 def test_the_pinned_ray_is_in_the_supported_range():
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     pin = next(d for d in deps if d.startswith("ray[")).split("==")[1]
-    assert ray_compat.check_version(pin) == pin
+    assert ray_checks.check_version(pin) == pin
 
 
 @pytest.mark.parametrize("version", ["2.59.9", "2.61.0", "3.0.0"])
 def test_a_ray_outside_the_range_is_refused_naming_the_range(version):
     with pytest.raises(ConfigError, match=rf"ray {re.escape(version)}: .*Ray >=2\.60\.0,<2\.61\.0"):
-        ray_compat.check_version(version)
+        ray_checks.check_version(version)
 
 
 def test_the_ray_driver_on_another_ray_exits_2_with_one_line(tmp_path):
@@ -76,3 +76,12 @@ def test_the_ray_driver_on_another_ray_exits_2_with_one_line(tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "ray 2.61.0:" in lines[0] and ">=2.60.0,<2.61.0" in lines[0], r.stderr
+
+
+def test_the_preflight_probes_import_neither_torch_nor_ray_train():
+    # Each probe task unpickles trainapp.ray_checks on its node: a torch import there costs seconds
+    # of CPU per node at every launch (and the driver imports Ray Train while the probes start).
+    code = ("import sys, trainapp.ray_checks; "
+            "print(sorted(m for m in ('torch', 'ray', 'ray.train') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

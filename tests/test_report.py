@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import QUICK, torchrun, trainapp
+from trainapp import report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -47,3 +48,23 @@ def test_report_without_matplotlib_says_how_to_get_it(restarted_run, tmp_path):
 def test_report_of_a_directory_without_metrics_is_bad_input(tmp_path):
     r = trainapp("report", str(tmp_path), timeout=60)
     assert r.returncode == 2 and "no metrics.jsonl here" in r.stderr
+
+
+def test_a_rank_that_died_silently_is_named_from_ray_trains_view():
+    start = {"kind": "start", "time": 1.0}
+    peer = {"kind": "failure", "time": 3.0, "attempt": 0, "rank": 1, "host": "b", "step": 13, "phase": "step",
+            "cause": "peer", "error": "a peer's connection closed"}
+    seen = {"kind": "group_failure", "time": 4.0,
+            "errors": {"0": "WorkerHealthCheckFailedError: A worker health check failed.", "1": "RuntimeError: gloo"}}
+    # Rank 0 was SIGKILLed and wrote nothing; rank 1 lost its peer: Ray's word on rank 0 leads.
+    said = report.failures([start, peer, seen, {**start, "time": 5.0}])
+    assert said == ["attempt 0: Ray Train saw rank 0: WorkerHealthCheckFailedError: A worker health check failed.; "
+                    "then rank 1 peer"]
+    # A rank's own record of the root cause leads; Ray's view adds only the silent rank.
+    oom = {**peer, "rank": 0, "cause": "oom", "error": "OutOfMemoryError"}
+    said = report.failures([start, oom, seen, {**start, "time": 5.0}])
+    assert said[0].startswith("attempt 0: rank 0 on b after step 13 (phase step): oom:") and \
+        said[0].endswith("; Ray Train saw rank 1: RuntimeError: gloo"), said
+    # Nothing from anyone: the old line.
+    assert report.failures([start, {**start, "time": 5.0}]) == [
+        "attempt 0: ended without a failure record (SIGKILL: a lost node, the OOM killer)"]

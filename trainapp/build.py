@@ -17,7 +17,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
-from trainapp import dist
+from trainapp import dist, timeline
 from trainapp.amp import Precision
 from trainapp.config import Config, ConfigError, TrainSection
 from trainapp.data import ResumableDistributedSampler, build_datasets, make_loader
@@ -78,6 +78,7 @@ def build(cfg: Config, ctx: dist.DistContext, snapshots: SnapshotManager) -> Par
     seed_all(cfg.seed + 1000 * ctx.rank)  # ranks differ in dropout/augmentation randomness
 
     progress = Progress(ctx.world_size, global_batch, ctx.device)
+    timeline.mark("built")
     found = snapshots.load(ctx)
     if found is not None:
         progress.load_state_dict(found[1]["progress"])  # first: the schedule's horizon depends on it
@@ -91,6 +92,7 @@ def build(cfg: Config, ctx: dist.DistContext, snapshots: SnapshotManager) -> Par
         set_schedule(scheduler, cfg.sched, total_steps)  # the saved schedule ends where that run would have
         _rescale_lr(cfg, ctx, optimizer, scheduler, progress)
 
+    timeline.mark("loaded")
     ddp = None
     if ctx.distributed:  # wrap last: the snapshot went into the plain module
         ddp = DDP(model, device_ids=[ctx.device.index] if cuda else None, gradient_as_bucket_view=True)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from trainapp import dist, failure, heartbeat, logs, preempt
+from trainapp import dist, failure, heartbeat, logs, preempt, timeline
 from trainapp.build import Parts, build
 from trainapp.config import Config
 from trainapp.data import make_loader, set_epoch
@@ -245,7 +245,7 @@ class Trainer:
                            restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                            resumed_from=self.parts.resumed_from, resumed_step=resumed.get("global_step"),
                            resumed_world_size=resumed.get("world_size"), network=network, placement=placement,
-                           config=cfg.to_dict())
+                           startup=timeline.marks(), config=cfg.to_dict())
         log.info("config %s", json.dumps(cfg.to_dict(), separators=(",", ":")))
         log.info(logs.kv(world_size=ctx.world_size, backend=ctx.backend, device=ctx.device,
                          amp=self.parts.precision.name, global_batch=p.global_batch,
@@ -365,11 +365,13 @@ def train(cfg: Config, ctx: dist.DistContext, snapshots: SnapshotManager | None 
 
 def run(cfg: Config) -> dict[str, Any]:
     """The whole job on this process: set up distributed, train, evaluate, tear down what we created."""
+    timeline.mark_process("worker_process")
     logs.setup_from_env()  # the network check logs before the group exists
     preempt.install(cfg.preempt.signals, cfg.preempt.grace_s)
     entry = preempt.register()
     try:
         ctx = dist.setup(cfg.dist.timeout_s, cfg.network)
+        timeline.mark("process_group")
         logs.setup(ctx.rank, ctx.world_size)
         try:
             summary = train(cfg, ctx)

@@ -1,4 +1,5 @@
-"""Every use of Ray's private API in trainapp, in one module, for the Ray versions in SUPPORTED.
+"""Every use of Ray's private API in trainapp, in one module, for the Ray versions in
+trainapp.ray_checks.SUPPORTED.
 
 Ray Train's public API carries the training itself (TorchTrainer, ScalingConfig, RunConfig,
 FailureConfig, CheckpointConfig, `ray.train.report` / `get_checkpoint`, WorkerGroupError and
@@ -19,15 +20,14 @@ ControllerError). Two things it has no public way to do, and what each one uses 
   WorkerGroupCallback offer (the public UserCallback sees reports and exceptions only), and the Ray
   Data autoscaling coordinator whose cluster view sizes the new group.
 
-`check_version()` runs first thing in the Ray driver and stops with one line on a Ray outside
-SUPPORTED; tests/test_ray_compat.py imports every name in PRIVATE_NAMES, so an upgrade that moves
-one of them fails there, by name.
+`check_version()` (in ray_checks, which imports no Ray, so it can run first) stops the Ray driver
+with one line on a Ray outside SUPPORTED; tests/test_ray_compat.py imports every name in
+PRIVATE_NAMES, so an upgrade that moves one of them fails there, by name.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import socket
 import sys
 import time
@@ -35,9 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from trainapp.config import ConfigError
-
-SUPPORTED = ("2.60.0", "2.61.0")
-"""Ray versions this module was written for: at least the first, below the second."""
+from trainapp.ray_checks import SUPPORTED
 
 PRIVATE_NAMES = [
     ("ray.train.torch.config", "_TorchBackend"),
@@ -51,20 +49,6 @@ PRIVATE_NAMES = [
     ("ray.train.v2._internal.constants", "PREEMPTION_POLL_INTERVAL_S_ENV_VAR"),
 ]
 """(module, name) of every private Ray name used here; the tests import each one."""
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in version.split(".")[:3] if part.isdigit())
-
-
-def check_version(version: str | None = None) -> str:
-    """The installed Ray version; ConfigError naming the supported range when it is outside it."""
-    version = version or importlib.metadata.version("ray")
-    lo, hi = SUPPORTED
-    if not _version_tuple(lo) <= _version_tuple(version) < _version_tuple(hi):
-        raise ConfigError(f"ray {version}: trainapp's Ray launcher was written for Ray >={lo},<{hi} (it uses Ray's "
-                          f"private API, see trainapp/ray_compat.py); install 'ray[default,train]=={lo}'")
-    return version
 
 
 try:  # an import error here is a Ray version trainapp was not written for, said in one line

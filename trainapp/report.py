@@ -53,7 +53,8 @@ def _root_cause_first(f: dict) -> tuple:
 
 def failures(records: list[dict]) -> list[str]:
     """One line per attempt that ended early: its ranks' `failure` records, root cause first, or, with
-    none, that it ended without a word (a SIGKILL: a lost node, the OOM killer)."""
+    none, what Ray Train's controller saw (a `group_failure` record) or that it ended without a word
+    (a SIGKILL: a lost node, the OOM killer)."""
     starts = [i for i, r in enumerate(records) if r.get("kind") == "start"]
     fails = [r for r in records if r.get("kind") == "failure"]
     out = []
@@ -61,11 +62,19 @@ def failures(records: list[dict]) -> list[str]:
         mine = sorted((f for f in fails if f.get("attempt", 0) == k), key=_root_cause_first)
         nxt = starts[k + 1] if k + 1 < len(starts) else len(records)
         ended = {r.get("kind") for r in records[i:nxt]} & {"end", "preempted"}
-        if mine:
+        # Ray Train's controller's view, for the ranks that said nothing themselves (a SIGKILL).
+        seen = next((r.get("errors", {}) for r in records[i:nxt] if r.get("kind") == "group_failure"), {})
+        silent = "; ".join(f"rank {rank}: {error}" for rank, error in seen.items()
+                           if int(rank) not in {f.get("rank") for f in mine})
+        if silent and all(f.get("cause") == "peer" for f in mine):  # the silent rank went first
+            also = "; ".join(f"rank {f['rank']} {f['cause']}" for f in mine)
+            out.append(f"attempt {k}: Ray Train saw {silent}" + (f"; then {also}" if also else ""))
+        elif mine:
             first = mine[0]
             also = "; ".join(f"rank {f['rank']} {f['cause']}" for f in mine[1:])
             out.append(f"attempt {k}: rank {first['rank']} on {first['host']} after step {first['step']} (phase "
-                       f"{first['phase']}): {first['cause']}: {first['error']}" + (f"; then {also}" if also else ""))
+                       f"{first['phase']}): {first['cause']}: {first['error']}" + (f"; then {also}" if also else "")
+                       + (f"; Ray Train saw {silent}" if silent else ""))
         elif k + 1 < len(starts) and not ended:
             out.append(f"attempt {k}: ended without a failure record (SIGKILL: a lost node, the OOM killer)")
     return out

@@ -1,0 +1,169 @@
+"""The Ray driver's checks of a cluster before a run: they turn a would-be hang into a one-line error.
+
+Ray's version, the head's address, whether the alive nodes can hold the workers, and on every node
+in one task each: that it can write the storage path and that it resolves `network.interface` as its
+workers will. This module imports neither torch nor Ray Train (nor does anything the probe tasks
+unpickle), so a probe task is a bare Ray worker on its node, and the driver starts the probes before
+it imports Ray Train and torch itself: the two overlap (see `Preflight`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from trainapp import config
+from trainapp.config import Config, ConfigError
+
+SUPPORTED = ("2.60.0", "2.61.0")
+"""Ray versions trainapp/ray_compat.py was written for: at least the first, below the second."""
+
+PROBE_TIMEOUT_S = 60
+
+
+def is_uri(path: str) -> bool:
+    return "://" in path
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split(".")[:3] if part.isdigit())
+
+
+def check_version(version: str | None = None) -> str:
+    """The installed Ray version; ConfigError naming the supported range when it is outside it."""
+    version = version or importlib.metadata.version("ray")
+    lo, hi = SUPPORTED
+    if not _version_tuple(lo) <= _version_tuple(version) < _version_tuple(hi):
+        raise ConfigError(f"ray {version}: trainapp's Ray launcher was written for Ray >={lo},<{hi} (it uses Ray's "
+                          f"private API, see trainapp/ray_compat.py); install 'ray[default,train]=={lo}'")
+    return version
+
+
+def _check_reachable(address: str) -> None:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"ray.address={address!r}: expected host:port of the Ray head (GCS), e.g. 127.0.0.1:6379")
+    try:
+        with socket.create_connection((host, int(port)), timeout=5):
+            pass
+    except OSError as e:
+        raise ConfigError(f"ray.address={address}: no Ray cluster answers there ({e.strerror or e}); start one "
+                          "(make ray-up) or leave ray.address empty for an embedded local Ray") from None
+
+
+def ray_address(cfg: Config) -> str:
+    """The cluster to join ('' for an embedded one), checked to answer; also the environment an
+    embedded Ray needs, which Ray reads when it is imported: so this runs before anything imports ray."""
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
+    if address and address != "auto" and "://" not in address:
+        _check_reachable(address)
+    if not address:
+        # An embedded instance is for this machine only: bind loopback, not the external address
+        # (inherited by the processes it starts).
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    return address
+
+
+def worker_needs(cfg: Config, use_gpu: bool) -> dict[str, float]:
+    needs = dict(cfg.ray.resources_per_worker) or {"CPU": 1.0}
+    if use_gpu:
+        needs.setdefault("GPU", 1.0)
+    return needs
+
+
+def check_capacity(cfg: Config, needs: dict[str, float]) -> int:
+    """How many workers the alive nodes can hold; ConfigError when fewer than the minimum."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    capacity = 0
+    for n in nodes:
+        res = n.get("Resources", {})
+        capacity += min(int(res.get(k, 0) // v) if v > 0 else 10**6 for k, v in needs.items())
+    if cfg.ray.check_resources and capacity < cfg.ray.min_workers:
+        have = ", ".join(f"{n.get('NodeManagerAddress')}: {int(n.get('Resources', {}).get('CPU', 0))} CPU "
+                         f"{int(n.get('Resources', {}).get('GPU', 0))} GPU" for n in nodes)
+        raise ConfigError(f"ray.num_workers={cfg.ray.min_workers}: the cluster can hold at most {capacity} workers "
+                          f"needing {needs} ({have}); add nodes, lower ray.num_workers, or set "
+                          "ray.check_resources=false on an autoscaling cluster")
+    return capacity
+
+
+# ----------------------------------------------------------------------------------------------
+# What runs on each node (one Ray task per node)
+
+
+def _probe_writable(path: str) -> str:
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        marker = Path(path) / f".write-probe-{socket.gethostname()}-{os.getpid()}"
+        marker.write_text("ok")
+        marker.unlink()
+        return ""
+    except OSError as e:
+        return f"{e.__class__.__name__}: {e.strerror or e}"
+
+
+def _probe_network(network: dict, env: dict) -> tuple[str, str]:
+    from trainapp import net
+
+    try:
+        res = net.apply(config.NetworkSection(**network), net.ray_head_host(), environ={**os.environ, **env})
+        return "", res.summary()
+    except net.NetworkError as e:
+        return str(e), ""
+
+
+def probe_node(storage: str | None, network: dict | None, env: dict) -> tuple[str, str, str]:
+    """On one node: (the error writing `storage`, the error resolving `network`, the interface it
+    resolved); '' for a check that passed or was not asked for (None)."""
+    storage_err = _probe_writable(storage) if storage is not None else ""
+    net_err, summary = _probe_network(network, env) if network is not None else ("", "")
+    return storage_err, net_err, summary
+
+
+class Preflight:
+    """The per-node checks of a run, started on construction and judged by `wait`.
+
+    Every alive node must be able to write a filesystem `storage` (workers write metrics and markers
+    there; a URI is written by rank 0 alone). Every node that can hold a worker (a head with no CPUs
+    or GPUs trains nothing) must resolve `network.interface` as its workers will, so a node that
+    cannot honour it stops the run here, named with what it has, instead of after a worker-group
+    start and a process group that never forms. One task per node does both, with no CPU reserved.
+    """
+
+    def __init__(self, cfg: Config, storage: str):
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        self.storage, self.nodes = storage, [n for n in ray.nodes() if n.get("Alive")]
+        network, env = dataclasses.asdict(cfg.network), dict(cfg.ray.env)
+        task = ray.remote(num_cpus=0, max_retries=0)(probe_node)
+        self.trains = [n["Resources"].get("CPU", 0) > 0 or n["Resources"].get("GPU", 0) > 0 for n in self.nodes]
+        self.refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
+                         None if is_uri(storage) else storage, network if trains else None, env)
+                     for n, trains in zip(self.nodes, self.trains)]
+
+    def wait(self) -> list[str]:
+        """One line per training node naming its interface; ConfigError for the first failed check."""
+        import ray
+
+        try:
+            results: list[Any] = ray.get(self.refs, timeout=PROBE_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise ConfigError(f"ray.storage_path={self.storage}, network.interface: the checks did not finish on "
+                              f"every node within {PROBE_TIMEOUT_S} s") from None
+        for n, (err, _, _) in zip(self.nodes, results):
+            if err:
+                raise ConfigError(f"ray.storage_path={self.storage}: not writable on node {n['NodeManagerAddress']} "
+                                  f"{n['NodeID'][:8]} ({err}); use a path every node can write (shared storage) "
+                                  "or a URI")
+        for n, (_, err, _) in zip(self.nodes, results):
+            if err:
+                raise ConfigError(f"node {n['NodeManagerAddress']}: {err}")
+        return [f"node {n['NodeManagerAddress']}: {summary}"
+                for n, trains, (_, _, summary) in zip(self.nodes, self.trains, results) if trains]

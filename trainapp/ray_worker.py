@@ -1,0 +1,203 @@
+"""What runs in each Ray Train worker: the same loop (`trainapp.loop`) as under torchrun, with the
+few differences Ray needs: the worker's environment and signal handlers set before Ray creates the
+process group (`prepare_worker`), snapshots published with `ray.train.report` (RayPublish, the
+snapshot manager's publish step), resume from the shared run directory (or from
+`ray.train.get_checkpoint()` with a URI `ray.storage_path`), and Ray's drain notices as the loop's
+preemption notice. The driver (trainapp/ray_entry.py) imports this module only once its preflight
+checks are started: it imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from trainapp import config, dist, logs, timeline
+from trainapp.ray_checks import is_uri
+from trainapp.snapshot import SnapshotManager, find_shared, load_state, step_name, verify
+
+
+class RayPublish:
+    """The publish step of snapshots under Ray Train: every rank calls `ray.train.report` at the same
+    steps (it is a barrier across workers), rank 0 with the snapshot as a checkpoint. The directory
+    format is the local one, so one format serves every launcher.
+
+    Ray only ever registers a snapshot trainapp has put in place (`NO_UPLOAD`), never uploads one:
+    on a filesystem path rank 0 writes it there atomically, as under torchrun (an upload from a local
+    directory would write every snapshot twice); to a URI rank 0 writes it locally and uploads it with
+    pyarrow, as Ray would. So a failed write or upload is a failed snapshot like a full local disk
+    (counted against `snapshot.max_failures`, nothing partial left), not an error inside
+    `ray.train.report` that ends the run and leaves the worker's report sequence broken.
+
+    With `snapshot.async` the write (and upload) runs in the snapshot writer's thread, and the snapshot
+    is registered with the next report, one interval later (or by `flush` at the end of the run or a
+    stop): Ray must not register what is not on storage yet.
+    """
+
+    def __init__(self, uri: str | None, async_write: bool, name: str):
+        self.uri = uri
+        self.background = async_write
+        self.fs = None
+        if uri is not None:
+            from pyarrow.fs import FileSystem
+
+            self.fs, base = FileSystem.from_uri(uri)
+            self.experiment = f"{base.rstrip('/')}/{name}"  # the path on `fs`
+            self.shown = f"{uri.rstrip('/')}/{name}"  # the same as a URI, for messages
+        self.pending: tuple[int, Path | str] | None = None
+        """Rank 0, background writes: the snapshot written since the last report, not yet registered."""
+        self.last_metrics: dict[str, Any] = {}
+
+    def root(self, run_dir: Path) -> Path:
+        return run_dir  # Ray stores the checkpoints as STORAGE/NAME/step_*: the run directory itself
+
+    def place(self, manager: SnapshotManager, step: int) -> Path:
+        if self.uri is None:
+            return manager.path_for(step)
+        return Path(tempfile.gettempdir()) / f"trainapp-snap-{uuid.uuid4().hex[:12]}"  # uploaded in `written`
+
+    def written(self, manager: SnapshotManager, step: int, path: Path) -> Path | str:
+        manager.sweep_leftovers()  # Ray keeps `snapshot.keep` checkpoints (CheckpointConfig) and deletes the rest
+        where = self._upload(step, path) if self.uri is not None else path
+        if self.background:
+            self.pending = (step, where)  # read by the training thread after it joined this writer
+        return where
+
+    def _upload(self, step: int, path: Path) -> str:
+        from pyarrow.fs import copy_files
+
+        dest = f"{self.experiment}/{step_name(step)}"
+        try:
+            self.fs.create_dir(dest)
+            copy_files(str(path), dest, destination_filesystem=self.fs)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                self.fs.delete_dir(dest)
+            # pyarrow names no file, and a remote store's errors carry no errno: EIO stands for those.
+            code = e.errno or errno.EIO
+            why = os.strerror(e.errno) if e.errno else f"upload failed: {str(e).split('. Detail:')[0]}"
+            raise OSError(code, why, f"{self.shown}/{step_name(step)}") from None
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+        return dest
+
+    def make_room(self, manager: SnapshotManager) -> int:
+        return 0  # Ray owns its checkpoints' retention: deleting them under it would confuse its bookkeeping
+
+    def destination(self, manager: SnapshotManager) -> tuple[str, str]:
+        return (self.shown if self.uri is not None else str(manager.root)), "ray.storage_path"
+
+    def publish(self, ctx, step: int, path: Path | str | None, metrics: dict[str, Any]) -> None:
+        self.last_metrics = metrics
+        self._report(ctx, step, path, metrics)
+
+    def flush(self, ctx) -> None:
+        if self.background:  # every rank: one more report, registering the last background write
+            self._report(ctx, None, None, self.last_metrics)
+
+    def _report(self, ctx, step: int | None, path: Path | str | None, metrics: dict[str, Any]) -> None:
+        import ray.train
+        from ray.train import Checkpoint, CheckpointUploadMode
+
+        if path is None and self.pending is not None and ctx.is_main:
+            (step, path), self.pending = self.pending, None
+        ckpt = None
+        if path is not None:
+            ckpt = Checkpoint(str(path), filesystem=self.fs) if self.fs is not None else Checkpoint.from_directory(path)
+        ray.train.report(metrics, checkpoint=ckpt, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
+                         checkpoint_dir_name=step_name(step) if step is not None else None)
+
+    def find(self, ctx, manager: SnapshotManager) -> tuple[str, dict[str, Any]] | None:
+        if self.uri is None:
+            # On a shared filesystem the directory is the truth: Ray registers a reported checkpoint
+            # only when its controller next polls, so a worker lost right after a report can leave
+            # Ray's newest checkpoint one snapshot behind what is safely on disk.
+            return find_shared(ctx, manager.root)
+        import ray.train
+
+        ckpt = ray.train.get_checkpoint()
+        if ckpt is None:
+            return None
+        with ckpt.as_directory() as d:
+            verify(Path(d))
+            return ckpt.path, load_state(Path(d))
+
+
+def prepare_worker(env: dict[str, str], threads: int, network: dict[str, Any], preemption: dict[str, Any]) -> str:
+    """Runs in every worker before Ray creates the process group, in the worker's main thread (where
+    Python takes signals: the loop runs in a thread of Ray's); returns its network choice."""
+    timeline.mark_process("worker_process")
+    timeline.mark("worker_setup")
+    import torch
+
+    from trainapp import net, preempt
+
+    # Ray's own SIGTERM handler ends the worker at once; ours turns it into the agreed stop.
+    preempt.install(preemption["signals"], preemption["grace_s"])
+    preempt.register()  # `trainapp drain` finds this worker; the entry goes stale with the process
+    os.environ.update(env)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    summary = net.apply(config.NetworkSection(**network), net.ray_head_host()).summary()
+    timeline.mark("worker_setup_done")  # Ray creates the process group next
+    return summary
+
+
+class RayDrainNotice:
+    """`ray.train.get_preemption_info()` as the loop's drain notice (every `preempt.ray_poll_steps`
+    steps; a barrier, so every rank asks at the same steps): a description while a node of the run is
+    being drained, None otherwise (`new` is true the first time a drain is seen). The loop snapshots
+    at every such answer, so the drained node can die at any moment of its notice window and cost at
+    most `preempt.ray_poll_steps` steps; Ray Train then restarts the group from that snapshot."""
+
+    def __init__(self) -> None:
+        self.seen: tuple | None = None
+
+    def __call__(self) -> dict[str, Any] | None:
+        import ray.train
+
+        info = ray.train.get_preemption_info()
+        if info is None:
+            return None
+        key = (tuple(info.preempted_node_ids), info.deadline_ms)
+        new, self.seen = key != self.seen, key
+        left = round(info.deadline_ms / 1000 - time.time(), 1) if info.deadline_ms else None
+        return {"new": new, "nodes": info.preempted_node_ids, "ranks": info.preempted_ranks, "deadline_in_s": left,
+                "what": f"Ray node(s) {', '.join(n[:12] for n in info.preempted_node_ids)} drained for preemption "
+                        f"(ranks {info.preempted_ranks}, deadline in {left} s)"}
+
+
+def train_worker(payload: dict[str, Any]) -> None:
+    """The per-worker function: the same loop as torchrun's, with snapshots published to Ray."""
+    from trainapp import loop, preempt
+
+    timeline.mark("process_group")  # Ray formed it before calling this
+    for name, at in payload.get("launch", {}).items():
+        timeline.mark(name, at)
+    cfg = config.from_dict(payload["config"])
+    ctx = dist.setup(cfg.dist.timeout_s)  # adopts the group Ray created
+    logs.setup(ctx.rank, ctx.world_size)
+    uri = cfg.ray.storage_path if is_uri(cfg.ray.storage_path) else None
+    snapshots = SnapshotManager.from_config(cfg, RayPublish(uri, async_write=cfg.snapshot.async_, name=cfg.ray.name))
+    notice = RayDrainNotice() if cfg.preempt.ray_poll_steps else None
+    try:
+        loop.train(cfg, ctx, snapshots, notice)
+    except preempt.Preempted as e:
+        # The snapshot is reported; the process ends as under torchrun, and Ray Train restarts the group
+        # from it (on the nodes that are left when a node is going away).
+        if e.rank == 0:
+            print(e.line(), file=sys.stderr, flush=True)
+        logging.shutdown()
+        os._exit(e.exit_code)
+    finally:
+        preempt.training_over()
+        dist.teardown(ctx)
