@@ -229,13 +229,13 @@ class Bench:
         if p.wait(timeout=900) != 0:
             raise RuntimeError(f"run failed: {p.args}")
 
-    def plain_run(self, launcher: str, i: str, workers: int = 2) -> dict:
+    def plain_run(self, launcher: str, i: str, workers: int = 2, *extra: str) -> dict:
         """Startup seconds and its breakdown, steady step times, the CPU seconds stolen by other VMs
         meanwhile, the cores used by training and by everything else of the launcher and the cluster,
         and the training workers' CPU and minor page faults per step (each)."""
         run_dir = self.work / f"{launcher}-{i}-{workers}w"
         steal0 = steal_seconds()
-        p, t0 = self.launch(launcher, run_dir, f"train.log_every={self.args.log_every}", workers=workers)
+        p, t0 = self.launch(launcher, run_dir, f"train.log_every={self.args.log_every}", *extra, workers=workers)
         # A smoke run's steady window lasts about a second on a fast CPU: sample it more often.
         sampler = CpuSampler(lambda: [p.pid, *_children(p.pid), *self.cluster.pids()],
                              interval=0.2 if self.args.smoke else 1.0)
