@@ -118,7 +118,7 @@ PHASES = [  # (phase, the mark that ends it), in launch order; a launcher's miss
     ("driver start, ray.init", "driver_connected"),
     ("driver imports Ray Train (probes start)", "driver_imported"),
     ("preflight probes", "driver_checked"),
-    ("worker processes started (Ray: controller, actors)", "worker_process"),
+    ("worker processes started (Ray: controller, actors; after a failure: old group down)", "worker_process"),
     ("worker imports, Ray Train context", "worker_setup"),
     ("worker setup (network)", "worker_setup_done"),
     ("process group (torchrun: and imports)", "process_group"),
@@ -133,15 +133,10 @@ def breakdown(start: dict, first_step: float, since: float, detected: float | No
     from the marks in a `start` record (trainapp/timeline.py); after a kill, `detected` (when Ray
     Train's controller saw the failure) splits detection off the restart. A phase whose mark came
     before the previous one (the driver's, in a restart) counts as 0 and is left out."""
-    marks = {**start.get("startup", {}), "first_step": first_step}
-    phases = PHASES
-    if detected is not None:
-        marks["detected"] = detected
-        phases = [("detection", "detected"), *[(("old group down, new worker processes" if name == "worker_process"
-                                                  else phase), name) for phase, name in PHASES]]
+    marks = {**start.get("startup", {}), "first_step": first_step, "detected": detected}
     out, last = {}, since
-    for phase, name in phases:
-        if name in marks and marks[name] > last:
+    for phase, name in [("detection", "detected"), *PHASES]:
+        if marks.get(name) is not None and marks[name] > last:
             out[phase] = round(marks[name] - last, 2)
             last = marks[name]
     return out
@@ -353,13 +348,9 @@ class Rounds:
         cpu_ray, cpu_torchrun = out["train_cpu_ms_per_step_ray"], out["train_cpu_ms_per_step_torchrun"]
         if cpu_ray and cpu_torchrun:
             out["train_cpu_ratio_ray_vs_torchrun"] = cpu_ray / cpu_torchrun
-        if not suffix:  # start-up is measured on the 2-worker runs
-            out.update({
-                "startup_seconds_ray": self.med("ray", "startup"),
-                "startup_seconds_torchrun": self.med("torchrun", "startup"),
-                "startup_breakdown_ray": median_breakdown([r["breakdown"] for r in self.runs["ray"]]),
-                "startup_breakdown_torchrun": median_breakdown([r["breakdown"] for r in self.runs["torchrun"]]),
-            })
+        for launcher in ("ray", "torchrun"):
+            out[f"startup_seconds_{launcher}"] = self.med(launcher, "startup")
+            out[f"startup_breakdown_{launcher}"] = median_breakdown([r["breakdown"] for r in self.runs[launcher]])
         return {k + suffix: v for k, v in out.items()}
 
 
