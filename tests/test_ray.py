@@ -151,7 +151,7 @@ def ray_run_with_restart(cluster):
     return r, cluster.storage / name
 
 
-def test_job_submit_runs_two_workers_and_inspect_reads_the_ray_run(ray_run_with_restart):
+def test_job_submit_runs_two_workers_and_inspect_reads_the_ray_run(cluster, ray_run_with_restart):
     r, run_dir = ray_run_with_restart
     assert r.returncode == 0, r.output[-4000:]
     assert "trainapp ray: done steps=24" in r.output and "world_size=2" in r.output
@@ -161,6 +161,10 @@ def test_job_submit_runs_two_workers_and_inspect_reads_the_ray_run(ray_run_with_
     # Each local node has an address of its own: Ray Train places the ranks as on two machines.
     placement = metrics(run_dir, "start")[0]["placement"]
     assert sorted((p["node_rank"], p["local_rank"]) for p in placement) == [(0, 0), (1, 0)], placement
+    # No Ray Data actor for a run without Ray datasets (ray_compat.TorchTrainer), but Ray Train's own
+    # helpers are there: the state API answers and lists them.
+    cluster_actors = {a["class_name"] for a in cluster.state("actors")}
+    assert "SynchronizationActor" in cluster_actors and "DatasetManager" not in cluster_actors, cluster_actors
     # One copy of each line in the job's output (two attempts): each node streams only its own logs.
     assert r.output.count("Started training worker group") == 2, r.output[-4000:]
     assert r.output.count("trainapp.loop: world_size=2 backend=gloo") == 2, r.output[-4000:]

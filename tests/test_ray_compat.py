@@ -85,3 +85,16 @@ def test_the_preflight_probes_import_neither_torch_nor_ray_train():
             "print(sorted(m for m in ('torch', 'ray', 'ray.train') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_trainer_drops_ray_datas_callback_only_for_a_run_without_datasets():
+    """Without datasets Ray Train would still start a DatasetManager actor at every worker-group
+    start; trainapp's runs have none. A run that is given datasets keeps the callback."""
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+    def names(trainer):
+        return [type(cb) for cb in trainer._create_default_callbacks()]
+
+    lean = names(ray_compat.TorchTrainer(lambda config: None))
+    assert DatasetsCallback not in lean and len(lean) >= 3  # the backend, PG cleaner, ... are kept
+    assert DatasetsCallback in names(ray_compat.TorchTrainer(lambda config: None, datasets={"train": lambda: None}))

@@ -3,7 +3,7 @@ trainapp.ray_checks.SUPPORTED.
 
 Ray Train's public API carries the training itself (TorchTrainer, ScalingConfig, RunConfig,
 FailureConfig, CheckpointConfig, `ray.train.report` / `get_checkpoint`, WorkerGroupError and
-ControllerError). Two things it has no public way to do, and what each one uses here:
+ControllerError). What it has no public way to do, and what each one uses here:
 
 - Run code on every worker before Ray Train creates the process group: the network interface must
   be exported by then (trainapp/net.py), or the group forms on the wrong interface or hangs. Ray's
@@ -19,6 +19,9 @@ ControllerError). Two things it has no public way to do, and what each one uses 
   failure decision and the worker group's start, which only the private ControllerCallback and
   WorkerGroupCallback offer (the public UserCallback sees reports and exceptions only), and the Ray
   Data autoscaling coordinator whose cluster view sizes the new group.
+- Leave out Ray Data for a run without Ray datasets (`TorchTrainer`): Ray Train starts a
+  DatasetManager actor at every worker-group start whether there are datasets or not, and only its
+  private default-callback list can drop it.
 
 `check_version()` (in ray_checks, which imports no Ray, so it can run first) stops the Ray driver
 with one line on a Ray outside SUPPORTED; tests/test_ray_compat.py imports every name in
@@ -47,6 +50,7 @@ PRIVATE_NAMES = [
     ("ray.train.v2._internal.constants", "WORKER_GROUP_START_TIMEOUT_S_ENV_VAR"),
     ("ray.train.v2._internal.constants", "HEALTH_CHECK_INTERVAL_S_ENV_VAR"),
     ("ray.train.v2._internal.constants", "PREEMPTION_POLL_INTERVAL_S_ENV_VAR"),
+    ("ray.train.v2._internal.callbacks.datasets", "DatasetsCallback"),
 ]
 """(module, name) of every private Ray name used here; the tests import each one."""
 
@@ -54,6 +58,8 @@ PRIVATE_NAMES = [
 try:  # an import error here is a Ray version trainapp was not written for, said in one line
     import ray
     from ray.train.torch import TorchConfig
+    from ray.train.torch import TorchTrainer as _TorchTrainer
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     from ray.train.v2._internal.constants import (
         HEALTH_CHECK_INTERVAL_S_ENV_VAR,
         PREEMPTION_POLL_INTERVAL_S_ENV_VAR,
@@ -197,3 +203,22 @@ class NodeLossWatch(ControllerCallback, WorkerGroupCallback):
             time.sleep(self.poll_s)
         _say(f"node {names} is still alive to Ray after {self.wait_s:.0f}s; restarting anyway")
         return False
+
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer
+
+
+class TorchTrainer(_TorchTrainer):
+    """Ray's TorchTrainer without Ray Data's callback when the run has no Ray datasets (trainapp's
+    never has: each rank builds its own shard). That callback starts a DatasetManager actor at every
+    worker-group start, datasets or not: a fresh Python process that imports Ray Data and pandas,
+    about 1.4 s of CPU beside the training workers' own imports at every start and restart (docs/ray.md,
+    "Start-up and recovery: where the seconds go"). A run given datasets keeps it."""
+
+    def _create_default_callbacks(self):
+        callbacks = super()._create_default_callbacks()
+        if self.datasets:
+            return callbacks
+        return [cb for cb in callbacks if not isinstance(cb, DatasetsCallback)]

@@ -112,7 +112,6 @@ def _callbacks(cfg: Config, storage: str) -> list:
 def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool):
     """Ray Train's TorchTrainer over `train_worker`, with the run directory at STORAGE/NAME."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
     from trainapp import ray_compat
     from trainapp.ray_worker import train_worker
@@ -122,7 +121,7 @@ def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool):
     threads = cfg.ray.threads_per_worker or max(1, int(needs.get("CPU", 1)))
     os.environ.update(ray_compat.controller_env(cfg.ray.worker_group_start_timeout_s,
                                                 cfg.ray.health_check_interval_s))
-    return TorchTrainer(
+    return ray_compat.TorchTrainer(
         train_worker,
         train_loop_config={"config": worker_cfg.to_dict(), "launch": timeline.marks()},
         torch_config=_torch_config(cfg, threads),
