@@ -253,10 +253,10 @@ class Bench:
                 "train_cpu_ms_per_step": None if training is None else 1000 * training * step / workers,
                 "train_faults_per_step": None if faults is None else faults * step / workers}
 
-    def kill_run(self, launcher: str, what: str) -> tuple[float, dict[str, float]]:
-        """Kill a worker (or a worker node) at step args.kill_step; seconds to the first step after
-        resume, and where they went (detection: until Ray Train's controller recorded the failure)."""
-        run_dir = self.work / f"{launcher}-{what}"
+    def kill_run(self, launcher: str, what: str, i: int = 0, node: str = "worker2") -> tuple[float, dict[str, float]]:
+        """Kill a worker (or the worker node `node`) at step args.kill_step; seconds to the first step
+        after resume, and where they went (detection: until Ray Train's controller recorded the failure)."""
+        run_dir = self.work / f"{launcher}-{what}-{i}"
         # A record every step: the first step after the restart is the moment measured.
         extra = ["train.log_every=1"]
         if what == "node":
@@ -264,7 +264,7 @@ class Bench:
         p, _ = self.launch(launcher, run_dir, *extra)
         wait_for(lambda: any(r["step"] >= self.args.kill_step for r in train_records(run_dir)), 600, "kill step")
         if what == "node":
-            victim = self.cluster.node_pids("worker2")["raylet"]
+            victim = self.cluster.node_pids(node)["raylet"]
         elif launcher == "ray":
             victim = self.cluster.state("actors", class_name="RayTrainWorker", state="ALIVE")[-1]["pid"]
         else:
@@ -375,6 +375,30 @@ def rounds(b: Bench, n: int, workers: int) -> Rounds:
     return r
 
 
+def fault_rounds(b: Bench, n: int) -> dict:
+    """`n` rounds of: a Ray worker SIGKILLed, a torchrun worker SIGKILLed, a Ray worker node's raylet
+    SIGKILLed (then a fresh node takes its place); medians, each run's seconds, median breakdowns."""
+    faults = (("recovery_seconds", "ray", "worker"), ("recovery_seconds_torchrun", "torchrun", "worker"),
+              ("node_loss_recovery_seconds", "ray", "node"))
+    runs: dict[str, list[tuple[float, dict[str, float]]]] = {key: [] for key, _, _ in faults}
+    node = "worker2"
+    for i in range(n):
+        for key, launcher, what in faults:
+            seconds, parts = b.kill_run(launcher, what, i, node)
+            runs[key].append((seconds, parts))
+            print(f"{launcher} {what} lost (round {i}): training again in {seconds:.1f}s: {parts}", flush=True)
+            if what == "node":  # a fresh node in its place, for the next round and a whole cluster after
+                node = f"worker2-r{i + 1}"
+                b.cluster.add_worker(node, REPO)
+                b.cluster.wait_for_nodes(3, 120)
+    out = {}
+    for key, got in runs.items():
+        out[key] = statistics.median(s for s, _ in got)
+        out[key.replace("seconds", "seconds_per_run")] = [round(s, 2) for s, _ in got]
+        out[key.replace("seconds", "breakdown")] = median_breakdown([p for _, p in got])
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="one short run per launcher, no faults")
@@ -382,6 +406,8 @@ def main() -> int:
     p.add_argument("--spare-core-rounds", type=int, default=6,
                    help="the same with one training worker of one thread, the other core left to the daemons")
     p.add_argument("--no-faults", action="store_true", help="step times and startup only: no kills")
+    p.add_argument("--kill-rounds", type=int, default=3, help="rounds of each fault (worker kill under each "
+                   "launcher, node loss under Ray); medians reported")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--log-every", type=int, default=10,
                    help="train.log_every of the step-time runs (trainapp's default; 1 logs every step)")
@@ -412,12 +438,7 @@ def main() -> int:
                     one = rounds(b, args.spare_core_rounds, workers=1)
                     result.update(one.summary("_spare_core"))
             if not (args.smoke or args.no_faults):
-                for key, launcher, what in (("recovery_seconds", "ray", "worker"),
-                                            ("recovery_seconds_torchrun", "torchrun", "worker"),
-                                            ("node_loss_recovery_seconds", "ray", "node")):
-                    result[key], result[key.replace("seconds", "breakdown")] = b.kill_run(launcher, what)
-                    print(f"{launcher} {what} lost: training again in {result[key]:.1f}s: "
-                          f"{result[key.replace('seconds', 'breakdown')]}", flush=True)
+                result.update(fault_rounds(b, args.kill_rounds))
         finally:
             b.close()
     result.update({
@@ -427,7 +448,7 @@ def main() -> int:
                   "health_check_period_ms": b.cluster.health_check_period_ms,
                   "health_check_failure_threshold": b.cluster.health_check_failure_threshold,
                   "ray.worker_group_start_timeout_s (node loss run)": args.start_timeout},
-        "steps": args.steps, "log_every": args.log_every, "rounds": args.rounds,
+        "steps": args.steps, "log_every": args.log_every, "rounds": args.rounds, "kill_rounds": args.kill_rounds,
         "spare_core_rounds": args.spare_core_rounds, "smoke": args.smoke,
         "machine": describe(), "date": time.strftime("%Y-%m-%d"),
     })

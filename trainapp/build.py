@@ -56,6 +56,8 @@ class Parts:
 def build(cfg: Config, ctx: dist.DistContext, snapshots: SnapshotManager) -> Parts:
     if (cfg.fault.kill_at_step is not None or cfg.fault.hang_at_step is not None) and cfg.fault.rank >= ctx.world_size:
         raise ConfigError(f"fault.rank={cfg.fault.rank}: must be < world size {ctx.world_size}")
+    if cfg.fault.slow_rank is not None and cfg.fault.slow_rank >= ctx.world_size:
+        raise ConfigError(f"fault.slow_rank={cfg.fault.slow_rank}: must be < world size {ctx.world_size}")
     cuda = ctx.device.type == "cuda"
     if cuda:
         torch.backends.cudnn.benchmark = True

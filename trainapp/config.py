@@ -196,6 +196,29 @@ class FaultSection:
     """Failure drill: rank `fault.rank` raises `torch.OutOfMemoryError` after optimizer step N, once
     (a marker in `run.dir`), as a CUDA allocation beyond the device's memory would: the rank records
     the failure with its memory, its peers follow it out, the launcher restarts the group."""
+    slow_rank: Optional[int] = Field(default=None, ge=0)
+    """Drill: this rank's every step takes `fault.slow_ms` longer (in `fault.slow_phase`), as a rank on
+    a throttled GPU or a slow disk would, for rehearsing and testing the straggler watch."""
+    slow_ms: float = Field(default=100.0, gt=0)
+    """How much longer each step of `fault.slow_rank` takes, in milliseconds."""
+    slow_phase: Literal["data", "compute", "optim"] = "compute"
+    """Where `fault.slow_rank` loses the time: waiting for data, in forward and backward, or in the
+    optimizer step."""
+
+
+@dataclass(config=_STRICT)
+class ObserveSection:
+    """What every rank's timings show (trainapp/observe.py)."""
+
+    ranks: bool = True
+    """Time each rank's steps by phase (data, compute, gradient communication wait, optimizer,
+    snapshot) and write a `ranks` record at every log interval; rank 0 watches for stragglers. It adds
+    no device synchronisation; the timings travel in the log interval's one collective."""
+    straggler_ratio: float = Field(default=1.2, gt=1)
+    """A rank whose step time without communication wait is over this many times the ranks' median..."""
+    straggler_intervals: int = Field(default=3, ge=1)
+    """...for this many log intervals in a row is named a straggler (one warning line and a
+    `straggler` record naming the rank, host and slow phase)."""
 
 
 @dataclass(config=_STRICT)
@@ -350,6 +373,7 @@ class Config:
     amp: AmpSection = dataclasses.field(default_factory=AmpSection)
     snapshot: SnapshotSection = dataclasses.field(default_factory=SnapshotSection)
     fault: FaultSection = dataclasses.field(default_factory=FaultSection)
+    observe: ObserveSection = dataclasses.field(default_factory=ObserveSection)
     preempt: PreemptSection = dataclasses.field(default_factory=PreemptSection)
     dist: DistSection = dataclasses.field(default_factory=DistSection)
     network: NetworkSection = dataclasses.field(default_factory=NetworkSection)

@@ -186,6 +186,15 @@ def all_reduce_sum(ctx: DistContext, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_gather(ctx: DistContext, tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-D `tensor` as the rows of one [world size, n] tensor, on every rank."""
+    if not ctx.distributed:
+        return tensor.unsqueeze(0)
+    out = [torch.empty_like(tensor) for _ in range(ctx.world_size)]
+    dist.all_gather(out, tensor)
+    return torch.stack(out)
+
+
 def broadcast_object(ctx: DistContext, obj):
     """Rank 0's `obj` on every rank."""
     if not ctx.distributed:

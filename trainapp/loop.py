@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from trainapp import dist, failure, heartbeat, logs, preempt, timeline
+from trainapp import dist, failure, heartbeat, logs, observe, preempt, timeline
 from trainapp.build import Parts, build
 from trainapp.config import Config
 from trainapp.data import make_loader, set_epoch
@@ -62,6 +62,14 @@ class Trainer:
         self.last_loss, self.last_eval = float("nan"), None
         self._loss_sum = torch.zeros((), device=ctx.device)  # summed on the device, read at log time
         self._loss_steps = 0
+        self.timer = observe.StepTimer(ctx.device, cfg.observe.ranks)
+        if parts.ddp is not None and cfg.observe.ranks:
+            self.timer.attach(parts.ddp)
+        self.stragglers = observe.Stragglers(cfg.observe.straggler_ratio, cfg.observe.straggler_intervals)
+        self.hosts: list[str] = []  # by rank, from the start record's placement
+        self.last_ranks: list[dict] | None = None
+        self._slow = (f.slow_phase, f.slow_ms / 1000) if f.slow_rank == ctx.rank else None
+        """The slow-rank drill on this rank: (phase, seconds added to every step), else None."""
 
     def train(self) -> dict[str, Any]:
         t, p, total = self.cfg.train, self.parts.progress, self.parts.total_steps
@@ -74,6 +82,7 @@ class Trainer:
         heartbeat.beat(p.global_step)  # the watchdog's startup allowance lasts until the step moves
         heartbeat.set_phase("step")
         self.watchdog.start()
+        self.timer.lap("other")  # the first interval starts here, not at construction
         try:
             try:
                 self._loop(bar, meter)
@@ -88,6 +97,7 @@ class Trainer:
         t, p, total = self.cfg.train, self.parts.progress, self.parts.total_steps
         batches = None
         while p.global_step < total:
+            self.timer.lap("other")
             if batches is None:
                 batches = self._epoch_batches()
             self._loss_sum += self._run_step(batches)
@@ -104,12 +114,20 @@ class Trainer:
             if p.global_step % t.log_every == 0 or last:
                 self._log_train(meter.interval(), bar)
             if (t.eval_every and p.global_step % t.eval_every == 0) or last:
-                with meter.paused(), heartbeat.phase("eval"):
+                with meter.paused(), heartbeat.phase("eval"), self._timed("eval"):
                     self.evaluate()
             self._maybe_fault()
             if self.snapshots.due(p.global_step, last) or self._drain_noticed():
-                with meter.paused(), heartbeat.phase("snapshot"):
+                with meter.paused(), heartbeat.phase("snapshot"), self._timed("snapshot"):
                     self._save(meter.overall(), final=last)
+
+    @contextlib.contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
+        self.timer.lap("other")
+        try:
+            yield
+        finally:
+            self.timer.lap(phase)
 
     # ------------------------------------------------------------------------------------------
     # Steps
@@ -129,13 +147,17 @@ class Trainer:
         for micro in range(accum):
             heartbeat.set_phase("data")
             x, y = self._to_device(*next(batches))
+            self._drill_slow("data")
+            self.timer.lap("data")
             heartbeat.set_phase("step")
             # All-reduce only on the last micro-step; the others just accumulate local gradients.
             sync = parts.ddp is None or micro == accum - 1
             with contextlib.nullcontext() if sync else parts.ddp.no_sync():
                 with parts.precision.autocast():
                     loss = F.cross_entropy(parts.train_model(x), y)
+                self._drill_slow("compute")  # between forward and backward, as a slow device would be
                 scaler.scale(loss / accum).backward()
+            self.timer.lap_backward()
             loss_sum += loss.detach()
         if self.cfg.train.grad_clip > 0:
             scaler.unscale_(parts.optimizer)  # clip the true gradients, not the scaled ones
@@ -150,7 +172,14 @@ class Trainer:
         parts.scheduler.step()
         if parts.ema is not None:
             parts.ema.update_parameters(parts.model)
+        self._drill_slow("optim")
+        self.timer.lap("optim")
+        self.timer.step_done()
         return loss_sum / accum
+
+    def _drill_slow(self, phase: str) -> None:
+        if self._slow is not None and self._slow[0] == phase:
+            time.sleep(self._slow[1])
 
     def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)
@@ -236,6 +265,7 @@ class Trainer:
         ctx, p, cfg = self.ctx, self.parts.progress, self.cfg
         gathered = dist.gather_objects(ctx, (ctx.network.to_dict() if ctx.network else None, dist.placement(ctx)))
         network, placement = ([g[0] for g in gathered], [g[1] for g in gathered]) if gathered else (None, None)
+        self.hosts = [pl["host"] for pl in placement or []]
         resumed = p.resumed or {}
         self.metrics.write("start", step=p.global_step, epoch=p.epoch, epoch_sample=p.epoch_sample,
                            world_size=ctx.world_size, global_batch=p.global_batch, total_steps=self.parts.total_steps,
@@ -252,11 +282,16 @@ class Trainer:
                          total_steps=self.parts.total_steps, start_step=p.global_step))
 
     def _log_train(self, samples_per_s: float, bar: tqdm) -> None:
-        # The only host syncs of the loop: once per log interval.
-        p, precision = self.parts.progress, self.parts.precision
-        totals = dist.all_reduce_sum(self.ctx, torch.stack([
-            self._loss_sum, torch.tensor(float(self._loss_steps), device=self.ctx.device)]))
-        self.last_loss = (totals[0] / totals[1]).item()
+        # The only host syncs of the loop: once per log interval. One all-gather carries every rank's
+        # phase timings and loss sums.
+        p, precision, ctx = self.parts.progress, self.parts.precision, self.ctx
+        row = torch.cat([torch.tensor(self.timer.collect(), dtype=torch.float64, device=ctx.device),
+                         torch.stack([self._loss_sum.double(),
+                                      torch.tensor(float(self._loss_steps), dtype=torch.float64, device=ctx.device)])])
+        rows = dist.all_gather(ctx, row).cpu()
+        self.last_loss = (rows[:, -2].sum() / rows[:, -1].sum()).item()
+        if self.timer.enabled and ctx.is_main:
+            self._log_ranks(rows[:, :-2].tolist())
         record = {"step": p.global_step, "epoch": p.epoch, "loss": self.last_loss, "lr": self._current_lr(),
                   "samples_per_s": samples_per_s, "world_size": self.ctx.world_size, "epoch_sample": p.epoch_sample,
                   "skipped_steps": int(p.skipped.item())}
@@ -267,6 +302,15 @@ class Trainer:
         bar.set_postfix(loss=f"{self.last_loss:.3f}", lr=f"{record['lr']:.3g}")
         self._loss_sum.zero_()
         self._loss_steps = 0
+
+    def _log_ranks(self, rows: list[list[float]]) -> None:
+        """Rank 0: the `ranks` record of this interval, and any straggler it reveals."""
+        step = self.parts.progress.global_step
+        self.last_ranks = observe.rank_rows(rows, self.hosts)
+        self.metrics.write("ranks", step=step, ranks=self.last_ranks)
+        for found in self.stragglers.update(step, self.last_ranks):
+            self.metrics.write("straggler", **found)
+            log.warning("%s", observe.straggler_line(found, self.cfg.observe.straggler_ratio))
 
     def _current_lr(self) -> float:
         groups = self.parts.optimizer.param_groups
@@ -280,6 +324,8 @@ class Trainer:
                   "samples_per_s": samples_per_s}
         if self.last_eval is not None and self.last_eval["step"] == p.global_step:
             report["val_acc"] = self.last_eval["val_acc"]
+        if self.last_ranks:  # under Ray these go with ray.train.report
+            report["ranks"] = [{k: r[k] for k in ("rank", "host", "step_ms", "busy_ms")} for r in self.last_ranks]
         try:
             self.snapshots.save(self.ctx, p.global_step, state, meta, report, final=final)
         finally:

@@ -1,9 +1,10 @@
 """`python -m trainapp report RUN_DIR`: plots and a short summary of a run, from its metrics.jsonl.
 
-One PNG (`RUN_DIR/report.png`, or `--out`) with loss, validation accuracy, samples/s, learning rate
-and the fp16 loss scale over optimizer steps, each restart marked where it resumed and each failure
-where it happened; the summary (with one line per failed attempt: which rank, where, why) is
-printed and written beside it as `report.txt`. Works on `run.dir` of torchrun runs and on
+One PNG (`RUN_DIR/report.png`, or `--out`) with loss, validation accuracy, samples/s, learning rate,
+the fp16 loss scale and every rank's step time over optimizer steps, each restart marked where it
+resumed and each failure where it happened, and each rank's step split into phases; the summary
+(with one line per failed attempt: which rank, where, why, the slowest rank and phase, any straggler)
+is printed and written beside it as `report.txt`. Works on `run.dir` of torchrun runs and on
 `STORAGE/NAME` of Ray runs. matplotlib is an optional extra: `pip install 'trainapp[report]'`.
 """
 
@@ -80,6 +81,43 @@ def failures(records: list[dict]) -> list[str]:
     return out
 
 
+def rank_phases(records: list[dict]) -> dict[int, dict[str, Any]]:
+    """Per rank over the `ranks` records (trainapp/observe.py): its host, the median step time, busy
+    time (the step without waiting for peers) and ms per step of each phase."""
+    from trainapp.observe import PHASES
+
+    by_rank: dict[int, list[dict]] = {}
+    for r in records:
+        if r.get("kind") == "ranks":
+            for entry in r.get("ranks", []):
+                by_rank.setdefault(entry["rank"], []).append(entry)
+    return {rank: {"host": entries[-1].get("host"),
+                   "step_ms": statistics.median(e["step_ms"] for e in entries),
+                   "busy_ms": statistics.median(e["busy_ms"] for e in entries),
+                   "phase_ms": {p: statistics.median(e["phase_ms"].get(p, 0.0) for e in entries) for p in PHASES}}
+            for rank, entries in sorted(by_rank.items())}
+
+
+def _rank_lines(records: list[dict]) -> list[str]:
+    ranks = rank_phases(records)
+    if not ranks:
+        return []
+    # Ranks wait for each other, so their step times match: the slowest is the one with the most own work.
+    slow_rank, slow = max(ranks.items(), key=lambda kv: kv[1]["busy_ms"])
+    fast_rank, fast = min(ranks.items(), key=lambda kv: kv[1]["busy_ms"])
+    busy = {p: ms for p, ms in slow["phase_ms"].items() if p != "comm"}
+    phase = max(busy, key=busy.get)
+    lines = [f"ranks          {len(ranks)}; median step {slow['step_ms']:.1f} ms; slowest rank {slow_rank} on "
+             f"{slow['host']}: {slow['busy_ms']:.1f} ms of its own work per step, most of it {phase} "
+             f"({busy[phase]:.1f} ms)" + ("" if len(ranks) < 2 else f"; fastest rank {fast_rank}: {fast['busy_ms']:.1f} ms")]
+    found = [r for r in records if r.get("kind") == "straggler"]
+    lines.append(f"stragglers     {len(found) or 'none'}")
+    lines.extend(f"  rank {f['rank']} on {f['host']} from step {f['step']}: {f['ratio']:.2f}x the median step "
+                 f"without communication wait; {f['phase']} {f['phase_ms']:.1f} ms against {f['median_phase_ms']:.1f} ms"
+                 for f in found)
+    return lines
+
+
 def summarize(run_dir: Path, records: list[dict]) -> str:
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
@@ -116,6 +154,7 @@ def summarize(run_dir: Path, records: list[dict]) -> str:
     if snaps:
         lines.append(f"snapshots      {len(snaps)} written; training blocked a median {statistics.median(snaps) * 1000:.1f} "
                      f"ms each")
+    lines.extend(_rank_lines(records))
     network = [n for n in (first.get("network") or []) if n and n.get("gloo")]
     if network:
         lines.append("network        " + ", ".join(f"{n['host']} {n['gloo']} ({n['address']})" for n in network))
@@ -134,6 +173,44 @@ def _segments(records: list[dict], kind: str, key: str) -> list[tuple[list[int],
     return [s for s in segs if s[0]]
 
 
+def _rank_segments(records: list[dict]) -> dict[int, list[tuple[list[int], list[float]]]]:
+    """Per rank, (steps, busy ms: the step without waiting for peers) per attempt."""
+    out: dict[int, list[tuple[list[int], list[float]]]] = {}
+    attempt = -1
+    for r in records:
+        if r.get("kind") == "start":
+            attempt += 1
+        elif r.get("kind") == "ranks":
+            for e in r.get("ranks", []):
+                segs = out.setdefault(e["rank"], [])
+                if len(segs) <= attempt:
+                    segs.extend(([], []) for _ in range(attempt + 1 - len(segs)))
+                segs[attempt][0].append(r["step"])
+                segs[attempt][1].append(e["busy_ms"])
+    return {rank: [s for s in segs if s[0]] for rank, segs in out.items()}
+
+
+def _plot_phases(ax, records: list[dict]) -> None:
+    """Each rank's median step split into phases: one stacked bar per rank."""
+    from trainapp.observe import PHASES
+
+    ranks = rank_phases(records)
+    if not ranks:
+        ax.text(0.5, 0.5, "no ranks records (observe.ranks=false?)", transform=ax.transAxes, ha="center",
+                va="center", color="gray")
+        return
+    names = [f"rank {r}" for r in ranks]
+    left = [0.0] * len(ranks)
+    for phase in PHASES:
+        widths = [v["phase_ms"][phase] for v in ranks.values()]
+        ax.barh(names, widths, left=left, label=phase)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.invert_yaxis()
+    ax.set_xlabel("median ms per step, by phase")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=len(PHASES), fontsize="small")
+    ax.grid(alpha=0.3, axis="x")
+
+
 def plot(records: list[dict], out: Path, title: str) -> Path:
     try:
         import matplotlib
@@ -145,7 +222,11 @@ def plot(records: list[dict], out: Path, title: str) -> Path:
     panels = [("loss", "train", "loss", False), ("validation accuracy", "eval", "val_acc", False),
               ("samples/s", "train", "samples_per_s", False), ("learning rate", "train", "lr", False),
               ("loss scale (fp16)", "train", "loss_scale", True)]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.3 * len(panels)), sharex=True)
+    per_rank = _rank_segments(records)
+    fig, all_axes = plt.subplots(len(panels) + 2, 1, figsize=(9, 2.3 * (len(panels) + 2)))
+    axes, rank_ax, phase_ax = all_axes[:len(panels)], all_axes[len(panels)], all_axes[-1]
+    for ax in [*axes[1:], rank_ax]:
+        ax.sharex(axes[0])
     rs = restarts(records)
     fails = [r for r in records if r.get("kind") == "failure" and r.get("cause") != "peer"]
     for ax, (name, kind, key, log_scale) in zip(axes, panels):
@@ -166,9 +247,24 @@ def plot(records: list[dict], out: Path, title: str) -> Path:
                        label="failure (see report.txt)" if i == 0 else None)
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
+    for rank, segs in sorted(per_rank.items()):
+        for i, (xs, ys) in enumerate(segs):
+            rank_ax.plot(xs, ys, color=f"C{rank % 10}", linewidth=1.2, label=f"rank {rank}" if i == 0 else None)
+    if not per_rank:
+        rank_ax.text(0.5, 0.5, "no ranks records", transform=rank_ax.transAxes, ha="center", va="center", color="gray")
+    for r in rs:
+        rank_ax.axvline(r["resumed_step"], color="tab:red", linestyle="--", linewidth=1)
+    for i, s in enumerate(r for r in records if r.get("kind") == "straggler"):
+        rank_ax.axvline(s["step"], color=f"C{s['rank'] % 10}", linestyle=":", linewidth=1.5,
+                        label="straggler named" if i == 0 else None)
+    if per_rank:
+        rank_ax.legend(loc="upper right", fontsize="small", ncol=min(len(per_rank) + 1, 8))
+    rank_ax.set_ylabel("own work per step\n(ms, without comm wait)")
+    rank_ax.grid(alpha=0.3)
+    rank_ax.set_xlabel("optimizer step")
+    _plot_phases(phase_ax, records)
     if rs or fails:
         axes[0].legend(loc="upper right")
-    axes[-1].set_xlabel("optimizer step")
     fig.suptitle(title)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,130 @@
+"""Per-rank timings (trainapp/observe.py): the rows every rank gathers, the `ranks` record and the
+straggler watch, on their own; the end-to-end runs (two processes, one slowed by fault.slow_rank) are
+in test_loop.py's per-rank tests."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from trainapp import observe
+
+
+def _row(steps, **seconds):
+    return [float(steps), *(seconds.get(p, 0.0) for p in observe.TIMED)]
+
+
+def test_rank_rows_are_per_step_milliseconds_whose_phases_add_up_to_the_step():
+    rows = [_row(10, data=0.05, compute=0.2, comm=0.1, optim=0.05, eval=1.0),
+            _row(10, data=0.05, compute=0.3, comm=0.0, optim=0.05)]
+    ranks = observe.rank_rows(rows, ["a", "b"])
+    assert [r["host"] for r in ranks] == ["a", "b"]
+    assert ranks[0]["step_ms"] == pytest.approx(40.0) and ranks[0]["busy_ms"] == pytest.approx(30.0)
+    assert ranks[0]["phase_ms"]["eval"] == pytest.approx(100.0)  # kept, but not part of the step
+    assert sum(ranks[0]["share"].values()) == pytest.approx(1.0, abs=1e-3)
+    assert ranks[1]["share"]["compute"] == pytest.approx(0.75)
+
+
+def test_a_straggler_is_named_after_the_configured_intervals_once_with_its_slow_phase():
+    watch = observe.Stragglers(ratio=1.2, intervals=3)
+    slow = [_row(10, compute=0.2, optim=0.05, comm=0.15), _row(10, compute=0.5, optim=0.05)]
+    for step in (10, 20):
+        assert watch.update(step, observe.rank_rows(slow, ["a", "b"])) == []
+    [found] = watch.update(30, observe.rank_rows(slow, ["a", "b"]))
+    assert (found["rank"], found["host"], found["phase"], found["intervals"]) == (1, "b", "compute", 3)
+    assert found["phase_ms"] == pytest.approx(50.0) and found["median_phase_ms"] == pytest.approx(35.0)
+    assert found["ratio"] == pytest.approx(55 / 40)
+    assert watch.update(40, observe.rank_rows(slow, ["a", "b"])) == []  # once, not at every interval
+    line = observe.straggler_line(found, 1.2)
+    assert "rank 1 on b" in line and "compute" in line and "observe.straggler_ratio=1.2" in line
+
+
+def test_an_interval_back_under_the_line_resets_the_count():
+    watch = observe.Stragglers(ratio=1.2, intervals=2)
+    slow = observe.rank_rows([_row(5, compute=0.1), _row(5, data=0.3)], ["a", "b"])
+    even = observe.rank_rows([_row(5, compute=0.1), _row(5, compute=0.1)], ["a", "b"])
+    for ranks in (slow, even, slow, even):
+        assert watch.update(0, ranks) == []
+    assert watch.update(0, slow) == []
+    assert watch.update(0, slow)[0]["phase"] == "data"
+
+
+def test_ranks_within_the_ratio_and_a_single_rank_are_never_stragglers():
+    watch = observe.Stragglers(ratio=1.2, intervals=1)
+    close = observe.rank_rows([_row(5, compute=0.10), _row(5, compute=0.11), _row(5, compute=0.12)], ["a"] * 3)
+    assert watch.update(0, close) == []
+    assert watch.update(0, observe.rank_rows([_row(5, compute=1.0)], ["a"])) == []
+
+
+def test_the_timer_splits_wall_time_into_laps_and_the_last_bucket_marks_the_comm_wait():
+    timer = observe.StepTimer(torch.device("cpu"))
+    time.sleep(0.02)
+    timer.lap("data")
+    time.sleep(0.03)
+    timer._handoff = timer._now()  # what the DDP hook does at the last bucket
+    time.sleep(0.01)
+    timer.lap_backward()
+    timer.step_done()
+    row = timer.collect()
+    got = dict(zip(observe.TIMED, row[1:]))
+    assert row[0] == 1
+    assert got["data"] == pytest.approx(0.02, abs=0.015) and got["compute"] == pytest.approx(0.03, abs=0.015)
+    assert got["comm"] == pytest.approx(0.01, abs=0.01)
+    assert timer.collect()[0] == 0 and sum(timer.collect()[1:]) < 0.01  # the next interval starts empty
+
+
+def test_a_disabled_timer_records_nothing():
+    timer = observe.StepTimer(torch.device("cpu"), enabled=False)
+    timer.lap("data")
+    timer.lap_backward()
+    assert sum(timer.collect()[1:]) == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Two real processes under torchrun
+
+from helpers import QUICK, inspect, metrics, torchrun  # noqa: E402
+
+RANKS_RUN = ["train.max_steps=40", "train.epochs=20", "snapshot.every_steps=20", *QUICK]  # log every 5
+
+
+@pytest.mark.slow
+def test_a_slowed_rank_is_named_a_straggler_within_the_configured_intervals(tmp_path):
+    r = torchrun(2, f"run.dir={tmp_path}", *RANKS_RUN, "fault.slow_rank=1", "fault.slow_ms=80",
+                 "observe.straggler_intervals=3")
+    assert r.returncode == 0, r.output[-3000:]
+    found = metrics(tmp_path, "straggler")
+    assert len(found) == 1, found  # once, not at every interval
+    s = found[0]
+    assert (s["rank"], s["phase"]) == (1, "compute") and s["intervals"] == 3
+    assert s["step"] <= 20, s  # the third interval of 5 steps (15), or the next if the first was partial
+    assert s["phase_ms"] - s["median_phase_ms"] > 25, s  # half of the 80 ms against the median of two
+    assert "straggler: rank 1 on" in r.output and "slowest phase compute" in r.output
+    # Rank 0 waits for rank 1 in the gradient all-reduce: that is comm, not its own work.
+    ranks = metrics(tmp_path, "ranks")
+    med = lambda rank, phase: sorted(x["ranks"][rank]["phase_ms"][phase] for x in ranks)[len(ranks) // 2]  # noqa: E731
+    assert med(0, "comm") > 40 and med(0, "comm") > med(1, "comm") + 30, ranks
+
+
+@pytest.mark.slow
+def test_ranks_records_cover_every_rank_their_phases_add_up_and_no_straggler_without_the_drill(tmp_path):
+    r = torchrun(2, f"run.dir={tmp_path}", *RANKS_RUN)
+    assert r.returncode == 0, r.output[-3000:]
+    ranks, train = metrics(tmp_path, "ranks"), metrics(tmp_path, "train")
+    assert [x["step"] for x in ranks] == [t["step"] for t in train] == list(range(5, 41, 5))
+    assert all([e["rank"] for e in x["ranks"]] == [0, 1] and all(e["host"] for e in x["ranks"]) for x in ranks)
+    # Between two train records rank 0's wall time is its phases: laps leave nothing out (the
+    # snapshot at step 20 included; evaluation only at the end).
+    for prev, cur, rec in zip(train[1:], train[2:], ranks[2:]):
+        wall_ms = 1000 * (cur["time"] - prev["time"]) / 5
+        assert rec["ranks"][0]["step_ms"] == pytest.approx(wall_ms, rel=0.15, abs=3), (rec, wall_ms)
+        assert rec["ranks"][0]["phase_ms"]["compute"] > 0 and rec["ranks"][0]["phase_ms"]["optim"] > 0
+    assert metrics(tmp_path, "straggler") == []
+    assert "straggler:" not in r.output
+    # The communication hook is PyTorch's default all-reduce: the same parameters with timing off.
+    off = tmp_path / "off"
+    assert torchrun(2, f"run.dir={off}", *RANKS_RUN, "observe.ranks=false").returncode == 0
+    assert metrics(off, "ranks") == []
+    assert inspect(off)["params_sha256"] == inspect(tmp_path)["params_sha256"]

@@ -1,0 +1,193 @@
+"""Every rank's step time by phase, gathered at the log interval, and stragglers named.
+
+Each rank splits its wall time into phases as it trains (`StepTimer.lap`, a clock read and an add):
+
+- `data`: waiting for the next batch and moving it to the device;
+- `compute`: forward and backward, from the moment the wrapped model's own forward starts to the
+  moment this rank hands DDP its last gradient bucket;
+- `comm`: the rest of forward and backward, i.e. waiting for peers: DDP's broadcast of rank 0's
+  buffers before the forward (BatchNorm statistics; a peer late for it makes everyone wait there),
+  and the gradient all-reduce after this rank's backward is done. A forward pre-hook on the wrapped
+  model and a DDP communication hook (`attach`) take the two moments;
+- `optim`: clipping, the optimizer and scheduler steps, EMA;
+- `snapshot`: the training thread blocked by a snapshot;
+- `other`: the loop's own bookkeeping between steps (logging, the stop vote);
+- `eval`: evaluation, kept apart: it is not part of a step.
+
+No phase synchronises the device: on CPU the laps are host clock reads; on CUDA they are events on
+the current stream (`torch.cuda.Event`), resolved once per log interval, where the loop reads the loss
+anyway. `gather` then moves every rank's row to every rank in one small all-gather, which also
+carries the loss sums the `train` record needs (so the log interval still costs one collective).
+Rank 0 turns the rows into a `ranks` record and feeds `Stragglers`. The module imports no torch
+(the report reads its phase names).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+PHASES = ("data", "compute", "comm", "optim", "snapshot", "other")
+"""The phases a step's time is split into (they add up to the step time)."""
+TIMED = (*PHASES, "eval")
+BUSY = tuple(p for p in PHASES if p != "comm")
+"""A rank's own work: the step without the time spent waiting for its peers."""
+
+
+class StepTimer:
+    """This rank's seconds by phase since the last `collect()`."""
+
+    def __init__(self, device: torch.device, enabled: bool = True):
+        self.enabled = enabled
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            import torch
+
+            self._event = torch.cuda.Event
+        self.totals = dict.fromkeys(TIMED, 0.0)
+        self.steps = 0
+        self._pending: list[tuple[str, Any, Any]] = []  # CUDA: (phase, start event, end event)
+        self._forward = None  # when the wrapped model's forward began, after DDP's buffer broadcast
+        self._handoff = None  # when the last gradient bucket went to DDP (set by `hook`)
+        self._last = self._now() if enabled else None
+
+    def _now(self):
+        if self.cuda:
+            event = self._event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _add(self, phase: str, start, end) -> None:
+        if self.cuda:
+            self._pending.append((phase, start, end))
+        else:
+            self.totals[phase] += end - start
+
+    def lap(self, phase: str) -> None:
+        """The time since the previous lap was spent in `phase`."""
+        if not self.enabled:
+            return
+        now = self._now()
+        self._add(phase, self._last, now)
+        self._last = now
+
+    def lap_backward(self) -> None:
+        """After forward and backward: comm until the wrapped model's forward began, compute until
+        the last bucket's hand-off, comm from there on (all compute without DDP, and no all-reduce
+        wait in a `no_sync` micro-step)."""
+        if not self.enabled:
+            return
+        now, forward, handoff = self._now(), self._forward, self._handoff
+        self._forward = self._handoff = None
+        begin = self._last
+        if forward is not None:
+            self._add("comm", begin, forward)
+            begin = forward
+        if handoff is not None:
+            self._add("compute", begin, handoff)
+            self._add("comm", handoff, now)
+        else:
+            self._add("compute", begin, now)
+        self._last = now
+
+    def step_done(self) -> None:
+        self.steps += 1
+
+    def attach(self, ddp) -> None:
+        """Before `ddp`'s first forward: `hook` as its communication hook, and a forward pre-hook on
+        the model it wraps (which DDP calls once its buffers are synchronised)."""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        self._allreduce = allreduce_hook
+        ddp.register_comm_hook(None, self.hook)
+        ddp.module.register_forward_pre_hook(self._forward_begins)
+
+    def _forward_begins(self, module, args) -> None:
+        if self.enabled and module.training:
+            self._forward = self._now()
+
+    def hook(self, process_group, bucket):
+        """DDP communication hook: PyTorch's default all-reduce (divide by the world size, sum), noting
+        when the last bucket is handed over, which is when this rank's backward is done."""
+        if bucket.is_last():
+            self._handoff = self._now()
+        return self._allreduce(process_group, bucket)
+
+    def collect(self) -> list[float]:
+        """[steps, seconds of each phase in TIMED] since the last call; starts the next interval."""
+        if self.cuda and self._pending:
+            self._pending[-1][2].synchronize()
+            for phase, start, end in self._pending:
+                self.totals[phase] += start.elapsed_time(end) / 1000
+            self._pending.clear()
+        row = [float(self.steps), *(self.totals[p] for p in TIMED)]
+        self.totals = dict.fromkeys(TIMED, 0.0)
+        self.steps = 0
+        return row
+
+
+def rank_rows(rows: list[list[float]], hosts: list[str]) -> list[dict[str, Any]]:
+    """The `ranks` record's entries from every rank's `collect()` row: per rank its host, step time
+    (ms), each phase in ms per step and as a share of the step time, and the busy time (the step
+    without the wait for peers)."""
+    out = []
+    for rank, row in enumerate(rows):
+        steps = max(row[0], 1.0)
+        ms = {p: 1000 * s / steps for p, s in zip(TIMED, row[1:])}
+        step_ms = sum(ms[p] for p in PHASES)
+        out.append({"rank": rank, "host": hosts[rank] if rank < len(hosts) else None, "steps": int(row[0]),
+                    "step_ms": round(step_ms, 3), "busy_ms": round(sum(ms[p] for p in BUSY), 3),
+                    "phase_ms": {p: round(v, 3) for p, v in ms.items()},
+                    "share": {p: round(ms[p] / step_ms, 4) if step_ms else 0.0 for p in PHASES}})
+    return out
+
+
+class Stragglers:
+    """Rank 0's watch: a rank whose busy time (its step without the wait for peers) is over `ratio`
+    times the ranks' median for `intervals` log intervals in a row is a straggler, reported once until
+    it is back under the line. The phase named is the one furthest over its own median."""
+
+    def __init__(self, ratio: float, intervals: int):
+        self.ratio, self.intervals = ratio, intervals
+        self.streak: dict[int, int] = {}
+        self.reported: set[int] = set()
+
+    def update(self, step: int, ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The `straggler` records this interval gives (usually none)."""
+        if len(ranks) < 2:
+            return []
+        median = statistics.median(r["busy_ms"] for r in ranks)
+        found = []
+        for r in ranks:
+            rank = r["rank"]
+            if median <= 0 or r["busy_ms"] <= self.ratio * median:
+                self.streak[rank] = 0
+                self.reported.discard(rank)
+                continue
+            self.streak[rank] = self.streak.get(rank, 0) + 1
+            if self.streak[rank] >= self.intervals and rank not in self.reported:
+                self.reported.add(rank)
+                found.append(self._record(step, r, ranks, median))
+        return found
+
+    def _record(self, step: int, r: dict[str, Any], ranks: list[dict[str, Any]], median: float) -> dict[str, Any]:
+        medians = {p: statistics.median(x["phase_ms"][p] for x in ranks) for p in BUSY}
+        phase = max(BUSY, key=lambda p: r["phase_ms"][p] - medians[p])
+        return {"step": step, "rank": r["rank"], "host": r["host"], "ratio": round(r["busy_ms"] / median, 3),
+                "busy_ms": r["busy_ms"], "median_busy_ms": round(median, 3), "phase": phase,
+                "phase_ms": r["phase_ms"][phase], "median_phase_ms": round(medians[phase], 3),
+                "intervals": self.streak[r["rank"]]}
+
+
+def straggler_line(s: dict[str, Any], ratio: float) -> str:
+    return (f"straggler: rank {s['rank']} on {s['host']} took {s['ratio']:.2f}x the median step time without "
+            f"communication wait for {s['intervals']} log intervals (observe.straggler_ratio={ratio:g}); slowest "
+            f"phase {s['phase']}: {s['phase_ms']:.1f} ms per step against a median {s['median_phase_ms']:.1f} ms")
