@@ -100,3 +100,58 @@ class TwoHosts:
         for ns in self.made:
             _ip("netns", "del", ns, check=False)  # takes its links (and their peers) with it
         self.made = []
+
+
+STAR_NET = "10.125.0"
+
+
+class Star:
+    """N hosts on one switch: each host's `trn0` (10.125.0.1, .2, ...) is a veth whose other end is a
+    port of a bridge in a namespace of its own, as nodes on one top-of-rack switch. `shape(i, rate)`
+    limits host i's link in both directions with a real `tbf` qdisc (on the host's side and on its
+    switch port). Only these namespaces are addressed; `down()` deletes them and their links."""
+
+    def __init__(self, n: int) -> None:
+        tag = uuid.uuid4().hex[:6]
+        self.tag = tag
+        self.switch = f"trainapp-{tag}-sw"
+        self.hosts = [Host(f"trainapp-{tag}-{i}", f"host-{chr(ord('a') + i)}", f"{STAR_NET}.{i + 1}", "")
+                      for i in range(n)]
+        self.made: list[str] = []
+
+    def up(self) -> "Star":
+        try:
+            for ns in (self.switch, *(h.ns for h in self.hosts)):
+                _ip("netns", "add", ns)
+                self.made.append(ns)
+                subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv6.conf.all.disable_ipv6=1",
+                                "net.ipv6.conf.default.disable_ipv6=1"], check=True, capture_output=True, timeout=30)
+            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "br0", "up")
+            for i, host in enumerate(self.hosts):
+                left, right = f"s{i}a{self.tag}", f"s{i}b{self.tag}"  # unique in the root namespace
+                _ip("link", "add", left, "type", "veth", "peer", "name", right)
+                _ip("link", "set", left, "netns", host.ns)
+                _ip("-n", host.ns, "link", "set", left, "name", "trn0")
+                _ip("link", "set", right, "netns", self.switch)
+                _ip("-n", self.switch, "link", "set", right, "name", f"port{i}")
+                _ip("-n", self.switch, "link", "set", f"port{i}", "master", "br0")
+                _ip("-n", self.switch, "link", "set", f"port{i}", "up")
+                _ip("-n", host.ns, "addr", "add", f"{host.train_ip}/24", "dev", "trn0")
+                for dev in ("lo", "trn0"):
+                    _ip("-n", host.ns, "link", "set", dev, "up")
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def shape(self, i: int, rate: str) -> None:
+        """Limit host i's link to `rate` (tc syntax, e.g. 100mbit) both ways."""
+        for ns, dev in ((self.hosts[i].ns, "trn0"), (self.switch, f"port{i}")):
+            subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "32kb",
+                            "latency", "100ms"], check=True, capture_output=True, text=True, timeout=30)
+
+    def down(self) -> None:
+        for ns in self.made:
+            _ip("netns", "del", ns, check=False)
+        self.made = []

@@ -128,3 +128,44 @@ def test_ranks_records_cover_every_rank_their_phases_add_up_and_no_straggler_wit
     assert torchrun(2, f"run.dir={off}", *RANKS_RUN, "observe.ranks=false").returncode == 0
     assert metrics(off, "ranks") == []
     assert inspect(off)["params_sha256"] == inspect(tmp_path)["params_sha256"]
+
+
+
+# ----------------------------------------------------------------------------------------------
+# TensorBoard (observe.tensorboard)
+
+@pytest.mark.slow
+def test_tensorboard_files_hold_one_timeline_over_a_restart(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    r = torchrun(2, f"run.dir={tmp_path}", "train.max_steps=20", "snapshot.every_steps=5", "train.eval_every=10",
+                 "fault.kill_at_step=13", "fault.rank=1", *QUICK, "train.log_every=1", "observe.tensorboard=true",
+                 max_restarts=1)
+    assert r.returncode == 0, r.output[-3000:]
+    assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 2  # one file per attempt
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert {"train/loss", "train/lr", "eval/val_acc", "ranks/busy_ms/rank_0", "ranks/busy_ms/rank_1"} <= \
+        set(acc.Tags()["scalars"])
+    # Steps 11-13 ran twice (resumed from the step-10 snapshot): TensorBoard shows each step once, with
+    # the value of the attempt that counts, as metrics.jsonl's last record of each step has it.
+    loss = {e.step: e.value for e in acc.Scalars("train/loss")}
+    assert sorted(loss) == list(range(1, 21)), sorted(loss)
+    last = {rec["step"]: rec["loss"] for rec in metrics(tmp_path, "train")}
+    assert loss == pytest.approx(last, rel=1e-6)
+    assert [e.step for e in acc.Scalars("eval/val_acc")] == [10, 20]
+
+
+@pytest.mark.slow
+def test_tensorboard_without_the_package_is_one_line_and_exit_2(tmp_path):
+    from helpers import trainapp
+
+    shadow = tmp_path / "shadow" / "tensorboard"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('tensorboard is not installed')\n")
+    r = trainapp("train", f"run.dir={tmp_path / 'run'}", "observe.tensorboard=true", "train.max_steps=2",
+                 "train.progress=false", env={"PYTHONPATH": str(shadow.parent)}, timeout=120)
+    assert r.returncode == 2, r.output[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == (
+        "trainapp train: error: observe.tensorboard=true needs the tensorboard package: pip install "
+        "'trainapp[tensorboard]' (or set observe.tensorboard=false)")

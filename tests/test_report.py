@@ -31,6 +31,26 @@ def test_report_plots_and_summarizes_a_run_with_a_restart(restarted_run, tmp_pat
     assert "finished at step 20 of 20 planned" in summary
     assert "restarts       1: resumed at 10 after 13 (3 redone, world size 2)" in summary, summary
     assert "val_acc        final" in summary and "snapshots      " in summary
+    # Both ranks' timings, over both attempts (log_every=1: a ranks record per step).
+    assert "ranks          2; median step" in summary and "stragglers     none" in summary, summary
+    steps = [r["step"] for r in report.read(restarted_run) if r["kind"] == "ranks"]
+    assert steps[:13] == list(range(1, 14)) and steps[13] == 11, steps  # resumed from step 10
+
+
+def test_the_summary_names_the_slowest_rank_its_phase_and_the_stragglers():
+    def entry(rank, compute, comm):
+        phase_ms = {"data": 1.0, "compute": compute, "comm": comm, "optim": 2.0, "snapshot": 0.0, "other": 0.5}
+        return {"rank": rank, "host": f"h{rank}", "step_ms": 100.0, "busy_ms": 100.0 - comm, "phase_ms": phase_ms}
+
+    ranks = {"kind": "ranks", "step": 5, "ranks": [entry(0, 30.0, 66.5), entry(1, 90.0, 6.5)]}
+    straggler = {"kind": "straggler", "step": 15, "rank": 1, "host": "h1", "ratio": 1.46, "phase": "compute",
+                 "phase_ms": 90.0, "median_phase_ms": 60.0}
+    lines = report._rank_lines([ranks, ranks, straggler])
+    assert lines[0] == ("ranks          2; median step 100.0 ms; slowest rank 1 on h1: 93.5 ms of its own work per "
+                        "step, most of it compute (90.0 ms); fastest rank 0: 33.5 ms")
+    assert lines[1:] == ["stragglers     1", "  rank 1 on h1 from step 15: 1.46x the median step without "
+                         "communication wait; compute 90.0 ms against 60.0 ms"]
+    assert report._rank_lines([{"kind": "train", "step": 1}]) == []  # observe.ranks=false: no lines
 
 
 @pytest.mark.slow

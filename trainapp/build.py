@@ -17,7 +17,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
-from trainapp import dist, timeline
+from trainapp import dist, tboard, timeline
 from trainapp.amp import Precision
 from trainapp.config import Config, ConfigError, TrainSection
 from trainapp.data import ResumableDistributedSampler, build_datasets, make_loader
@@ -58,6 +58,8 @@ def build(cfg: Config, ctx: dist.DistContext, snapshots: SnapshotManager) -> Par
         raise ConfigError(f"fault.rank={cfg.fault.rank}: must be < world size {ctx.world_size}")
     if cfg.fault.slow_rank is not None and cfg.fault.slow_rank >= ctx.world_size:
         raise ConfigError(f"fault.slow_rank={cfg.fault.slow_rank}: must be < world size {ctx.world_size}")
+    if cfg.observe.tensorboard:
+        tboard.check()
     cuda = ctx.device.type == "cuda"
     if cuda:
         torch.backends.cudnn.benchmark = True

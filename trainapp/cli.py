@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -61,6 +62,13 @@ def _parser() -> argparse.ArgumentParser:
                                       "/dev/shm, storage, rendezvous (exit 1 if something would fail)")
     _add_config_args(p)
     p.add_argument("--json", action="store_true", help="print the checks as one JSON list")
+    p.add_argument("--comm", action="store_true",
+                   help="instead: all-reduce bandwidth between every pair of nodes (run under torchrun, one "
+                        "process per node at least); exit 1 if a pair or host is slow")
+    p.add_argument("--size-mb", type=float, default=4.0, help="--comm: MiB per all-reduce (default 4)")
+    p.add_argument("--iters", type=int, default=5, help="--comm: timed all-reduces per pair (default 5)")
+    p.add_argument("--min-bandwidth", type=float, default=0.0,
+                   help="--comm: GB/s of bus bandwidth a pair must reach (default 0: only relative judgement)")
     return parser
 
 
@@ -167,6 +175,15 @@ def cmd_node(args) -> int:
 
 def cmd_doctor(args) -> int:
     cfg = config.load(args.config, args.overrides)
+    if args.comm:
+        if "WORLD_SIZE" not in os.environ and (cfg.ray.address or os.environ.get("RAY_ADDRESS")):
+            from trainapp import logs, ray_entry  # a Ray job (`ray job submit`): Ray Train starts the processes
+
+            logs.setup(0, 1)
+            return ray_entry.run_comm(cfg, args.size_mb, args.iters, args.min_bandwidth)
+        from trainapp import comm
+
+        return comm.main(cfg, args.size_mb, args.iters, args.min_bandwidth)
     from trainapp import doctor
 
     checks = doctor.run(cfg)

@@ -215,10 +215,15 @@ class ObserveSection:
     snapshot) and write a `ranks` record at every log interval; rank 0 watches for stragglers. It adds
     no device synchronisation; the timings travel in the log interval's one collective."""
     straggler_ratio: float = Field(default=1.2, gt=1)
-    """A rank whose step time without communication wait is over this many times the ranks' median..."""
+    """A rank is a straggler when its step time without communication wait (its own work) is over
+    this many times the median of the ranks for `observe.straggler_intervals` log intervals in a row."""
     straggler_intervals: int = Field(default=3, ge=1)
-    """...for this many log intervals in a row is named a straggler (one warning line and a
-    `straggler` record naming the rank, host and slow phase)."""
+    """Log intervals in a row a rank must be over `observe.straggler_ratio` to be named a straggler:
+    one warning line and a `straggler` record naming the rank, host, slow phase and by how much."""
+    tensorboard: bool = False
+    """Rank 0 also writes the scalars (loss, lr, samples/s, the fp16 loss scale, val_acc, val_loss,
+    every rank's step time) as TensorBoard event files under `run.dir/tb`, one timeline across restarts
+    (`tensorboard --logdir RUN_DIR/tb`). Needs the tensorboard extra: `pip install 'trainapp[tensorboard]'`."""
 
 
 @dataclass(config=_STRICT)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from trainapp import dist, failure, heartbeat, logs, observe, preempt, timeline
+from trainapp import dist, failure, heartbeat, logs, observe, preempt, tboard, timeline
 from trainapp.build import Parts, build
 from trainapp.config import Config
 from trainapp.data import make_loader, set_epoch
@@ -70,6 +70,8 @@ class Trainer:
         self.last_ranks: list[dict] | None = None
         self._slow = (f.slow_phase, f.slow_ms / 1000) if f.slow_rank == ctx.rank else None
         """The slow-rank drill on this rank: (phase, seconds added to every step), else None."""
+        resumed = (parts.progress.resumed or {}).get("global_step")
+        self.board = tboard.Board(self.run_dir, resumed) if cfg.observe.tensorboard and ctx.is_main else None
 
     def train(self) -> dict[str, Any]:
         t, p, total = self.cfg.train, self.parts.progress, self.parts.total_steps
@@ -92,6 +94,8 @@ class Trainer:
             return self._finish(start_step, meter.overall())
         finally:
             self.watchdog.stop()
+            if self.board is not None:
+                self.board.close()
 
     def _loop(self, bar: tqdm, meter: Throughput) -> None:
         t, p, total = self.cfg.train, self.parts.progress, self.parts.total_steps
@@ -227,6 +231,8 @@ class Trainer:
         self.last_eval = {"step": parts.progress.global_step, "val_acc": correct / max(total, 1),
                           "val_loss": loss / max(total, 1), "val_samples": int(total)}
         self.metrics.write("eval", epoch=parts.progress.epoch, **self.last_eval)
+        if self.board is not None:
+            self.board.scalars("eval", self.last_eval["step"], {k: self.last_eval[k] for k in ("val_acc", "val_loss")})
         log.info(logs.kv(**self.last_eval))
         return self.last_eval
 
@@ -298,6 +304,9 @@ class Trainer:
         if precision.scaler.is_enabled():
             record["loss_scale"] = float(precision.scale_tensor().item())
         self.metrics.write("train", **record)
+        if self.board is not None:
+            self.board.scalars("train", p.global_step, {k: record.get(k) for k in
+                                                        ("loss", "lr", "samples_per_s", "loss_scale", "skipped_steps")})
         log.info(logs.kv(**record))
         bar.set_postfix(loss=f"{self.last_loss:.3f}", lr=f"{record['lr']:.3g}")
         self._loss_sum.zero_()
@@ -308,6 +317,8 @@ class Trainer:
         step = self.parts.progress.global_step
         self.last_ranks = observe.rank_rows(rows, self.hosts)
         self.metrics.write("ranks", step=step, ranks=self.last_ranks)
+        if self.board is not None:
+            self.board.ranks(step, self.last_ranks)
         for found in self.stragglers.update(step, self.last_ranks):
             self.metrics.write("straggler", **found)
             log.warning("%s", observe.straggler_line(found, self.cfg.observe.straggler_ratio))
@@ -330,6 +341,8 @@ class Trainer:
             self.snapshots.save(self.ctx, p.global_step, state, meta, report, final=final)
         finally:
             self._record_snapshot_failures()
+            if self.board is not None:
+                self.board.flush()  # what a SIGKILL could lose is only ever steps after this snapshot
         if self.snapshots.failures == 0 or self.snapshots.async_write:
             self.metrics.write("snapshot", step=p.global_step, blocking_s=round(self.snapshots.last_blocking_s, 4),
                                background=self.snapshots.async_write)

@@ -109,8 +109,9 @@ def _callbacks(cfg: Config, storage: str) -> list:
     return [*callbacks, NodeLossWatch(cfg.ray.node_loss_wait_s)]
 
 
-def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool):
-    """Ray Train's TorchTrainer over `train_worker`, with the run directory at STORAGE/NAME."""
+def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, worker=None, **extra):
+    """Ray Train's TorchTrainer over `worker` (`train_worker`), with the run directory at STORAGE/NAME;
+    `extra` goes into each worker's payload."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
     from trainapp import ray_compat
@@ -122,8 +123,8 @@ def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool):
     os.environ.update(ray_compat.controller_env(cfg.ray.worker_group_start_timeout_s,
                                                 cfg.ray.health_check_interval_s))
     return ray_compat.TorchTrainer(
-        train_worker,
-        train_loop_config={"config": worker_cfg.to_dict(), "launch": timeline.marks()},
+        worker or train_worker,
+        train_loop_config={"config": worker_cfg.to_dict(), "launch": timeline.marks(), **extra},
         torch_config=_torch_config(cfg, threads),
         scaling_config=ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=use_gpu, resources_per_worker=needs),
         run_config=RunConfig(
@@ -137,6 +138,27 @@ def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool):
 
 def run(cfg: Config) -> dict[str, Any]:
     """Fit a TorchTrainer over the cluster; returns the rank-0 summary of the finished run."""
+    result, storage = _fit(cfg)
+    return {**(result.metrics or {}), "storage": f"{storage}/{cfg.ray.name}"}
+
+
+def run_comm(cfg: Config, size_mb: float, iters: int, min_bandwidth: float) -> int:
+    """`doctor --comm` as a Ray job: the workers Ray Train starts for `cfg` measure every node pair
+    (trainapp/comm.py), the driver prints the result; the exit code is comm's verdict."""
+    from trainapp import comm
+    from trainapp.ray_worker import comm_worker
+
+    comm.check_args(size_mb, iters, min_bandwidth)
+    # A run of its own (NAME-comm), not retried: a failure is the answer.
+    cfg = dataclasses.replace(cfg, ray=dataclasses.replace(cfg.ray, name=f"{cfg.ray.name}-comm", max_failures=0))
+    result, _ = _fit(cfg, worker=comm_worker, nbytes=int(size_mb * 2**20), iters=iters)
+    m = result.return_value  # rank 0's
+    pairs = [comm.Pair(**p) for p in m["comm_pairs"]]
+    return comm.show(m["comm_backend"], m["comm_processes"], m["comm_via"], m["comm_nodes"], pairs, min_bandwidth)
+
+
+def _fit(cfg: Config, worker=None, **extra):
+    """Join, check, fit; (Ray Train's Result, the storage path)."""
     timeline.mark_process("driver_process")
     address = ray_address(cfg)
     check_version()  # a Ray it was not written for stops here, before anything imports it
@@ -160,12 +182,12 @@ def run(cfg: Config) -> dict[str, Any]:
                  cfg.ray.name)
         timeline.mark("driver_checked")
         try:
-            result = _trainer(cfg, storage, needs, use_gpu).fit()
+            result = _trainer(cfg, storage, needs, use_gpu, worker, **extra).fit()
         except Exception as e:
             plain = _error_in(e)
             if plain is not None:
                 raise plain from None
             raise
-        return {**(result.metrics or {}), "storage": f"{storage}/{cfg.ray.name}"}
+        return result, storage
     finally:
         ray.shutdown()

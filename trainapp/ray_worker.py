@@ -201,3 +201,18 @@ def train_worker(payload: dict[str, Any]) -> None:
     finally:
         preempt.training_over()
         dist.teardown(ctx)
+
+
+def comm_worker(payload: dict[str, Any]) -> dict[str, Any]:
+    """`doctor --comm` under Ray: every worker measures the node pairs (trainapp/comm.py) in the group
+    Ray created; what rank 0 returns reaches the driver as `Result.return_value`."""
+    import dataclasses
+
+    from trainapp import comm
+
+    cfg = config.from_dict(payload["config"])
+    ctx = dist.setup(cfg.dist.timeout_s)  # adopts the group Ray created, on the interface prepare_worker chose
+    nodes, pairs = comm.measure(ctx, payload["nbytes"], payload["iters"])
+    via = ctx.network.summary() if ctx.network else "the default interface"
+    return {"comm_nodes": nodes, "comm_pairs": [dataclasses.asdict(p) for p in pairs], "comm_backend": ctx.backend,
+            "comm_processes": ctx.world_size, "comm_via": via}
