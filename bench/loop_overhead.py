@@ -7,15 +7,17 @@ timed end to end: N optimizer steps, one evaluation over the validation set and 
 which both loops do (the minimal loop the way the seed articles do it).
 
 On a 2-core machine two single-threaded workers share the cores with gloo's threads, and round times
-drift by several percent, also with the position of a round in the sequence. So four contestants run
-in every order in turn: trainapp, the minimal loop, the minimal loop again as a control, and trainapp
-without its preemption vote. Each round's ratio is trainapp against the mean of that round's two
+drift by several percent, also with the position of a round in the sequence. So five contestants
+run in balanced orders (every position and every neighbour equally often): trainapp, the minimal loop,
+the minimal loop again as a control, trainapp without its preemption vote, and trainapp without its
+per-rank phase timings (`observe.ranks=false`). Each round's ratio is trainapp against the mean of that round's two
 minimal runs, and `loop_overhead_ratio` is the median over rounds (pairing within a round cancels the
 drift between rounds; the ratio of the pooled medians is reported too); `control_ratio` (minimal vs
 itself, per round, then the median) shows the noise floor of the same run; `vote_cost_ratio`
 (trainapp vs trainapp without the vote) is what the preemption vote costs, and `vote_cpu_ratio` the
 same in CPU time per step (all threads of rank 0's process; not stretched by waiting on the other
-rank, so it resolves smaller costs; `cpu_control_ratio` is its noise floor).
+rank, so it resolves smaller costs; `cpu_control_ratio` is its noise floor); `ranks_cost_ratio` and
+`ranks_cpu_ratio` are the same for the per-rank timings.
 
     python bench/loop_overhead.py            # writes bench/results/loop_overhead.json
     python bench/loop_overhead.py --smoke    # seconds; for CI, writes bench/results/smoke/
@@ -24,7 +26,6 @@ rank, so it resolves smaller costs; `cpu_control_ratio` is its noise floor).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import statistics
@@ -87,7 +88,7 @@ def minimal_round(ctx, steps: int, batch: int, train_ds, val_ds, out_dir: Path, 
 
 
 def trainapp_round(ctx, steps: int, batch: int, out_dir: Path, seed: int, train_size: int, val_size: int,
-                   amp: str, vote: bool = True) -> float:
+                   amp: str, vote: bool = True, ranks: bool = True) -> float:
     import torch.distributed as dist
 
     from trainapp import config
@@ -100,6 +101,7 @@ def trainapp_round(ctx, steps: int, batch: int, out_dir: Path, seed: int, train_
         # compute, not the loop); logging, progress bar and the end-of-run snapshot stay on, because
         # they are the loop's overhead.
         "train.grad_clip=0", "snapshot.every_steps=0", "train.epochs=1000", "model.channels_last=false",
+        f"observe.ranks={str(ranks).lower()}",
     ])
     trainer = make_trainer(cfg, ctx)
     if not vote:  # the same loop without the preemption vote: what the vote itself costs
@@ -127,9 +129,13 @@ def worker(args) -> None:
     # As amp.dtype=auto: emulated bf16 (no AVX-512/AMX) is ~9x slower than fp32 and would time the
     # emulation, not the loop.
     amp = "bf16" if resolve_dtype(args.amp, torch.device("cpu")) is torch.bfloat16 else "fp32"
-    times = {"minimal": [], "control": [], "trainapp": [], "trainapp_novote": []}
+    times = {"minimal": [], "control": [], "trainapp": [], "trainapp_novote": [], "trainapp_noranks": []}
     cpu = {k: [] for k in times}  # CPU seconds per step of this process, all its threads (gloo's too)
-    orders = list(itertools.permutations(times))
+    # Every contestant in every position equally often, after every other one as often as before it:
+    # the rotations of the list and of its reverse (10 orders; the default 20 rounds run each twice).
+    names = list(times)
+    orders = [names[k:] + names[:k] for k in range(len(names))]
+    orders += [list(reversed(o)) for o in orders]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         # Round 0 is untimed: it warms up allocators and kernels.
@@ -137,7 +143,8 @@ def worker(args) -> None:
             for name in orders[(r - 1) % len(orders)]:
                 if name.startswith("trainapp"):
                     t, c = trainapp_round(ctx, args.steps, args.batch, tmp / f"{name}-{r}", r, args.train_size,
-                                       args.val_size, amp, vote=name == "trainapp")
+                                       args.val_size, amp, vote=name != "trainapp_novote",
+                                       ranks=name != "trainapp_noranks")
                 else:
                     t, c = minimal_round(ctx, args.steps, args.batch, train_ds, val_ds, tmp, seed=r, amp=amp)
                 if r > 0:
@@ -146,11 +153,15 @@ def worker(args) -> None:
     if ctx.rank == 0:
         med = {k: statistics.median(v) for k, v in times.items()}
         baseline = statistics.median(times["minimal"] + times["control"])
-        rounds = list(zip(times["trainapp"], times["minimal"], times["control"], times["trainapp_novote"]))
+        rounds = list(zip(times["trainapp"], times["minimal"], times["control"], times["trainapp_novote"],
+                          times["trainapp_noranks"]))
         result = {
-            "loop_overhead_ratio": statistics.median(t / ((m + c) / 2) for t, m, c, _ in rounds),
-            "control_ratio": statistics.median(c / m for _, m, c, _ in rounds),
-            "vote_cost_ratio": statistics.median(t / n for t, _, _, n in rounds),
+            "loop_overhead_ratio": statistics.median(t / ((m + c) / 2) for t, m, c, _, _ in rounds),
+            "control_ratio": statistics.median(c / m for _, m, c, _, _ in rounds),
+            "vote_cost_ratio": statistics.median(t / n for t, _, _, n, _ in rounds),
+            # What the per-rank phase timings (observe.ranks) cost: the same loop with them off.
+            "ranks_cost_ratio": statistics.median(t / o for t, _, _, _, o in rounds),
+            "ranks_cpu_ratio": statistics.median(a / b for a, b in zip(cpu["trainapp"], cpu["trainapp_noranks"])),
             # CPU time is not stretched by waiting for the other rank: a finer view of a small cost.
             "vote_cpu_ratio": statistics.median(a / b for a, b in zip(cpu["trainapp"], cpu["trainapp_novote"])),
             "cpu_control_ratio": statistics.median(a / b for a, b in zip(cpu["control"], cpu["minimal"])),
@@ -175,7 +186,7 @@ def worker(args) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny run that only checks the benchmark works")
-    p.add_argument("--rounds", type=int, default=24, help="timed rounds per contestant (each of the 24 orders once)")
+    p.add_argument("--rounds", type=int, default=20, help="timed rounds per contestant (each of the 10 orders twice)")
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per round")
     p.add_argument("--batch", type=int, default=64, help="batch per worker")
     p.add_argument("--nproc", type=int, default=2)
@@ -202,6 +213,7 @@ def main() -> int:
     r = json.loads(Path(args.out).read_text())
     print(f"loop_overhead_ratio={r['loop_overhead_ratio']:.3f} control_ratio={r['control_ratio']:.3f} "
           f"vote_cost_ratio={r['vote_cost_ratio']:.3f} vote_cpu_ratio={r['vote_cpu_ratio']:.3f} "
+          f"ranks_cost_ratio={r['ranks_cost_ratio']:.3f} ranks_cpu_ratio={r['ranks_cpu_ratio']:.3f} "
           f"(control {r['cpu_control_ratio']:.3f}) trainapp={r['trainapp_step_ms_median']:.1f}ms/step "
           f"minimal={r['minimal_step_ms_median']:.1f}ms/step amp={r['amp']} rounds={r['rounds']} -> {args.out}")
     return 0
