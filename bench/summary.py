@@ -21,6 +21,8 @@ ROWS = [
     ("loop_overhead", "control_ratio", "minimal loop / itself (noise floor)", None, "{:.3f}"),
     ("loop_overhead", "vote_cost_ratio", "trainapp / trainapp without the preemption vote, step time (noise-bound)",
      None, "{:.3f}"),
+    ("loop_overhead", "ranks_cost_ratio", "trainapp / trainapp without per-rank phase timings, step time "
+     "(noise-bound)", None, "{:.3f}"),
     ("launchers", "ray_vs_torchrun_step_ratio_spare_core", "Ray Train / torchrun, step time, 1 worker of 1 thread, "
      "the other core left to the daemons", ("<=", 1.02), "{:.3f}"),
     ("launchers", "control_ratio_spare_core", "torchrun / torchrun, the same (noise floor)", None, "{:.3f}"),

@@ -165,6 +165,9 @@ def test_job_submit_runs_two_workers_and_inspect_reads_the_ray_run(cluster, ray_
     # helpers are there: the state API answers and lists them.
     cluster_actors = {a["class_name"] for a in cluster.state("actors")}
     assert "SynchronizationActor" in cluster_actors and "DatasetManager" not in cluster_actors, cluster_actors
+    # Per-rank timings under Ray too: every log interval, both ranks, each on its node.
+    ranks = metrics(run_dir, "ranks")
+    assert ranks and all([e["rank"] for e in r_["ranks"]] == [0, 1] and r_["ranks"][1]["step_ms"] > 0 for r_ in ranks)
     # One copy of each line in the job's output (two attempts): each node streams only its own logs.
     assert r.output.count("Started training worker group") == 2, r.output[-4000:]
     assert r.output.count("trainapp.loop: world_size=2 backend=gloo") == 2, r.output[-4000:]
