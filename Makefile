@@ -78,7 +78,7 @@ config: $(STAMP) ## Print the resolved config (CONFIG=file.yaml, ARGS="key=value
 
 .PHONY: config-reference
 config-reference: $(STAMP) ## Print the configuration reference table of docs/configuration.md (from the field docstrings)
-	@$(BIN)/python -c 'from trainapp.config import reference_markdown; print(reference_markdown())'
+	@$(BIN)/python -m trainapp config --reference
 
 ##@ Images
 

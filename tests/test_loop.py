@@ -33,6 +33,16 @@ def test_make_run_trains_two_ddp_processes_that_learn(tmp_path):
     placement = metrics(run_dir, "start")[0]["placement"]  # one node, two local ranks
     assert [(p["rank"], p["node_rank"], p["local_rank"]) for p in placement] == [(0, 0, 0), (1, 0, 1)], placement
     assert inspect(run_dir)["world_size"] == 2
+    # Per-rank timings without a drill: both ranks at every log interval, no straggler named, and
+    # between two train records rank 0's wall time is its phases (laps leave nothing out; the
+    # snapshots are inside, evaluation comes only at the end).
+    ranks = metrics(run_dir, "ranks")
+    assert [x["step"] for x in ranks] == [t["step"] for t in train]
+    assert all([e["rank"] for e in x["ranks"]] == [0, 1] and all(e["host"] for e in x["ranks"]) for x in ranks)
+    for prev, cur, rec in zip(train[1:], train[2:-1], ranks[2:-1]):
+        wall_ms = 1000 * (cur["time"] - prev["time"]) / (cur["step"] - prev["step"])
+        assert rec["ranks"][0]["step_ms"] == pytest.approx(wall_ms, rel=0.15, abs=3), (rec, wall_ms)
+    assert metrics(run_dir, "straggler") == [] and "straggler:" not in r.output
 
 
 FAULT_RUN = ["train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5", "train.grad_accum=2", "train.ema_decay=0.9",

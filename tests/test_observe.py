@@ -1,14 +1,17 @@
 """Per-rank timings (trainapp/observe.py): the rows every rank gathers, the `ranks` record and the
-straggler watch, on their own; the end-to-end runs (two processes, one slowed by fault.slow_rank) are
-in test_loop.py's per-rank tests."""
+straggler watch, on their own and in two real processes with one slowed by `fault.slow_rank`
+(test_loop.py's `make run` test checks a run without the drill; test_report.py the TensorBoard files
+of a run with a restart)."""
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
 import torch
 
+from helpers import QUICK, inspect, metrics, torchrun
 from trainapp import observe
 
 
@@ -85,8 +88,6 @@ def test_a_disabled_timer_records_nothing():
 # ----------------------------------------------------------------------------------------------
 # Two real processes under torchrun
 
-from helpers import QUICK, inspect, metrics, torchrun  # noqa: E402
-
 RANKS_RUN = ["train.max_steps=40", "train.epochs=20", "snapshot.every_steps=20", *QUICK]  # log every 5
 
 
@@ -106,66 +107,23 @@ def test_a_slowed_rank_is_named_a_straggler_within_the_configured_intervals(tmp_
     ranks = metrics(tmp_path, "ranks")
     med = lambda rank, phase: sorted(x["ranks"][rank]["phase_ms"][phase] for x in ranks)[len(ranks) // 2]  # noqa: E731
     assert med(0, "comm") > 40 and med(0, "comm") > med(1, "comm") + 30, ranks
-
-
-@pytest.mark.slow
-def test_ranks_records_cover_every_rank_their_phases_add_up_and_no_straggler_without_the_drill(tmp_path):
-    r = torchrun(2, f"run.dir={tmp_path}", *RANKS_RUN)
-    assert r.returncode == 0, r.output[-3000:]
-    ranks, train = metrics(tmp_path, "ranks"), metrics(tmp_path, "train")
-    assert [x["step"] for x in ranks] == [t["step"] for t in train] == list(range(5, 41, 5))
-    assert all([e["rank"] for e in x["ranks"]] == [0, 1] and all(e["host"] for e in x["ranks"]) for x in ranks)
-    # Between two train records rank 0's wall time is its phases: laps leave nothing out (the
-    # snapshot at step 20 included; evaluation only at the end).
-    for prev, cur, rec in zip(train[1:], train[2:], ranks[2:]):
-        wall_ms = 1000 * (cur["time"] - prev["time"]) / 5
-        assert rec["ranks"][0]["step_ms"] == pytest.approx(wall_ms, rel=0.15, abs=3), (rec, wall_ms)
-        assert rec["ranks"][0]["phase_ms"]["compute"] > 0 and rec["ranks"][0]["phase_ms"]["optim"] > 0
-    assert metrics(tmp_path, "straggler") == []
-    assert "straggler:" not in r.output
-    # The communication hook is PyTorch's default all-reduce: the same parameters with timing off.
+    # The drill only sleeps, and the communication hook is PyTorch's default all-reduce: the same
+    # parameters as a run with the timings off.
     off = tmp_path / "off"
     assert torchrun(2, f"run.dir={off}", *RANKS_RUN, "observe.ranks=false").returncode == 0
-    assert metrics(off, "ranks") == []
+    assert metrics(off, "ranks") == [] and metrics(off, "straggler") == []
     assert inspect(off)["params_sha256"] == inspect(tmp_path)["params_sha256"]
-
 
 
 # ----------------------------------------------------------------------------------------------
 # TensorBoard (observe.tensorboard)
 
-@pytest.mark.slow
-def test_tensorboard_files_hold_one_timeline_over_a_restart(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+def test_tensorboard_without_the_package_is_one_line_naming_the_extra(monkeypatch):
+    from trainapp import tboard
+    from trainapp.config import ConfigError
 
-    r = torchrun(2, f"run.dir={tmp_path}", "train.max_steps=20", "snapshot.every_steps=5", "train.eval_every=10",
-                 "fault.kill_at_step=13", "fault.rank=1", *QUICK, "train.log_every=1", "observe.tensorboard=true",
-                 max_restarts=1)
-    assert r.returncode == 0, r.output[-3000:]
-    assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 2  # one file per attempt
-    acc = EventAccumulator(str(tmp_path / "tb"))
-    acc.Reload()
-    assert {"train/loss", "train/lr", "eval/val_acc", "ranks/busy_ms/rank_0", "ranks/busy_ms/rank_1"} <= \
-        set(acc.Tags()["scalars"])
-    # Steps 11-13 ran twice (resumed from the step-10 snapshot): TensorBoard shows each step once, with
-    # the value of the attempt that counts, as metrics.jsonl's last record of each step has it.
-    loss = {e.step: e.value for e in acc.Scalars("train/loss")}
-    assert sorted(loss) == list(range(1, 21)), sorted(loss)
-    last = {rec["step"]: rec["loss"] for rec in metrics(tmp_path, "train")}
-    assert loss == pytest.approx(last, rel=1e-6)
-    assert [e.step for e in acc.Scalars("eval/val_acc")] == [10, 20]
-
-
-@pytest.mark.slow
-def test_tensorboard_without_the_package_is_one_line_and_exit_2(tmp_path):
-    from helpers import trainapp
-
-    shadow = tmp_path / "shadow" / "tensorboard"
-    shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text("raise ImportError('tensorboard is not installed')\n")
-    r = trainapp("train", f"run.dir={tmp_path / 'run'}", "observe.tensorboard=true", "train.max_steps=2",
-                 "train.progress=false", env={"PYTHONPATH": str(shadow.parent)}, timeout=120)
-    assert r.returncode == 2, r.output[-2000:]
-    assert r.stderr.strip().splitlines()[-1] == (
-        "trainapp train: error: observe.tensorboard=true needs the tensorboard package: pip install "
-        "'trainapp[tensorboard]' (or set observe.tensorboard=false)")
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` raises ImportError
+    with pytest.raises(ConfigError) as e:
+        tboard.check()
+    assert str(e.value) == ("observe.tensorboard=true needs the tensorboard package: pip install "
+                            "'trainapp[tensorboard]' (or set observe.tensorboard=false)")

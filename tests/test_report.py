@@ -1,4 +1,4 @@
-"""`trainapp report`: plots and a summary of a run with a restart."""
+"""`trainapp report`: plots and a summary of a run with a restart; the same run's TensorBoard files."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def restarted_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("report") / "run"
     r = torchrun(2, f"run.dir={run_dir}", "train.max_steps=20", "snapshot.every_steps=5", "train.eval_every=10",
-                 "fault.kill_at_step=13", "fault.rank=1", *QUICK, "train.log_every=1", max_restarts=1)
+                 "fault.kill_at_step=13", "fault.rank=1", *QUICK, "train.log_every=1", "observe.tensorboard=true",
+                 max_restarts=1)
     assert r.returncode == 0, r.output[-3000:]
     return run_dir
 
@@ -88,3 +89,21 @@ def test_a_rank_that_died_silently_is_named_from_ray_trains_view():
     # Nothing from anyone: the old line.
     assert report.failures([start, {**start, "time": 5.0}]) == [
         "attempt 0: ended without a failure record (SIGKILL: a lost node, the OOM killer)"]
+
+
+@pytest.mark.slow
+def test_tensorboard_files_hold_one_timeline_over_the_restart(restarted_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert len(list((restarted_run / "tb").glob("events.out.tfevents.*"))) == 2  # one file per attempt
+    acc = EventAccumulator(str(restarted_run / "tb"))
+    acc.Reload()
+    assert {"train/loss", "train/lr", "eval/val_acc", "ranks/busy_ms/rank_0", "ranks/busy_ms/rank_1"} <= \
+        set(acc.Tags()["scalars"])
+    # Steps 11-13 ran twice (resumed from the step-10 snapshot): TensorBoard shows each step once, with
+    # the value of the attempt that counts, as metrics.jsonl's last record of each step has it.
+    loss = {e.step: e.value for e in acc.Scalars("train/loss")}
+    assert sorted(loss) == list(range(1, 21)), sorted(loss)
+    last = {rec["step"]: rec["loss"] for rec in report.read(restarted_run) if rec["kind"] == "train"}
+    assert loss == pytest.approx(last, rel=1e-6)
+    assert [e.step for e in acc.Scalars("eval/val_acc")] == [10, 20]

@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="print a snapshot's step, world size and parameter hash as JSON")
     p.add_argument("path", metavar="PATH", help="a snapshot (dir or state.pt), a snapshots/ dir or a run dir")
     p = sub.add_parser("config", help="print the resolved config as YAML (checks it without training)")
+    p.add_argument("--reference", action="store_true",
+                   help="instead: the reference of every key, default and meaning (docs/configuration.md's table)")
     _add_config_args(p)
     p = sub.add_parser("report", help="plot loss, val_acc, samples/s, lr and loss scale of a run, restarts marked, "
                                       "and print a short summary")
@@ -133,8 +135,21 @@ def cmd_inspect(args) -> int:
 def cmd_config(args) -> int:
     import yaml
 
+    if args.reference:
+        print(reference_markdown())
+        return 0
     print(yaml.safe_dump(config.load(args.config, args.overrides).to_dict(), sort_keys=False), end="")
     return 0
+
+
+def reference_markdown() -> str:
+    """The configuration reference (docs/configuration.md), generated from the field docstrings."""
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+    for key, cls, f in config.leaves():
+        info = cls.__pydantic_fields__[f.name]
+        doc = " ".join((info.description or "").split()).replace("|", "\\|")
+        lines.append(f"| `{key}` | `{info.get_default(call_default_factory=True)!r}` | {doc} |")
+    return "\n".join(lines)
 
 
 def cmd_report(args) -> int:

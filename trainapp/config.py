@@ -197,19 +197,15 @@ class FaultSection:
     (a marker in `run.dir`), as a CUDA allocation beyond the device's memory would: the rank records
     the failure with its memory, its peers follow it out, the launcher restarts the group."""
     slow_rank: Optional[int] = Field(default=None, ge=0)
-    """Drill: this rank's every step takes `fault.slow_ms` longer (in `fault.slow_phase`), as a rank on
-    a throttled GPU or a slow disk would, for rehearsing and testing the straggler watch."""
+    """Drill: this rank's every step takes `fault.slow_ms` longer, as on a throttled GPU or a slow disk."""
     slow_ms: float = Field(default=100.0, gt=0)
     """How much longer each step of `fault.slow_rank` takes, in milliseconds."""
     slow_phase: Literal["data", "compute", "optim"] = "compute"
-    """Where `fault.slow_rank` loses the time: waiting for data, in forward and backward, or in the
-    optimizer step."""
+    """Where `fault.slow_rank` loses it: waiting for data, between forward and backward, or the optimizer."""
 
 
 @dataclass(config=_STRICT)
 class ObserveSection:
-    """What every rank's timings show (trainapp/observe.py)."""
-
     ranks: bool = True
     """Time each rank's steps by phase (data, compute, gradient communication wait, optimizer,
     snapshot) and write a `ranks` record at every log interval; rank 0 watches for stragglers. It adds
@@ -221,9 +217,8 @@ class ObserveSection:
     """Log intervals in a row a rank must be over `observe.straggler_ratio` to be named a straggler:
     one warning line and a `straggler` record naming the rank, host, slow phase and by how much."""
     tensorboard: bool = False
-    """Rank 0 also writes the scalars (loss, lr, samples/s, the fp16 loss scale, val_acc, val_loss,
-    every rank's step time) as TensorBoard event files under `run.dir/tb`, one timeline across restarts
-    (`tensorboard --logdir RUN_DIR/tb`). Needs the tensorboard extra: `pip install 'trainapp[tensorboard]'`."""
+    """Rank 0 also writes loss, lr, samples/s, loss scale, val_acc, val_loss and every rank's step time as
+    TensorBoard files under `run.dir/tb`, one timeline across restarts; needs `trainapp[tensorboard]`."""
 
 
 @dataclass(config=_STRICT)
@@ -412,23 +407,24 @@ def _section_of(f: dataclasses.Field):
     return factory if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory) else None
 
 
-def _known_keys(cls=Config, prefix: str = "") -> list[str]:
-    """Every leaf key, dotted (`train.max_steps`)."""
-    keys = []
+def leaves(cls=Config, prefix: str = ""):
+    """(dotted key as users write it, the section class, the field) of every leaf key (`train.max_steps`)."""
     for f in dataclasses.fields(cls):
         section = _section_of(f)
-        keys.extend(_known_keys(section, f"{prefix}{f.name}.") if section else [prefix + _public(f.name)])
-    return keys
+        if section:
+            yield from leaves(section, f"{prefix}{f.name}.")
+        else:
+            yield prefix + _public(f.name), cls, f
 
 
 def _format_error(err: dict) -> str:
     key, kind, value = _key_of(err["loc"]), err["type"], err.get("input")
-    known = _known_keys()
+    known = [k for k, _, _ in leaves()]
     # A union field reports one error per member type (`ray.num_workers.int`): name the field itself.
     while key not in known and "." in key and key.rsplit(".", 1)[0] in known:
         key = key.rsplit(".", 1)[0]
     if kind in ("unexpected_keyword_argument", "extra_forbidden"):
-        close = difflib.get_close_matches(key, _known_keys(), n=1, cutoff=0.75)
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
         hint = f"; did you mean {close[0]}?" if close else "; see docs/configuration.md"
         return f"unknown key {key}{hint}"
     msg = err["msg"]
@@ -502,22 +498,3 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
         key, value = parse_override(item)
         _set_dotted(tree, key, value, item)
     return from_dict(tree)
-
-
-def reference_markdown() -> str:
-    """The configuration reference (docs/configuration.md), generated from the field docstrings."""
-    lines = ["| key | default | meaning |", "|---|---|---|"]
-
-    def walk(cls, prefix):
-        for f in dataclasses.fields(cls):
-            section = _section_of(f)
-            if section:
-                walk(section, f"{prefix}{f.name}.")
-                continue
-            info = cls.__pydantic_fields__[f.name]
-            default = info.get_default(call_default_factory=True)
-            doc = " ".join((info.description or "").split()).replace("|", "\\|")
-            lines.append(f"| `{prefix}{_public(f.name)}` | `{default!r}` | {doc} |")
-
-    walk(Config, "")
-    return "\n".join(lines)

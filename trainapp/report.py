@@ -190,6 +190,26 @@ def _rank_segments(records: list[dict]) -> dict[int, list[tuple[list[int], list[
     return {rank: [s for s in segs if s[0]] for rank, segs in out.items()}
 
 
+def _plot_rank_work(ax, records: list[dict], rs: list[dict]) -> None:
+    """Each rank's own work per step over steps, restarts and named stragglers marked."""
+    per_rank = _rank_segments(records)
+    for rank, segs in sorted(per_rank.items()):
+        for i, (xs, ys) in enumerate(segs):
+            ax.plot(xs, ys, color=f"C{rank % 10}", linewidth=1.2, label=f"rank {rank}" if i == 0 else None)
+    if not per_rank:
+        ax.text(0.5, 0.5, "no ranks records", transform=ax.transAxes, ha="center", va="center", color="gray")
+    for r in rs:
+        ax.axvline(r["resumed_step"], color="tab:red", linestyle="--", linewidth=1)
+    for i, s in enumerate(r for r in records if r.get("kind") == "straggler"):
+        ax.axvline(s["step"], color=f"C{s['rank'] % 10}", linestyle=":", linewidth=1.5,
+                   label="straggler named" if i == 0 else None)
+    if per_rank:
+        ax.legend(loc="upper right", fontsize="small", ncol=min(len(per_rank) + 1, 8))
+    ax.set_ylabel("own work per step\n(ms, without comm wait)")
+    ax.grid(alpha=0.3)
+    ax.set_xlabel("optimizer step")
+
+
 def _plot_phases(ax, records: list[dict]) -> None:
     """Each rank's median step split into phases: one stacked bar per rank."""
     from trainapp.observe import PHASES
@@ -222,7 +242,6 @@ def plot(records: list[dict], out: Path, title: str) -> Path:
     panels = [("loss", "train", "loss", False), ("validation accuracy", "eval", "val_acc", False),
               ("samples/s", "train", "samples_per_s", False), ("learning rate", "train", "lr", False),
               ("loss scale (fp16)", "train", "loss_scale", True)]
-    per_rank = _rank_segments(records)
     fig, all_axes = plt.subplots(len(panels) + 2, 1, figsize=(9, 2.3 * (len(panels) + 2)))
     axes, rank_ax, phase_ax = all_axes[:len(panels)], all_axes[len(panels)], all_axes[-1]
     for ax in [*axes[1:], rank_ax]:
@@ -247,21 +266,7 @@ def plot(records: list[dict], out: Path, title: str) -> Path:
                        label="failure (see report.txt)" if i == 0 else None)
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
-    for rank, segs in sorted(per_rank.items()):
-        for i, (xs, ys) in enumerate(segs):
-            rank_ax.plot(xs, ys, color=f"C{rank % 10}", linewidth=1.2, label=f"rank {rank}" if i == 0 else None)
-    if not per_rank:
-        rank_ax.text(0.5, 0.5, "no ranks records", transform=rank_ax.transAxes, ha="center", va="center", color="gray")
-    for r in rs:
-        rank_ax.axvline(r["resumed_step"], color="tab:red", linestyle="--", linewidth=1)
-    for i, s in enumerate(r for r in records if r.get("kind") == "straggler"):
-        rank_ax.axvline(s["step"], color=f"C{s['rank'] % 10}", linestyle=":", linewidth=1.5,
-                        label="straggler named" if i == 0 else None)
-    if per_rank:
-        rank_ax.legend(loc="upper right", fontsize="small", ncol=min(len(per_rank) + 1, 8))
-    rank_ax.set_ylabel("own work per step\n(ms, without comm wait)")
-    rank_ax.grid(alpha=0.3)
-    rank_ax.set_xlabel("optimizer step")
+    _plot_rank_work(rank_ax, records, rs)
     _plot_phases(phase_ax, records)
     if rs or fails:
         axes[0].legend(loc="upper right")
