@@ -138,7 +138,7 @@ container-smoke: $(STAMP) ## Needs root, docker.io, debootstrap: CPU image, Ray 
 
 .PHONY: test
 test: $(STAMP) $(TOOLS_STAMP) ## Run the whole test suite, what CI runs (PYTEST_ARGS="-k resume -x")
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --durations=15 $(PYTEST_ARGS)
 
 .PHONY: test-fast
 test-fast: $(STAMP) $(TOOLS_STAMP) ## The edit-test loop: every test that starts no training process, cluster, namespace or container
