@@ -78,6 +78,14 @@ def test_the_timer_splits_wall_time_into_laps_and_the_last_bucket_marks_the_comm
     assert timer.collect()[0] == 0 and sum(timer.collect()[1:]) < 0.01  # the next interval starts empty
 
 
+def test_restart_drops_the_set_up_time_before_the_first_step():
+    timer = observe.StepTimer(torch.device("cpu"))
+    time.sleep(0.05)  # building, resuming, the start record
+    timer.restart()
+    timer.lap("other")
+    assert sum(timer.collect()[1:]) < 0.01
+
+
 def test_a_disabled_timer_records_nothing():
     timer = observe.StepTimer(torch.device("cpu"), enabled=False)
     timer.lap("data")

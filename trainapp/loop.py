@@ -84,7 +84,7 @@ class Trainer:
         heartbeat.beat(p.global_step)  # the watchdog's startup allowance lasts until the step moves
         heartbeat.set_phase("step")
         self.watchdog.start()
-        self.timer.lap("other")  # the first interval starts here, not at construction
+        self.timer.restart()  # the first interval starts here, not at construction
         try:
             try:
                 self._loop(bar, meter)

@@ -71,6 +71,11 @@ class StepTimer:
         else:
             self.totals[phase] += end - start
 
+    def restart(self) -> None:
+        """Drop the time since the last lap: the first interval starts at the first step, not at set-up."""
+        if self.enabled:
+            self._last = self._now()
+
     def lap(self, phase: str) -> None:
         """The time since the previous lap was spent in `phase`."""
         if not self.enabled:
