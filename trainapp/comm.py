@@ -46,12 +46,6 @@ class Pair:
         return self.nbytes / self.seconds / 1e9
 
 
-def _all_gather_objects(ctx: dist.DistContext, obj) -> list:
-    out = [None] * ctx.world_size
-    tdist.all_gather_object(out, obj)
-    return out
-
-
 def _time_all_reduce(ctx: dist.DistContext, group, nbytes: int, iters: int) -> float:
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=ctx.device)
     sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
@@ -69,7 +63,7 @@ def _time_all_reduce(ctx: dist.DistContext, group, nbytes: int, iters: int) -> f
 def measure(ctx: dist.DistContext, nbytes: int, iters: int) -> tuple[list[str], list[Pair]]:
     """Every rank: (the nodes in order of their first rank, the pairs measured between them)."""
     where = dist.placement(ctx)
-    keys = _all_gather_objects(ctx, (where["host"], where["node_rank"]))  # node rank: hosts may share a name
+    keys = dist.all_gather_objects(ctx, (where["host"], where["node_rank"]))  # node rank: hosts may share a name
     order = list(dict.fromkeys(keys))
     leaders = [keys.index(k) for k in order]
     hosts = [h for h, _ in order]
@@ -84,7 +78,7 @@ def measure(ctx: dist.DistContext, nbytes: int, iters: int) -> tuple[list[str], 
                 mine.append(Pair(a, b, seconds, nbytes))
         tdist.barrier()  # one pair at a time: pairs that share nothing could still share a switch
         tdist.destroy_process_group(group)
-    pairs = [p for per_rank in _all_gather_objects(ctx, mine) for p in per_rank]
+    pairs = [p for per_rank in dist.all_gather_objects(ctx, mine) for p in per_rank]
     return nodes, pairs
 
 

@@ -195,6 +195,15 @@ def all_gather(ctx: DistContext, tensor: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)
 
 
+def all_gather_objects(ctx: DistContext, obj) -> list:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if not ctx.distributed:
+        return [obj]
+    out = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def broadcast_object(ctx: DistContext, obj):
     """Rank 0's `obj` on every rank."""
     if not ctx.distributed:

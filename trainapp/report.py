@@ -99,13 +99,15 @@ def rank_phases(records: list[dict]) -> dict[int, dict[str, Any]]:
 
 
 def _rank_lines(records: list[dict]) -> list[str]:
+    from trainapp.observe import BUSY
+
     ranks = rank_phases(records)
     if not ranks:
         return []
     # Ranks wait for each other, so their step times match: the slowest is the one with the most own work.
     slow_rank, slow = max(ranks.items(), key=lambda kv: kv[1]["busy_ms"])
     fast_rank, fast = min(ranks.items(), key=lambda kv: kv[1]["busy_ms"])
-    busy = {p: ms for p, ms in slow["phase_ms"].items() if p != "comm"}
+    busy = {p: slow["phase_ms"][p] for p in BUSY}
     phase = max(busy, key=busy.get)
     lines = [f"ranks          {len(ranks)}; median step {slow['step_ms']:.1f} ms; slowest rank {slow_rank} on "
              f"{slow['host']}: {slow['busy_ms']:.1f} ms of its own work per step, most of it {phase} "
