@@ -26,6 +26,8 @@ IMAGE ?= trainapp
 TAG ?= 0.1.0
 DOCKER ?= docker
 DOCKER_BUILD_ARGS ?=
+# Extra sbatch options for slurm-submit, e.g. "--nodes=4 --time=12:00:00 --partition=gpu".
+SBATCH_ARGS ?=
 # Namespace of the Kubernetes manifests (k8s/00-namespace.trainapp.yaml).
 K8S_NS ?= trainapp
 # Build args are passed only when given on the make command line, never from the environment: a host
@@ -109,6 +111,24 @@ ray-status: $(STAMP) ## Alive nodes, addresses and token file of the local Ray c
 .PHONY: ray-down
 ray-down: $(STAMP) ## Stop exactly the processes ray-up started (never other Ray instances)
 	$(BIN)/python -m trainapp.ray_local --dir $(RAY_DIR) down
+
+##@ Slurm
+
+.PHONY: slurm-submit
+slurm-submit: $(STAMP) ## sbatch slurm/train.sbatch from here (ARGS, CONFIG, RUN_DIR on shared storage, SBATCH_ARGS="--nodes=4")
+	ARGS="$(ARGS)" VENV="$(abspath $(VENV))" $(if $(CONFIG),CONFIG="$(abspath $(CONFIG))") \
+	  $(if $(filter command line,$(origin RUN_DIR)),RUN_DIR="$(abspath $(RUN_DIR))") \
+	  sbatch $(SBATCH_ARGS) slurm/train.sbatch
+
+.PHONY: slurm-smoke
+slurm-smoke: $(STAMP) ## Needs root: installs Debian's slurmctld, slurmd, munge; a private 2-node Slurm runs slurm/train.sbatch through a preemption and bad input
+	@if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v sbatch >/dev/null \
+	    || ! command -v munged >/dev/null; then \
+	  echo "installing Debian's slurmctld slurmd slurm-client munge"; \
+	  DEBIAN_FRONTEND=noninteractive apt-get update -qq; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge >/dev/null; \
+	fi
+	$(BIN)/python -m pytest --slurm -m slurm --durations=5 tests/test_slurm.py $(PYTEST_ARGS)
 
 ##@ Kubernetes
 

@@ -1,4 +1,4 @@
-"""Command line: `trainapp train|ray|inspect|config|doctor|report|drain|node`.
+"""Command line: `trainapp train|ray|inspect|config|doctor|report|drain|node|slurm-preflight`.
 
 Exit codes: 0 success; 2 bad config or bad input (one line on stderr naming the key, path or value
 and what is expected); 128 + N after a preemption notice by signal N, handled (143 for SIGTERM: the
@@ -71,6 +71,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=5, help="--comm: timed all-reduces per pair (default 5)")
     p.add_argument("--min-bandwidth", type=float, default=0.0,
                    help="--comm: GB/s of bus bandwidth a pair must reach (default 0: only relative judgement)")
+    p = sub.add_parser("slurm-preflight", help="slurm/train.sbatch's check on every node before torchrun: run.dir "
+                                               "is storage every node sees, the interface exists (exit 2, one line)")
+    _add_config_args(p)
+    p.add_argument("--mark", action="store_true", help="on the batch host: create run.dir and write the marker")
+    p.add_argument("--rendezvous", metavar="HOST", help="the rendezvous host: it must resolve, and "
+                                                        "network.interface must resolve against it, on this node")
     return parser
 
 
@@ -213,12 +219,18 @@ def cmd_doctor(args) -> int:
     return 1 if failed else 0
 
 
+def cmd_slurm_preflight(args) -> int:
+    from trainapp import slurm
+
+    return slurm.main(config.load(args.config, args.overrides), args.rendezvous, args.mark)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return {"train": cmd_train, "ray": cmd_ray, "inspect": cmd_inspect, "config": cmd_config,
                 "doctor": cmd_doctor, "report": cmd_report, "drain": cmd_drain,
-                "node": cmd_node}[args.command](args)
+                "node": cmd_node, "slurm-preflight": cmd_slurm_preflight}[args.command](args)
     except config.ConfigError as e:
         print(f"trainapp {args.command}: error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -1,0 +1,170 @@
+"""slurm/train.sbatch on a real Slurm: Debian's slurmctld and two slurmd, each node in its own network
+namespace with its own host name (tests/slurm_cluster.py). A job preempted by the batch signal snapshots
+the step reached, requeues itself and resumes with zero steps redone, ending bitwise equal to a run that
+was never stopped; a run.dir on node-local scratch and an interface no node has end the job in one line.
+
+The real-Slurm tests (marker `slurm`) run with `make slurm-smoke`, which installs the packages; CI runs
+it after `make test`. The checks of the script itself and of `trainapp slurm-preflight` run everywhere.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+import helpers
+from helpers import PY, REPO, inspect, metrics, run_cmd
+from trainapp.config import PreemptSection
+
+SBATCH = REPO / "slurm" / "train.sbatch"
+# Stopped in the middle (a few seconds in), a periodic snapshot every 100 steps: the one at the notice
+# is the preemption's own.
+RUN = ["train.progress=false", "train.log_every=5", "data.train_size=1024", "data.val_size=256",
+       "train.epochs=100", "train.max_steps=200", "snapshot.every_steps=100"]
+
+
+# --- the script --------------------------------------------------------------------------------------
+def test_sbatch_parses_and_every_tunable_has_a_comment():
+    r = subprocess.run(["bash", "-n", str(SBATCH)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    lines = SBATCH.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("# --- tunables"))
+    end = next(i for i, line in enumerate(lines) if i > start and line.startswith("# ----"))
+    lines = lines[start:end]
+    tunables = [(i, m.group(1)) for i, line in enumerate(lines)
+                if (m := re.match(r"^([A-Z_]+)=\$\{\1:-", line))]
+    assert {n for _, n in tunables} >= {"RUN_DIR", "CONFIG", "ARGS", "NETWORK_INTERFACE", "VENV", "NPROC_PER_NODE",
+                                        "RDZV_PORT", "MAX_RESTARTS", "MAX_REQUEUES"}
+    for i, name in tunables:
+        above = lines[i - 1]
+        assert above.startswith("#") or re.match(r"^[A-Z_]+=\$\{", above), f"{name} has no comment above it"
+
+
+def test_sbatch_requeues_and_signals_early_enough_for_the_grace_period():
+    text = SBATCH.read_text()
+    sbatch = dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S+))?", text, re.M))
+    assert "requeue" in sbatch and sbatch["open-mode"] == "append" and sbatch["ntasks-per-node"] == "1"
+    m = re.fullmatch(r"B:USR1@(\d+)", sbatch["signal"])
+    assert m, sbatch["signal"]  # to the batch shell: torchrun's agent would die of a USR1 of its own
+    # The notice must leave room for the grace period, one step and the snapshot before the time limit.
+    assert int(m.group(1)) >= PreemptSection().grace_s + 60
+
+
+def _preflight(tmp: Path, *args: str, job: str = "7", restart: str = "0") -> helpers.Result:
+    env = {"SLURM_JOB_ID": job, "SLURM_RESTART_COUNT": restart, "SLURMD_NODENAME": "nodeX"}
+    code = ("import sys; from trainapp import cli; rc = cli.main(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules, 'the preflight imported torch'; sys.exit(rc)")
+    return run_cmd([PY, "-c", code, "slurm-preflight", f"run.dir={tmp / 'run'}", *args], env=env, timeout=60)
+
+
+def test_preflight_marks_then_checks_without_torch(tmp_path):
+    r = _preflight(tmp_path, "--mark")
+    assert r.returncode == 0 and "written by node nodeX" in r.stdout, r.output
+    assert (tmp_path / "run" / ".slurm-job").read_text().split() == ["7.0", "nodeX"]
+    r = _preflight(tmp_path, "--rendezvous", "127.0.0.1")
+    assert r.returncode == 0 and "node nodeX ok" in r.stdout, r.output
+
+
+@pytest.mark.parametrize("case", ["no-marker", "other-attempt", "interface", "rendezvous"])
+def test_preflight_failures_are_one_line_naming_node_key_and_fix(tmp_path, case):
+    if case != "no-marker":
+        assert _preflight(tmp_path, "--mark").returncode == 0
+    args = {"no-marker": [], "other-attempt": [], "interface": ["network.interface=ib0"],
+            "rendezvous": []}[case]
+    rdzv = "no-such-host.invalid" if case == "rendezvous" else "127.0.0.1"
+    r = _preflight(tmp_path, *args, "--rendezvous", rdzv, restart="1" if case == "other-attempt" else "0")
+    assert r.returncode == 2 and r.stdout == "", r.output
+    (line,) = r.stderr.strip().splitlines()
+    want = {"no-marker": f"run.dir={tmp_path / 'run'}: not storage every node sees",
+            "other-attempt": "node nodeX finds 7.0 from nodeX",
+            "interface": "network.interface=ib0: host nodeX has no interface ib0",
+            "rendezvous": "rendezvous host no-such-host.invalid does not resolve on node nodeX"}[case]
+    assert line.startswith("trainapp slurm-preflight: error: ") and want in line, line
+    assert "Traceback" not in r.stderr
+
+
+# --- a real Slurm ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    import slurm_cluster
+
+    why = slurm_cluster.unavailable()
+    if why:
+        pytest.skip(why)
+    cluster = slurm_cluster.Slurm(tmp_path_factory.mktemp("slurm")).up()
+    yield cluster
+    cluster.down()
+
+
+def submit(slurm, tmp: Path, name: str, via_make: bool = False, **env: str) -> tuple[str, Path]:
+    out = tmp / f"{name}.out"
+    env = {"OMP_NUM_THREADS": "1", **env}
+    if not via_make:
+        return slurm.sbatch(f"--job-name={name}", f"--output={out}", str(SBATCH), env=env, cwd=REPO), out
+    args = env.pop("ARGS")  # what a user types: make slurm-submit ARGS=... RUN_DIR=...
+    r = slurm.run("make", "slurm-submit", f"ARGS={args}", f"RUN_DIR={env.pop('RUN_DIR')}",
+                  f"SBATCH_ARGS=--job-name={name} --output={out}", env=env, cwd=REPO)
+    return re.search(r"Submitted batch job (\d+)", r.stdout).group(1), out
+
+
+def wait_for_step(slurm, job: str, run_dir: Path, step: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(r["step"] >= step for r in metrics(run_dir, "train", missing_ok=True)):
+            return
+        state = slurm.job(job)["JobState"]
+        assert state in ("PENDING", "RUNNING"), f"job {job} {state} before step {step}\n{slurm.logs()}"
+        time.sleep(0.1)
+    raise AssertionError(f"job {job}: no step {step} in {timeout} s\n{slurm.logs()}")
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_a_preempted_job_requeues_itself_and_resumes_with_zero_steps_redone(slurm, tmp_path):
+    straight = tmp_path / "straight"
+    r = run_cmd(helpers.torchrun_cmd(2, f"run.dir={straight}", *RUN), timeout=300)
+    assert r.returncode == 0, r.output[-3000:]
+
+    run_dir = tmp_path / "run"
+    job, out = submit(slurm, tmp_path, "preempt", RUN_DIR=str(run_dir), ARGS=" ".join(RUN))
+    wait_for_step(slurm, job, run_dir, 30)
+    slurm.run("scancel", "--batch", "--signal=USR1", job)  # what --signal=B:USR1@N sends before the limit
+    info = slurm.wait_job(job, timeout=300)
+    text = out.read_text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-4000:])
+    assert info["Restarts"] == "1", info  # requeued once, by the script itself
+
+    (pre,) = metrics(run_dir, "preempted")
+    assert pre["signal"] == "SIGTERM" and pre["step"] >= 30 and pre["step"] % 100, pre  # its own snapshot
+    assert f"snapshot {run_dir}/snapshots/step_{pre['step']:09d}" in text
+    first, second = metrics(run_dir, "start")
+    assert first["resumed_step"] is None and second["resumed_step"] == pre["step"] == second["step"]
+    for start in (first, second):  # two nodes, one rank each, over the nodes' own link
+        assert [(p["host"], p["node_rank"], p["local_rank"]) for p in start["placement"]] == [
+            ("node1", 0, 0), ("node2", 1, 0)], start["placement"]
+        assert {n["gloo"] for n in start["network"]} == {"trn0"}
+    steps = [r["step"] for r in metrics(run_dir, "train")]
+    assert len(steps) == len(set(steps)) and max(steps) == 200  # zero steps redone, none missing
+    assert inspect(run_dir)["params_sha256"] == inspect(straight)["params_sha256"]
+    assert "run 0: got SIGUSR1" in text and "requeueing" in text and "run 1: training ended with exit 0" in text
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+@pytest.mark.parametrize("case", ["node-local-run-dir", "missing-interface"])
+def test_bad_input_ends_the_job_with_one_line_and_no_requeue(slurm, tmp_path, case):
+    if case == "node-local-run-dir":  # each node has its own tmpfs there, as /scratch on real nodes
+        env, want = {"RUN_DIR": str(slurm.scratch / "run")}, "not storage every node sees"
+    else:
+        env, want = {"RUN_DIR": str(tmp_path / "run"), "NETWORK_INTERFACE": "ib0"}, "has no interface ib0"
+    job, out = submit(slurm, tmp_path, case, via_make=case == "missing-interface", ARGS=" ".join(RUN), **env)
+    info = slurm.wait_job(job, timeout=120)
+    text = out.read_text()
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0" and info["Restarts"] == "0", (info, text)
+    errors = [line for line in text.splitlines() if "slurm-preflight: error" in line]
+    assert errors and all(want in line and "node" in line for line in errors), text
+    assert "not requeued" in text and "Traceback" not in text and "[rank 0]" not in text, text
