@@ -111,6 +111,15 @@ def submit(slurm, tmp: Path, name: str, via_make: bool = False, **env: str) -> t
     return re.search(r"Submitted batch job (\d+)", r.stdout).group(1), out
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> str:
+    """params_sha256 of the same run on one machine, never stopped (torchrun, 2 processes)."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    r = run_cmd(helpers.torchrun_cmd(2, f"run.dir={run_dir}", *RUN), timeout=300)
+    assert r.returncode == 0, r.output[-3000:]
+    return inspect(run_dir)["params_sha256"]
+
+
 def wait_for_step(slurm, job: str, run_dir: Path, step: int, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -122,24 +131,26 @@ def wait_for_step(slurm, job: str, run_dir: Path, step: int, timeout: float = 18
     raise AssertionError(f"job {job}: no step {step} in {timeout} s\n{slurm.logs()}")
 
 
+def stop_mid_run(slurm, tmp: Path, name: str, *scancel: str) -> tuple[Path, dict, str, dict]:
+    """Submit the run, send `scancel *scancel JOB` after step 30, wait for the job to end: (run dir, the
+    job's final info, its output, the `preempted` record, whose snapshot is the notice's own)."""
+    run_dir = tmp / "run"
+    job, out = submit(slurm, tmp, name, RUN_DIR=str(run_dir), ARGS=" ".join(RUN))
+    wait_for_step(slurm, job, run_dir, 30)
+    slurm.run("scancel", *scancel, job)
+    info = slurm.wait_job(job, timeout=300)
+    (pre,) = metrics(run_dir, "preempted")
+    assert pre["signal"] == "SIGTERM" and pre["step"] >= 30 and pre["step"] % 100, pre
+    return run_dir, info, out.read_text(), pre
+
+
 @pytest.mark.slow
 @pytest.mark.slurm
-def test_a_preempted_job_requeues_itself_and_resumes_with_zero_steps_redone(slurm, tmp_path):
-    straight = tmp_path / "straight"
-    r = run_cmd(helpers.torchrun_cmd(2, f"run.dir={straight}", *RUN), timeout=300)
-    assert r.returncode == 0, r.output[-3000:]
-
-    run_dir = tmp_path / "run"
-    job, out = submit(slurm, tmp_path, "preempt", RUN_DIR=str(run_dir), ARGS=" ".join(RUN))
-    wait_for_step(slurm, job, run_dir, 30)
-    slurm.run("scancel", "--batch", "--signal=USR1", job)  # what --signal=B:USR1@N sends before the limit
-    info = slurm.wait_job(job, timeout=300)
-    text = out.read_text()
+def test_a_preempted_job_requeues_itself_and_resumes_with_zero_steps_redone(slurm, straight, tmp_path):
+    # What --signal=B:USR1@N sends before the time limit.
+    run_dir, info, text, pre = stop_mid_run(slurm, tmp_path, "preempt", "--batch", "--signal=USR1")
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-4000:])
     assert info["Restarts"] == "1", info  # requeued once, by the script itself
-
-    (pre,) = metrics(run_dir, "preempted")
-    assert pre["signal"] == "SIGTERM" and pre["step"] >= 30 and pre["step"] % 100, pre  # its own snapshot
     assert f"snapshot {run_dir}/snapshots/step_{pre['step']:09d}" in text
     first, second = metrics(run_dir, "start")
     assert first["resumed_step"] is None and second["resumed_step"] == pre["step"] == second["step"]
@@ -149,8 +160,23 @@ def test_a_preempted_job_requeues_itself_and_resumes_with_zero_steps_redone(slur
         assert {n["gloo"] for n in start["network"]} == {"trn0"}
     steps = [r["step"] for r in metrics(run_dir, "train")]
     assert len(steps) == len(set(steps)) and max(steps) == 200  # zero steps redone, none missing
-    assert inspect(run_dir)["params_sha256"] == inspect(straight)["params_sha256"]
+    assert inspect(run_dir)["params_sha256"] == straight
     assert "run 0: got SIGUSR1" in text and "requeueing" in text and "run 1: training ended with exit 0" in text
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_scancel_snapshots_and_the_same_run_dir_resumes_in_a_new_job(slurm, straight, tmp_path):
+    run_dir, info, text, pre = stop_mid_run(slurm, tmp_path, "cancel")  # SIGTERM to every process of the job
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", info
+    assert inspect(run_dir)["global_step"] == pre["step"] and "stopped by SIGTERM" in text, text[-3000:]
+    assert "scancel: error" not in text, text[-3000:]
+
+    job2, out2 = submit(slurm, tmp_path, "again", RUN_DIR=str(run_dir), ARGS=" ".join(RUN))
+    info = slurm.wait_job(job2, timeout=300)
+    assert info["JobState"] == "COMPLETED", (info, out2.read_text()[-3000:])
+    assert metrics(run_dir, "start")[-1]["resumed_step"] == pre["step"]
+    assert inspect(run_dir)["params_sha256"] == straight
 
 
 @pytest.mark.slow

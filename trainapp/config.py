@@ -238,7 +238,7 @@ class PreemptSection:
 
     signals: list[str] = Field(default_factory=list)
     """Signals that also mean "preempted", besides SIGTERM and SIGINT (always handled), e.g.
-    `[SIGUSR1]` for Slurm's `--signal=USR1@60`."""
+    `[SIGUSR1]` when a scheduler signals the training processes themselves with it."""
     grace_s: float = Field(default=25.0, gt=0)
     """From the signal to the exit, at most: if the stop cannot be agreed and the snapshot written in
     this time (a peer gone or hung), the process exits anyway and the newest valid snapshot stays what
