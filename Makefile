@@ -157,8 +157,12 @@ container-smoke: $(STAMP) ## Needs root, docker.io, debootstrap: CPU image, Ray 
 ##@ Test
 
 .PHONY: test
-test: $(STAMP) $(TOOLS_STAMP) ## Run the whole test suite, what CI runs (PYTEST_ARGS="-k resume -x")
+test: $(STAMP) $(TOOLS_STAMP) ## Run the whole test suite but the benchmark smoke runs and real Slurm (PYTEST_ARGS="-k resume -x")
 	$(BIN)/python -m pytest --durations=15 $(PYTEST_ARGS)
+
+.PHONY: bench-smoke
+bench-smoke: $(STAMP) ## Every benchmark in its smoke mode, checked (tests/test_bench.py; make test leaves them out, CI runs them)
+	$(BIN)/python -m pytest --bench -m bench --durations=6 tests/test_bench.py $(PYTEST_ARGS)
 
 .PHONY: test-fast
 test-fast: $(STAMP) $(TOOLS_STAMP) ## The edit-test loop: every test that starts no training process, cluster, namespace or container

@@ -1,4 +1,7 @@
-"""The benchmarks keep working: each runs in its tiny smoke mode (numbers are not asserted)."""
+"""The benchmarks keep working: each runs in its tiny smoke mode (numbers are not asserted).
+
+Marker `bench`: `make bench-smoke` runs them (`pytest --bench`), and CI runs that after `make test`,
+which leaves them out (about four minutes of its twenty)."""
 
 import json
 import sys
@@ -8,7 +11,7 @@ import pytest
 from helpers import REPO, run_cmd
 from trainapp.amp import cpu_has_native_bf16
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.bench]
 
 
 def test_loop_overhead_benchmark_smoke(tmp_path):

@@ -44,6 +44,14 @@ def test_sbatch_parses_and_every_tunable_has_a_comment():
         assert above.startswith("#") or re.match(r"^[A-Z_]+=\$\{", above), f"{name} has no comment above it"
 
 
+def test_shellcheck_reports_nothing():
+    shellcheck = REPO / ".venv-tools" / "bin" / "shellcheck"
+    if not shellcheck.exists():
+        pytest.skip(f"{shellcheck} missing: make tools installs it")
+    r = subprocess.run([str(shellcheck), "--severity=info", str(SBATCH)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_sbatch_requeues_and_signals_early_enough_for_the_grace_period():
     text = SBATCH.read_text()
     sbatch = dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S+))?", text, re.M))
@@ -131,24 +139,44 @@ def wait_for_step(slurm, job: str, run_dir: Path, step: int, timeout: float = 18
     raise AssertionError(f"job {job}: no step {step} in {timeout} s\n{slurm.logs()}")
 
 
-def stop_mid_run(slurm, tmp: Path, name: str, *scancel: str) -> tuple[Path, dict, str, dict]:
-    """Submit the run, send `scancel *scancel JOB` after step 30, wait for the job to end: (run dir, the
-    job's final info, its output, the `preempted` record, whose snapshot is the notice's own)."""
+def stop_mid_run(slurm, tmp: Path, name: str, notice, extra: tuple[str, ...] = (), at_step: int = 30,
+                 every: int = 100) -> tuple[Path, dict, str, dict]:
+    """Submit the run (RUN + `extra`), call `notice(job)` after step `at_step`, wait for the job to end:
+    (run dir, the job's final info, its output, the `preempted` record). Its snapshot is the notice's
+    own, not a periodic one (every `every` steps)."""
     run_dir = tmp / "run"
-    job, out = submit(slurm, tmp, name, RUN_DIR=str(run_dir), ARGS=" ".join(RUN))
-    wait_for_step(slurm, job, run_dir, 30)
-    slurm.run("scancel", *scancel, job)
+    job, out = submit(slurm, tmp, name, RUN_DIR=str(run_dir), ARGS=" ".join([*RUN, *extra]))
+    wait_for_step(slurm, job, run_dir, at_step)
+    notice(job)
     info = slurm.wait_job(job, timeout=300)
     (pre,) = metrics(run_dir, "preempted")
-    assert pre["signal"] == "SIGTERM" and pre["step"] >= 30 and pre["step"] % 100, pre
+    assert pre["signal"] == "SIGTERM" and pre["step"] >= at_step and pre["step"] % every, pre
     return run_dir, info, out.read_text(), pre
+
+
+def shorten_the_time_limit(slurm, job: str) -> None:
+    """Slurm's own timer: a limit of 1 minute from the job's start is nearer than the 120 s of
+    --signal=B:USR1@120, so slurmctld sends USR1 at its next time-limit check (every 30 s). Once the
+    job is requeued, give it room to finish."""
+    slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=1")
+    deadline = time.monotonic() + 120
+    while slurm.job(job)["Restarts"] == "0":
+        assert time.monotonic() < deadline, f"no requeue 120 s after the time limit was shortened\n{slurm.logs()}"
+        time.sleep(0.5)
+    slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=10")
 
 
 @pytest.mark.slow
 @pytest.mark.slurm
-def test_a_preempted_job_requeues_itself_and_resumes_with_zero_steps_redone(slurm, straight, tmp_path):
-    # What --signal=B:USR1@N sends before the time limit.
-    run_dir, info, text, pre = stop_mid_run(slurm, tmp_path, "preempt", "--batch", "--signal=USR1")
+@pytest.mark.parametrize("how", ["scancel-batch-usr1", "time-limit"])
+def test_a_preempted_job_requeues_itself_and_resumes_with_zero_steps_redone(slurm, straight, tmp_path, how):
+    if how == "time-limit":  # steps of 300 ms (a sleep, no change to the numbers) outlast Slurm's 30 s check
+        run_dir, info, text, pre = stop_mid_run(
+            slurm, tmp_path, how, lambda job: shorten_the_time_limit(slurm, job), at_step=10, every=1000,
+            extra=("fault.slow_rank=0", "fault.slow_ms=300", "snapshot.every_steps=1000"))
+    else:  # what --signal=B:USR1@N sends before the time limit, sent by hand
+        run_dir, info, text, pre = stop_mid_run(
+            slurm, tmp_path, how, lambda job: slurm.run("scancel", "--batch", "--signal=USR1", job))
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-4000:])
     assert info["Restarts"] == "1", info  # requeued once, by the script itself
     assert f"snapshot {run_dir}/snapshots/step_{pre['step']:09d}" in text
@@ -167,7 +195,8 @@ def test_a_preempted_job_requeues_itself_and_resumes_with_zero_steps_redone(slur
 @pytest.mark.slow
 @pytest.mark.slurm
 def test_scancel_snapshots_and_the_same_run_dir_resumes_in_a_new_job(slurm, straight, tmp_path):
-    run_dir, info, text, pre = stop_mid_run(slurm, tmp_path, "cancel")  # SIGTERM to every process of the job
+    # scancel: SIGTERM to every process of the job
+    run_dir, info, text, pre = stop_mid_run(slurm, tmp_path, "cancel", lambda job: slurm.run("scancel", job))
     assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", info
     assert inspect(run_dir)["global_step"] == pre["step"] and "stopped by SIGTERM" in text, text[-3000:]
     assert "scancel: error" not in text, text[-3000:]
