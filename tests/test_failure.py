@@ -160,3 +160,34 @@ def test_which_endings_are_failures():
                                                        "[127.0.0.1]:4242"))
     assert cause == "peer" and "died without a word" in error and extra == {"peer": "unknown"}
     assert failure.explain(ValueError("bad batch\nmore")) == ("exception", "ValueError: bad batch", {})
+
+
+def test_every_rank_agrees_on_a_fresh_attempt_name_over_a_store_holding_a_dead_attempts_keys():
+    """torchrun's agents count restarts differently across nodes (a healthy agent restarts its workers
+    without counting), so the attempt's store prefix is agreed through the store itself (a real
+    TCPStore here, ranks as threads): a second attempt over the first one's leftover keys gets a new
+    name on every rank, and a rank that never comes is named once dist.timeout_s runs out."""
+    import datetime
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch.distributed as tdist
+
+    from trainapp import dist
+
+    port, timeout = free_port(), datetime.timedelta(seconds=20)
+    server = tdist.TCPStore("127.0.0.1", port, is_master=True, timeout=timeout, wait_for_workers=False)
+
+    def attempt(ranks: list[int], world: int = 3, t=timeout) -> list[str]:
+        def one(rank: int) -> str:
+            store = tdist.PrefixStore("rounds", tdist.TCPStore("127.0.0.1", port, is_master=False, timeout=t))
+            return dist._agree_on_round(store, rank, world, t)
+        with ThreadPoolExecutor(len(ranks)) as pool:
+            return list(pool.map(one, ranks))
+
+    first = attempt([0, 1, 2])
+    assert len(set(first)) == 1
+    second = attempt([2, 1, 0])  # the non-zero ranks first: the dead attempt's hellos are still there
+    assert len(set(second)) == 1 and second[0] != first[0]
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[2\] did not join"):
+        attempt([0, 1], t=datetime.timedelta(seconds=2))
+    del server

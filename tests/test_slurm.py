@@ -210,6 +210,23 @@ def test_scancel_snapshots_and_the_same_run_dir_resumes_in_a_new_job(slurm, stra
 
 @pytest.mark.slow
 @pytest.mark.slurm
+def test_a_killed_rank_is_restarted_inside_the_allocation_by_torchrun(slurm, straight, tmp_path):
+    """Rank 1 (on node2) SIGKILLs itself after step 13: both nodes' torchrun agents meet again at the
+    rendezvous on node1, and the group resumes from the snapshot of step 10 in the same job."""
+    run_dir = tmp_path / "run"
+    job, out = submit(slurm, tmp_path, "crash", RUN_DIR=str(run_dir),
+                      ARGS=" ".join([*RUN, "snapshot.every_steps=10", "fault.kill_at_step=13", "fault.rank=1"]))
+    info = slurm.wait_job(job, timeout=300)
+    text = out.read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", (info, text[-4000:])
+    first, second = metrics(run_dir, "start")  # one per attempt
+    assert (first["resumed_step"], second["resumed_step"]) == (None, 10), second
+    assert {(p["host"], p["node_rank"]) for p in second["placement"]} == {("node1", 0), ("node2", 1)}
+    assert inspect(run_dir)["params_sha256"] == straight
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
 @pytest.mark.parametrize("case", ["node-local-run-dir", "missing-interface"])
 def test_bad_input_ends_the_job_with_one_line_and_no_requeue(slurm, tmp_path, case):
     if case == "node-local-run-dir":  # each node has its own tmpfs there, as /scratch on real nodes

@@ -11,6 +11,8 @@ import datetime
 import json
 import logging
 import os
+import time
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -80,14 +82,17 @@ def _check_network(network, store, rank: int, world_size: int) -> net.Resolution
     return res
 
 
+ROUND_ENV = "TRAINAPP_ROUND"
+"""The name every rank of this torchrun attempt agreed on (`_agree_on_round`), for the side store."""
+
+
 def _elastic_store(timeout: datetime.timedelta):
-    """Under torchrun: the agent's store, under a prefix that names this restart attempt.
+    """Under torchrun: the agent's store, under a prefix that names this attempt of the group.
 
     Without the prefix, a group restarted after a peer died mid-all-reduce can read the dead attempt's
     Gloo addresses from the shared store and fail with `connectFullMesh ... Connection refused`.
     """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None:
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT") is None:
         return None
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     world_size, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
@@ -95,7 +100,42 @@ def _elastic_store(timeout: datetime.timedelta):
     store = dist.TCPStore(host, port, world_size, is_master=(not agent_hosts and rank == 0),
                           timeout=timeout, multi_tenant=not agent_hosts)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    return dist.PrefixStore(f"trainapp/{run_id}/attempt{attempt}", store)
+    name = _agree_on_round(dist.PrefixStore(f"trainapp/{run_id}/rounds", store), rank, world_size, timeout)
+    os.environ[ROUND_ENV] = name
+    return dist.PrefixStore(f"trainapp/{run_id}/{name}", store)
+
+
+def _agree_on_round(store, rank: int, world_size: int, timeout: datetime.timedelta, poll_s: float = 0.02) -> str:
+    """A fresh name for this attempt of the group, the same on every rank.
+
+    Not TORCHELASTIC_RESTART_COUNT: across nodes it differs after a restart. The agent whose worker
+    died counts one; an agent whose workers were healthy restarts them for the new membership without
+    counting. And the agent's store outlives attempts, with a dead attempt's keys still in it. So rank
+    0 names the attempt (a random id) and hands the name to each rank under a key made of that rank's
+    own random nonce, which no dead attempt can have answered; each rank acknowledges under the new
+    name. A dead attempt's `hello` is answered too, harmlessly: nobody waits for it."""
+    if rank != 0:
+        nonce = uuid.uuid4().hex
+        store.set(f"hello/{rank}", nonce)
+        store.wait([f"welcome/{nonce}"], timeout)
+        name = store.get(f"welcome/{nonce}").decode()
+        store.set(f"ack/{name}/{rank}", "1")
+        return name
+    name, answered, waiting = f"round-{uuid.uuid4().hex[:12]}", {}, set(range(1, world_size))
+    deadline = time.monotonic() + timeout.total_seconds()
+    while waiting:
+        for r in sorted(waiting):
+            if store.check([f"ack/{name}/{r}"]):
+                waiting.discard(r)
+            elif store.check([f"hello/{r}"]) and answered.get(r) != (nonce := store.get(f"hello/{r}").decode()):
+                store.set(f"welcome/{nonce}", name)
+                answered[r] = nonce
+        if waiting and time.monotonic() > deadline:
+            raise RuntimeError(f"dist: rank(s) {sorted(waiting)} did not join this attempt of the group within "
+                               f"dist.timeout_s={timeout.total_seconds():.0f}")
+        if waiting:
+            time.sleep(poll_s)
+    return name
 
 
 def placement(ctx: DistContext) -> dict:
@@ -115,8 +155,8 @@ def side_store(ctx: DistContext, timeout_s: float = 10.0):
         return None
     store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 29500), is_master=False,
                           timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    scope = "side" if attempt is None else f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/attempt{attempt}/side"
+    name = os.environ.get(ROUND_ENV)
+    scope = "side" if name is None else f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{name}/side"
     return dist.PrefixStore(f"trainapp/{scope}", store)
 
 
