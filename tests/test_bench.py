@@ -1,7 +1,7 @@
 """The benchmarks keep working: each runs in its tiny smoke mode (numbers are not asserted).
 
 Marker `bench`: `make bench-smoke` runs them (`pytest --bench`), and CI runs that after `make test`,
-which leaves them out (about four minutes of its twenty)."""
+which leaves them out (about three minutes of its twenty)."""
 
 import json
 import sys
