@@ -10,10 +10,8 @@ SEPARATE = {
 
 
 def pytest_addoption(parser):
-    parser.addoption("--slurm", action="store_true",
-                     help="also run the tests that start a real Slurm (make slurm-smoke; CI runs it after make test)")
-    parser.addoption("--bench", action="store_true",
-                     help="also run the benchmarks' smoke runs (make bench-smoke; CI runs it after make test)")
+    for marker, (option, why) in SEPARATE.items():
+        parser.addoption(option, action="store_true", help=f"also run the tests marked {marker} ({why})")
 
 
 def pytest_collection_modifyitems(config, items):

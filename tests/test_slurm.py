@@ -18,13 +18,10 @@ import pytest
 
 import helpers
 from helpers import PY, REPO, inspect, metrics, run_cmd
+from test_preempt import RUN, straight_sha, torchrun_cmd  # the preemption tests' run and its straight twin
 from trainapp.config import PreemptSection
 
 SBATCH = REPO / "slurm" / "train.sbatch"
-# Stopped in the middle (a few seconds in), a periodic snapshot every 100 steps: the one at the notice
-# is the preemption's own.
-RUN = ["train.progress=false", "train.log_every=5", "data.train_size=1024", "data.val_size=256",
-       "train.epochs=100", "train.max_steps=200", "snapshot.every_steps=100"]
 
 
 # --- the script --------------------------------------------------------------------------------------
@@ -122,10 +119,7 @@ def submit(slurm, tmp: Path, name: str, via_make: bool = False, **env: str) -> t
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> str:
     """params_sha256 of the same run on one machine, never stopped (torchrun, 2 processes)."""
-    run_dir = tmp_path_factory.mktemp("straight") / "run"
-    r = run_cmd(helpers.torchrun_cmd(2, f"run.dir={run_dir}", *RUN), timeout=300)
-    assert r.returncode == 0, r.output[-3000:]
-    return inspect(run_dir)["params_sha256"]
+    return straight_sha(tmp_path_factory.mktemp("straight"), torchrun_cmd)
 
 
 def wait_for_step(slurm, job: str, run_dir: Path, step: int, timeout: float = 180) -> None:

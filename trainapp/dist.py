@@ -82,7 +82,7 @@ def _check_network(network, store, rank: int, world_size: int) -> net.Resolution
     return res
 
 
-ROUND_ENV = "TRAINAPP_ROUND"
+_round: str | None = None
 """The name every rank of this torchrun attempt agreed on (`_agree_on_round`), for the side store."""
 
 
@@ -100,9 +100,9 @@ def _elastic_store(timeout: datetime.timedelta):
     store = dist.TCPStore(host, port, world_size, is_master=(not agent_hosts and rank == 0),
                           timeout=timeout, multi_tenant=not agent_hosts)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    name = _agree_on_round(dist.PrefixStore(f"trainapp/{run_id}/rounds", store), rank, world_size, timeout)
-    os.environ[ROUND_ENV] = name
-    return dist.PrefixStore(f"trainapp/{run_id}/{name}", store)
+    global _round
+    _round = _agree_on_round(dist.PrefixStore(f"trainapp/{run_id}/rounds", store), rank, world_size, timeout)
+    return dist.PrefixStore(f"trainapp/{run_id}/{_round}", store)
 
 
 def _agree_on_round(store, rank: int, world_size: int, timeout: datetime.timedelta, poll_s: float = 0.02) -> str:
@@ -155,8 +155,7 @@ def side_store(ctx: DistContext, timeout_s: float = 10.0):
         return None
     store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 29500), is_master=False,
                           timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
-    name = os.environ.get(ROUND_ENV)
-    scope = "side" if name is None else f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{name}/side"
+    scope = "side" if _round is None else f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{_round}/side"
     return dist.PrefixStore(f"trainapp/{scope}", store)
 
 

@@ -159,18 +159,20 @@ def resolve(request: str, rendezvous: str | None, ifaces: dict[str, Interface] |
     return chosen("=" + ",".join(names), gloo, f"named; Gloo uses {gloo} ({why})")
 
 
-def apply(section: NetworkSection, rendezvous: str | None, environ=os.environ) -> Resolution:
+def apply(section: NetworkSection, rendezvous: str | None, environ=os.environ, host: str | None = None) -> Resolution:
     """Resolve, then export the variables (and `network.nccl`) unless the environment already has them;
-    the choice itself goes to TRAINAPP_NETWORK for `Resolution.from_environ`."""
+    the choice itself goes to TRAINAPP_NETWORK for `Resolution.from_environ`. `host`: this node's name
+    in messages (default: the host name)."""
+    host = host or socket.gethostname()
     env_gloo = environ.get(GLOO_IFNAME)
     if env_gloo and _exported.get(GLOO_IFNAME) != env_gloo:
         # The user's own Gloo interface still has to exist here, or Gloo fails late and obscurely.
         ifaces = interfaces()
         if env_gloo not in ifaces or not ifaces[env_gloo].ipv4:
-            raise NetworkError(f"environment {GLOO_IFNAME}={env_gloo}: host {socket.gethostname()} has no such "
+            raise NetworkError(f"environment {GLOO_IFNAME}={env_gloo}: host {host} has no such "
                                f"interface with an IPv4 address (it has: {describe_all(ifaces)}); unset it or "
                                "name one of those")
-    res = resolve(section.interface, rendezvous)
+    res = resolve(section.interface, rendezvous, host=host)
     wanted = {NCCL_IFNAME: res.nccl, GLOO_IFNAME: res.gloo, **section.nccl}
     for key, value in wanted.items():
         if value is None:

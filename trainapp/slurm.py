@@ -8,7 +8,8 @@ leaves the rendezvous waiting for the full timeout. Both are cheap to see first,
   job and its restart count.
 - every node (one `srun` task each): the marker must be there with this job's name in it (else
   `run.dir` is not storage every node sees), the rendezvous host must resolve, and
-  `network.interface` must resolve on this node exactly as training will resolve it.
+  `network.interface` must resolve on this node exactly as training will resolve it (`net.apply`,
+  the call training makes, on a copy of the environment: a GLOO_SOCKET_IFNAME set there is checked too).
 
 Exit 2 with one line naming the node, the key and the fix; no torch import (a second, not ten).
 """
@@ -71,14 +72,14 @@ def check_run_dir(cfg: Config) -> None:
                           "(NFS, Lustre, GPFS) mounted at the same path on every node")
 
 
-def check_network(cfg: Config, rendezvous: str) -> None:
+def check_network(cfg: Config, rendezvous: str) -> net.Resolution:
     try:
         socket.getaddrinfo(rendezvous, None, socket.AF_INET)
     except OSError as e:
         raise ConfigError(f"rendezvous host {rendezvous} does not resolve on node {_node()} ({e}); set RDZV_HOST "
                           "in slurm/train.sbatch to a name or address every node resolves") from None
     try:
-        net.resolve(cfg.network.interface, rendezvous, host=_node())
+        return net.apply(cfg.network, rendezvous, environ=dict(os.environ), host=_node())
     except net.NetworkError as e:
         raise ConfigError(f"{e} (NETWORK_INTERFACE in slurm/train.sbatch)") from None
 
@@ -88,8 +89,6 @@ def main(cfg: Config, rendezvous: str | None, write_marker: bool) -> int:
         print(f"trainapp slurm-preflight: {mark(cfg)} written by node {_node()}", flush=True)
         return 0
     check_run_dir(cfg)
-    if rendezvous:
-        check_network(cfg, rendezvous)
-    print(f"trainapp slurm-preflight: node {_node()} ok: run.dir {cfg.run.dir} shared, "
-          f"network.interface={cfg.network.interface}", flush=True)
+    chosen = f": {check_network(cfg, rendezvous).summary()}" if rendezvous else ""
+    print(f"trainapp slurm-preflight: node {_node()} ok: run.dir {cfg.run.dir} shared{chosen}", flush=True)
     return 0
