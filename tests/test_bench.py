@@ -44,7 +44,7 @@ def test_launchers_benchmark_smoke(tmp_path):
     assert result["train_cpu_ratio_ray_vs_torchrun"] > 0 and result["train_faults_per_step_torchrun"] >= 0
     # Where the start-up went, phase by phase, under each launcher (trainapp/timeline.py marks).
     ray, torchrun = result["startup_breakdown_ray"], result["startup_breakdown_torchrun"]
-    assert {"job submission", "preflight probes", "worker imports, Ray Train context", "data and model",
+    assert {"job submission", "preflight probes", "worker imports Ray Train, its context", "data and model",
             "first step"} <= ray.keys(), ray
     assert "job submission" not in torchrun and "process group (torchrun: and imports)" in torchrun, torchrun
     assert abs(sum(ray.values()) - result["startup_seconds_ray"]) < 0.5, (ray, result["startup_seconds_ray"])

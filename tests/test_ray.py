@@ -115,6 +115,11 @@ def test_sigkilled_ray_worker_costs_at_most_one_snapshot_interval(cluster):
         # the head's processes yield to it.
         assert [_nice(pid) for pid in pids] == [cluster.worker_nice] * 2
         assert _nice(cluster.node_pids("head")["gcs_server"]) == cluster.head_nice > cluster.worker_nice
+        # Ray Train's controller runs the backend and the callbacks and trains nothing: it has no torch
+        # loaded (trainapp/ray_compat.py keeps it out; its import is on the start-up's critical path).
+        controller = cluster.state("actors", class_name="TrainController", state="ALIVE")
+        assert len(controller) == 1, controller
+        assert "libtorch" not in Path(f"/proc/{controller[0]['pid']}/maps").read_text()
         killed_at = time.time()
         os.kill(pids[-1], signal.SIGKILL)
     finally:

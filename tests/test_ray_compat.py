@@ -4,6 +4,7 @@ the supported range stops the Ray driver with one line naming the range."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import re
 import subprocess
@@ -22,12 +23,17 @@ def test_every_private_ray_name_imports_on_the_installed_ray(module, name):
     assert hasattr(importlib.import_module(module), name), f"{module}.{name} is gone: update trainapp/ray_compat.py"
 
 
-def test_the_torch_backend_subclassed_is_the_one_torch_config_names():
+def test_the_backend_config_stands_in_for_rays_torch_config():
+    # TorchConfigWithSetup re-drives Ray's torch backend from a torch-free module: a field or default
+    # Ray adds or changes, or a backend that stops sharing the node's GPUs, must be seen here.
     from ray.train.torch import TorchConfig
-    from ray.train.torch.config import _TorchBackend
 
-    assert TorchConfig().backend_cls is _TorchBackend
-    assert issubclass(ray_compat.TorchConfigWithSetup().backend_cls, _TorchBackend)
+    assert {f.name for f in dataclasses.fields(TorchConfig)} == {"backend", "init_method", "timeout_s"}
+    ours = ray_compat.TorchConfigWithSetup()
+    assert (TorchConfig().init_method, TorchConfig().timeout_s) == ("env", ours.timeout_s)
+    assert TorchConfig().backend_cls.share_cuda_visible_devices == ours.backend_cls.share_cuda_visible_devices
+    assert ours.framework == TorchConfig().framework and ours.train_func_context is TorchConfig().train_func_context
+    assert ours.to_dict() == {**TorchConfig(timeout_s=ours.timeout_s).to_dict(), "backend": None}
 
 
 def test_the_callback_hooks_node_loss_watch_overrides_still_exist():
@@ -78,11 +84,17 @@ def test_the_ray_driver_on_another_ray_exits_2_with_one_line(tmp_path):
     assert len(lines) == 1 and "ray 2.61.0:" in lines[0] and ">=2.60.0,<2.61.0" in lines[0], r.stderr
 
 
-def test_the_preflight_probes_import_neither_torch_nor_ray_train():
+@pytest.mark.parametrize("module, absent", [
     # Each probe task unpickles trainapp.ray_checks on its node: a torch import there costs seconds
     # of CPU per node at every launch (and the driver imports Ray Train while the probes start).
-    code = ("import sys, trainapp.ray_checks; "
-            "print(sorted(m for m in ('torch', 'ray', 'ray.train') if m in sys.modules))")
+    ("trainapp.ray_checks", ("torch", "ray", "ray.train")),
+    # Ray Train's controller unpickles the backend config (ray_compat) with its setup function
+    # (ray_setup) and the controller callbacks: it trains nothing and must not pay torch's import.
+    ("trainapp.ray_compat", ("torch",)),
+    ("trainapp.ray_setup", ("torch",)),
+])
+def test_what_the_probes_and_the_controller_unpickle_imports_no_torch(module, absent):
+    code = f"import sys, {module}; print(sorted(m for m in {absent!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

@@ -6,12 +6,17 @@ FailureConfig, CheckpointConfig, `ray.train.report` / `get_checkpoint`, WorkerGr
 ControllerError). What it has no public way to do, and what each one uses here:
 
 - Run code on every worker before Ray Train creates the process group: the network interface must
-  be exported by then (trainapp/net.py), or the group forms on the wrong interface or hangs. Ray's
-  torch backend is what runs there, so `TorchConfigWithSetup` subclasses it (reached through the
-  public `TorchConfig.backend_cls`) and calls a setup function in its `on_start`. runtime_env's
-  `worker_process_setup_hook` cannot replace it: Ray runs that hook only from a job-level runtime
-  env, in every process of the job (the Train controller too, not just the training workers), and a
-  hook that fails ends its process without the error reaching the driver.
+  be exported by then (trainapp/net.py), or the group forms on the wrong interface or hangs. Only
+  the backend of the backend config runs there, so `TorchConfigWithSetup` carries its own backend,
+  which runs a setup function first. runtime_env's `worker_process_setup_hook` cannot replace it:
+  Ray runs that hook only from a job-level runtime env, in every process of the job (the Train
+  controller too, not just the training workers), and a hook that fails ends its process without
+  the error reaching the driver.
+- Keep torch out of Ray Train's controller: the controller unpickles the backend config and runs
+  its backend, and Ray's `TorchConfig` and torch backend live in a module that imports torch (1.4 s
+  of CPU at the controller's start, when nothing else can run yet). So the backend here is Ray's
+  torch backend re-driven from this torch-free module: the same steps in the same order, each
+  worker-side step Ray's own function, imported by name in the worker (`_in_worker`).
 - Two controller settings trainapp exposes (`ray.worker_group_start_timeout_s`,
   `ray.health_check_interval_s`) and the preemption watcher's poll interval: Ray Train's controller
   reads them only from environment variables (`controller_env`), which no config object carries.
@@ -31,6 +36,9 @@ PRIVATE_NAMES, so an upgrade that moves one of them fails there, by name.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
+import os
 import socket
 import sys
 import time
@@ -41,7 +49,12 @@ from trainapp.config import ConfigError
 from trainapp.ray_checks import SUPPORTED
 
 PRIVATE_NAMES = [
-    ("ray.train.torch.config", "_TorchBackend"),
+    ("ray.train.torch.config", "_setup_torch_process_group"),
+    ("ray.train.torch.config", "_set_torch_distributed_env_vars"),
+    ("ray.train.torch.config", "_shutdown_torch"),
+    ("ray.train.torch.config", "TorchConfigContextManager"),
+    ("ray.train._internal.utils", "get_address_and_port"),
+    ("ray.train.v2._internal.util", "TrainingFramework"),
     ("ray.train.v2._internal.execution.callback", "ControllerCallback"),
     ("ray.train.v2._internal.execution.callback", "WorkerGroupCallback"),
     ("ray.train.v2._internal.execution.failure_handling", "FailureDecision"),
@@ -57,8 +70,9 @@ PRIVATE_NAMES = [
 
 try:  # an import error here is a Ray version trainapp was not written for, said in one line
     import ray
-    from ray.train.torch import TorchConfig
-    from ray.train.torch import TorchTrainer as _TorchTrainer
+    from ray.exceptions import GetTimeoutError
+    from ray.train.backend import Backend, BackendConfig
+    from ray.train.constants import DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     from ray.train.v2._internal.constants import (
         HEALTH_CHECK_INTERVAL_S_ENV_VAR,
@@ -68,6 +82,7 @@ try:  # an import error here is a Ray version trainapp was not written for, said
     from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
     from ray.train.v2._internal.execution.failure_handling import FailureDecision
     from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
+    from ray.train.v2._internal.util import TrainingFramework
 except ImportError as e:
     raise ConfigError(f"ray: cannot import a name trainapp needs ({e}); trainapp's Ray launcher was written for "
                       f"Ray >={SUPPORTED[0]},<{SUPPORTED[1]} (trainapp/ray_compat.py)") from None
@@ -90,25 +105,79 @@ def controller_env(worker_group_start_timeout_s: float, health_check_interval_s:
 # Code on every worker before the process group
 
 
-class _BackendWithSetup(TorchConfig().backend_cls):
+_TORCH_CONFIG = "ray.train.torch.config"  # Ray's torch backend: imports torch
+
+
+def _in_worker(module: str, name: str, env: dict[str, str] | None = None, **kwargs: Any) -> Any:
+    """In a worker: set `env`, then call Ray's `module.name(**kwargs)`, imported here, where torch is
+    wanted, rather than pickled by reference from the controller, which would import it there."""
+    os.environ.update(env or {})
+    return getattr(importlib.import_module(module), name)(**kwargs)
+
+
+class _TorchBackendWithSetup(Backend):
+    """Ray's torch backend (`ray.train.torch.config._TorchBackend.on_start`/`on_shutdown`) for the
+    init method "env" and a backend TorchTrainer has chosen (gloo, or nccl with GPUs), with the
+    config's setup run on every worker first."""
+
+    share_cuda_visible_devices = True  # as Ray's: each worker sees its node's GPUs
+
     def on_start(self, worker_group, backend_config: TorchConfigWithSetup) -> None:
         if backend_config.setup is not None:
             worker_group.execute(backend_config.setup, **backend_config.setup_kwargs)
-        super().on_start(worker_group, backend_config)
+        addr, port = worker_group.execute_single(0, _in_worker, "ray.train._internal.utils", "get_address_and_port")
+        worker_group.execute(_in_worker, _TORCH_CONFIG, "_set_torch_distributed_env_vars",
+                             env={"MASTER_ADDR": addr, "MASTER_PORT": str(port)})
+        ray.get([worker_group.execute_single_async(i, _in_worker, _TORCH_CONFIG, "_setup_torch_process_group",
+                                                   backend=backend_config.backend, world_rank=i,
+                                                   world_size=len(worker_group), init_method="env://",
+                                                   timeout_s=backend_config.timeout_s)
+                 for i in range(len(worker_group))])
+
+    def on_shutdown(self, worker_group, backend_config: TorchConfigWithSetup) -> None:
+        futures = worker_group.execute_async(_in_worker, _TORCH_CONFIG, "_shutdown_torch",
+                                             destroy_process_group=len(worker_group) > 1)
+        timeout_s = float(os.environ.get(TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
+                                         DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S))
+        try:
+            ray.get(futures, timeout=timeout_s)
+        except GetTimeoutError:
+            _say(f"the torch process group did not shut down within {timeout_s:g}s")
 
 
 @dataclasses.dataclass
-class TorchConfigWithSetup(TorchConfig):
-    """Ray's TorchConfig whose backend first runs `setup(**setup_kwargs)` on every worker, before it
-    creates the process group. An exception there ends the run as a ControllerError whose
-    `controller_failure` carries it."""
+class TorchConfigWithSetup(BackendConfig):
+    """Ray's TorchConfig (same fields and defaults, init method "env" only) whose backend first runs
+    `setup(**setup_kwargs)` on every worker, before it creates the process group, and which imports
+    no torch where the controller unpickles it. An exception in `setup` ends the run as a
+    ControllerError whose `controller_failure` carries it."""
 
+    backend: str | None = None
+    """The process group's backend; Ray's TorchTrainer sets it (nccl with GPUs, else gloo)."""
+    timeout_s: int = 1800
+    """Seconds for process-group operations to time out."""
     setup: Callable[..., Any] | None = None
+    """Runs on every worker before the process group exists; must live in a module without torch."""
     setup_kwargs: dict = dataclasses.field(default_factory=dict)
+    """Keyword arguments of `setup`."""
 
     @property
     def backend_cls(self):
-        return _BackendWithSetup
+        return _TorchBackendWithSetup
+
+    @property
+    def train_func_context(self):
+        # Evaluated where the trainer is built (the driver, which has torch); runs in the workers.
+        from ray.train.torch.config import TorchConfigContextManager
+
+        return TorchConfigContextManager
+
+    @property
+    def framework(self):
+        return TrainingFramework.TORCH
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"backend": self.backend, "init_method": "env", "timeout_s": self.timeout_s}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,15 +279,25 @@ class NodeLossWatch(ControllerCallback, WorkerGroupCallback):
 # The trainer
 
 
-class TorchTrainer(_TorchTrainer):
+@functools.cache
+def _trainer_class() -> type:
+    from ray.train.torch import TorchTrainer as RayTorchTrainer  # imports torch: the driver only
+
+    class TorchTrainer(RayTorchTrainer):
+        def _create_default_callbacks(self):
+            callbacks = super()._create_default_callbacks()
+            if self.datasets:
+                return callbacks
+            return [cb for cb in callbacks if not isinstance(cb, DatasetsCallback)]
+
+    return TorchTrainer
+
+
+def TorchTrainer(*args, **kwargs):  # noqa: N802 (it stands for the class)
     """Ray's TorchTrainer without Ray Data's callback when the run has no Ray datasets (trainapp's
     never has: each rank builds its own shard). That callback starts a DatasetManager actor at every
     worker-group start, datasets or not: a fresh Python process that imports Ray Data and pandas,
     about 1.4 s of CPU beside the training workers' own imports at every start and restart (docs/ray.md,
-    "Start-up and recovery: where the seconds go"). A run given datasets keeps it."""
-
-    def _create_default_callbacks(self):
-        callbacks = super()._create_default_callbacks()
-        if self.datasets:
-            return callbacks
-        return [cb for cb in callbacks if not isinstance(cb, DatasetsCallback)]
+    "Start-up and recovery: where the seconds go"). A run given datasets keeps it. The class is made
+    on first use: Ray's TorchTrainer imports torch, and this module must not (the controller imports it)."""
+    return _trainer_class()(*args, **kwargs)

@@ -28,7 +28,7 @@ log = logging.getLogger("trainapp.ray")
 
 def _torch_config(cfg: Config, threads: int):
     from trainapp.ray_compat import TorchConfigWithSetup
-    from trainapp.ray_worker import prepare_worker
+    from trainapp.ray_setup import prepare_worker
 
     return TorchConfigWithSetup(timeout_s=int(cfg.dist.timeout_s), setup=prepare_worker,
                                 setup_kwargs={"env": dict(cfg.ray.env), "threads": threads,

@@ -1,7 +1,8 @@
 """What runs in each Ray Train worker: the same loop (`trainapp.loop`) as under torchrun, with the
 few differences Ray needs: the worker's environment and signal handlers set before Ray creates the
-process group (`prepare_worker`), snapshots published with `ray.train.report` (RayPublish, the
-snapshot manager's publish step), resume from the shared run directory (or from
+process group (`prepare_worker`, in trainapp/ray_setup.py because Ray Train's controller must not
+import torch), snapshots published with `ray.train.report` (RayPublish, the snapshot manager's
+publish step), resume from the shared run directory (or from
 `ray.train.get_checkpoint()` with a URI `ray.storage_path`), and Ray's drain notices as the loop's
 preemption notice. The driver (trainapp/ray_entry.py) imports this module only once its preflight
 checks are started: it imports torch.
@@ -130,26 +131,6 @@ class RayPublish:
         with ckpt.as_directory() as d:
             verify(Path(d))
             return ckpt.path, load_state(Path(d))
-
-
-def prepare_worker(env: dict[str, str], threads: int, network: dict[str, Any], preemption: dict[str, Any]) -> str:
-    """Runs in every worker before Ray creates the process group, in the worker's main thread (where
-    Python takes signals: the loop runs in a thread of Ray's); returns its network choice."""
-    timeline.mark_process("worker_process")
-    timeline.mark("worker_setup")
-    import torch
-
-    from trainapp import net, preempt
-
-    # Ray's own SIGTERM handler ends the worker at once; ours turns it into the agreed stop.
-    preempt.install(preemption["signals"], preemption["grace_s"])
-    preempt.register()  # `trainapp drain` finds this worker; the entry goes stale with the process
-    os.environ.update(env)
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    torch.set_num_threads(threads)
-    summary = net.apply(config.NetworkSection(**network), net.ray_head_host()).summary()
-    timeline.mark("worker_setup_done")  # Ray creates the process group next
-    return summary
 
 
 class RayDrainNotice:
