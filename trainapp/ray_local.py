@@ -71,6 +71,19 @@ def _comm(pid: int) -> str:
         return ""
 
 
+def _session_nice(pid: int, nice: int) -> None:
+    """Give the session `pid` leads (`ray start` and every process it starts) the nice value `nice`
+    as a whole. Where the kernel groups processes by session (autogroup scheduling,
+    /proc/sys/kernel/sched_autogroup_enabled: on in most desktop kernels and on this project's CI
+    machines), it first shares the CPU between sessions, and a process's own nice value ranks it only
+    inside its session: the head at nice 10 would still take a full share beside each worker node's
+    session. Without autogroups the file is missing and the processes' own nice values do the work."""
+    try:
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+    except OSError:
+        pass
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -118,8 +131,9 @@ class LocalCluster:
     # nothing scrapes it, and its agents and exporters cost more CPU than the training difference
     # between launchers (see docs/ray.md, "A lean local cluster").
     metrics: bool = False
-    # The head's processes (GCS, dashboard, job driver, Train controller) run at this nice value: on
-    # one machine they share the cores with training, where a real head has a machine of its own.
+    # The head's processes (GCS, dashboard, job driver, Train controller and helper actors) run at this
+    # nice value, and so does their session as a whole (`_session_nice`): on one machine they share the
+    # cores with training, where a real head has a machine of its own.
     head_nice: int = 10
     # Nice value of the worker processes (training) the raylets start. Ray's default: 15.
     worker_nice: int = 0
@@ -177,6 +191,8 @@ class LocalCluster:
                                     env=self.env(), cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
                                     preexec_fn=(lambda: os.nice(nice)) if nice else None)
+        if nice:
+            _session_nice(proc.pid, nice)
         node = Node(name, proc.pid, str(log))
         self.nodes.append(node)
         self._save()
