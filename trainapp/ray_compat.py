@@ -13,7 +13,7 @@ ControllerError). What it has no public way to do, and what each one uses here:
   controller too, not just the training workers), and a hook that fails ends its process without
   the error reaching the driver.
 - Keep torch out of Ray Train's controller: the controller unpickles the backend config and runs
-  its backend, and Ray's `TorchConfig` and torch backend live in a module that imports torch (1.4 s
+  its backend, and Ray's `TorchConfig` and torch backend live in a module that imports torch (seconds
   of CPU at the controller's start, when nothing else can run yet). So the backend here is Ray's
   torch backend re-driven from this torch-free module: the same steps in the same order, each
   worker-side step Ray's own function, imported by name in the worker (`_in_worker`).
