@@ -114,10 +114,11 @@ def test_sigkilled_ray_worker_costs_at_most_one_snapshot_interval(cluster):
         # Training runs at full priority (Ray's default would be nice 15, below Ray's own daemons);
         # the head's processes yield to it.
         assert [_nice(pid) for pid in pids] == [cluster.worker_nice] * 2
-        assert _nice(cluster.node_pids("head")["gcs_server"]) == cluster.head_nice > cluster.worker_nice
+        gcs = cluster.node_pids("head")["gcs_server"]
+        assert _nice(gcs) == cluster.head_nice > cluster.worker_nice
         # Where the kernel shares the CPU between sessions first (autogroups), the head's session as a
         # whole yields too: its processes' nice values alone would rank them only among themselves.
-        autogroup = Path(f"/proc/{cluster.node_pids('head')['gcs_server']}/autogroup")
+        autogroup = Path(f"/proc/{gcs}/autogroup")
         if autogroup.exists():
             assert autogroup.read_text().split()[-1] == str(cluster.head_nice), autogroup.read_text()
         # Ray Train's controller runs the backend and the callbacks and trains nothing: it has no torch

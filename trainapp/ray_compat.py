@@ -297,7 +297,7 @@ def TorchTrainer(*args, **kwargs):  # noqa: N802 (it stands for the class)
     """Ray's TorchTrainer without Ray Data's callback when the run has no Ray datasets (trainapp's
     never has: each rank builds its own shard). That callback starts a DatasetManager actor at every
     worker-group start, datasets or not: a fresh Python process that imports Ray Data and pandas,
-    about 1.4 s of CPU beside the training workers' own imports at every start and restart (docs/ray.md,
+    seconds of CPU beside the training workers' own imports at every start and restart (docs/ray.md,
     "Start-up and recovery: where the seconds go"). A run given datasets keeps it. The class is made
     on first use: Ray's TorchTrainer imports torch, and this module must not (the controller imports it)."""
     return _trainer_class()(*args, **kwargs)

@@ -2,10 +2,10 @@
 few differences Ray needs: the worker's environment and signal handlers set before Ray creates the
 process group (`prepare_worker`, in trainapp/ray_setup.py because Ray Train's controller must not
 import torch), snapshots published with `ray.train.report` (RayPublish, the snapshot manager's
-publish step), resume from the shared run directory (or from
-`ray.train.get_checkpoint()` with a URI `ray.storage_path`), and Ray's drain notices as the loop's
-preemption notice. The driver (trainapp/ray_entry.py) imports this module only once its preflight
-checks are started: it imports torch.
+publish step), resume from the shared run directory (or from `ray.train.get_checkpoint()` with a
+URI `ray.storage_path`), and Ray's drain notices as the loop's preemption notice. The driver
+(trainapp/ray_entry.py) imports this module only once its preflight checks are started: it imports
+torch.
 """
 
 from __future__ import annotations
