@@ -106,6 +106,21 @@ def step_times(recs: list[dict]) -> list[float]:
     return out[1:]
 
 
+def cpu_per_step(recs: list[dict]) -> float | None:
+    """CPU milliseconds per step of a training worker: over each log interval after the first (warm-up)
+    of the first attempt, the mean over ranks of the process CPU time per step each rank measured
+    itself (the `ranks` record's `cpu_ms`: every thread of the worker process, its snapshots
+    included); the median over intervals."""
+    per_interval, starts = [], 0
+    for r in recs:
+        starts += r["kind"] == "start"
+        if starts > 1:
+            break
+        if r["kind"] == "ranks":
+            per_interval.append(statistics.fmean(x["cpu_ms"] for x in r["ranks"]))
+    return statistics.median(per_interval[1:]) if len(per_interval) > 1 else None
+
+
 def first_step_start(recs: list[dict]) -> float:
     """Wall-clock time the first optimizer step began: the first record's time less its interval."""
     start = next(r for r in recs if r["kind"] == "start")
@@ -160,26 +175,47 @@ def steal_seconds() -> float:
 
 class CpuSampler(threading.Thread):
     """Every `interval` seconds, the parent, the CPU seconds and the minor page faults so far of each
-    process `pids()` names."""
+    process `pids()` names, and the CPU seconds of each thread of the training processes
+    (`training(comm, ppid)`)."""
 
-    def __init__(self, pids, interval: float = 1.0):
+    def __init__(self, pids, training, interval: float = 1.0):
         super().__init__(daemon=True)
-        self.pids, self.interval, self.samples, self.done = pids, interval, [], threading.Event()
+        self.pids, self.training, self.interval = pids, training, interval
+        self.samples, self.threads, self.done = [], [], threading.Event()
         self.tick = os.sysconf("SC_CLK_TCK")
 
     def run(self) -> None:
         while not self.done.wait(self.interval):
-            now = {}
+            now, threads = {}, {}
             for pid in self.pids():
                 if st := proc_stat(pid):
                     comm, f = st
                     now[pid] = (comm, int(f[1]), (int(f[11]) + int(f[12])) / self.tick, int(f[7]))
+                    if self.training(comm, int(f[1])):
+                        threads[pid] = self._threads(pid)
             self.samples.append((time.time(), now))
+            self.threads.append((time.time(), threads))
 
-    def shares(self, t0: float, t1: float, training) -> tuple[float | None, float | None, float | None]:
-        """Cores used by training processes (`training(comm, ppid)`) and by the rest, and the training
-        processes' minor page faults per second, between t0 and t1 (None when fewer than two samples
-        fall inside)."""
+    def _threads(self, pid: int) -> dict[int, tuple[str, float]]:
+        """{thread id: (name, CPU seconds)} of process `pid`."""
+        out = {}
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            return out
+        for tid in tids:
+            try:
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            except OSError:
+                continue
+            end = stat.rindex(")")
+            f = stat[end + 2:].split()
+            out[int(tid)] = (stat[stat.index("(") + 1:end], (int(f[11]) + int(f[12])) / self.tick)
+        return out
+
+    def shares(self, t0: float, t1: float) -> tuple[float | None, float | None, float | None]:
+        """Cores used by training processes and by the rest, and the training processes' minor page
+        faults per second, between t0 and t1 (None when fewer than two samples fall inside)."""
         inside = [s for s in self.samples if t0 <= s[0] <= t1]
         if len(inside) < 2:
             return None, None, None
@@ -187,10 +223,36 @@ class CpuSampler(threading.Thread):
         used, faults = [0.0, 0.0], 0
         for pid, (comm, ppid, cpu, minflt) in b.items():
             if pid in a:
-                mine = training(comm, ppid)
+                mine = self.training(comm, ppid)
                 used[0 if mine else 1] += cpu - a[pid][2]
                 faults += (minflt - a[pid][3]) if mine else 0
         return used[0] / (tb - ta), used[1] / (tb - ta), faults / (tb - ta)
+
+    def runtime_threads(self, t0: float, t1: float) -> tuple[float | None, float | None]:
+        """Milliseconds of CPU per second, per training process, between t0 and t1, of the threads
+        that are neither Python's (the training thread, trainapp's helpers: they carry the process's
+        name) nor the process group's (gloo): under Ray, the core worker's main thread (its task loop)
+        and its C++ threads (gRPC, I/O, task events); under torchrun, whatever the process started
+        besides (nothing, with one intra-op thread). Also the main thread's share of it."""
+        inside = [s for s in self.threads if t0 <= s[0] <= t1]
+        if len(inside) < 2:
+            return None, None
+        (ta, a), (tb, b) = inside[0], inside[-1]
+        total = main = 0.0
+        for pid, threads in b.items():
+            if pid not in a:
+                continue
+            name = threads.get(pid, ("",))[0]
+            for tid, (comm, cpu) in threads.items():
+                used = cpu - a[pid].get(tid, (comm, 0.0))[1]
+                ray_main = tid == pid and name.startswith("ray::")  # Ray runs training in another thread
+                # Python's threads inherit the name of the thread that started them (Ray's: "ray::...").
+                python = comm == name or comm.startswith("ray::")
+                if ray_main or not (python or comm.startswith(("gloo", "pt_gloo"))):
+                    total += used
+                    main += used if ray_main else 0.0
+        n, dt = len([p for p in b if p in a]) or 1, tb - ta
+        return 1000 * total / dt / n, 1000 * main / dt / n
 
 
 def first_step_after_restart(run_dir: Path) -> float | None:
@@ -231,8 +293,10 @@ class Bench:
         run_dir = self.work / f"{launcher}-{i}-{workers}w"
         steal0 = steal_seconds()
         p, t0 = self.launch(launcher, run_dir, f"train.log_every={self.args.log_every}", *extra, workers=workers)
+        # Training: torchrun's children (its workers), or Ray's training actors.
+        training = lambda comm, ppid: ppid == p.pid or comm.startswith("ray::RayTrainWo")  # noqa: E731
         # A smoke run's steady window lasts about a second on a fast CPU: sample it more often.
-        sampler = CpuSampler(lambda: [p.pid, *_children(p.pid), *self.cluster.pids()],
+        sampler = CpuSampler(lambda: [p.pid, *_children(p.pid), *self.cluster.pids()], training,
                              interval=0.2 if self.args.smoke else 1.0)
         sampler.start()
         try:
@@ -242,15 +306,14 @@ class Bench:
             sampler.join()
         recs = records(run_dir)
         train = [r for r in recs if r["kind"] == "train"]
-        # Training: torchrun's children (its workers), or Ray's training actors.
-        training, other, faults = sampler.shares(train[1]["time"], train[-1]["time"],
-                                                 lambda comm, ppid: ppid == p.pid or comm.startswith("ray::RayTrainWo"))
+        cores, other, faults = sampler.shares(train[1]["time"], train[-1]["time"])
+        runtime, main = sampler.runtime_threads(train[1]["time"], train[-1]["time"])
         steps = step_times(recs)
         step, first = statistics.median(steps), first_step_start(recs)
         return {"startup": first - t0, "steps": steps, "steal": steal_seconds() - steal0,
                 "breakdown": breakdown(next(r for r in recs if r["kind"] == "start"), first, t0),
-                "train_cores": training, "other_cores": other,
-                "train_cpu_ms_per_step": None if training is None else 1000 * training * step / workers,
+                "train_cores": cores, "other_cores": other, "train_cpu_ms_per_step": cpu_per_step(recs),
+                "runtime_threads_ms_per_s": runtime, "runtime_main_thread_ms_per_s": main,
                 "train_faults_per_step": None if faults is None else faults * step / workers}
 
     def kill_run(self, launcher: str, what: str, i: int = 0, node: str = "worker2") -> tuple[float, dict[str, float]]:
@@ -288,6 +351,10 @@ class Bench:
         subprocess.run(["rm", "-rf", str(self.cluster.dir)], check=False)
 
 
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
 def _quiet_median(ratios: list[float], steal: list[float], limit: float = 1.0) -> float | None:
     quiet = [r for i, r in enumerate(ratios) if max(steal[3 * i:3 * i + 3]) < limit]
     return statistics.median(quiet) if quiet else None
@@ -308,6 +375,8 @@ class Rounds:
         self.runs: dict[str, list[dict]] = {"torchrun": [], "ray": []}
         self.ratios: list[float] = []
         self.controls: list[float] = []
+        self.cpu_ratios: list[float] = []
+        self.cpu_controls: list[float] = []
         self.steal: list[float] = []
 
     def med(self, launcher: str, key: str) -> float | None:
@@ -334,9 +403,21 @@ class Rounds:
             "train_cores_torchrun": self.med("torchrun", "train_cores"),
             "other_cores_ray": self.med("ray", "other_cores"),
             "other_cores_torchrun": self.med("torchrun", "other_cores"),
-            # CPU and minor page faults of a training worker per step.
+            # CPU (as each worker measured it) and minor page faults of a training worker per step,
+            # medians over runs; the CPU ratio is paired like the step ratio: Ray's run against the
+            # mean of its two torchrun neighbours, median over rounds, with the torchrun pair's control.
             "train_cpu_ms_per_step_ray": self.med("ray", "train_cpu_ms_per_step"),
             "train_cpu_ms_per_step_torchrun": self.med("torchrun", "train_cpu_ms_per_step"),
+            "train_cpu_ratio_ray_vs_torchrun": _median(self.cpu_ratios),
+            "train_cpu_ratio_per_round": [round(r, 3) for r in self.cpu_ratios],
+            "train_cpu_control_ratio": _median(self.cpu_controls),
+            "train_cpu_control_per_round": [round(r, 3) for r in self.cpu_controls],
+            # Of a Ray training worker's CPU: the threads of Ray's runtime (the core worker's main
+            # thread, which runs its task loop and a signal check every 10 ms, and its gRPC and I/O
+            # threads), in ms per second and per step; torchrun's workers have none.
+            "runtime_threads_ms_per_s_ray": self.med("ray", "runtime_threads_ms_per_s"),
+            "runtime_main_thread_ms_per_s_ray": self.med("ray", "runtime_main_thread_ms_per_s"),
+            "runtime_threads_ms_per_s_torchrun": self.med("torchrun", "runtime_threads_ms_per_s"),
             "train_faults_per_step_ray": self.med("ray", "train_faults_per_step"),
             "train_faults_per_step_torchrun": self.med("torchrun", "train_faults_per_step"),
             # Time the hypervisor ran other guests on our cores, per run in launch order: a run that
@@ -347,7 +428,10 @@ class Rounds:
         }
         cpu_ray, cpu_torchrun = out["train_cpu_ms_per_step_ray"], out["train_cpu_ms_per_step_torchrun"]
         if cpu_ray and cpu_torchrun:
-            out["train_cpu_ratio_ray_vs_torchrun"] = cpu_ray / cpu_torchrun
+            out["train_cpu_ratio_ray_vs_torchrun_unpaired"] = cpu_ray / cpu_torchrun
+        runtime = out["runtime_threads_ms_per_s_ray"]
+        if runtime is not None and out["step_ms_ray"]:
+            out["runtime_threads_ms_per_step_ray"] = runtime * out["step_ms_ray"] / 1000
         for launcher in ("ray", "torchrun"):
             out[f"startup_seconds_{launcher}"] = self.med(launcher, "startup")
             out[f"startup_breakdown_{launcher}"] = median_breakdown([r["breakdown"] for r in self.runs[launcher]])
@@ -357,21 +441,27 @@ class Rounds:
 def rounds(b: Bench, n: int, workers: int) -> Rounds:
     r = Rounds(workers)
     for i in range(n):
-        medians = []
+        medians, cpu = [], []
         for j, launcher in enumerate(("torchrun", "ray", "torchrun")):
             run = b.plain_run(launcher, f"{i}{j}", workers)
             r.steal.append(round(run["steal"], 1))
             r.runs[launcher].append(run)
             medians.append(statistics.median(run["steps"]))
+            cpu.append(run["train_cpu_ms_per_step"])
             print(f"{workers} worker(s), {launcher} run {i}.{j}: startup {run['startup']:.1f}s, median step "
                   f"{1000 * medians[-1]:.1f}ms, steal {run['steal']:.1f}s, cores: training "
                   f"{run['train_cores'] or 0:.2f}, rest {run['other_cores'] or 0:.2f}; per step and worker: "
                   f"{run['train_cpu_ms_per_step'] or 0:.1f} ms CPU, {run['train_faults_per_step'] or 0:.0f} "
-                  "page faults", flush=True)
+                  f"page faults; launcher threads {run['runtime_threads_ms_per_s'] or 0:.1f} ms/s", flush=True)
         r.ratios.append(medians[1] / ((medians[0] + medians[2]) / 2))
         r.controls.append(medians[2] / medians[0])
-        print(f"{workers} worker(s), round {i}: ray/torchrun {r.ratios[-1]:.3f}, "
-              f"torchrun/torchrun {r.controls[-1]:.3f}", flush=True)
+        if all(cpu):
+            r.cpu_ratios.append(cpu[1] / ((cpu[0] + cpu[2]) / 2))
+            r.cpu_controls.append(cpu[2] / cpu[0])
+        print(f"{workers} worker(s), round {i}: step ray/torchrun {r.ratios[-1]:.3f}, "
+              f"torchrun/torchrun {r.controls[-1]:.3f}; CPU per step "
+              + (f"{r.cpu_ratios[-1]:.3f}, control {r.cpu_controls[-1]:.3f}" if all(cpu) else "not measured"),
+              flush=True)
     return r
 
 

@@ -28,6 +28,9 @@ ROWS = [
     ("launchers", "control_ratio_spare_core", "torchrun / torchrun, the same (noise floor)", None, "{:.3f}"),
     ("launchers", "train_cpu_ratio_ray_vs_torchrun", "Ray Train / torchrun, CPU per step of a training worker",
      ("<=", 1.02), "{:.3f}"),
+    ("launchers", "train_cpu_control_ratio", "torchrun / torchrun, the same (noise floor)", None, "{:.3f}"),
+    ("launchers", "runtime_threads_ms_per_s_ray", "Ray: CPU of Ray's own threads in each training worker (ms/s)",
+     None, "{:.1f}"),
     ("launchers", "ray_vs_torchrun_step_ratio", "Ray Train / torchrun, step time, 2 workers sharing 2 cores with "
      "Ray's daemons", None, "{:.3f}"),
     ("launchers", "control_ratio", "torchrun / torchrun, the same (noise floor)", None, "{:.3f}"),

@@ -42,6 +42,11 @@ def test_launchers_benchmark_smoke(tmp_path):
     assert result["train_cores_ray"] > 0.5 and result["train_cores_torchrun"] > 0.5
     assert result["other_cores_ray"] > 0 and result["train_cpu_ms_per_step_ray"] > 0
     assert result["train_cpu_ratio_ray_vs_torchrun"] > 0 and result["train_faults_per_step_torchrun"] >= 0
+    assert result["train_cpu_control_ratio"] > 0  # the CPU each worker measured itself, paired like steps
+    # Ray's runtime threads in its workers (the core worker's task loop and its C++ threads) are found,
+    # and torchrun's workers, which run training on their main thread, have next to none.
+    assert result["runtime_main_thread_ms_per_s_ray"] > 0
+    assert result["runtime_threads_ms_per_s_ray"] > result["runtime_threads_ms_per_s_torchrun"]
     # Where the start-up went, phase by phase, under each launcher (trainapp/timeline.py marks).
     ray, torchrun = result["startup_breakdown_ray"], result["startup_breakdown_torchrun"]
     assert {"job submission", "preflight probes", "worker imports Ray Train, its context", "data and model",

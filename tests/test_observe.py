@@ -6,6 +6,7 @@ of a run with a restart)."""
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 import pytest
@@ -15,12 +16,12 @@ from helpers import QUICK, inspect, metrics, torchrun
 from trainapp import observe
 
 
-def _row(steps, **seconds):
-    return [float(steps), *(seconds.get(p, 0.0) for p in observe.TIMED)]
+def _row(steps, cpu=0.0, **seconds):
+    return [float(steps), *(seconds.get(p, 0.0) for p in observe.TIMED), cpu]
 
 
 def test_rank_rows_are_per_step_milliseconds_whose_phases_add_up_to_the_step():
-    rows = [_row(10, data=0.05, compute=0.2, comm=0.1, optim=0.05, eval=1.0),
+    rows = [_row(10, data=0.05, compute=0.2, comm=0.1, optim=0.05, eval=1.0, cpu=0.45),
             _row(10, data=0.05, compute=0.3, comm=0.0, optim=0.05)]
     ranks = observe.rank_rows(rows, ["a", "b"])
     assert [r["host"] for r in ranks] == ["a", "b"]
@@ -28,6 +29,7 @@ def test_rank_rows_are_per_step_milliseconds_whose_phases_add_up_to_the_step():
     assert ranks[0]["phase_ms"]["eval"] == pytest.approx(100.0)  # kept, but not part of the step
     assert sum(ranks[0]["share"].values()) == pytest.approx(1.0, abs=1e-3)
     assert ranks[1]["share"]["compute"] == pytest.approx(0.75)
+    assert ranks[0]["cpu_ms"] == pytest.approx(45.0) and ranks[1]["cpu_ms"] == 0.0
 
 
 def test_a_straggler_is_named_after_the_configured_intervals_once_with_its_slow_phase():
@@ -76,6 +78,23 @@ def test_the_timer_splits_wall_time_into_laps_and_the_last_bucket_marks_the_comm
     assert got["data"] == pytest.approx(0.02, abs=0.015) and got["compute"] == pytest.approx(0.03, abs=0.015)
     assert got["comm"] == pytest.approx(0.01, abs=0.01)
     assert timer.collect()[0] == 0 and sum(timer.collect()[1:]) < 0.01  # the next interval starts empty
+
+
+def test_the_timer_counts_the_process_cpu_time_of_every_thread_not_the_wall_time():
+    timer = observe.StepTimer(torch.device("cpu"))
+    time.sleep(0.1)
+    assert timer.collect()[-1] < 0.05  # asleep: wall time, no CPU
+
+    def spin(seconds):
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    other = threading.Thread(target=spin, args=(0.1,))  # CPU burnt outside the training thread counts
+    other.start()
+    spin(0.1)
+    other.join()
+    assert timer.collect()[-1] >= 0.19
 
 
 def test_restart_drops_the_set_up_time_before_the_first_step():

@@ -34,6 +34,7 @@ def test_report_plots_and_summarizes_a_run_with_a_restart(restarted_run, tmp_pat
     assert "val_acc        final" in summary and "snapshots      " in summary
     # Both ranks' timings, over both attempts (log_every=1: a ranks record per step).
     assert "ranks          2; median step" in summary and "stragglers     none" in summary, summary
+    assert " ms of CPU; fastest rank" in summary, summary  # each rank measured its process's CPU time
     steps = [r["step"] for r in report.read(restarted_run) if r["kind"] == "ranks"]
     assert steps[:13] == list(range(1, 14)) and steps[13] == 11, steps  # resumed from step 10
 
@@ -52,6 +53,10 @@ def test_the_summary_names_the_slowest_rank_its_phase_and_the_stragglers():
     assert lines[1:] == ["stragglers     1", "  rank 1 on h1 from step 15: 1.46x the median step without "
                          "communication wait; compute 90.0 ms against 60.0 ms"]
     assert report._rank_lines([{"kind": "train", "step": 1}]) == []  # observe.ranks=false: no lines
+    # Runs that record each rank's CPU time per step show the slowest rank's.
+    for e in ranks["ranks"]:
+        e["cpu_ms"] = e["busy_ms"] + 1.5
+    assert report._rank_lines([ranks])[0].endswith("(90.0 ms), 95.0 ms of CPU; fastest rank 0: 33.5 ms")
 
 
 @pytest.mark.slow

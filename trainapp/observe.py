@@ -14,6 +14,11 @@ Each rank splits its wall time into phases as it trains (`StepTimer.lap`, a cloc
 - `other`: the loop's own bookkeeping between steps (logging, the stop vote);
 - `eval`: evaluation, kept apart: it is not part of a step.
 
+Beside the phases, each rank reports its process's CPU time per step over the interval (`cpu_ms`:
+every thread of the process, snapshots and evals included). Wall time shows where a step waits; CPU
+time shows what the rank burns, launcher included: under Ray it counts the Ray runtime's own threads
+in the worker, which torchrun's workers do not have.
+
 No phase synchronises the device: on CPU the laps are host clock reads; on CUDA they are events on
 the current stream (`torch.cuda.Event`), resolved once per log interval, where the loop reads the loss
 anyway. `gather` then moves every rank's row to every rank in one small all-gather, which also
@@ -57,6 +62,7 @@ class StepTimer:
         self._forward = None  # when the wrapped model's forward began, after DDP's buffer broadcast
         self._handoff = None  # when the last gradient bucket went to DDP (set by `hook`)
         self._last = self._now() if enabled else None
+        self._cpu = time.process_time()  # the process's CPU seconds (all threads) at the interval's start
 
     def _now(self):
         if self.cuda:
@@ -75,6 +81,7 @@ class StepTimer:
         """Drop the time since the last lap: the first interval starts at the first step, not at set-up."""
         if self.enabled:
             self._last = self._now()
+            self._cpu = time.process_time()
 
     def lap(self, phase: str) -> None:
         """The time since the previous lap was spent in `phase`."""
@@ -127,13 +134,15 @@ class StepTimer:
         return self._allreduce(process_group, bucket)
 
     def collect(self) -> list[float]:
-        """[steps, seconds of each phase in TIMED] since the last call; starts the next interval."""
+        """[steps, seconds of each phase in TIMED, process CPU seconds] since the last call; starts the
+        next interval."""
         if self.cuda and self._pending:
             self._pending[-1][2].synchronize()
             for phase, start, end in self._pending:
                 self.totals[phase] += start.elapsed_time(end) / 1000
             self._pending.clear()
-        row = [float(self.steps), *(self.totals[p] for p in TIMED)]
+        start, self._cpu = self._cpu, time.process_time()
+        row = [float(self.steps), *(self.totals[p] for p in TIMED), self._cpu - start if self.enabled else 0.0]
         self.totals = dict.fromkeys(TIMED, 0.0)
         self.steps = 0
         return row
@@ -141,8 +150,8 @@ class StepTimer:
 
 def rank_rows(rows: list[list[float]], hosts: list[str]) -> list[dict[str, Any]]:
     """The `ranks` record's entries from every rank's `collect()` row: per rank its host, step time
-    (ms), each phase in ms per step and as a share of the step time, and the busy time (the step
-    without the wait for peers)."""
+    (ms), each phase in ms per step and as a share of the step time, the busy time (the step without
+    the wait for peers) and the process's CPU time per step."""
     out = []
     for rank, row in enumerate(rows):
         steps = max(row[0], 1.0)
@@ -150,6 +159,7 @@ def rank_rows(rows: list[list[float]], hosts: list[str]) -> list[dict[str, Any]]
         step_ms = sum(ms[p] for p in PHASES)
         out.append({"rank": rank, "host": hosts[rank] if rank < len(hosts) else None, "steps": int(row[0]),
                     "step_ms": round(step_ms, 3), "busy_ms": round(sum(ms[p] for p in BUSY), 3),
+                    "cpu_ms": round(1000 * row[1 + len(TIMED)] / steps, 3),
                     "phase_ms": {p: round(v, 3) for p, v in ms.items()},
                     "share": {p: round(ms[p] / step_ms, 4) if step_ms else 0.0 for p in PHASES}})
     return out

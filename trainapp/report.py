@@ -83,7 +83,8 @@ def failures(records: list[dict]) -> list[str]:
 
 def rank_phases(records: list[dict]) -> dict[int, dict[str, Any]]:
     """Per rank over the `ranks` records (trainapp/observe.py): its host, the median step time, busy
-    time (the step without waiting for peers) and ms per step of each phase."""
+    time (the step without waiting for peers), process CPU time per step (None in runs that predate
+    it) and ms per step of each phase."""
     from trainapp.observe import PHASES
 
     by_rank: dict[int, list[dict]] = {}
@@ -94,6 +95,7 @@ def rank_phases(records: list[dict]) -> dict[int, dict[str, Any]]:
     return {rank: {"host": entries[-1].get("host"),
                    "step_ms": statistics.median(e["step_ms"] for e in entries),
                    "busy_ms": statistics.median(e["busy_ms"] for e in entries),
+                   "cpu_ms": statistics.median(cpu) if (cpu := [e["cpu_ms"] for e in entries if "cpu_ms" in e]) else None,
                    "phase_ms": {p: statistics.median(e["phase_ms"].get(p, 0.0) for e in entries) for p in PHASES}}
             for rank, entries in sorted(by_rank.items())}
 
@@ -111,7 +113,8 @@ def _rank_lines(records: list[dict]) -> list[str]:
     phase = max(busy, key=busy.get)
     lines = [f"ranks          {len(ranks)}; median step {slow['step_ms']:.1f} ms; slowest rank {slow_rank} on "
              f"{slow['host']}: {slow['busy_ms']:.1f} ms of its own work per step, most of it {phase} "
-             f"({busy[phase]:.1f} ms)" + ("" if len(ranks) < 2 else f"; fastest rank {fast_rank}: {fast['busy_ms']:.1f} ms")]
+             f"({busy[phase]:.1f} ms)" + ("" if slow["cpu_ms"] is None else f", {slow['cpu_ms']:.1f} ms of CPU")
+             + ("" if len(ranks) < 2 else f"; fastest rank {fast_rank}: {fast['busy_ms']:.1f} ms")]
     found = [r for r in records if r.get("kind") == "straggler"]
     lines.append(f"stragglers     {len(found) or 'none'}")
     lines.extend(f"  rank {f['rank']} on {f['host']} from step {f['step']}: {f['ratio']:.2f}x the median step "
