@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from trainapp import dist, failure, heartbeat, logs, observe, preempt, tboard, timeline
+from trainapp import dist, failure, heartbeat, logs, malloc, observe, preempt, tboard, timeline
 from trainapp.build import Parts, build
 from trainapp.config import Config
 from trainapp.data import make_loader, set_epoch
@@ -417,6 +417,7 @@ def train(cfg: Config, ctx: dist.DistContext, snapshots: SnapshotManager | None 
           drain_notice: Callable[[], dict | None] | None = None) -> dict[str, Any]:
     """This rank's whole training under any launcher: build, resume and train, with whatever ends it
     explained and its peers' failures watched for (trainapp/failure.py)."""
+    malloc.keep_freed_memory()  # before the first step allocates what every step will reuse
     attempt_no = attempt(Path(cfg.run.dir))
     with failure.watching(cfg.run.dir, ctx, attempt_no):
         return trainer(cfg, ctx, snapshots, drain_notice, attempt_no).train()

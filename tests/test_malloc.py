@@ -1,0 +1,62 @@
+"""glibc malloc settings of a training process (trainapp/malloc.py): a loop's steps in a thread that
+is not the main one, as under Ray Train, fault their buffers back in at every step with glibc's
+defaults, and keep them with trainapp's settings (bench/launchers.py counts the page faults of whole
+runs under both launchers)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO
+
+STEPS_IN_A_THREAD = """
+import resource, sys, threading
+import torch, torch.nn as nn
+from trainapp import malloc
+
+torch.set_num_threads(1)
+model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+                      nn.Flatten(), nn.Linear(64 * 32 * 32, 10))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
+faults = []
+
+def train():  # as under Ray Train: the steps run in a thread that is not the main one
+    for i in range(15):
+        if i == 5:
+            start = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    faults.append((resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - start) / 10)
+
+if sys.argv[1] == "keep":
+    assert malloc.keep_freed_memory()
+if sys.argv[2] == "main":
+    train()
+else:
+    thread = threading.Thread(target=train)
+    thread.start()
+    thread.join()
+print(faults[0])
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator and RUSAGE_THREAD")
+def test_training_steps_keep_their_freed_memory_instead_of_faulting_it_back_every_step():
+    def faults_per_step(mode, where="thread"):
+        out = subprocess.run([sys.executable, "-c", STEPS_IN_A_THREAD, mode, where], cwd=REPO, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return float(out.stdout)
+
+    default, kept = faults_per_step("default"), faults_per_step("keep")
+    # glibc's default in a thread's arena: each step's activations (MiBs) come back as fresh pages.
+    assert default > 500, default
+    assert kept < 100 and kept < default / 10, (kept, default)
+    # The main thread (torchrun's workers) keeps them too; with the defaults it depends on how glibc's
+    # adaptive thresholds settled (from none to thousands of faults per step between runs).
+    assert faults_per_step("keep", "main") < 100
