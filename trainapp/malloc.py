@@ -2,11 +2,11 @@
 
 A training step allocates and frees the same activation and gradient buffers, megabytes each, every
 step. glibc's malloc hands such memory back to the kernel when it is freed and the next step faults
-it back in, page by page, zeroed by the kernel: measured here, hundreds to thousands of minor page
-faults per step, and steps up to 15% slower, in runs of the same job that differ only in how malloc's
-adaptive thresholds happened to settle (docs/benchmarks.md, "Page faults"). It is worst where the
-loop runs outside the main thread, as under Ray Train: such a thread gets an arena of 64 MiB heaps
-that glibc unmaps, or shrinks with MADV_DONTNEED, as soon as their top is free.
+it back in, page by page, zeroed by the kernel, in some runs thousands of page faults per step,
+depending on where malloc's adaptive thresholds happened to settle (docs/benchmarks.md, "Page faults
+per step"). It is worst where the loop runs outside the main thread, as under Ray Train: such a
+thread gets an arena of 64 MiB heaps that glibc unmaps, or shrinks with MADV_DONTNEED, as soon as
+their top is free.
 """
 
 from __future__ import annotations
