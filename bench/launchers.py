@@ -181,7 +181,7 @@ class CpuSampler(threading.Thread):
     def __init__(self, pids, training, interval: float = 1.0):
         super().__init__(daemon=True)
         self.pids, self.training, self.interval = pids, training, interval
-        self.samples, self.threads, self.done = [], [], threading.Event()
+        self.samples, self.done = [], threading.Event()
         self.tick = os.sysconf("SC_CLK_TCK")
 
     def run(self) -> None:
@@ -190,43 +190,41 @@ class CpuSampler(threading.Thread):
             for pid in self.pids():
                 if st := proc_stat(pid):
                     comm, f = st
-                    now[pid] = (comm, int(f[1]), (int(f[11]) + int(f[12])) / self.tick, int(f[7]))
+                    now[pid] = (comm, int(f[1]), self._cpu(f), int(f[7]))
                     if self.training(comm, int(f[1])):
                         threads[pid] = self._threads(pid)
-            self.samples.append((time.time(), now))
-            self.threads.append((time.time(), threads))
+            self.samples.append((time.time(), now, threads))
+
+    def _cpu(self, fields: list[str]) -> float:
+        return (int(fields[11]) + int(fields[12])) / self.tick
 
     def _threads(self, pid: int) -> dict[int, tuple[str, float]]:
         """{thread id: (name, CPU seconds)} of process `pid`."""
-        out = {}
         try:
-            tids = os.listdir(f"/proc/{pid}/task")
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
         except OSError:
-            return out
-        for tid in tids:
-            try:
-                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-            except OSError:
-                continue
-            end = stat.rindex(")")
-            f = stat[end + 2:].split()
-            out[int(tid)] = (stat[stat.index("(") + 1:end], (int(f[11]) + int(f[12])) / self.tick)
-        return out
+            return {}
+        return {tid: (st[0], self._cpu(st[1])) for tid in tids if (st := proc_stat(pid, tid))}
+
+    def _window(self, t0: float, t1: float):
+        """The first and last samples between t0 and t1, and the seconds between them; None when fewer
+        than two fall inside."""
+        inside = [s for s in self.samples if t0 <= s[0] <= t1]
+        return (inside[0], inside[-1], inside[-1][0] - inside[0][0]) if len(inside) > 1 else None
 
     def shares(self, t0: float, t1: float) -> tuple[float | None, float | None, float | None]:
         """Cores used by training processes and by the rest, and the training processes' minor page
         faults per second, between t0 and t1 (None when fewer than two samples fall inside)."""
-        inside = [s for s in self.samples if t0 <= s[0] <= t1]
-        if len(inside) < 2:
+        if (w := self._window(t0, t1)) is None:
             return None, None, None
-        (ta, a), (tb, b) = inside[0], inside[-1]
+        (_, a, _), (_, b, _), dt = w
         used, faults = [0.0, 0.0], 0
         for pid, (comm, ppid, cpu, minflt) in b.items():
             if pid in a:
                 mine = self.training(comm, ppid)
                 used[0 if mine else 1] += cpu - a[pid][2]
                 faults += (minflt - a[pid][3]) if mine else 0
-        return used[0] / (tb - ta), used[1] / (tb - ta), faults / (tb - ta)
+        return used[0] / dt, used[1] / dt, faults / dt
 
     def runtime_threads(self, t0: float, t1: float) -> tuple[float | None, float | None]:
         """Milliseconds of CPU per second, per training process, between t0 and t1, of the threads
@@ -234,16 +232,14 @@ class CpuSampler(threading.Thread):
         name) nor the process group's (gloo): under Ray, the core worker's main thread (its task loop)
         and its C++ threads (gRPC, I/O, task events); under torchrun, whatever the process started
         besides (nothing, with one intra-op thread). Also the main thread's share of it."""
-        inside = [s for s in self.threads if t0 <= s[0] <= t1]
-        if len(inside) < 2:
+        if (w := self._window(t0, t1)) is None:
             return None, None
-        (ta, a), (tb, b) = inside[0], inside[-1]
+        (_, _, a), (_, _, b), dt = w
         total = main = 0.0
-        for pid, threads in b.items():
-            if pid not in a:
-                continue
-            name = threads.get(pid, ("",))[0]
-            for tid, (comm, cpu) in threads.items():
+        both = [pid for pid in b if pid in a]
+        for pid in both:
+            name = b[pid].get(pid, ("",))[0]
+            for tid, (comm, cpu) in b[pid].items():
                 used = cpu - a[pid].get(tid, (comm, 0.0))[1]
                 ray_main = tid == pid and name.startswith("ray::")  # Ray runs training in another thread
                 # Python's threads inherit the name of the thread that started them (Ray's: "ray::...").
@@ -251,7 +247,7 @@ class CpuSampler(threading.Thread):
                 if ray_main or not (python or comm.startswith(("gloo", "pt_gloo"))):
                     total += used
                     main += used if ray_main else 0.0
-        n, dt = len([p for p in b if p in a]) or 1, tb - ta
+        n = len(both) or 1
         return 1000 * total / dt / n, 1000 * main / dt / n
 
 
@@ -349,6 +345,12 @@ class Bench:
                 os.killpg(p.pid, signal.SIGKILL)
         self.cluster.down()
         subprocess.run(["rm", "-rf", str(self.cluster.dir)], check=False)
+
+
+def _paired(values: list[float]) -> tuple[float, float]:
+    """A round's torchrun, Ray, torchrun values: Ray against the mean of its two neighbours in time,
+    and the second torchrun against the first (the control)."""
+    return values[1] / ((values[0] + values[2]) / 2), values[2] / values[0]
 
 
 def _median(values: list[float]) -> float | None:
@@ -453,11 +455,13 @@ def rounds(b: Bench, n: int, workers: int) -> Rounds:
                   f"{run['train_cores'] or 0:.2f}, rest {run['other_cores'] or 0:.2f}; per step and worker: "
                   f"{run['train_cpu_ms_per_step'] or 0:.1f} ms CPU, {run['train_faults_per_step'] or 0:.0f} "
                   f"page faults; launcher threads {run['runtime_threads_ms_per_s'] or 0:.1f} ms/s", flush=True)
-        r.ratios.append(medians[1] / ((medians[0] + medians[2]) / 2))
-        r.controls.append(medians[2] / medians[0])
+        ratio, control = _paired(medians)
+        r.ratios.append(ratio)
+        r.controls.append(control)
         if all(cpu):
-            r.cpu_ratios.append(cpu[1] / ((cpu[0] + cpu[2]) / 2))
-            r.cpu_controls.append(cpu[2] / cpu[0])
+            ratio, control = _paired(cpu)
+            r.cpu_ratios.append(ratio)
+            r.cpu_controls.append(control)
         print(f"{workers} worker(s), round {i}: step ray/torchrun {r.ratios[-1]:.3f}, "
               f"torchrun/torchrun {r.controls[-1]:.3f}; CPU per step "
               + (f"{r.cpu_ratios[-1]:.3f}, control {r.cpu_controls[-1]:.3f}" if all(cpu) else "not measured"),

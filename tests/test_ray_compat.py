@@ -110,4 +110,3 @@ def test_the_trainer_drops_ray_datas_callback_only_for_a_run_without_datasets():
     lean = names(ray_compat.TorchTrainer(lambda config: None))
     assert DatasetsCallback not in lean and len(lean) >= 3  # the backend, PG cleaner, ... are kept
     assert DatasetsCallback in names(ray_compat.TorchTrainer(lambda config: None, datasets={"train": lambda: None}))
-

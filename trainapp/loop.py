@@ -409,6 +409,7 @@ def attempt(run_dir: Path) -> int:
 def trainer(cfg: Config, ctx: dist.DistContext, snapshots: SnapshotManager | None = None,
             drain_notice: Callable[[], dict | None] | None = None, attempt_no: int | None = None) -> Trainer:
     """The parts of a run, resumed from its newest valid snapshot, and the Trainer over them."""
+    malloc.keep_freed_memory()  # before the parts and the first step allocate what every step reuses
     snapshots = snapshots or SnapshotManager.from_config(cfg)
     return Trainer(cfg, ctx, build(cfg, ctx, snapshots), snapshots, drain_notice, attempt_no)
 
@@ -417,7 +418,6 @@ def train(cfg: Config, ctx: dist.DistContext, snapshots: SnapshotManager | None 
           drain_notice: Callable[[], dict | None] | None = None) -> dict[str, Any]:
     """This rank's whole training under any launcher: build, resume and train, with whatever ends it
     explained and its peers' failures watched for (trainapp/failure.py)."""
-    malloc.keep_freed_memory()  # before the first step allocates what every step will reuse
     attempt_no = attempt(Path(cfg.run.dir))
     with failure.watching(cfg.run.dir, ctx, attempt_no):
         return trainer(cfg, ctx, snapshots, drain_notice, attempt_no).train()

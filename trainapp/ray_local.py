@@ -43,11 +43,11 @@ RAY = str(Path(sys.executable).with_name("ray"))
 """The `ray` CLI of the Python running this (the venv's): nodes and jobs use the same Ray as trainapp."""
 
 
-def proc_stat(pid: int) -> tuple[str, list[str]] | None:
-    """(comm, the fields after it) of /proc/PID/stat: state is [0], ppid [1], session [3], utime and
-    stime (clock ticks) [11] and [12], nice [16]. None once the process is gone."""
+def proc_stat(pid: int, tid: int | None = None) -> tuple[str, list[str]] | None:
+    """(comm, the fields after it) of /proc/PID/stat, or of its thread TID's: state is [0], ppid [1],
+    session [3], utime and stime (clock ticks) [11] and [12], nice [16]. None once it is gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        stat = Path(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat").read_text()
     except OSError:
         return None
     end = stat.rindex(")")  # comm may itself contain ") "
