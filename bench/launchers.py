@@ -136,7 +136,7 @@ PHASES = [  # (phase, the mark that ends it), in launch order; a launcher's miss
     ("worker processes started (Ray: controller, actors; after a failure: old group down)", "worker_process"),
     ("worker imports Ray Train, its context", "worker_setup"),
     ("worker imports torch, setup (network)", "worker_setup_done"),
-    ("process group (torchrun: and imports)", "process_group"),
+    ("process group (Ray: training's imports meanwhile; torchrun: and imports)", "process_group"),
     ("data and model", "built"),
     ("snapshot load", "loaded"),
     ("first step", "first_step"),

@@ -32,8 +32,45 @@ def test_the_backend_config_stands_in_for_rays_torch_config():
     ours = ray_compat.TorchConfigWithSetup()
     assert (TorchConfig().init_method, TorchConfig().timeout_s) == ("env", ours.timeout_s)
     assert TorchConfig().backend_cls.share_cuda_visible_devices == ours.backend_cls.share_cuda_visible_devices
-    assert ours.framework == TorchConfig().framework and ours.train_func_context is TorchConfig().train_func_context
+    assert ours.framework == TorchConfig().framework
     assert ours.to_dict() == {**TorchConfig(timeout_s=ours.timeout_s).to_dict(), "backend": None}
+    # The context around the training function is Ray's, entered in the worker.
+    entered = []
+    ray_cm = TorchConfig().train_func_context
+    original = ray_cm.__enter__
+    ray_cm.__enter__ = lambda self: entered.append(type(self))
+    try:
+        with ours.train_func_context():
+            pass
+    finally:
+        ray_cm.__enter__ = original
+    assert entered == [ray_cm]
+
+
+def test_the_trainer_is_rays_torch_trainer_made_from_its_base_class():
+    # Ray's TorchTrainer adds to DataParallelTrainer only its constructor (the backend's choice) and a
+    # local mode; a method Ray adds there would be missing from trainapp's and is seen here.
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    own = {n for n in vars(TorchTrainer) if n not in ("__doc__", "__module__") and not n.startswith("_annotated")}
+    assert own == {"__init__", "_get_local_controller"}
+    assert issubclass(ray_compat.TorchTrainer, DataParallelTrainer)
+    for use_gpu, backend in ((False, "gloo"), (True, "nccl")):
+        scaling = ScalingConfig(num_workers=2, use_gpu=use_gpu)
+        ours = ray_compat.TorchTrainer(lambda config: None, scaling_config=scaling)
+        assert ours.backend_config.backend == TorchTrainer(lambda config: None, scaling_config=scaling).backend_config.backend == backend
+
+
+def test_the_ray_driver_imports_no_torch():
+    """The driver builds the trainer and hands Ray the per-worker function; torch, seconds of CPU on
+    the start-up's critical path, is the workers' alone."""
+    code = ("import sys; from trainapp import ray_entry, ray_compat, ray_setup; "
+            "ray_compat.TorchTrainer(ray_setup.train_worker, torch_config=ray_entry._torch_config("
+            "ray_entry.Config(), 1)); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
 
 
 def test_the_callback_hooks_node_loss_watch_overrides_still_exist():

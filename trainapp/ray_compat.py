@@ -12,11 +12,13 @@ ControllerError). What it has no public way to do, and what each one uses here:
   Ray runs that hook only from a job-level runtime env, in every process of the job (the Train
   controller too, not just the training workers), and a hook that fails ends its process without
   the error reaching the driver.
-- Keep torch out of Ray Train's controller: the controller unpickles the backend config and runs
-  its backend, and Ray's `TorchConfig` and torch backend live in a module that imports torch (seconds
-  of CPU at the controller's start, when nothing else can run yet). So the backend here is Ray's
-  torch backend re-driven from this torch-free module: the same steps in the same order, each
-  worker-side step Ray's own function, imported by name in the worker (`_in_worker`).
+- Keep torch out of Ray Train's controller and of the job driver: the controller unpickles the
+  backend config and runs its backend, and Ray's `TorchConfig`, torch backend and `TorchTrainer` live
+  in modules that import torch (seconds of CPU at the controller's start, when nothing else can run
+  yet, and in the driver while the nodes' probes run). So the backend here is Ray's torch backend
+  re-driven from this torch-free module: the same steps in the same order, each worker-side step
+  Ray's own function, imported by name in the worker (`_in_worker`); and `TorchTrainer` is Ray's,
+  made from its base class (`DataParallelTrainer`, a developer API).
 - Two controller settings trainapp exposes (`ray.worker_group_start_timeout_s`,
   `ray.health_check_interval_s`) and the preemption watcher's poll interval: Ray Train's controller
   reads them only from environment variables (`controller_env`), which no config object carries.
@@ -36,7 +38,6 @@ PRIVATE_NAMES, so an upgrade that moves one of them fails there, by name.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 import os
 import socket
@@ -64,6 +65,7 @@ PRIVATE_NAMES = [
     ("ray.train.v2._internal.constants", "HEALTH_CHECK_INTERVAL_S_ENV_VAR"),
     ("ray.train.v2._internal.constants", "PREEMPTION_POLL_INTERVAL_S_ENV_VAR"),
     ("ray.train.v2._internal.callbacks.datasets", "DatasetsCallback"),
+    ("ray.train.v2.api.data_parallel_trainer", "DataParallelTrainer"),
 ]
 """(module, name) of every private Ray name used here; the tests import each one."""
 
@@ -83,6 +85,7 @@ try:  # an import error here is a Ray version trainapp was not written for, said
     from ray.train.v2._internal.execution.failure_handling import FailureDecision
     from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
     from ray.train.v2._internal.util import TrainingFramework
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 except ImportError as e:
     raise ConfigError(f"ray: cannot import a name trainapp needs ({e}); trainapp's Ray launcher was written for "
                       f"Ray >={SUPPORTED[0]},<{SUPPORTED[1]} (trainapp/ray_compat.py)") from None
@@ -145,6 +148,20 @@ class _TorchBackendWithSetup(Backend):
             _say(f"the torch process group did not shut down within {timeout_s:g}s")
 
 
+class _TorchContext:
+    """Ray's TorchConfigContextManager (around the training function, in each worker), imported only
+    in the worker: the driver builds the trainer, and its module imports torch."""
+
+    def __enter__(self):
+        from ray.train.torch.config import TorchConfigContextManager
+
+        self._inner = TorchConfigContextManager()
+        return self._inner.__enter__()
+
+    def __exit__(self, *exc):
+        return self._inner.__exit__(*exc)
+
+
 @dataclasses.dataclass
 class TorchConfigWithSetup(BackendConfig):
     """Ray's TorchConfig (same fields and defaults, init method "env" only) whose backend first runs
@@ -167,10 +184,7 @@ class TorchConfigWithSetup(BackendConfig):
 
     @property
     def train_func_context(self):
-        # Evaluated where the trainer is built (the driver, which has torch); runs in the workers.
-        from ray.train.torch.config import TorchConfigContextManager
-
-        return TorchConfigContextManager
+        return _TorchContext
 
     @property
     def framework(self):
@@ -279,25 +293,29 @@ class NodeLossWatch(ControllerCallback, WorkerGroupCallback):
 # The trainer
 
 
-@functools.cache
-def _trainer_class() -> type:
-    from ray.train.torch import TorchTrainer as RayTorchTrainer  # imports torch: the driver only
+class TorchTrainer(DataParallelTrainer):
+    """Ray's TorchTrainer, made from its base class so that the driver imports no torch (Ray's
+    TorchTrainer lives in a module that does: seconds of the driver's CPU on the start-up's critical
+    path, while the nodes' probes want the same cores; docs/ray.md, "Start-up and recovery: where
+    the seconds go"). Like Ray's, it chooses the backend (nccl with GPUs, else gloo) of its
+    TorchConfigWithSetup and sets nothing else; Ray's local mode (no workers), which trainapp's
+    `ray.num_workers` refuses, is left out.
 
-    class TorchTrainer(RayTorchTrainer):
-        def _create_default_callbacks(self):
-            callbacks = super()._create_default_callbacks()
-            if self.datasets:
-                return callbacks
-            return [cb for cb in callbacks if not isinstance(cb, DatasetsCallback)]
+    It also leaves out Ray Data's callback when the run has no Ray datasets (trainapp's never has:
+    each rank builds its own shard). That callback starts a DatasetManager actor at every worker-group
+    start, datasets or not: a fresh Python process that imports Ray Data and pandas, seconds of CPU
+    beside the training workers' own imports at every start and restart. A run given datasets keeps it."""
 
-    return TorchTrainer
+    def __init__(self, train_loop_per_worker: Callable, *, torch_config: TorchConfigWithSetup | None = None,
+                 **kwargs):
+        torch_config = torch_config or TorchConfigWithSetup()
+        if not torch_config.backend:
+            scaling = kwargs.get("scaling_config")
+            torch_config.backend = "nccl" if scaling is not None and scaling.use_gpu else "gloo"
+        super().__init__(train_loop_per_worker, backend_config=torch_config, **kwargs)
 
-
-def TorchTrainer(*args, **kwargs):  # noqa: N802 (it stands for the class)
-    """Ray's TorchTrainer without Ray Data's callback when the run has no Ray datasets (trainapp's
-    never has: each rank builds its own shard). That callback starts a DatasetManager actor at every
-    worker-group start, datasets or not: a fresh Python process that imports Ray Data and pandas,
-    seconds of CPU beside the training workers' own imports at every start and restart (docs/ray.md,
-    "Start-up and recovery: where the seconds go"). A run given datasets keeps it. The class is made
-    on first use: Ray's TorchTrainer imports torch, and this module must not (the controller imports it)."""
-    return _trainer_class()(*args, **kwargs)
+    def _create_default_callbacks(self):
+        callbacks = super()._create_default_callbacks()
+        if self.datasets:
+            return callbacks
+        return [cb for cb in callbacks if not isinstance(cb, DatasetsCallback)]

@@ -7,8 +7,8 @@ input or storage failure back into that one line. Ray's private API is used only
 trainapp/ray_compat.py.
 
 Start-up order: the driver joins the cluster and starts the per-node probes before it imports Ray
-Train and torch (seconds of CPU), so the two overlap; `timeline` marks each phase for the launch
-breakdown of bench/launchers.py.
+Train (seconds of CPU), so the two overlap; it never imports torch, which only the workers need.
+`timeline` marks each phase for the launch breakdown of bench/launchers.py.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, 
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
     from trainapp import ray_compat
-    from trainapp.ray_worker import train_worker
+    from trainapp.ray_setup import train_worker
 
     run_dir = f"{storage}/{cfg.ray.name}" if not is_uri(storage) else cfg.run.dir
     worker_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir))
@@ -146,7 +146,7 @@ def run_comm(cfg: Config, size_mb: float, iters: int, min_bandwidth: float) -> i
     """`doctor --comm` as a Ray job: the workers Ray Train starts for `cfg` measure every node pair
     (trainapp/comm.py), the driver prints the result; the exit code is comm's verdict."""
     from trainapp import comm
-    from trainapp.ray_worker import comm_worker
+    from trainapp.ray_setup import comm_worker
 
     comm.check_args(size_mb, iters, min_bandwidth)
     # A run of its own (NAME-comm), not retried: a failure is the answer.
@@ -173,8 +173,9 @@ def _fit(cfg: Config, worker=None, **extra):
         check_capacity(cfg, needs)
         storage = cfg.ray.storage_path if is_uri(cfg.ray.storage_path) else str(Path(cfg.ray.storage_path).resolve())
         checks = Preflight(cfg, storage)
-        # Ray Train and torch take seconds to import: while the probes start on the nodes.
-        from trainapp import ray_compat, ray_worker  # noqa: F401
+        # Ray Train takes seconds to import: while the probes start on the nodes. Nothing the
+        # driver imports brings in torch (trainapp/ray_compat.py, trainapp/ray_setup.py).
+        from trainapp import ray_compat  # noqa: F401
         timeline.mark("driver_imported")
         for line in checks.wait():
             log.info("network %s", line)

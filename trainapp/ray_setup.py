@@ -1,19 +1,34 @@
-"""What each Ray Train worker runs before Ray creates the process group (`prepare_worker`): the
-worker's environment, thread count, signal handlers and network interface.
+"""The torch-free entry points of a Ray Train worker: what it runs before Ray creates the process
+group (`prepare_worker`: the worker's environment, thread count, signal handlers and network
+interface), and the per-worker functions the driver hands Ray (`train_worker`, `comm_worker`, which
+call trainapp/ray_worker.py's in the worker).
 
-This module imports no torch (it imports it only when `prepare_worker` runs, in the worker): Ray
-Train's controller holds a reference to `prepare_worker` in the backend config it is handed
-(trainapp/ray_compat.py), and unpickling that reference imports this module there. The controller
-never trains, and a torch import is seconds of CPU on the start-up's critical path (docs/ray.md,
-"Start-up and recovery: where the seconds go").
+This module imports no torch (only its functions do, in the worker): Ray Train's controller holds a
+reference to `prepare_worker` in the backend config it is handed (trainapp/ray_compat.py), and the
+driver pickles references to the per-worker functions; unpickling or taking a reference imports
+this module there. Neither the controller nor the driver trains, and a torch import is seconds of
+CPU on the start-up's critical path (docs/ray.md, "Start-up and recovery: where the seconds go").
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 from trainapp import config, timeline
+
+_imports: threading.Thread | None = None
+"""Imports what training needs while Ray creates the process group (`prepare_worker` starts it)."""
+
+
+def _import_training() -> None:
+    try:
+        import torch._dynamo  # noqa: F401 (DDP and torch.optim import it on first use: seconds of CPU)
+
+        from trainapp import loop, ray_worker  # noqa: F401
+    except Exception:  # the training thread's own import, after this, says what is wrong
+        pass
 
 
 def prepare_worker(env: dict[str, str], threads: int, network: dict[str, Any], preemption: dict[str, Any]) -> str:
@@ -32,5 +47,27 @@ def prepare_worker(env: dict[str, str], threads: int, network: dict[str, Any], p
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
     summary = net.apply(config.NetworkSection(**network), net.ray_head_host()).summary()
-    timeline.mark("worker_setup_done")  # Ray creates the process group next
+    # Ray forms the process group next, a few round trips through its controller in which the worker
+    # mostly waits: the imports of training go in that time, in a thread the training joins first.
+    global _imports
+    _imports = threading.Thread(target=_import_training, name="trainapp-imports", daemon=True)
+    _imports.start()
+    timeline.mark("worker_setup_done")
     return summary
+
+
+def train_worker(payload: dict[str, Any]) -> None:
+    timeline.mark("process_group")  # Ray formed it before calling this
+    if _imports is not None:
+        _imports.join()  # no two threads import the same modules at once
+    from trainapp import ray_worker
+
+    ray_worker.train_worker(payload)
+
+
+def comm_worker(payload: dict[str, Any]) -> dict[str, Any]:
+    if _imports is not None:
+        _imports.join()
+    from trainapp import ray_worker
+
+    return ray_worker.comm_worker(payload)

@@ -1,11 +1,11 @@
 """What runs in each Ray Train worker: the same loop (`trainapp.loop`) as under torchrun, with the
 few differences Ray needs: the worker's environment and signal handlers set before Ray creates the
-process group (`prepare_worker`, in trainapp/ray_setup.py because Ray Train's controller must not
-import torch), snapshots published with `ray.train.report` (RayPublish, the snapshot manager's
-publish step), resume from the shared run directory (or from `ray.train.get_checkpoint()` with a
-URI `ray.storage_path`), and Ray's drain notices as the loop's preemption notice. The driver
-(trainapp/ray_entry.py) imports this module only once its preflight checks are started: it imports
-torch.
+process group (`prepare_worker`, in trainapp/ray_setup.py, which imports no torch: Ray Train's
+controller and the driver reference it), snapshots published with `ray.train.report` (RayPublish,
+the snapshot manager's publish step), resume from the shared run directory (or from
+`ray.train.get_checkpoint()` with a URI `ray.storage_path`), and Ray's drain notices as the loop's
+preemption notice. Only the workers import this module (it imports torch), through ray_setup's
+`train_worker` and `comm_worker`.
 """
 
 from __future__ import annotations
@@ -161,7 +161,6 @@ def train_worker(payload: dict[str, Any]) -> None:
     """The per-worker function: the same loop as torchrun's, with snapshots published to Ray."""
     from trainapp import loop, preempt
 
-    timeline.mark("process_group")  # Ray formed it before calling this
     for name, at in payload.get("launch", {}).items():
         timeline.mark(name, at)
     cfg = config.from_dict(payload["config"])
