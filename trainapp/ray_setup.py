@@ -12,6 +12,7 @@ CPU on the start-up's critical path (docs/ray.md, "Start-up and recovery: where 
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 from typing import Any
@@ -23,12 +24,12 @@ _imports: threading.Thread | None = None
 
 
 def _import_training() -> None:
-    try:
-        import torch._dynamo  # noqa: F401 (DDP and torch.optim import it on first use: seconds of CPU)
-
-        from trainapp import loop, ray_worker  # noqa: F401
-    except Exception:  # the training thread's own import, after this, says what is wrong
-        pass
+    # torch._dynamo: DistributedDataParallel and torch.optim import it on first use, seconds of CPU.
+    for name in ("torch._dynamo", "trainapp.loop", "trainapp.ray_worker"):
+        try:
+            importlib.import_module(name)
+        except Exception:  # the training thread's own import, after this, says what is wrong
+            return
 
 
 def prepare_worker(env: dict[str, str], threads: int, network: dict[str, Any], preemption: dict[str, Any]) -> str:
