@@ -110,6 +110,19 @@ def straight_sha(tmp: Path, cmd, *args: str) -> str:
     return inspect(run_dir)["params_sha256"]
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """`straight(cmd)`: straight_sha of RUN under `cmd`, run once per module and shared by its tests."""
+    shas: dict = {}
+
+    def get(cmd) -> str:
+        if cmd not in shas:
+            shas[cmd] = straight_sha(tmp_path_factory.mktemp("straight"), cmd)
+        return shas[cmd]
+
+    return get
+
+
 def check_preempted(run_dir: Path, job: Job, rc: int | None, signum: int = signal.SIGTERM, grace_s: float = 25) -> dict:
     """The stop: exit 128+sig (`rc` None: a launcher's own exit, checked by the caller), one `preempted`
     record whose snapshot is the newest valid one, no traceback from trainapp, within the grace period."""
@@ -138,21 +151,19 @@ def rerun_resumes_exactly(run_dir: Path, cmd, stop_step: int, straight: str, *ar
 
 
 @slow
-def test_sigterm_alone_snapshots_the_step_reached_and_the_rerun_is_bitwise_equal(tmp_path):
-    straight = straight_sha(tmp_path, trainapp_cmd)
+def test_sigterm_alone_snapshots_the_step_reached_and_the_rerun_is_bitwise_equal(tmp_path, straight):
     run_dir = tmp_path / "run"
     job = Job(trainapp_cmd(run_dir), tmp_path, "alone")
     rc = job.signal_after(run_dir, "train", 120, job.proc.pid)
     rec = check_preempted(run_dir, job, rc)
     assert rec["phase"] in ("data", "step")
-    rerun_resumes_exactly(run_dir, trainapp_cmd, rec["step"], straight)
+    rerun_resumes_exactly(run_dir, trainapp_cmd, rec["step"], straight(trainapp_cmd))
 
 
 @slow
-def test_sigterm_to_the_torchrun_process_group_stops_every_rank_at_one_step(tmp_path):
+def test_sigterm_to_the_torchrun_process_group_stops_every_rank_at_one_step(tmp_path, straight):
     """What a container runtime does: the signal reaches torchrun's agent and both workers; the agent
     forwards it again (a second notice, ignored)."""
-    straight = straight_sha(tmp_path, torchrun_cmd)
     run_dir = tmp_path / "run"
     job = Job(torchrun_cmd(run_dir), tmp_path, "group")
     rc = job.signal_after(run_dir, "train", 120, None)
@@ -161,7 +172,7 @@ def test_sigterm_to_the_torchrun_process_group_stops_every_rank_at_one_step(tmp_
     assert "forcefully exiting via 9" not in err, err[-3000:]  # no worker needed torchrun's SIGKILL
     assert "[rank 1] WARNING trainapp: preempted at step" in err and "exit 143" in err, err[-3000:]
     rec = check_preempted(run_dir, job, None)
-    rerun_resumes_exactly(run_dir, torchrun_cmd, rec["step"], straight)
+    rerun_resumes_exactly(run_dir, torchrun_cmd, rec["step"], straight(torchrun_cmd))
 
 
 @slow
@@ -178,11 +189,10 @@ def test_sigterm_to_one_torchrun_worker_stops_both_at_the_same_step(tmp_path):
 
 
 @slow
-def test_second_signal_during_an_async_write_and_during_the_stop_keeps_every_snapshot_valid(tmp_path):
+def test_second_signal_during_an_async_write_and_during_the_stop_keeps_every_snapshot_valid(tmp_path, straight):
     """The notice lands while the periodic step-100 snapshot is still being written in the background
     (the drill slows every write by 2 s); a second signal lands while the stop's own snapshot is written."""
     args = ("snapshot.async=true", "fault.snapshot_write_delay_s=2")
-    straight = straight_sha(tmp_path, trainapp_cmd, *args)
     run_dir = tmp_path / "run"
     job = Job(trainapp_cmd(run_dir, *args), tmp_path, "async")
     wait_for(run_dir, "snapshot", 100, job)  # recorded when the copy is done; the write goes on
@@ -194,7 +204,9 @@ def test_second_signal_during_an_async_write_and_during_the_stop_keeps_every_sna
     assert rec["step"] > 100 and rec["seconds"] >= 2, rec
     assert "SIGINT again; already stopping" in job.output()[1]
     assert inspect(run_dir / "snapshots" / "step_000000100")["global_step"] == 100
-    rerun_resumes_exactly(run_dir, trainapp_cmd, rec["step"], straight, *args)
+    # Asynchronous and slowed writes change nothing in the math (tests/test_async_snapshot.py): the
+    # straight run without them is the reference.
+    rerun_resumes_exactly(run_dir, trainapp_cmd, rec["step"], straight(trainapp_cmd), *args)
 
 
 @slow
