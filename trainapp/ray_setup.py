@@ -57,18 +57,18 @@ def prepare_worker(env: dict[str, str], threads: int, network: dict[str, Any], p
     return summary
 
 
-def train_worker(payload: dict[str, Any]) -> None:
-    timeline.mark("process_group")  # Ray formed it before calling this
+def _ray_worker():
     if _imports is not None:
         _imports.join()  # no two threads import the same modules at once
     from trainapp import ray_worker
 
-    ray_worker.train_worker(payload)
+    return ray_worker
+
+
+def train_worker(payload: dict[str, Any]) -> None:
+    timeline.mark("process_group")  # Ray formed it before calling this
+    _ray_worker().train_worker(payload)
 
 
 def comm_worker(payload: dict[str, Any]) -> dict[str, Any]:
-    if _imports is not None:
-        _imports.join()
-    from trainapp import ray_worker
-
-    return ray_worker.comm_worker(payload)
+    return _ray_worker().comm_worker(payload)
