@@ -26,14 +26,15 @@ from trainapp.ray_checks import Preflight, check_capacity, check_version, is_uri
 log = logging.getLogger("trainapp.ray")
 
 
-def _torch_config(cfg: Config, threads: int):
+def _torch_config(cfg: Config, threads: int, worker):
     from trainapp.ray_compat import TorchConfigWithSetup
-    from trainapp.ray_setup import prepare_worker
+    from trainapp.ray_setup import IMPORTS, prepare_worker
 
     return TorchConfigWithSetup(timeout_s=int(cfg.dist.timeout_s), setup=prepare_worker,
                                 setup_kwargs={"env": dict(cfg.ray.env), "threads": threads,
                                               "network": dataclasses.asdict(cfg.network),
-                                              "preemption": dataclasses.asdict(cfg.preempt)})
+                                              "preemption": dataclasses.asdict(cfg.preempt),
+                                              "imports": IMPORTS[worker]})
 
 
 def connect(address: str) -> str:
@@ -117,15 +118,16 @@ def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, 
     from trainapp import ray_compat
     from trainapp.ray_setup import train_worker
 
+    worker = worker or train_worker
     run_dir = f"{storage}/{cfg.ray.name}" if not is_uri(storage) else cfg.run.dir
     worker_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir))
     threads = cfg.ray.threads_per_worker or max(1, int(needs.get("CPU", 1)))
     os.environ.update(ray_compat.controller_env(cfg.ray.worker_group_start_timeout_s,
                                                 cfg.ray.health_check_interval_s))
     return ray_compat.TorchTrainer(
-        worker or train_worker,
+        worker,
         train_loop_config={"config": worker_cfg.to_dict(), "launch": timeline.marks(), **extra},
-        torch_config=_torch_config(cfg, threads),
+        torch_config=_torch_config(cfg, threads, worker),
         scaling_config=ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=use_gpu, resources_per_worker=needs),
         run_config=RunConfig(
             name=cfg.ray.name, storage_path=storage,

@@ -20,21 +20,23 @@ from typing import Any
 from trainapp import config, timeline
 
 _imports: threading.Thread | None = None
-"""Imports what training needs while Ray creates the process group (`prepare_worker` starts it)."""
+"""Imports what the worker function needs while Ray creates the process group (`prepare_worker`
+starts it)."""
 
 
-def _import_training() -> None:
-    # torch._dynamo: DistributedDataParallel and torch.optim import it on first use, seconds of CPU.
-    for name in ("torch._dynamo", "trainapp.loop", "trainapp.ray_worker"):
+def _import(names: list[str]) -> None:
+    for name in names:
         try:
             importlib.import_module(name)
-        except Exception:  # the training thread's own import, after this, says what is wrong
+        except Exception:  # the worker function's own import, after this, says what is wrong
             return
 
 
-def prepare_worker(env: dict[str, str], threads: int, network: dict[str, Any], preemption: dict[str, Any]) -> str:
+def prepare_worker(env: dict[str, str], threads: int, network: dict[str, Any], preemption: dict[str, Any],
+                   imports: list[str]) -> str:
     """Runs in every worker before Ray creates the process group, in the worker's main thread (where
-    Python takes signals: the loop runs in a thread of Ray's); returns its network choice."""
+    Python takes signals: the loop runs in a thread of Ray's); returns its network choice. `imports`:
+    the worker function's (IMPORTS), started in a thread as it returns."""
     timeline.mark_process("worker_process")
     timeline.mark("worker_setup")
     import torch
@@ -49,9 +51,9 @@ def prepare_worker(env: dict[str, str], threads: int, network: dict[str, Any], p
     torch.set_num_threads(threads)
     summary = net.apply(config.NetworkSection(**network), net.ray_head_host()).summary()
     # Ray forms the process group next, a few round trips through its controller in which the worker
-    # mostly waits: the imports of training go in that time, in a thread the training joins first.
+    # mostly waits: the worker function's imports go in that time, in a thread it joins first.
     global _imports
-    _imports = threading.Thread(target=_import_training, name="trainapp-imports", daemon=True)
+    _imports = threading.Thread(target=_import, args=(imports,), name="trainapp-imports", daemon=True)
     _imports.start()
     timeline.mark("worker_setup_done")
     return summary
@@ -72,3 +74,11 @@ def train_worker(payload: dict[str, Any]) -> None:
 
 def comm_worker(payload: dict[str, Any]) -> dict[str, Any]:
     return _ray_worker().comm_worker(payload)
+
+
+IMPORTS = {
+    # torch._dynamo: DistributedDataParallel and torch.optim import it on first use, seconds of CPU.
+    train_worker: ["torch._dynamo", "trainapp.loop", "trainapp.ray_worker"],
+    comm_worker: ["trainapp.comm", "trainapp.ray_worker"],
+}
+"""The modules each worker function imports first: `prepare_worker` imports them while the group forms."""
