@@ -1,3 +1,6 @@
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,22 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if marker in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def children_temp_dir():
+    """One temp directory for every process the tests start, removed at the end. The tests SIGKILL
+    processes that never get to remove their own: torchrun leaves a torchelastic_* directory per
+    run, multiprocessing a pymp-* one per killed listener, and /tmp would keep hundreds per run."""
+    path = tempfile.mkdtemp(prefix="ta-tests-")
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = path
+    yield Path(path)
+    if before is None:
+        del os.environ["TMPDIR"]
+    else:
+        os.environ["TMPDIR"] = before
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
