@@ -266,7 +266,8 @@ class Bench:
         self.args, self.work = args, work
         self.cluster = LocalCluster(Path(f"/tmp/ta-bench-{uuid.uuid4().hex[:6]}"), workers=2, cpus=1,
                                     gcs_port=free_port(), dashboard_port=free_port(),
-                                    head_nice=args.head_nice, worker_nice=args.worker_nice)
+                                    head_nice=args.head_nice, worker_nice=args.worker_nice,
+                                    health_check_period_ms=args.health_check_period_ms)
         self.procs: list[subprocess.Popen] = []
 
     def launch(self, launcher: str, run_dir: Path, *extra: str, workers: int = 2) -> tuple[subprocess.Popen, float]:
@@ -512,6 +513,8 @@ def main() -> int:
     p.add_argument("--head-nice", type=int, default=LocalCluster.head_nice, help="nice value of the head's processes")
     p.add_argument("--worker-nice", type=int, default=LocalCluster.worker_nice,
                    help="nice value of Ray's worker processes (Ray's default: 15)")
+    p.add_argument("--health-check-period-ms", type=int, default=LocalCluster.health_check_period_ms,
+                   help="how often the GCS checks each raylet (node-death detection)")
     p.add_argument("--out", help="result file (default bench/results/launchers.json)")
     args = p.parse_args()
     if args.smoke:
