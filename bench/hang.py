@@ -34,13 +34,13 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 
 from launchers import HERE, REPO, first_step_after_restart, launch_cmd, overrides, records
 from machine import describe
+from scratch import scratch
 
 # This checkout's trainapp: importing launchers put REPO first on sys.path.
 from trainapp import preempt
@@ -170,7 +170,7 @@ def main() -> int:
     out = Path(args.out or HERE / "results" / ("smoke" if args.smoke else "") / "hang.json")
     rounds: dict[str, list[dict]] = {name: [] for name in args.launchers}
     cluster = None
-    with tempfile.TemporaryDirectory(prefix="ta-bench-hang-") as tmp:
+    with scratch("ta-bench-hang-") as tmp:
         try:
             if "ray" in args.launchers:
                 cluster = LocalCluster(Path(f"/tmp/ta-bench-{uuid.uuid4().hex[:6]}"), workers=2, cpus=1,

@@ -35,7 +35,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -46,6 +45,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
 from machine import describe  # noqa: E402
+from scratch import scratch  # noqa: E402
 from trainapp import metrics  # noqa: E402
 from trainapp.ray_local import LocalCluster, free_port, proc_stat  # noqa: E402
 
@@ -520,7 +520,7 @@ def main() -> int:
     if args.smoke:
         args.rounds, args.spare_core_rounds, args.steps = 1, 1, 40
     out = Path(args.out or HERE / "results" / ("smoke" if args.smoke else "") / "launchers.json")
-    with tempfile.TemporaryDirectory(prefix="ta-bench-") as tmp:
+    with scratch("ta-bench-") as tmp:
         b = Bench(args, Path(tmp))
         try:
             t = time.time()

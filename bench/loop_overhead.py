@@ -31,11 +31,11 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from machine import describe
+from scratch import scratch
 
 HERE = Path(__file__).resolve().parent
 
@@ -136,7 +136,7 @@ def worker(args) -> None:
     names = list(times)
     orders = [names[k:] + names[:k] for k in range(len(names))]
     orders += [list(reversed(o)) for o in orders]
-    with tempfile.TemporaryDirectory() as tmp:
+    with scratch("ta-bench-loop-") as tmp:
         tmp = Path(tmp)
         # Round 0 is untimed: it warms up allocators and kernels.
         for r in range(args.rounds + 1):

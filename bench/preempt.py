@@ -28,11 +28,11 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from machine import describe
+from scratch import scratch
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -131,7 +131,7 @@ def main() -> int:
     model, runs = ("smallcnn", 1) if args.smoke else ("resnet18", args.runs)
     out = Path(args.out or HERE / "results" / ("smoke" if args.smoke else "") / "preempt.json")
     results = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with scratch("ta-bench-preempt-") as tmp:
         for i in range(runs):
             r = one_run(Path(tmp) / f"run{i}", model, signal_after=6)
             print(f"run {i}: " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),

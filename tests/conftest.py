@@ -1,9 +1,10 @@
-import os
-import shutil
-import tempfile
+import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from scratch import scratch  # noqa: E402
 
 # Tests `make test` leaves to a CI step of their own: marker -> (option, the target that runs them).
 SEPARATE = {
@@ -29,18 +30,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def children_temp_dir():
-    """One temp directory for every process the tests start, removed at the end. The tests SIGKILL
-    processes that never get to remove their own: torchrun leaves a torchelastic_* directory per
-    run, multiprocessing a pymp-* one per killed listener, and /tmp would keep hundreds per run."""
-    path = tempfile.mkdtemp(prefix="ta-tests-")
-    before = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = path
-    yield Path(path)
-    if before is None:
-        del os.environ["TMPDIR"]
-    else:
-        os.environ["TMPDIR"] = before
-    shutil.rmtree(path, ignore_errors=True)
+    """One temp directory for every process the tests start, removed at the end: the tests SIGKILL
+    processes that never get to remove their own (bench/scratch.py)."""
+    with scratch("ta-tests-") as path:
+        yield Path(path)
 
 
 @pytest.fixture
