@@ -12,6 +12,10 @@ import pytest
 
 from helpers import REPO
 
+WARMUP, COUNTED = 20, 20
+"""Steps before counting (with the settings the heap still grew at steps 11 and 16 on one CPU), and
+steps counted."""
+
 STEPS_IN_A_THREAD = """
 import resource, sys, threading
 import torch, torch.nn as nn
@@ -25,14 +29,12 @@ x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
 faults = []
 
 def train():  # as under Ray Train: the steps run in a thread that is not the main one
-    for i in range(40):
+    for i in range(WARMUP + COUNTED):
         before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
         opt.zero_grad(set_to_none=True)
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-        # After a warm-up long enough for the heaps to reach their size: with the settings, the heap
-        # still grew at steps 11 and 16 on a CPU with AVX-512 (whose kernels allocate differently).
-        if i >= 20:
+        if i >= WARMUP:  # the heaps have reached their size
             faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
 
 if sys.argv[1] == "keep":
@@ -50,8 +52,9 @@ print(sum(faults) / len(faults), sum(f > 100 for f in faults))
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator and RUSAGE_THREAD")
 def test_training_steps_keep_their_freed_memory_instead_of_faulting_it_back_every_step():
     def faults_per_step(mode, where="thread"):
-        """(mean minor faults per step, steps that faulted over 100 pages) over 20 steps after 20."""
-        out = subprocess.run([sys.executable, "-c", STEPS_IN_A_THREAD, mode, where], cwd=REPO, capture_output=True,
+        """(mean minor faults per step, steps that faulted over 100 pages) over COUNTED steps after WARMUP."""
+        script = f"WARMUP, COUNTED = {WARMUP}, {COUNTED}\n" + STEPS_IN_A_THREAD
+        out = subprocess.run([sys.executable, "-c", script, mode, where], cwd=REPO, capture_output=True,
                              text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
         mean, faulted = out.stdout.split()
