@@ -26,6 +26,12 @@ ControllerError). What it has no public way to do, and what each one uses here:
   failure decision and the worker group's start, which only the private ControllerCallback and
   WorkerGroupCallback offer (the public UserCallback sees reports and exceptions only), and the Ray
   Data autoscaling coordinator whose cluster view sizes the new group.
+- Keep the job's output to one copy of each line a worker writes: Ray Train's print patch (on by
+  default) sends a worker's `print` both to the console and through its logger, so each printed line
+  reached the job's output twice; its switch is an environment variable named in a private module
+  (`controller_env` turns the patch off unless the driver's environment says otherwise). And Ray
+  Train logs "Reporting training result N: ..." at INFO on every rank for every report, from its
+  private execution-context module (`quiet_report_lines` keeps those off the console).
 - Leave out Ray Data for a run without Ray datasets (`TorchTrainer`): Ray Train starts a
   DatasetManager actor at every worker-group start whether there are datasets or not, and only its
   private default-callback list can drop it.
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 import os
 import socket
 import sys
@@ -64,6 +71,8 @@ PRIVATE_NAMES = [
     ("ray.train.v2._internal.constants", "WORKER_GROUP_START_TIMEOUT_S_ENV_VAR"),
     ("ray.train.v2._internal.constants", "HEALTH_CHECK_INTERVAL_S_ENV_VAR"),
     ("ray.train.v2._internal.constants", "PREEMPTION_POLL_INTERVAL_S_ENV_VAR"),
+    ("ray.train.v2._internal.constants", "ENABLE_PRINT_PATCH_ENV_VAR"),
+    ("ray.train.v2._internal.execution.context", "logger"),
     ("ray.train.v2._internal.callbacks.datasets", "DatasetsCallback"),
     ("ray.train.v2.api.data_parallel_trainer", "DataParallelTrainer"),
 ]
@@ -77,11 +86,13 @@ try:  # an import error here is a Ray version trainapp was not written for, said
     from ray.train.constants import DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     from ray.train.v2._internal.constants import (
+        ENABLE_PRINT_PATCH_ENV_VAR,
         HEALTH_CHECK_INTERVAL_S_ENV_VAR,
         PREEMPTION_POLL_INTERVAL_S_ENV_VAR,
         WORKER_GROUP_START_TIMEOUT_S_ENV_VAR,
     )
     from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+    from ray.train.v2._internal.execution.context import logger as _report_logger
     from ray.train.v2._internal.execution.failure_handling import FailureDecision
     from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
     from ray.train.v2._internal.util import TrainingFramework
@@ -98,10 +109,37 @@ notice often gives 30 s in all; one small GCS request a second spends less of it
 
 def controller_env(worker_group_start_timeout_s: float, health_check_interval_s: float) -> dict[str, str]:
     """The environment that sets Ray Train's controller's worker-group start timeout, poll interval and
-    drain-watch interval (the driver's environment is propagated to the controller)."""
+    drain-watch interval, and turns off its print patch in the workers (Ray Train hands these
+    variables from the driver's environment to the controller and on to every worker). A print patch
+    setting already in the driver's environment is kept."""
     return {WORKER_GROUP_START_TIMEOUT_S_ENV_VAR: str(worker_group_start_timeout_s),
             HEALTH_CHECK_INTERVAL_S_ENV_VAR: str(health_check_interval_s),
-            PREEMPTION_POLL_INTERVAL_S_ENV_VAR: str(PREEMPTION_POLL_S)}
+            PREEMPTION_POLL_INTERVAL_S_ENV_VAR: str(PREEMPTION_POLL_S),
+            ENABLE_PRINT_PATCH_ENV_VAR: os.environ.get(ENABLE_PRINT_PATCH_ENV_VAR, "0")}
+
+
+class _BelowWarning(logging.Filter):
+    """Drops one logger's records below WARNING."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.logger_name = name
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name != self.logger_name or record.levelno >= logging.WARNING
+
+
+def quiet_report_lines() -> None:
+    """In a worker, after Ray Train configured its logging: its per-report INFO line ("Reporting
+    training result N: TrainingReport(...) from rank R", one per rank per snapshot) no longer goes to
+    the console, so not to the job's output. Ray Train's log files under the session's `logs/train`
+    keep it. trainapp's `snapshot` records in metrics.jsonl say the same."""
+    for handler in logging.getLogger("ray.train").handlers:
+        # The console handler is a StreamHandler; the session's log files are handlers of their own.
+        console = isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+        if console and not any(
+                isinstance(f, _BelowWarning) for f in handler.filters):
+            handler.addFilter(_BelowWarning(_report_logger.name))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -41,8 +41,9 @@ def prepare_worker(env: dict[str, str], threads: int, network: dict[str, Any], p
     timeline.mark("worker_setup")
     import torch
 
-    from trainapp import net, preempt
+    from trainapp import net, preempt, ray_compat
 
+    ray_compat.quiet_report_lines()  # Ray Train has configured the worker's logging by now
     # Ray's own SIGTERM handler ends the worker at once; ours turns it into the agreed stop.
     preempt.install(preemption["signals"], preemption["grace_s"])
     preempt.register()  # `trainapp drain` finds this worker; the entry goes stale with the process
