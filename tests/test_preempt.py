@@ -4,6 +4,7 @@ the step reached (zero steps redone) and end bitwise equal to a run that was nev
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -313,3 +314,38 @@ def test_a_notice_before_the_first_step_exits_at_once(tmp_path):
     assert rc == 143 and time.monotonic() - t0 < 10, (rc, err[-2000:])
     assert "SIGTERM before training started; nothing to save; exiting with 143" in err, err[-2000:]
     assert not (run_dir / "snapshots").exists() or not list((run_dir / "snapshots").iterdir())
+
+
+POLL_SCRIPT = """
+import json, sys, time
+from trainapp import dist
+from trainapp.preempt import StopVote
+
+ctx = dist.setup(60)
+vote = StopVote(ctx, poll_s=0.2)
+polls, t0 = [], time.perf_counter()
+for step in range(1, 301):
+    time.sleep(0.004 if ctx.rank == 0 else 0.009)  # the ranks' clocks and step times differ
+    assert vote.stop(step) == 0
+    if vote.poll:
+        polls.append([step, time.perf_counter() - t0])
+vote.close()
+with open(sys.argv[1] + f"/polls.{ctx.rank}.json", "w") as f:
+    json.dump(polls, f)
+dist.teardown(ctx)
+"""
+
+
+def test_the_ranks_agree_on_the_steps_of_a_timed_poll(tmp_path):
+    """`StopVote(poll_s=...)`: the ranks of a group poll at the same steps (a barrier such as Ray's
+    `get_preemption_info` needs every rank in it), by time: about every `poll_s`, many steps apart."""
+    script = tmp_path / "poll.py"
+    script.write_text(POLL_SCRIPT)
+    r = run_cmd([helpers.TORCHRUN, "--standalone", "--nproc_per_node=2", str(script), str(tmp_path)], timeout=120)
+    assert r.returncode == 0, r.output[-3000:]
+    polls = [json.loads((tmp_path / f"polls.{rank}.json").read_text()) for rank in (0, 1)]
+    steps = [[step for step, _ in p] for p in polls]
+    assert steps[0] == steps[1] and len(steps[0]) >= 5, polls
+    gaps = [b - a for (_, a), (_, b) in zip(polls[0], polls[0][1:])]
+    assert all(0.18 <= g <= 0.2 + preempt.StopVote.INTERVAL_S + 0.2 for g in gaps), gaps  # skew: ms
+    assert min(b - a for a, b in zip(steps[0], steps[0][1:])) >= 5, steps[0]

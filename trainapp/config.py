@@ -244,10 +244,10 @@ class PreemptSection:
     this time (a peer gone or hung), the process exits anyway and the newest valid snapshot stays what
     it was. Keep it under the platform's grace period (Kubernetes and `docker stop` default to 30 and
     10 s; see k8s/ and docs/preemption.md)."""
-    ray_poll_steps: int = Field(default=10, ge=0)
-    """Under Ray Train: ask `ray.train.get_preemption_info()` every N steps (a barrier across the
-    workers); when a node of the run is being drained for preemption, take a snapshot at once and keep
-    training. 0: do not ask."""
+    ray_poll_s: float = Field(default=2.0, ge=0)
+    """Under Ray Train: seconds between `ray.train.get_preemption_info()` polls (a barrier, at a step
+    agreed in the stop vote); while a node of the run is drained, a snapshot at every poll, training
+    goes on: its death costs at most this long of training plus a vote interval (0.5 s). 0: off."""
 
     def __post_init__(self) -> None:
         import signal

@@ -46,7 +46,7 @@ class Trainer:
                  drain_notice: Callable[[], dict | None] | None = None, attempt_no: int | None = None):
         self.cfg, self.ctx, self.parts, self.snapshots = cfg, ctx, parts, snapshots
         self.run_dir = Path(cfg.run.dir)
-        self.vote = preempt.StopVote(ctx)
+        self.vote = preempt.StopVote(ctx, cfg.preempt.ray_poll_s if drain_notice is not None else 0.0)
         self.watchdog = heartbeat.Watchdog(cfg.fault.hang_timeout_s, cfg.fault.hang_startup_s, self.run_dir, ctx.rank,
                                            attempt(self.run_dir) if attempt_no is None else attempt_no)
         f = cfg.fault
@@ -54,9 +54,9 @@ class Trainer:
                                                   ("oom", f.oom_at_step)) if at is not None and f.rank == ctx.rank}
         """This rank's fault drills by step: one dict lookup per step, and none when no drill is set."""
         self.drain_notice = drain_notice
-        """Asked every `preempt.ray_poll_steps` steps on every rank (a barrier under Ray): a dict
-        describing a drain of one of the run's nodes while one is under way (`new` the first time),
-        else None."""
+        """Asked about every `preempt.ray_poll_s` seconds, at the step boundary the ranks agreed on in
+        the stop vote (a barrier under Ray): a dict describing a drain of one of the run's nodes while
+        one is under way (`new` the first time), else None."""
         preempt.describe_snapshots(str(snapshots.root))
         self.metrics = MetricsWriter(self.run_dir / METRICS if ctx.is_main else None)
         self.last_loss, self.last_eval = float("nan"), None
@@ -121,7 +121,8 @@ class Trainer:
                 with meter.paused(), heartbeat.phase("eval"), self._timed("eval"):
                     self.evaluate()
             self._maybe_fault()
-            if self.snapshots.due(p.global_step, last) or self._drain_noticed():
+            drained = self._drain_noticed()  # first: every rank enters the agreed poll, snapshot due or not
+            if self.snapshots.due(p.global_step, last) or drained:
                 with meter.paused(), heartbeat.phase("snapshot"), self._timed("snapshot"):
                     self._save(meter.overall(), final=last)
 
@@ -359,14 +360,13 @@ class Trainer:
 
     def _drain_noticed(self) -> bool:
         """True at every poll while a node of the run is being drained: snapshot now, keep training."""
-        every = self.cfg.preempt.ray_poll_steps
-        if self.drain_notice is None or not every or self.parts.progress.global_step % every:
+        if self.drain_notice is None or not self.vote.poll:
             return False
         notice = self.drain_notice()
         if notice is not None and notice.pop("new", True):
             self.metrics.write("drain_notice", step=self.parts.progress.global_step, **notice)
-            log.warning("preemption: %s; a snapshot now and every %d steps until the node is gone, training goes on",
-                        notice.get("what", "node drained"), every)
+            log.warning("preemption: %s; a snapshot now and about every %g s until the node is gone, training goes on",
+                        notice.get("what", "node drained"), self.cfg.preempt.ray_poll_s)
         return notice is not None
 
     def _stop_preempted(self, signum: int, meter: Throughput, bar: tqdm) -> None:

@@ -9,8 +9,10 @@ Three pieces, each with one job:
   then, it exits anyway with 128 + the signal. The newest valid snapshot is what it was (writes are
   atomic), and a peer that is gone or hung cannot hold the process past the platform's grace period.
 - `StopVote` (per run, every rank): about twice a second (at most once a step) the ranks agree
-  whether any of them got a signal, so all stop after the same step. A vote is an asynchronous
-  all-reduce started at one step boundary and read at the next, so the loop never waits on it.
+  whether any of them got a signal, so all stop after the same step, and whether it is time to ask
+  Ray Train about drained nodes (a barrier every rank must enter at the same step). A vote is an
+  asynchronous all-reduce started at one step boundary and read at the next, so the loop never waits
+  on it.
 - The worker registry: every training process writes its PID under `TRAINAPP_RUNTIME_DIR`, so
   `trainapp drain` (a pod's preStop, a container's stop trap) can send exactly those processes the
   notice and wait for their snapshot.
@@ -198,6 +200,11 @@ class StopVote:
     round trip; bench/preempt.py measures it): nothing against a 100 ms step, percents against a 5 ms
     one, so the loop votes by time, not by step. Under NCCL the vote runs on a Gloo group of its own, so it is a CPU tensor and never
     synchronises the device.
+
+    With `poll_s` > 0 the vote also carries whether `poll_s` has passed on any rank since the ranks
+    last polled: `poll` is then true at the same boundary on every rank (the boundary where that
+    vote is read), so a barrier such as `ray.train.get_preemption_info()` goes by time too, without
+    a collective of its own.
     """
 
     INTERVAL_S = 0.5
@@ -205,7 +212,7 @@ class StopVote:
     platform's grace period."""
     MAX_EVERY = 50
 
-    def __init__(self, ctx) -> None:
+    def __init__(self, ctx, poll_s: float = 0.0) -> None:
         import torch
         import torch.distributed as tdist  # here: `trainapp drain`/`node` import this module without torch
 
@@ -213,16 +220,26 @@ class StopVote:
         self.group = None
         if ctx.distributed and tdist.get_backend() != "gloo":
             self.group = tdist.new_group(backend="gloo")  # collective: every rank builds the vote together
-        self.flag = torch.zeros(2, dtype=torch.int64)
+        self.flag = torch.zeros(3, dtype=torch.int64)
         self.work = None
         self.next_vote = 0  # agreed: the boundary of the next vote
         self.last_t, self.step_s = None, None
+        self.poll_s = poll_s
+        self.polled_t = time.perf_counter()  # the start counts as a poll: a drain seen at once needs none
+        self.poll = False
+        """True at a boundary where the ranks agreed to poll (`poll_s`); the same on every rank."""
+
+    def _poll_due(self, now: float) -> bool:
+        return self.poll_s > 0 and now - self.polled_t >= self.poll_s
 
     def stop(self, step: int) -> int:
-        """The agreed signal number at this boundary, 0 to go on."""
-        if not self.ctx.distributed:
-            return received()
+        """The agreed signal number at this boundary, 0 to go on; sets `poll`."""
         now = time.perf_counter()
+        self.poll = False
+        if not self.ctx.distributed:
+            if self._poll_due(now):
+                self.poll, self.polled_t = True, now
+            return received()
         if self.last_t is not None:
             dt = now - self.last_t
             self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
@@ -230,12 +247,14 @@ class StopVote:
         if self.work is not None:  # started at the previous boundary
             self.work.wait()
             self.work = None
-            agreed, self.next_vote = (int(v) for v in self.flag.tolist())
+            agreed, self.next_vote, poll = (int(v) for v in self.flag.tolist())
             if agreed:
                 return agreed
+            if poll:
+                self.poll, self.polled_t = True, now
         if step >= self.next_vote:
             every = 1 if not self.step_s else min(self.MAX_EVERY, max(1, int(self.INTERVAL_S / self.step_s)))
-            self.flag[0], self.flag[1] = received(), step + every
+            self.flag[0], self.flag[1], self.flag[2] = received(), step + every, self._poll_due(now)
             self.work = self.dist.all_reduce(self.flag, op=self.dist.ReduceOp.MAX, group=self.group, async_op=True)
         return 0
 

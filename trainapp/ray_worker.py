@@ -134,11 +134,12 @@ class RayPublish:
 
 
 class RayDrainNotice:
-    """`ray.train.get_preemption_info()` as the loop's drain notice (every `preempt.ray_poll_steps`
-    steps; a barrier, so every rank asks at the same steps): a description while a node of the run is
-    being drained, None otherwise (`new` is true the first time a drain is seen). The loop snapshots
-    at every such answer, so the drained node can die at any moment of its notice window and cost at
-    most `preempt.ray_poll_steps` steps; Ray Train then restarts the group from that snapshot."""
+    """`ray.train.get_preemption_info()` as the loop's drain notice (about every `preempt.ray_poll_s`
+    seconds; a barrier, so every rank asks at the step the stop vote agreed on): a description while a
+    node of the run is being drained, None otherwise (`new` is true the first time a drain is seen).
+    The loop snapshots at every such answer, so the drained node can die at any moment of its notice
+    window and cost at most one poll interval of training; Ray Train then restarts the group from that
+    snapshot."""
 
     def __init__(self) -> None:
         self.seen: tuple | None = None
@@ -168,7 +169,7 @@ def train_worker(payload: dict[str, Any]) -> None:
     logs.setup(ctx.rank, ctx.world_size)
     uri = cfg.ray.storage_path if is_uri(cfg.ray.storage_path) else None
     snapshots = SnapshotManager.from_config(cfg, RayPublish(uri, async_write=cfg.snapshot.async_, name=cfg.ray.name))
-    notice = RayDrainNotice() if cfg.preempt.ray_poll_steps else None
+    notice = RayDrainNotice() if cfg.preempt.ray_poll_s else None
     try:
         loop.train(cfg, ctx, snapshots, notice)
     except preempt.Preempted as e:
