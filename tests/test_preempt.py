@@ -327,7 +327,7 @@ polls, t0 = [], time.perf_counter()
 for step in range(1, 301):
     time.sleep(0.004 if ctx.rank == 0 else 0.009)  # the ranks' clocks and step times differ
     assert vote.stop(step) == 0
-    if vote.poll:
+    if vote.take_poll():
         polls.append([step, time.perf_counter() - t0])
 vote.close()
 with open(sys.argv[1] + f"/polls.{ctx.rank}.json", "w") as f:

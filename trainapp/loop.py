@@ -360,7 +360,7 @@ class Trainer:
 
     def _drain_noticed(self) -> bool:
         """True at every poll while a node of the run is being drained: snapshot now, keep training."""
-        if self.drain_notice is None or not self.vote.poll:
+        if self.drain_notice is None or not self.vote.take_poll():
             return False
         notice = self.drain_notice()
         if notice is not None and notice.pop("new", True):

@@ -232,6 +232,11 @@ class StopVote:
     def _poll_due(self, now: float) -> bool:
         return self.poll_s > 0 and now - self.polled_t >= self.poll_s
 
+    def take_poll(self) -> bool:
+        """`poll`, once: a boundary without a vote (the run's last step) does not poll again."""
+        poll, self.poll = self.poll, False
+        return poll
+
     def stop(self, step: int) -> int:
         """The agreed signal number at this boundary, 0 to go on; sets `poll`."""
         now = time.perf_counter()
