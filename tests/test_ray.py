@@ -14,6 +14,7 @@ import pytest
 
 from helpers import QUICK, REPO, inspect, metrics, run_cmd, torchrun, trainapp
 from trainapp import report
+from trainapp.preempt import StopVote
 from trainapp.ray_local import RAY, LocalCluster, free_port, proc_stat
 
 pytestmark = pytest.mark.slow
@@ -379,8 +380,6 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
     workers agree on: a snapshot at once and at every poll while the drain lasts, training goes on;
     then the node dies and the elastic restart resumes from the last of them. Periodic snapshots are
     off, so nothing else could serve the resume."""
-    from trainapp.preempt import StopVote
-
     run_dir = cluster.storage / "drained"
     poll_s = 0.5
     proc = submit_background(cluster, "drained", *LONG, "train.max_steps=400", "snapshot.every_steps=0",

@@ -202,8 +202,8 @@ class StopVote:
     synchronises the device.
 
     With `poll_s` > 0 the vote also carries whether `poll_s` has passed on any rank since the ranks
-    last polled: `poll` is then true at the same boundary on every rank (the boundary where that
-    vote is read), so a barrier such as `ray.train.get_preemption_info()` goes by time too, without
+    last polled: `take_poll()` is then true at the same boundary on every rank (the boundary where
+    that vote is read), so a barrier such as `ray.train.get_preemption_info()` goes by time too, without
     a collective of its own.
     """
 
@@ -226,24 +226,25 @@ class StopVote:
         self.last_t, self.step_s = None, None
         self.poll_s = poll_s
         self.polled_t = time.perf_counter()  # the start counts as a poll: a drain seen at once needs none
-        self.poll = False
-        """True at a boundary where the ranks agreed to poll (`poll_s`); the same on every rank."""
+        self._poll = False  # the ranks agreed to poll at this boundary; cleared by take_poll
 
     def _poll_due(self, now: float) -> bool:
         return self.poll_s > 0 and now - self.polled_t >= self.poll_s
 
+    def _polls(self, agreed: bool, now: float) -> None:
+        if agreed:
+            self._poll, self.polled_t = True, now
+
     def take_poll(self) -> bool:
-        """`poll`, once: a boundary without a vote (the run's last step) does not poll again."""
-        poll, self.poll = self.poll, False
+        """True, once, at a boundary where the ranks agreed to poll (`poll_s`): the same on every rank."""
+        poll, self._poll = self._poll, False
         return poll
 
     def stop(self, step: int) -> int:
-        """The agreed signal number at this boundary, 0 to go on; sets `poll`."""
+        """The agreed signal number at this boundary, 0 to go on (and `take_poll` answers for it)."""
         now = time.perf_counter()
-        self.poll = False
         if not self.ctx.distributed:
-            if self._poll_due(now):
-                self.poll, self.polled_t = True, now
+            self._polls(self._poll_due(now), now)
             return received()
         if self.last_t is not None:
             dt = now - self.last_t
@@ -255,8 +256,7 @@ class StopVote:
             agreed, self.next_vote, poll = (int(v) for v in self.flag.tolist())
             if agreed:
                 return agreed
-            if poll:
-                self.poll, self.polled_t = True, now
+            self._polls(bool(poll), now)
         if step >= self.next_vote:
             every = 1 if not self.step_s else min(self.MAX_EVERY, max(1, int(self.INTERVAL_S / self.step_s)))
             self.flag[0], self.flag[1], self.flag[2] = received(), step + every, self._poll_due(now)

@@ -118,15 +118,8 @@ def controller_env(worker_group_start_timeout_s: float, health_check_interval_s:
             ENABLE_PRINT_PATCH_ENV_VAR: os.environ.get(ENABLE_PRINT_PATCH_ENV_VAR, "0")}
 
 
-class _BelowWarning(logging.Filter):
-    """Drops one logger's records below WARNING."""
-
-    def __init__(self, name: str):
-        super().__init__()
-        self.logger_name = name
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.name != self.logger_name or record.levelno >= logging.WARNING
+def _no_report_info(record: logging.LogRecord) -> bool:
+    return record.name != _report_logger.name or record.levelno >= logging.WARNING
 
 
 def quiet_report_lines() -> None:
@@ -137,9 +130,8 @@ def quiet_report_lines() -> None:
     for handler in logging.getLogger("ray.train").handlers:
         # The console handler is a StreamHandler; the session's log files are handlers of their own.
         console = isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
-        if console and not any(
-                isinstance(f, _BelowWarning) for f in handler.filters):
-            handler.addFilter(_BelowWarning(_report_logger.name))
+        if console and _no_report_info not in handler.filters:
+            handler.addFilter(_no_report_info)
 
 
 # ----------------------------------------------------------------------------------------------
