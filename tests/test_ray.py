@@ -382,7 +382,9 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
     off, so nothing else could serve the resume."""
     run_dir = cluster.storage / "drained"
     poll_s = 0.5
-    proc = submit_background(cluster, "drained", *LONG, "train.max_steps=400", "snapshot.every_steps=0",
+    # 400 steps (LONG's 20 epochs are 160): the node must die well before the run's end.
+    proc = submit_background(cluster, "drained", *LONG, "train.max_steps=400", "train.epochs=100",
+                             "snapshot.every_steps=0",
                              f"preempt.ray_poll_s={poll_s}",
                              "ray.num_workers=[1,2]", "ray.worker_group_start_timeout_s=15")
     victim = None
@@ -410,7 +412,9 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
     notice = notices[0]
     assert notice["nodes"] == [actor["node_id"]] and 100 < notice["deadline_in_s"] <= 120, notice
     records = metrics(run_dir)
-    first_start = [i for i, r in enumerate(records) if r["kind"] == "start"][1]  # the restart's
+    starts = [i for i, r in enumerate(records) if r["kind"] == "start"]
+    assert len(starts) >= 2, f"no restart: the run ended before the node died ({records[-1]})"
+    first_start = starts[1]  # the restart's
     trained = {r["step"]: r["time"] for r in records[:first_start] if r["kind"] == "train"}
     snaps = [r["step"] for r in records[:first_start] if r["kind"] == "snapshot"]
     assert notice["step"] in snaps, (notice, snaps)
