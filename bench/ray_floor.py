@@ -1,0 +1,243 @@
+"""Ray Train's floor: the CPU a training worker pays per step for running inside Ray Train at all,
+beside what trainapp pays, in one run.
+
+`launchers` finds a trainapp worker under Ray Train using 2-3% more CPU per step than under torchrun.
+This benchmark asks how much of that any loop pays. A minimal hand-written DDP loop (SmallCNN on
+in-memory synthetic images, autocast in bf16 where the CPU runs it natively, SGD; no snapshot, no
+report, nothing Ray-specific in its steps) runs under torchrun and inside a bare `TorchTrainer`
+(Ray Train's defaults, its own gloo process group); trainapp runs under torchrun and under
+`trainapp ray` with the `launchers` benchmark's config. All on the `launchers` local cluster (a head
+and 2 worker nodes of 1 CPU, on loopback), 2 workers of one thread each.
+
+Each minimal worker measures its own process's CPU time (every thread) and its training thread's CPU
+time over the steps after a warm-up; trainapp's workers measure theirs (`cpu_ms` in the `ranks`
+records). A round runs torchrun, Ray, torchrun for each loop (the minimal loop first in even rounds,
+trainapp first in odd ones); each Ray run is compared with the mean of its two torchrun neighbours,
+the second torchrun with the first is the noise floor, and each ratio is the median over rounds.
+
+    python bench/ray_floor.py            # writes bench/results/ray_floor.json
+    python bench/ray_floor.py --smoke    # one short round
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from launchers import BIN, REPO, Bench  # noqa: E402
+from machine import describe  # noqa: E402
+from scratch import scratch  # noqa: E402
+
+
+def floor_loop(cfg: dict) -> None:
+    """The minimal DDP loop, in a torchrun worker or a Ray Train worker (whose process group Ray Train
+    formed); writes this rank's CPU and wall time per step over the steps after `warmup`."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from trainapp.amp import resolve_dtype
+    from trainapp.data import SyntheticImages
+    from trainapp.models import SmallCNN
+
+    torch.set_num_threads(1)
+    if not dist.is_initialized():  # torchrun: the environment names the group
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(SmallCNN(10).to(memory_format=torch.channels_last))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    dtype = resolve_dtype("auto", torch.device("cpu"))
+    ds = SyntheticImages(cfg["train_size"], 10, 32, 0, "train")
+    sampler = DistributedSampler(ds, shuffle=True, seed=0, drop_last=True)
+    loader = DataLoader(ds, batch_size=cfg["batch"], sampler=sampler, drop_last=True)
+    report = cfg.get("report_every", 0)
+    if report:
+        import ray.train
+    done, epoch, mark = 0, 0, None
+    while done < cfg["steps"]:
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            if done == cfg["warmup"]:
+                mark = (time.perf_counter(), time.process_time(), time.thread_time())
+            x = x.to(memory_format=torch.channels_last)  # as trainapp's default model.channels_last
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+                loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            done += 1
+            if report and done % report == 0:
+                ray.train.report({"step": done, "loss": loss.item()})
+            if done == cfg["steps"]:
+                break
+        epoch += 1
+    wall, cpu, thread = (now - then for now, then in zip((time.perf_counter(), time.process_time(), time.thread_time()), mark))
+    n = cfg["steps"] - cfg["warmup"]
+    out = {"rank": rank, "step_ms": 1000 * wall / n, "cpu_ms": 1000 * cpu / n, "thread_cpu_ms": 1000 * thread / n,
+           "main_thread": threading.current_thread() is threading.main_thread()}
+    Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps(out))
+    dist.barrier()
+    if not cfg.get("ray"):
+        dist.destroy_process_group()
+
+
+def ray_driver(cfg: dict, storage: str) -> None:
+    """A bare TorchTrainer, as a user would write it: Ray Train's defaults, except that a loop that
+    reports gets trainapp's controller poll interval (a report waits until the controller has taken the
+    previous one, and Ray's 2 s would stall a report every 10 steps)."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    if cfg.get("report_every"):
+        from trainapp.config import RaySection
+        from trainapp.ray_compat import HEALTH_CHECK_INTERVAL_S_ENV_VAR
+
+        os.environ[HEALTH_CHECK_INTERVAL_S_ENV_VAR] = str(RaySection().health_check_interval_s)
+    TorchTrainer(floor_loop, train_loop_config={**cfg, "ray": True},
+                 scaling_config=ScalingConfig(num_workers=cfg["workers"], resources_per_worker={"CPU": 1}),
+                 torch_config=TorchConfig(backend="gloo"),
+                 run_config=RunConfig(storage_path=storage, name="floor")).fit()
+
+
+class Floor:
+    """The minimal loop's runs, on the cluster of a `launchers` Bench."""
+
+    def __init__(self, bench: Bench, args):
+        self.b, self.args = bench, args
+
+    def run(self, launcher: str, name: str) -> dict:
+        """`launcher`: torchrun, ray (nothing but the loop) or ray_report (a metrics report every 10
+        steps, as the `launchers` runs' snapshots)."""
+        out = self.b.work / f"floor-{name}"
+        out.mkdir()
+        cfg = {"steps": self.args.steps, "warmup": self.args.warmup, "batch": 64, "train_size": 2048,
+               "workers": 2, "out": str(out), "report_every": 10 if launcher == "ray_report" else 0}
+        script = str(HERE / "ray_floor.py")
+        if launcher == "torchrun":
+            cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", script, "--worker", json.dumps(cfg)]
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        else:
+            cmd = [str(BIN / "ray"), "job", "submit", "--address", self.b.cluster.dashboard_url, "--", "python",
+                   script, "--driver", json.dumps(cfg), "--storage", str(out)]
+            env = self.b.cluster.env()
+        p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+        self.b.procs.append(p)
+        if p.wait(timeout=900) != 0:
+            raise RuntimeError(f"floor run failed: {cmd}")
+        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+        return {k: statistics.fmean(r[k] for r in ranks) for k in ("step_ms", "cpu_ms", "thread_cpu_ms")} | {
+            "main_thread": [r["main_thread"] for r in ranks]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="one short round")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--steps", type=int, default=450, help="steps of a minimal run (the first --warmup untimed)")
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--trainapp-steps", type=int, default=400, help="steps of a trainapp run")
+    p.add_argument("--out", help="result file (default bench/results/ray_floor.json)")
+    # Internal: a minimal worker under torchrun, and the Ray job's driver.
+    p.add_argument("--worker", metavar="CFG", help=argparse.SUPPRESS)
+    p.add_argument("--driver", metavar="CFG", help=argparse.SUPPRESS)
+    p.add_argument("--storage", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        floor_loop(json.loads(args.worker))
+        return 0
+    if args.driver:
+        ray_driver(json.loads(args.driver), args.storage)
+        return 0
+    if args.smoke:
+        args.rounds, args.steps, args.warmup, args.trainapp_steps = 1, 60, 20, 40
+    out = Path(args.out or HERE / "results" / ("smoke" if args.smoke else "") / "ray_floor.json")
+    # The `launchers` Bench with that benchmark's defaults: its cluster and its trainapp runs.
+    bench_args = argparse.Namespace(smoke=args.smoke, steps=args.trainapp_steps, log_every=10, snapshot_every=10,
+                                    head_nice=None, worker_nice=None, health_check_period_ms=None)
+    from trainapp.ray_local import LocalCluster
+    bench_args.head_nice = LocalCluster.head_nice
+    bench_args.worker_nice = LocalCluster.worker_nice
+    bench_args.health_check_period_ms = LocalCluster.health_check_period_ms
+    # Each loop's contestants in a round; the first and last (torchrun) are each Ray run's neighbours.
+    order = {"minimal": ("torchrun", "ray", "ray_report", "torchrun"), "trainapp": ("torchrun", "ray", "torchrun")}
+    runs: dict[str, dict[str, list[dict]]] = {loop: {c: [] for c in cs} for loop, cs in order.items()}
+    ratios: dict[str, list[float]] = {}
+    with scratch("ta-bench-floor-") as tmp:
+        b = Bench(bench_args, Path(tmp))
+        floor = Floor(b, args)
+        try:
+            b.cluster.up(cwd=REPO)
+            for i in range(args.rounds):
+                for loop in (tuple(order) if i % 2 == 0 else tuple(order)[::-1]):
+                    got = []
+                    for j, launcher in enumerate(order[loop]):
+                        if loop == "minimal":
+                            run = floor.run(launcher, f"{i}{j}")
+                        else:
+                            plain = b.plain_run(launcher, f"{i}{j}")
+                            run = {"cpu_ms": plain["train_cpu_ms_per_step"],
+                                   "step_ms": 1000 * statistics.median(plain["steps"]), "thread_cpu_ms": None}
+                        runs[loop][launcher].append(run)
+                        got.append((launcher, run))
+                        print(f"round {i}, {loop} loop, {launcher}: {run['cpu_ms']:.2f} ms CPU per step, "
+                              f"{run['step_ms']:.2f} ms per step"
+                              + (f", training thread {run['thread_cpu_ms']:.2f} ms" if run["thread_cpu_ms"] else ""),
+                              flush=True)
+                    (_, first), (_, last) = got[0], got[-1]
+                    for field, key in (("cpu_ms", "cpu_ratio"), ("step_ms", "step_ratio"), ("thread_cpu_ms", "thread_cpu_ratio")):
+                        if not first[field]:
+                            continue
+                        for launcher, run in got[1:-1]:
+                            ratios.setdefault(f"{loop}_{key}{launcher[3:]}", []).append(
+                                run[field] / ((first[field] + last[field]) / 2))
+                        ratios.setdefault(f"{loop}_{key.replace('_ratio', '_control_ratio')}", []).append(
+                            last[field] / first[field])
+                    print(f"round {i}, {loop} loop: CPU per step " + ", ".join(
+                        f"{k.removeprefix(loop + '_')} {v[-1]:.3f}" for k, v in ratios.items()
+                        if k.startswith(f"{loop}_cpu")), flush=True)
+        finally:
+            b.close()
+    result: dict = {}
+    for key, values in ratios.items():
+        result[key] = statistics.median(values)
+        result[f"{key}_per_round"] = [round(v, 3) for v in values]
+    for loop, contestants in runs.items():
+        for launcher, got in contestants.items():
+            for field in ("cpu_ms", "step_ms", "thread_cpu_ms"):
+                values = [r[field] for r in got if r[field]]
+                if values:
+                    result[f"{loop}_{field}_{launcher}"] = statistics.median(values)
+    for launcher in ("torchrun", "ray", "ray_report"):
+        # CPU outside the training thread (gloo's threads; in a Ray worker also Ray's own).
+        if f"minimal_thread_cpu_ms_{launcher}" in result:
+            result[f"minimal_other_threads_ms_per_step_{launcher}"] = (
+                result[f"minimal_cpu_ms_{launcher}"] - result[f"minimal_thread_cpu_ms_{launcher}"])
+    result["minimal_training_in_main_thread"] = {l: runs["minimal"][l][0]["main_thread"] for l in order["minimal"]}
+    result.update({"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
+                   "trainapp_steps": args.trainapp_steps, "workers": 2, "threads_per_worker": 1,
+                   "smoke": args.smoke, "machine": describe(), "date": time.strftime("%Y-%m-%d"),
+                   "target": "information: the floor under launchers' train_cpu_ratio_ray_vs_torchrun (<= 1.02)"})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()
+                      if not isinstance(v, (dict, list))}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
