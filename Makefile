@@ -174,6 +174,7 @@ test-fast: $(STAMP) $(TOOLS_STAMP) ## The edit-test loop: every test that starts
 bench: $(STAMP) ## Run every benchmark, then one summary table: bench/results/*.json, summary.md (BENCH_ARGS="--smoke")
 	$(BIN)/python bench/loop_overhead.py $(BENCH_ARGS)
 	$(BIN)/python bench/launchers.py $(BENCH_ARGS)
+	$(BIN)/python bench/ray_floor.py $(BENCH_ARGS)
 	$(BIN)/python bench/snapshot_cost.py $(BENCH_ARGS)
 	$(BIN)/python bench/amp_cpu.py $(BENCH_ARGS)
 	$(BIN)/python bench/preempt.py $(BENCH_ARGS)

@@ -11,12 +11,15 @@ and 2 worker nodes of 1 CPU, on loopback), 2 workers of one thread each.
 
 Each minimal worker measures its own process's CPU time (every thread) and its training thread's CPU
 time over the steps after a warm-up; trainapp's workers measure theirs (`cpu_ms` in the `ranks`
-records). A round runs torchrun, Ray, torchrun for each loop (the minimal loop first in even rounds,
-trainapp first in odd ones); each Ray run is compared with the mean of its two torchrun neighbours,
-the second torchrun with the first is the noise floor, and each ratio is the median over rounds.
+records). A round runs torchrun, the Ray run(s), torchrun for each loop (the minimal loop first in
+even rounds, trainapp first in odd ones); each Ray run is compared with the mean of the two torchrun
+runs around it, the second torchrun with the first is the noise floor, and each ratio is the median
+over rounds. The minimal loop's Ray runs are VARIANTS (`--variants`): by default the bare loop and
+the loop with a report every 10 steps at trainapp's poll interval.
 
     python bench/ray_floor.py            # writes bench/results/ray_floor.json
     python bench/ray_floor.py --smoke    # one short round
+    python bench/ray_floor.py --no-trainapp --variants ray,ray_poll,ray_report,ray_report50
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ from scratch import scratch  # noqa: E402
 
 def floor_loop(cfg: dict) -> None:
     """The minimal DDP loop, in a torchrun worker or a Ray Train worker (whose process group Ray Train
-    formed); writes this rank's CPU and wall time per step over the steps after `warmup`."""
+    formed); writes this rank's CPU and wall time per step over the steps after `warmup`, and the
+    training thread's CPU in `ray.train.report` and in the garbage collector."""
+    import gc
     import threading
 
     import torch
@@ -67,12 +72,24 @@ def floor_loop(cfg: dict) -> None:
     report = cfg.get("report_every", 0)
     if report:
         import ray.train
-    done, epoch, mark = 0, 0, None
+    trainer_thread = threading.current_thread()
+    gc_time = [0.0, 0.0]  # this thread's CPU seconds in the collector, and when the running one began
+
+    def on_gc(phase, info):
+        if threading.current_thread() is trainer_thread:
+            if phase == "start":
+                gc_time[1] = time.thread_time()
+            else:
+                gc_time[0] += time.thread_time() - gc_time[1]
+
+    gc.callbacks.append(on_gc)
+    done, epoch, mark, report_time = 0, 0, None, 0.0
     while done < cfg["steps"]:
         sampler.set_epoch(epoch)
         for x, y in loader:
             if done == cfg["warmup"]:
                 mark = (time.perf_counter(), time.process_time(), time.thread_time())
+                gc0, gc_time[0] = [g["collections"] for g in gc.get_stats()], 0.0
             x = x.to(memory_format=torch.channels_last)  # as trainapp's default model.channels_last
             with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
                 loss = F.cross_entropy(model(x), y)
@@ -81,13 +98,20 @@ def floor_loop(cfg: dict) -> None:
             opt.step()
             done += 1
             if report and done % report == 0:
+                r0 = time.thread_time()
                 ray.train.report({"step": done, "loss": loss.item()})
+                if mark:
+                    report_time += time.thread_time() - r0
             if done == cfg["steps"]:
                 break
         epoch += 1
     wall, cpu, thread = (now - then for now, then in zip((time.perf_counter(), time.process_time(), time.thread_time()), mark))
     n = cfg["steps"] - cfg["warmup"]
+    gc.callbacks.remove(on_gc)
     out = {"rank": rank, "step_ms": 1000 * wall / n, "cpu_ms": 1000 * cpu / n, "thread_cpu_ms": 1000 * thread / n,
+           "gc_ms": 1000 * gc_time[0] / n, "report_ms": 1000 * report_time / n,
+           "gc_collections": [g["collections"] - c for g, c in zip(gc.get_stats(), gc0)],
+           "gc_objects": len(gc.get_objects()),
            "main_thread": threading.current_thread() is threading.main_thread()}
     Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps(out))
     dist.barrier()
@@ -96,21 +120,30 @@ def floor_loop(cfg: dict) -> None:
 
 
 def ray_driver(cfg: dict, storage: str) -> None:
-    """A bare TorchTrainer, as a user would write it: Ray Train's defaults, except that a loop that
-    reports gets trainapp's controller poll interval (a report waits until the controller has taken the
-    previous one, and Ray's 2 s would stall a report every 10 steps)."""
+    """A bare TorchTrainer, as a user would write it: Ray Train's defaults, but the controller's poll
+    interval where `poll_s` is set."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    if cfg.get("report_every"):
-        from trainapp.config import RaySection
+    if cfg.get("poll_s"):
         from trainapp.ray_compat import HEALTH_CHECK_INTERVAL_S_ENV_VAR
 
-        os.environ[HEALTH_CHECK_INTERVAL_S_ENV_VAR] = str(RaySection().health_check_interval_s)
+        os.environ[HEALTH_CHECK_INTERVAL_S_ENV_VAR] = str(cfg["poll_s"])
     TorchTrainer(floor_loop, train_loop_config={**cfg, "ray": True},
                  scaling_config=ScalingConfig(num_workers=cfg["workers"], resources_per_worker={"CPU": 1}),
                  torch_config=TorchConfig(backend="gloo"),
                  run_config=RunConfig(storage_path=storage, name="floor")).fit()
+
+
+# The minimal loop's Ray runs: (a metrics report every N steps, the controller's poll interval in s).
+# trainapp polls every `ray.health_check_interval_s` (0.25 s), because a report waits until the
+# controller has taken the previous one, and Ray's 2 s would stall a report every 10 steps.
+VARIANTS = {
+    "ray": (0, None),  # Ray Train's defaults, nothing Ray-specific in the steps
+    "ray_poll": (0, 0.25),  # trainapp's poll interval, no report
+    "ray_report": (10, 0.25),  # and a report every 10 steps, as the `launchers` runs' snapshots
+    "ray_report50": (50, 0.25),  # a report every 50 steps, as trainapp's default snapshot interval
+}
 
 
 class Floor:
@@ -120,12 +153,12 @@ class Floor:
         self.b, self.args = bench, args
 
     def run(self, launcher: str, name: str) -> dict:
-        """`launcher`: torchrun, ray (nothing but the loop) or ray_report (a metrics report every 10
-        steps, as the `launchers` runs' snapshots)."""
+        """`launcher`: torchrun, or one of VARIANTS: a bare TorchTrainer."""
         out = self.b.work / f"floor-{name}"
         out.mkdir()
+        report_every, poll_s = VARIANTS.get(launcher, (0, None))
         cfg = {"steps": self.args.steps, "warmup": self.args.warmup, "batch": 64, "train_size": 2048,
-               "workers": 2, "out": str(out), "report_every": 10 if launcher == "ray_report" else 0}
+               "workers": 2, "out": str(out), "report_every": report_every, "poll_s": poll_s}
         script = str(HERE / "ray_floor.py")
         if launcher == "torchrun":
             cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", script, "--worker", json.dumps(cfg)]
@@ -140,8 +173,9 @@ class Floor:
         if p.wait(timeout=900) != 0:
             raise RuntimeError(f"floor run failed: {cmd}")
         ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-        return {k: statistics.fmean(r[k] for r in ranks) for k in ("step_ms", "cpu_ms", "thread_cpu_ms")} | {
-            "main_thread": [r["main_thread"] for r in ranks]}
+        return {k: statistics.fmean(r[k] for r in ranks) for k in ("step_ms", "cpu_ms", "thread_cpu_ms", "gc_ms", "report_ms")} | {
+            "main_thread": [r["main_thread"] for r in ranks], "gc_collections": ranks[0]["gc_collections"],
+            "gc_objects": ranks[0]["gc_objects"]}
 
 
 def main() -> int:
@@ -151,6 +185,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=450, help="steps of a minimal run (the first --warmup untimed)")
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--trainapp-steps", type=int, default=400, help="steps of a trainapp run")
+    p.add_argument("--variants", default="ray,ray_report",
+                   help=f"the minimal loop's Ray runs in a round, comma-separated, of: {', '.join(VARIANTS)}")
+    p.add_argument("--no-trainapp", action="store_true", help="the minimal loop only")
     p.add_argument("--out", help="result file (default bench/results/ray_floor.json)")
     # Internal: a minimal worker under torchrun, and the Ray job's driver.
     p.add_argument("--worker", metavar="CFG", help=argparse.SUPPRESS)
@@ -163,6 +200,9 @@ def main() -> int:
     if args.driver:
         ray_driver(json.loads(args.driver), args.storage)
         return 0
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        p.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     if args.smoke:
         args.rounds, args.steps, args.warmup, args.trainapp_steps = 1, 60, 20, 40
     out = Path(args.out or HERE / "results" / ("smoke" if args.smoke else "") / "ray_floor.json")
@@ -174,7 +214,9 @@ def main() -> int:
     bench_args.worker_nice = LocalCluster.worker_nice
     bench_args.health_check_period_ms = LocalCluster.health_check_period_ms
     # Each loop's contestants in a round; the first and last (torchrun) are each Ray run's neighbours.
-    order = {"minimal": ("torchrun", "ray", "ray_report", "torchrun"), "trainapp": ("torchrun", "ray", "torchrun")}
+    order = {"minimal": ("torchrun", *args.variants.split(","), "torchrun"), "trainapp": ("torchrun", "ray", "torchrun")}
+    if args.no_trainapp:
+        del order["trainapp"]
     runs: dict[str, dict[str, list[dict]]] = {loop: {c: [] for c in cs} for loop, cs in order.items()}
     ratios: dict[str, list[float]] = {}
     with scratch("ta-bench-floor-") as tmp:
@@ -196,7 +238,10 @@ def main() -> int:
                         got.append((launcher, run))
                         print(f"round {i}, {loop} loop, {launcher}: {run['cpu_ms']:.2f} ms CPU per step, "
                               f"{run['step_ms']:.2f} ms per step"
-                              + (f", training thread {run['thread_cpu_ms']:.2f} ms" if run["thread_cpu_ms"] else ""),
+                              + (f", training thread {run['thread_cpu_ms']:.2f} ms, of it {run['report_ms']:.2f} ms in "
+                                 f"reports and {run['gc_ms']:.2f} ms in "
+                                 f"the garbage collector (collections by generation {run['gc_collections']}, "
+                                 f"{run['gc_objects']} objects)" if run["thread_cpu_ms"] else ""),
                               flush=True)
                     (_, first), (_, last) = got[0], got[-1]
                     for field, key in (("cpu_ms", "cpu_ratio"), ("step_ms", "step_ratio"), ("thread_cpu_ms", "thread_cpu_ratio")):
@@ -218,16 +263,18 @@ def main() -> int:
         result[f"{key}_per_round"] = [round(v, 3) for v in values]
     for loop, contestants in runs.items():
         for launcher, got in contestants.items():
-            for field in ("cpu_ms", "step_ms", "thread_cpu_ms"):
-                values = [r[field] for r in got if r[field]]
+            # The minimal loop's training thread also times its reports and garbage collections.
+            for field in ("cpu_ms", "step_ms", "thread_cpu_ms", "report_ms", "gc_ms"):
+                values = [r[field] for r in got if r.get(field) is not None]
                 if values:
                     result[f"{loop}_{field}_{launcher}"] = statistics.median(values)
-    for launcher in ("torchrun", "ray", "ray_report"):
+    for launcher in order["minimal"][:-1]:
         # CPU outside the training thread (gloo's threads; in a Ray worker also Ray's own).
         if f"minimal_thread_cpu_ms_{launcher}" in result:
             result[f"minimal_other_threads_ms_per_step_{launcher}"] = (
                 result[f"minimal_cpu_ms_{launcher}"] - result[f"minimal_thread_cpu_ms_{launcher}"])
     result["minimal_training_in_main_thread"] = {l: runs["minimal"][l][0]["main_thread"] for l in order["minimal"]}
+    result["variants"] = {v: {"report_every": VARIANTS[v][0], "poll_s": VARIANTS[v][1]} for v in order["minimal"][1:-1]}
     result.update({"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
                    "trainapp_steps": args.trainapp_steps, "workers": 2, "threads_per_worker": 1,
                    "smoke": args.smoke, "machine": describe(), "date": time.strftime("%Y-%m-%d"),

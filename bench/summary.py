@@ -29,6 +29,13 @@ ROWS = [
     ("launchers", "train_cpu_ratio_ray_vs_torchrun", "Ray Train / torchrun, CPU per step of a training worker",
      ("<=", 1.02), "{:.3f}"),
     ("launchers", "train_cpu_control_ratio", "torchrun / torchrun, the same (noise floor)", None, "{:.3f}"),
+    ("ray_floor", "minimal_cpu_ratio", "a minimal DDP loop in a bare TorchTrainer / under torchrun, CPU per step "
+     "(what Ray Train costs any loop)", None, "{:.3f}"),
+    ("ray_floor", "minimal_cpu_ratio_report", "the same with a `ray.train.report` every 10 steps and controller "
+     "polls every 0.25 s, as trainapp's runs", None, "{:.3f}"),
+    ("ray_floor", "minimal_cpu_control_ratio", "torchrun / torchrun, the same (noise floor)", None, "{:.3f}"),
+    ("ray_floor", "trainapp_cpu_ratio", "trainapp under Ray Train / torchrun, CPU per step, the same rounds", None,
+     "{:.3f}"),
     ("launchers", "runtime_threads_ms_per_s_ray", "Ray: CPU of Ray's own threads in each training worker (ms/s)",
      None, "{:.1f}"),
     ("launchers", "ray_vs_torchrun_step_ratio", "Ray Train / torchrun, step time, 2 workers sharing 2 cores with "

@@ -58,6 +58,29 @@ def test_launchers_benchmark_smoke(tmp_path):
     assert result["ray_vs_torchrun_step_ratio_spare_core"] > 0 and result["train_cores_ray_spare_core"] < 1.2
 
 
+def test_ray_floor_benchmark_smoke(tmp_path):
+    out = tmp_path / "ray_floor.json"
+    r = run_cmd([sys.executable, str(REPO / "bench" / "ray_floor.py"), "--smoke", "--out", str(out)], timeout=600)
+    assert r.returncode == 0, r.output[-4000:]
+    result = json.loads(out.read_text())
+    assert result["smoke"] is True
+    # The minimal loop ran where each launcher runs training: torchrun's main thread, a thread Ray
+    # Train started; so the Ray runs did run inside Ray Train's workers.
+    assert result["minimal_training_in_main_thread"] == {"torchrun": [True] * 2, "ray": [False] * 2,
+                                                         "ray_report": [False] * 2}  # by rank
+    for key in ("minimal_cpu_ratio", "minimal_cpu_ratio_report", "minimal_cpu_control_ratio",
+                "minimal_thread_cpu_ratio", "trainapp_cpu_ratio", "trainapp_cpu_control_ratio"):
+        assert result[key] > 0 and len(result[f"{key}_per_round"]) == 1, key
+    # Each worker's process CPU covers its training thread and more (gloo's threads, and Ray's).
+    for launcher in ("torchrun", "ray", "ray_report"):
+        assert result[f"minimal_other_threads_ms_per_step_{launcher}"] > 0, launcher
+    # Only the reporting variant reports, and the time in its reports is measured.
+    assert result["minimal_report_ms_ray_report"] > 0
+    assert result["minimal_report_ms_ray"] == result["minimal_report_ms_torchrun"] == 0
+    assert result["variants"] == {"ray": {"report_every": 0, "poll_s": None},
+                                  "ray_report": {"report_every": 10, "poll_s": 0.25}}
+
+
 def test_snapshot_cost_benchmark_smoke(tmp_path):
     out = tmp_path / "snapshot_cost.json"
     r = run_cmd([sys.executable, str(REPO / "bench" / "snapshot_cost.py"), "--smoke", "--out", str(out),
