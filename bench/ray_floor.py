@@ -105,7 +105,8 @@ def floor_loop(cfg: dict) -> None:
             if done == cfg["steps"]:
                 break
         epoch += 1
-    wall, cpu, thread = (now - then for now, then in zip((time.perf_counter(), time.process_time(), time.thread_time()), mark))
+    now = (time.perf_counter(), time.process_time(), time.thread_time())
+    wall, cpu, thread = (b - a for a, b in zip(mark, now))
     n = cfg["steps"] - cfg["warmup"]
     gc.callbacks.remove(on_gc)
     out = {"rank": rank, "step_ms": 1000 * wall / n, "cpu_ms": 1000 * cpu / n, "thread_cpu_ms": 1000 * thread / n,
@@ -173,9 +174,10 @@ class Floor:
         if p.wait(timeout=900) != 0:
             raise RuntimeError(f"floor run failed: {cmd}")
         ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-        return {k: statistics.fmean(r[k] for r in ranks) for k in ("step_ms", "cpu_ms", "thread_cpu_ms", "gc_ms", "report_ms")} | {
-            "main_thread": [r["main_thread"] for r in ranks], "gc_collections": ranks[0]["gc_collections"],
-            "gc_objects": ranks[0]["gc_objects"]}
+        fields = ("step_ms", "cpu_ms", "thread_cpu_ms", "gc_ms", "report_ms")
+        means = {k: statistics.fmean(r[k] for r in ranks) for k in fields}
+        return means | {"main_thread": [r["main_thread"] for r in ranks], "gc_collections": ranks[0]["gc_collections"],
+                        "gc_objects": ranks[0]["gc_objects"]}
 
 
 def main() -> int:
@@ -214,7 +216,8 @@ def main() -> int:
     bench_args.worker_nice = LocalCluster.worker_nice
     bench_args.health_check_period_ms = LocalCluster.health_check_period_ms
     # Each loop's contestants in a round; the first and last (torchrun) are each Ray run's neighbours.
-    order = {"minimal": ("torchrun", *args.variants.split(","), "torchrun"), "trainapp": ("torchrun", "ray", "torchrun")}
+    order = {"minimal": ("torchrun", *args.variants.split(","), "torchrun"),
+             "trainapp": ("torchrun", "ray", "torchrun")}
     if args.no_trainapp:
         del order["trainapp"]
     runs: dict[str, dict[str, list[dict]]] = {loop: {c: [] for c in cs} for loop, cs in order.items()}
@@ -244,7 +247,8 @@ def main() -> int:
                                  f"{run['gc_objects']} objects)" if run["thread_cpu_ms"] else ""),
                               flush=True)
                     (_, first), (_, last) = got[0], got[-1]
-                    for field, key in (("cpu_ms", "cpu_ratio"), ("step_ms", "step_ratio"), ("thread_cpu_ms", "thread_cpu_ratio")):
+                    fields = (("cpu_ms", "cpu_ratio"), ("step_ms", "step_ratio"), ("thread_cpu_ms", "thread_cpu_ratio"))
+                    for field, key in fields:
                         if not first[field]:
                             continue
                         for launcher, run in got[1:-1]:
