@@ -265,6 +265,12 @@ def main() -> int:
     for key, values in ratios.items():
         result[key] = statistics.median(values)
         result[f"{key}_per_round"] = [round(v, 3) for v in values]
+    # trainapp's own cost under Ray, beside Ray Train's floor: per round, trainapp's ratio against the
+    # minimal loop's (bare, and with trainapp's report rate).
+    for suffix in ("", "_report"):
+        pairs = list(zip(ratios.get("trainapp_cpu_ratio", []), ratios.get(f"minimal_cpu_ratio{suffix}", [])))
+        if pairs:
+            result[f"trainapp_vs_minimal{suffix}_cpu_ratio"] = statistics.median(t / m for t, m in pairs)
     for loop, contestants in runs.items():
         for launcher, got in contestants.items():
             # The minimal loop's training thread also times its reports and garbage collections.

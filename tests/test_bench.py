@@ -74,6 +74,7 @@ def test_ray_floor_benchmark_smoke(tmp_path):
     # Each worker's process CPU covers its training thread and more (gloo's threads, and Ray's).
     for launcher in ("torchrun", "ray", "ray_report"):
         assert result[f"minimal_other_threads_ms_per_step_{launcher}"] > 0, launcher
+    assert result["trainapp_vs_minimal_report_cpu_ratio"] > 0  # trainapp against Ray Train's floor
     # Only the reporting variant reports, and the time in its reports is measured.
     assert result["minimal_report_ms_ray_report"] > 0
     assert result["minimal_report_ms_ray"] == result["minimal_report_ms_torchrun"] == 0
