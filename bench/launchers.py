@@ -348,10 +348,11 @@ class Bench:
         subprocess.run(["rm", "-rf", str(self.cluster.dir)], check=False)
 
 
-def _paired(values: list[float]) -> tuple[float, float]:
-    """A round's torchrun, Ray, torchrun values: Ray against the mean of its two neighbours in time,
-    and the second torchrun against the first (the control)."""
-    return values[1] / ((values[0] + values[2]) / 2), values[2] / values[0]
+def paired(values: list[float]) -> tuple[list[float], float]:
+    """A round's torchrun, Ray run(s), torchrun values: each Ray run against the mean of the two
+    torchrun runs around it in time, and the second torchrun against the first (the control)."""
+    first, last = values[0], values[-1]
+    return [v / ((first + last) / 2) for v in values[1:-1]], last / first
 
 
 def _median(values: list[float]) -> float | None:
@@ -456,11 +457,11 @@ def rounds(b: Bench, n: int, workers: int) -> Rounds:
                   f"{run['train_cores'] or 0:.2f}, rest {run['other_cores'] or 0:.2f}; per step and worker: "
                   f"{run['train_cpu_ms_per_step'] or 0:.1f} ms CPU, {run['train_faults_per_step'] or 0:.0f} "
                   f"page faults; launcher threads {run['runtime_threads_ms_per_s'] or 0:.1f} ms/s", flush=True)
-        ratio, control = _paired(medians)
+        (ratio,), control = paired(medians)
         r.ratios.append(ratio)
         r.controls.append(control)
         if all(cpu):
-            ratio, control = _paired(cpu)
+            (ratio,), control = paired(cpu)
             r.cpu_ratios.append(ratio)
             r.cpu_controls.append(control)
         print(f"{workers} worker(s), round {i}: step ray/torchrun {r.ratios[-1]:.3f}, "
@@ -494,7 +495,8 @@ def fault_rounds(b: Bench, n: int) -> dict:
     return out
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
+    """The options, and the defaults of a Bench (bench/ray_floor.py builds its Bench from them)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="one short run per launcher, no faults")
     p.add_argument("--rounds", type=int, default=6, help="rounds of torchrun, Ray, torchrun runs (2 workers)")
@@ -516,7 +518,11 @@ def main() -> int:
     p.add_argument("--health-check-period-ms", type=int, default=LocalCluster.health_check_period_ms,
                    help="how often the GCS checks each raylet (node-death detection)")
     p.add_argument("--out", help="result file (default bench/results/launchers.json)")
-    args = p.parse_args()
+    return p
+
+
+def main() -> int:
+    args = parser().parse_args()
     if args.smoke:
         args.rounds, args.spare_core_rounds, args.steps = 1, 1, 40
     out = Path(args.out or HERE / "results" / ("smoke" if args.smoke else "") / "launchers.json")

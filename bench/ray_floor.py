@@ -36,7 +36,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from launchers import BIN, REPO, Bench  # noqa: E402
+from launchers import BIN, REPO, Bench, paired, parser  # noqa: E402
 from machine import describe  # noqa: E402
 from scratch import scratch  # noqa: E402
 
@@ -59,7 +59,8 @@ def floor_loop(cfg: dict) -> None:
     from trainapp.models import SmallCNN
 
     torch.set_num_threads(1)
-    if not dist.is_initialized():  # torchrun: the environment names the group
+    under_ray = dist.is_initialized()  # Ray Train formed the group; under torchrun the environment names it
+    if not under_ray:
         dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -116,7 +117,7 @@ def floor_loop(cfg: dict) -> None:
            "main_thread": threading.current_thread() is threading.main_thread()}
     Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps(out))
     dist.barrier()
-    if not cfg.get("ray"):
+    if not under_ray:  # Ray Train destroys the group it formed
         dist.destroy_process_group()
 
 
@@ -130,7 +131,7 @@ def ray_driver(cfg: dict, storage: str) -> None:
         from trainapp.ray_compat import HEALTH_CHECK_INTERVAL_S_ENV_VAR
 
         os.environ[HEALTH_CHECK_INTERVAL_S_ENV_VAR] = str(cfg["poll_s"])
-    TorchTrainer(floor_loop, train_loop_config={**cfg, "ray": True},
+    TorchTrainer(floor_loop, train_loop_config=cfg,
                  scaling_config=ScalingConfig(num_workers=cfg["workers"], resources_per_worker={"CPU": 1}),
                  torch_config=TorchConfig(backend="gloo"),
                  run_config=RunConfig(storage_path=storage, name="floor")).fit()
@@ -162,7 +163,8 @@ class Floor:
                "workers": 2, "out": str(out), "report_every": report_every, "poll_s": poll_s}
         script = str(HERE / "ray_floor.py")
         if launcher == "torchrun":
-            cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", script, "--worker", json.dumps(cfg)]
+            cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={cfg['workers']}", script, "--worker",
+                   json.dumps(cfg)]
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
         else:
             cmd = [str(BIN / "ray"), "job", "submit", "--address", self.b.cluster.dashboard_url, "--", "python",
@@ -173,7 +175,7 @@ class Floor:
         self.b.procs.append(p)
         if p.wait(timeout=900) != 0:
             raise RuntimeError(f"floor run failed: {cmd}")
-        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(cfg["workers"])]
         fields = ("step_ms", "cpu_ms", "thread_cpu_ms", "gc_ms", "report_ms")
         means = {k: statistics.fmean(r[k] for r in ranks) for k in fields}
         return means | {"main_thread": [r["main_thread"] for r in ranks], "gc_collections": ranks[0]["gc_collections"],
@@ -209,12 +211,7 @@ def main() -> int:
         args.rounds, args.steps, args.warmup, args.trainapp_steps = 1, 60, 20, 40
     out = Path(args.out or HERE / "results" / ("smoke" if args.smoke else "") / "ray_floor.json")
     # The `launchers` Bench with that benchmark's defaults: its cluster and its trainapp runs.
-    bench_args = argparse.Namespace(smoke=args.smoke, steps=args.trainapp_steps, log_every=10, snapshot_every=10,
-                                    head_nice=None, worker_nice=None, health_check_period_ms=None)
-    from trainapp.ray_local import LocalCluster
-    bench_args.head_nice = LocalCluster.head_nice
-    bench_args.worker_nice = LocalCluster.worker_nice
-    bench_args.health_check_period_ms = LocalCluster.health_check_period_ms
+    bench_args = parser().parse_args(["--steps", str(args.trainapp_steps)] + ["--smoke"] * args.smoke)
     # Each loop's contestants in a round; the first and last (torchrun) are each Ray run's neighbours.
     order = {"minimal": ("torchrun", *args.variants.split(","), "torchrun"),
              "trainapp": ("torchrun", "ray", "torchrun")}
@@ -246,16 +243,13 @@ def main() -> int:
                                  f"the garbage collector (collections by generation {run['gc_collections']}, "
                                  f"{run['gc_objects']} objects)" if run["thread_cpu_ms"] else ""),
                               flush=True)
-                    (_, first), (_, last) = got[0], got[-1]
-                    fields = (("cpu_ms", "cpu_ratio"), ("step_ms", "step_ratio"), ("thread_cpu_ms", "thread_cpu_ratio"))
-                    for field, key in fields:
-                        if not first[field]:
-                            continue
-                        for launcher, run in got[1:-1]:
-                            ratios.setdefault(f"{loop}_{key}{launcher[3:]}", []).append(
-                                run[field] / ((first[field] + last[field]) / 2))
-                        ratios.setdefault(f"{loop}_{key.replace('_ratio', '_control_ratio')}", []).append(
-                            last[field] / first[field])
+                    for field, key in (("cpu_ms", "cpu"), ("step_ms", "step"), ("thread_cpu_ms", "thread_cpu")):
+                        if not got[0][1][field]:
+                            continue  # trainapp's runs have no thread CPU
+                        each, control = paired([run[field] for _, run in got])
+                        for (launcher, _), ratio in zip(got[1:-1], each):
+                            ratios.setdefault(f"{loop}_{key}_ratio{launcher[3:]}", []).append(ratio)
+                        ratios.setdefault(f"{loop}_{key}_control_ratio", []).append(control)
                     print(f"round {i}, {loop} loop: CPU per step " + ", ".join(
                         f"{k.removeprefix(loop + '_')} {v[-1]:.3f}" for k, v in ratios.items()
                         if k.startswith(f"{loop}_cpu")), flush=True)

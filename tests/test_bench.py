@@ -1,7 +1,7 @@
 """The benchmarks keep working: each runs in its tiny smoke mode (numbers are not asserted).
 
 Marker `bench`: `make bench-smoke` runs them (`pytest --bench`), and CI runs that after `make test`,
-which leaves them out (about three minutes of its twenty)."""
+which leaves them out (about five minutes)."""
 
 import json
 import sys
@@ -14,11 +14,17 @@ from trainapp.amp import cpu_has_native_bf16
 pytestmark = [pytest.mark.slow, pytest.mark.bench]
 
 
+def smoke(name: str, tmp_path, *args: str, timeout: int = 300):
+    """Run bench/NAME.py in its smoke mode; (its result, the run). The run must succeed."""
+    out = tmp_path / f"{name}.json"
+    r = run_cmd([sys.executable, str(REPO / "bench" / f"{name}.py"), "--smoke", *args, "--out", str(out)],
+                timeout=timeout)
+    assert r.returncode == 0, r.output[-4000:]
+    return json.loads(out.read_text()), r
+
+
 def test_loop_overhead_benchmark_smoke(tmp_path):
-    out = tmp_path / "loop_overhead.json"
-    r = run_cmd([sys.executable, str(REPO / "bench" / "loop_overhead.py"), "--smoke", "--out", str(out)], timeout=300)
-    assert r.returncode == 0, r.output
-    result = json.loads(out.read_text())
+    result, r = smoke("loop_overhead", tmp_path)
     assert result["smoke"] is True and result["world_size"] == 2
     assert result["loop_overhead_ratio"] > 0 and result["control_ratio"] > 0
     assert len(result["trainapp_step_ms_rounds"]) == len(result["minimal_step_ms_rounds"]) == 1
@@ -30,10 +36,7 @@ def test_loop_overhead_benchmark_smoke(tmp_path):
 
 
 def test_launchers_benchmark_smoke(tmp_path):
-    out = tmp_path / "launchers.json"
-    r = run_cmd([sys.executable, str(REPO / "bench" / "launchers.py"), "--smoke", "--out", str(out)], timeout=600)
-    assert r.returncode == 0, r.output[-4000:]
-    result = json.loads(out.read_text())
+    result, _ = smoke("launchers", tmp_path, timeout=600)
     assert result["smoke"] is True
     assert result["startup_seconds_ray"] > 0 and result["startup_seconds_torchrun"] > 0
     assert result["ray_vs_torchrun_step_ratio"] > 0
@@ -59,10 +62,7 @@ def test_launchers_benchmark_smoke(tmp_path):
 
 
 def test_ray_floor_benchmark_smoke(tmp_path):
-    out = tmp_path / "ray_floor.json"
-    r = run_cmd([sys.executable, str(REPO / "bench" / "ray_floor.py"), "--smoke", "--out", str(out)], timeout=600)
-    assert r.returncode == 0, r.output[-4000:]
-    result = json.loads(out.read_text())
+    result, _ = smoke("ray_floor", tmp_path, timeout=600)
     assert result["smoke"] is True
     # The minimal loop ran where each launcher runs training: torchrun's main thread, a thread Ray
     # Train started; so the Ray runs did run inside Ray Train's workers.
@@ -83,21 +83,15 @@ def test_ray_floor_benchmark_smoke(tmp_path):
 
 
 def test_snapshot_cost_benchmark_smoke(tmp_path):
-    out = tmp_path / "snapshot_cost.json"
-    r = run_cmd([sys.executable, str(REPO / "bench" / "snapshot_cost.py"), "--smoke", "--out", str(out),
-                 "--dir", str(tmp_path)], timeout=300)
-    assert r.returncode == 0, r.output
-    result = json.loads(out.read_text())
+    result, _ = smoke("snapshot_cost", tmp_path, "--dir", str(tmp_path))
     assert result["smoke"] is True and result["async_vs_sync_blocking_ratio"] > 0
     assert result["blocking"]["resnet18"]["state_mb"] > 80  # weights + momentum of 11.7M parameters
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("trainapp-snapcost-")], "left its snapshots"
 
 
 def test_amp_cpu_benchmark_smoke_and_the_summary_table(tmp_path):
-    out = tmp_path / "amp_cpu.json"
-    r = run_cmd([sys.executable, str(REPO / "bench" / "amp_cpu.py"), "--smoke", "--out", str(out)], timeout=300)
-    assert r.returncode == 0, r.output
-    assert json.loads(out.read_text())["bf16_vs_fp32_step_ratio"]["smallcnn"] > 0
+    result, _ = smoke("amp_cpu", tmp_path)
+    assert result["bf16_vs_fp32_step_ratio"]["smallcnn"] > 0
     for name in ("loop_overhead", "launchers"):
         (tmp_path / f"{name}.json").write_text((REPO / "bench" / "results" / f"{name}.json").read_text())
     r = run_cmd([sys.executable, str(REPO / "bench" / "summary.py"), "--results", str(tmp_path)], timeout=60)
@@ -108,10 +102,7 @@ def test_amp_cpu_benchmark_smoke_and_the_summary_table(tmp_path):
 
 
 def test_preempt_benchmark_smoke(tmp_path):
-    out = tmp_path / "preempt.json"
-    r = run_cmd([sys.executable, str(REPO / "bench" / "preempt.py"), "--smoke", "--out", str(out)], timeout=300)
-    assert r.returncode == 0, r.output
-    result = json.loads(out.read_text())
+    result, r = smoke("preempt", tmp_path)
     assert result["smoke"] is True and len(result["runs"]) == 1
     run = result["runs"][0]
     assert 0 < run["preempt_seconds"] < 25 and run["stop_step"] >= 6 and run["snapshot_bytes"] > 0
@@ -122,11 +113,7 @@ def test_preempt_benchmark_smoke(tmp_path):
 def test_hang_benchmark_smoke(tmp_path):
     # torchrun only: the Ray half starts a cluster of its own (a minute and a half), and the Ray hang
     # path is tested in test_ray.py.
-    out = tmp_path / "hang.json"
-    r = run_cmd([sys.executable, str(REPO / "bench" / "hang.py"), "--smoke", "--launchers", "torchrun",
-                 "--out", str(out)], timeout=300)
-    assert r.returncode == 0, r.output[-4000:]
-    result = json.loads(out.read_text())
+    result, _ = smoke("hang", tmp_path, "--launchers", "torchrun")
     assert result["smoke"] is True and result["fault.hang_timeout_s"] == 5.0
     assert result["hang_recovery_seconds_torchrun"] > result["hang_detect_seconds_torchrun"] >= 5.0
     assert set(result["breakdown_seconds"]["torchrun"]) == {"detect", "restart", "resume"}
