@@ -16,6 +16,7 @@ from helpers import QUICK, REPO, inspect, metrics, run_cmd, torchrun, trainapp
 from trainapp import report
 from trainapp.preempt import StopVote
 from trainapp.ray_local import RAY, LocalCluster, free_port, proc_stat
+from trainapp.snapshot import step_of
 
 pytestmark = pytest.mark.slow
 
@@ -148,6 +149,59 @@ def test_sigkilled_ray_worker_costs_at_most_one_snapshot_interval(cluster):
     # The restarted group's start-up phases, for the recovery breakdown (trainapp/timeline.py).
     assert {"worker_process", "worker_setup", "process_group", "built", "loaded"} <= starts[1]["startup"].keys()
     assert killed_at < starts[1]["startup"]["worker_setup"] < starts[1]["startup"]["loaded"] < starts[1]["time"]
+
+
+def _steps_on(storage: Path) -> list[int]:
+    return sorted(step_of(p.name) for p in storage.iterdir() if step_of(p.name) is not None)
+
+
+def test_snapshots_ray_never_registered_resume_a_killed_run_and_are_deleted_once_superseded(cluster):
+    """`ray.report_interval_s` longer than the run: Ray registers only the final snapshot, yet a SIGKILLed
+    worker costs at most one snapshot interval (the restart finds the newest snapshot on storage), at
+    most one snapshot Ray does not know is ever on storage beside the one being renamed into place, and
+    the run resubmits with the same name (Ray's record names no snapshot trainapp deleted)."""
+    name = "unregistered"
+    run_dir = cluster.storage / name
+    proc = submit_background(cluster, name, *LONG, "ray.report_interval_s=1000")
+    most = 0
+    try:
+        deadline = time.monotonic() + 240
+        while not [r for r in metrics(run_dir, "snapshot", missing_ok=True) if r["step"] >= 15]:
+            assert time.monotonic() < deadline, "no snapshot at step 15"
+            most = max(most, len(_steps_on(run_dir)) if run_dir.exists() else 0)
+            time.sleep(0.02)
+        os.kill(ray_worker_pids(cluster)[-1], signal.SIGKILL)
+        while proc.poll() is None:
+            most = max(most, len(_steps_on(run_dir)))
+            time.sleep(0.02)
+    finally:
+        rc, out = finish(proc)
+    assert rc == 0, out[-4000:]
+    before, resumed = _redone(run_dir)
+    assert resumed >= 15 and before - resumed <= 5, (before, resumed)
+    assert 1 <= most <= 2, most
+    assert _steps_on(run_dir) == [40]  # the final one, registered; every unknown one went when it was
+    r = submit(cluster, name, *LONG, "train.max_steps=45", "ray.report_interval_s=1000")
+    assert r.returncode == 0, r.output[-4000:]
+    assert metrics(run_dir, "start")[-1]["resumed_step"] == 40
+    assert _steps_on(run_dir) == [40, 45]  # Ray keeps snapshot.keep=3 of the ones it knows
+
+
+def test_uri_storage_resumes_from_the_newest_uploaded_snapshot_ray_never_registered(cluster, tmp_path):
+    """`ray.storage_path` a file:// URI, no report but the final one: the restart after a SIGKILLed
+    worker lists the store and resumes from the newest snapshot uploaded, not from Ray's (none)."""
+    store, run_dir = tmp_path / "bucket", tmp_path / "run"
+    proc = submit_background(cluster, "uri-unregistered", *LONG, f"ray.storage_path=file://{store}",
+                             f"run.dir={run_dir}", "ray.report_interval_s=1000")
+    try:
+        _wait_for_record(run_dir, "snapshot", lambda r: r["step"] >= 15)
+        os.kill(ray_worker_pids(cluster)[-1], signal.SIGKILL)
+    finally:
+        rc, out = finish(proc)
+    assert rc == 0, out[-4000:]
+    before, resumed = _redone(run_dir)
+    assert resumed >= 15 and before - resumed <= 5, (before, resumed)
+    assert _steps_on(store / "uri-unregistered") == [40]
 
 
 DRILL_DELAY_S = 0.5

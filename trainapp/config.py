@@ -331,13 +331,21 @@ class RaySection:
     lost node is sized for the nodes that are left, so it does not wait this out."""
     health_check_interval_s: float = Field(default=0.25, gt=0)
     """How often Ray Train's controller polls the workers (Ray's default: 2 s). Each poll takes at
-    most one `ray.train.report` per worker and a worker's next report waits for it, so snapshots more
-    often than this stall training; it also bounds how fast a dead worker is noticed."""
+    most one `ray.train.report` per worker and a worker's next report waits for it, so registering
+    snapshots more often than this (`ray.report_interval_s`) stalls training; it also bounds how fast
+    a dead worker is noticed."""
     node_loss_wait_s: float = Field(default=30.0, ge=0)
     """Elastic runs: when a node that hosted workers stops answering, the restart waits up to this
     long for Ray to declare it dead (its GCS health checks; Ray's defaults take about 15 s), so the
     new group is sized for the nodes that are left instead of waiting out
     `worker_group_start_timeout_s` for a worker the lost node can never start. 0: do not wait."""
+    report_interval_s: float = Field(default=5.0, ge=0)
+    """Seconds between registering snapshots with Ray Train (`ray.train.report`, a barrier of every
+    worker through Ray's synchronization actor, with the run's metrics). Snapshots are still written
+    every `snapshot.every_steps`, and a restart resumes from the newest one on storage, registered or
+    not; the final and the drain snapshots are registered at once. A snapshot Ray does not know is
+    deleted once a newer one is on storage (Ray keeps `snapshot.keep` of those it knows). 0: register
+    every snapshot."""
     check_resources: bool = True
     """Refuse to start when the cluster can never hold `ray.num_workers` (min) workers. Turn off on
     autoscaling clusters that grow on demand."""

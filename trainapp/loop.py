@@ -124,7 +124,7 @@ class Trainer:
             drained = self._drain_noticed()  # first: every rank enters the agreed poll, snapshot due or not
             if self.snapshots.due(p.global_step, last) or drained:
                 with meter.paused(), heartbeat.phase("snapshot"), self._timed("snapshot"):
-                    self._save(meter.overall(), final=last)
+                    self._save(meter.overall(), final=last, urgent=drained)
 
     @contextlib.contextmanager
     def _timed(self, phase: str) -> Iterator[None]:
@@ -328,7 +328,7 @@ class Trainer:
         groups = self.parts.optimizer.param_groups
         return next((g["lr"] for g in groups if g["lr_mult"] == 1.0), groups[0]["lr"])
 
-    def _save(self, samples_per_s: float, final: bool = False) -> None:
+    def _save(self, samples_per_s: float, final: bool = False, urgent: bool = False) -> None:
         p = self.parts.progress
         state = self.parts.state.state_dict(self.ctx.is_main)  # every rank: the RNG part gathers all ranks'
         meta = {**state["progress"], "params_sha256": params_sha256(self.parts.model)} if state is not None else None
@@ -339,7 +339,7 @@ class Trainer:
         if self.last_ranks:  # under Ray these go with ray.train.report
             report["ranks"] = [{k: r[k] for k in ("rank", "host", "step_ms", "busy_ms")} for r in self.last_ranks]
         try:
-            self.snapshots.save(self.ctx, p.global_step, state, meta, report, final=final)
+            self.snapshots.save(self.ctx, p.global_step, state, meta, report, final=final, urgent=urgent)
         finally:
             self._record_snapshot_failures()
             if self.board is not None:

@@ -2,8 +2,8 @@
 few differences Ray needs: the worker's environment and signal handlers set before Ray creates the
 process group (`prepare_worker`, in trainapp/ray_setup.py, which imports no torch: Ray Train's
 controller and the driver reference it), snapshots published with `ray.train.report` (RayPublish,
-the snapshot manager's publish step), resume from the shared run directory (or from
-`ray.train.get_checkpoint()` with a URI `ray.storage_path`), and Ray's drain notices as the loop's
+the snapshot manager's publish step), resume from the newest snapshot on storage (a shared directory
+or a URI `ray.storage_path`), and Ray's drain notices as the loop's
 preemption notice. Only the workers import this module (it imports torch), through ray_setup's
 `train_worker` and `comm_worker`.
 """
@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -24,13 +25,18 @@ from typing import Any
 
 from trainapp import config, dist, logs, timeline
 from trainapp.ray_checks import is_uri
-from trainapp.snapshot import SnapshotManager, find_shared, load_state, step_name, verify
+from trainapp.snapshot import (SnapshotError, SnapshotManager, find_shared, list_snapshots, load_state, step_name,
+                               step_of, verify)
+
+log = logging.getLogger(__name__)
 
 
 class RayPublish:
-    """The publish step of snapshots under Ray Train: every rank calls `ray.train.report` at the same
-    steps (it is a barrier across workers), rank 0 with the snapshot as a checkpoint. The directory
-    format is the local one, so one format serves every launcher.
+    """The publish step of snapshots under Ray Train: `ray.train.report` registers a snapshot with Ray
+    as a checkpoint. A report is a barrier of every worker through Ray Train's synchronization actor,
+    so every rank reports at the same snapshots: about every `ray.report_interval_s` (rank 0's clock,
+    agreed in the manager's broadcast), and at once for the final and the drain snapshots. The
+    directory format is the local one, so one format serves every launcher.
 
     Ray only ever registers a snapshot trainapp has put in place (`NO_UPLOAD`), never uploads one:
     on a filesystem path rank 0 writes it there atomically, as under torchrun (an upload from a local
@@ -39,14 +45,21 @@ class RayPublish:
     (counted against `snapshot.max_failures`, nothing partial left), not an error inside
     `ray.train.report` that ends the run and leaves the worker's report sequence broken.
 
-    With `snapshot.async` the write (and upload) runs in the snapshot writer's thread, and the snapshot
-    is registered with the next report, one interval later (or by `flush` at the end of the run or a
+    A snapshot written between reports is on storage but unknown to Ray. A restart resumes from the
+    newest snapshot on storage all the same (`find` lists the storage, a path or a URI). Rank 0
+    deletes each unknown one once a newer one is complete, and never one Ray knows: Ray deletes those
+    itself (`CheckpointConfig(num_to_keep=snapshot.keep)`), and refuses to resume a run whose record
+    names a checkpoint that is gone.
+
+    With `snapshot.async` the write (and upload) runs in the snapshot writer's thread; a report
+    registers the newest snapshot complete by then (`flush` the last one, at the end of the run or a
     stop): Ray must not register what is not on storage yet.
     """
 
-    def __init__(self, uri: str | None, async_write: bool, name: str):
+    def __init__(self, uri: str | None, async_write: bool, name: str, report_s: float = 0.0):
         self.uri = uri
         self.background = async_write
+        self.report_s = report_s
         self.fs = None
         if uri is not None:
             from pyarrow.fs import FileSystem
@@ -54,8 +67,11 @@ class RayPublish:
             self.fs, base = FileSystem.from_uri(uri)
             self.experiment = f"{base.rstrip('/')}/{name}"  # the path on `fs`
             self.shown = f"{uri.rstrip('/')}/{name}"  # the same as a URI, for messages
-        self.pending: tuple[int, Path | str] | None = None
-        """Rank 0, background writes: the snapshot written since the last report, not yet registered."""
+        self.reported_t = time.monotonic()
+        self.lock = threading.Lock()
+        self.unknown: list[tuple[int, str]] = []
+        """Rank 0: (step, where) of the complete snapshots Ray does not know, oldest first (appended by
+        whichever thread wrote them)."""
         self.last_metrics: dict[str, Any] = {}
 
     def root(self, run_dir: Path) -> Path:
@@ -67,10 +83,10 @@ class RayPublish:
         return Path(tempfile.gettempdir()) / f"trainapp-snap-{uuid.uuid4().hex[:12]}"  # uploaded in `written`
 
     def written(self, manager: SnapshotManager, step: int, path: Path) -> Path | str:
-        manager.sweep_leftovers()  # Ray keeps `snapshot.keep` checkpoints (CheckpointConfig) and deletes the rest
+        manager.sweep_leftovers()
         where = self._upload(step, path) if self.uri is not None else path
-        if self.background:
-            self.pending = (step, where)  # read by the training thread after it joined this writer
+        with self.lock:
+            self.unknown.append((step, str(where)))
         return where
 
     def _upload(self, step: int, path: Path) -> str:
@@ -92,45 +108,109 @@ class RayPublish:
         return dest
 
     def make_room(self, manager: SnapshotManager) -> int:
-        return 0  # Ray owns its checkpoints' retention: deleting them under it would confuse its bookkeeping
+        return self._keep_newest_unknown()  # Ray owns the retention of the snapshots it knows
+
+    def _keep_newest_unknown(self) -> int:
+        """Rank 0: deletes the snapshots Ray does not know but the newest; how many."""
+        with self.lock:
+            doomed, self.unknown = self.unknown[:-1], self.unknown[-1:]
+        self._delete(doomed)
+        return len(doomed)
 
     def destination(self, manager: SnapshotManager) -> tuple[str, str]:
         return (self.shown if self.uri is not None else str(manager.root)), "ray.storage_path"
 
-    def publish(self, ctx, step: int, path: Path | str | None, metrics: dict[str, Any]) -> None:
+    def due(self) -> bool:
+        return time.monotonic() - self.reported_t >= self.report_s
+
+    def publish(self, ctx, step: int, path: Path | str | None, metrics: dict[str, Any], now: bool) -> None:
         self.last_metrics = metrics
-        self._report(ctx, step, path, metrics)
+        if now:
+            self._report(ctx, metrics)
+        elif ctx.is_main:
+            self._keep_newest_unknown()
 
     def flush(self, ctx) -> None:
         if self.background:  # every rank: one more report, registering the last background write
-            self._report(ctx, None, None, self.last_metrics)
+            self._report(ctx, self.last_metrics)
 
-    def _report(self, ctx, step: int | None, path: Path | str | None, metrics: dict[str, Any]) -> None:
+    def _report(self, ctx, metrics: dict[str, Any]) -> None:
+        """Every rank; rank 0 registers the newest complete snapshot Ray does not know, if any, and
+        deletes the older unknown ones after Ray has it."""
         import ray.train
         from ray.train import Checkpoint, CheckpointUploadMode
 
-        if path is None and self.pending is not None and ctx.is_main:
-            (step, path), self.pending = self.pending, None
+        newest, doomed = None, []
+        if ctx.is_main:
+            with self.lock:
+                if self.unknown:
+                    newest, doomed, self.unknown = self.unknown[-1], self.unknown[:-1], []
         ckpt = None
-        if path is not None:
-            ckpt = Checkpoint(str(path), filesystem=self.fs) if self.fs is not None else Checkpoint.from_directory(path)
+        if newest is not None:
+            where = newest[1]
+            ckpt = Checkpoint(where, filesystem=self.fs) if self.fs is not None else Checkpoint.from_directory(where)
         ray.train.report(metrics, checkpoint=ckpt, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
-                         checkpoint_dir_name=step_name(step) if step is not None else None)
+                         checkpoint_dir_name=step_name(newest[0]) if newest is not None else None)
+        self.reported_t = time.monotonic()
+        self._delete(doomed)
+
+    def _delete(self, doomed: list[tuple[int, str]]) -> None:
+        for step, where in doomed:
+            if self.fs is not None:
+                with contextlib.suppress(OSError):
+                    self.fs.delete_dir(where)
+            else:
+                shutil.rmtree(where, ignore_errors=True)
+            log.debug("snapshot step=%d deleted (newer one on storage; Ray never registered it)", step)
+
+    def _listed(self, manager: SnapshotManager) -> list[tuple[int, str]]:
+        """(step, where) of every snapshot on storage, oldest first."""
+        if self.fs is None:
+            return [(step_of(p.name), str(p)) for p in list_snapshots(manager.root)]
+        from pyarrow.fs import FileSelector, FileType
+
+        infos = self.fs.get_file_info(FileSelector(self.experiment, allow_not_found=True))
+        return sorted((step_of(i.base_name), i.path) for i in infos
+                      if i.type == FileType.Directory and step_of(i.base_name) is not None)
 
     def find(self, ctx, manager: SnapshotManager) -> tuple[str, dict[str, Any]] | None:
-        if self.uri is None:
-            # On a shared filesystem the directory is the truth: Ray registers a reported checkpoint
-            # only when its controller next polls, so a worker lost right after a report can leave
-            # Ray's newest checkpoint one snapshot behind what is safely on disk.
-            return find_shared(ctx, manager.root)
+        """The newest valid snapshot on storage (rank 0 chooses, every rank loads it). Rank 0 also takes
+        the snapshots newer than Ray's newest as unknown to Ray: a run killed between reports left them."""
         import ray.train
 
-        ckpt = ray.train.get_checkpoint()
-        if ckpt is None:
+        if ctx.is_main:
+            listed = self._listed(manager)
+            known = ray.train.get_checkpoint()
+            newest_known = step_of(Path(known.path).name) if known is not None else -1
+            if newest_known is not None:  # a checkpoint trainapp did not name: take nothing for unknown
+                self.unknown = [(step, where) for step, where in listed if step > newest_known]
+        if self.uri is None:
+            return find_shared(ctx, manager.root)
+        from ray.train import Checkpoint
+
+        chosen = dist.broadcast_object(ctx, self._newest_valid(listed) if ctx.is_main else None)
+        if chosen is None:
             return None
-        with ckpt.as_directory() as d:
-            verify(Path(d))
-            return ckpt.path, load_state(Path(d))
+        with Checkpoint(chosen, filesystem=self.fs).as_directory() as d:
+            return chosen, load_state(Path(d))
+
+    def _newest_valid(self, listed: list[tuple[int, str]]) -> str | None:
+        """Rank 0, URI storage: the newest snapshot that verifies (a download each), as `newest_valid`."""
+        from ray.train import Checkpoint
+
+        problems = []
+        for _, where in reversed(listed):
+            try:
+                with Checkpoint(where, filesystem=self.fs).as_directory() as d:
+                    verify(Path(d))
+                return where
+            except SnapshotError as e:
+                problems.append(str(e))
+                log.warning("skipping snapshot: %s; falling back to the previous one", e)
+        if listed:
+            raise config.ConfigError(f"{self.shown}: {len(listed)} snapshot(s) but none is valid ({problems[0]}); "
+                                     "move them away to start over")
+        return None
 
 
 class RayDrainNotice:
@@ -168,7 +248,8 @@ def train_worker(payload: dict[str, Any]) -> None:
     ctx = dist.setup(cfg.dist.timeout_s)  # adopts the group Ray created
     logs.setup(ctx.rank, ctx.world_size)
     uri = cfg.ray.storage_path if is_uri(cfg.ray.storage_path) else None
-    snapshots = SnapshotManager.from_config(cfg, RayPublish(uri, async_write=cfg.snapshot.async_, name=cfg.ray.name))
+    publish = RayPublish(uri, async_write=cfg.snapshot.async_, name=cfg.ray.name, report_s=cfg.ray.report_interval_s)
+    snapshots = SnapshotManager.from_config(cfg, publish)
     notice = RayDrainNotice() if cfg.preempt.ray_poll_s else None
     try:
         loop.train(cfg, ctx, snapshots, notice)

@@ -83,6 +83,12 @@ def step_name(step: int) -> str:
     return f"step_{step:09d}"
 
 
+def step_of(name: str) -> int | None:
+    """The step a snapshot directory's name stands for (`step_000000123`: 123); None for other names."""
+    m = _NAME.match(name)
+    return int(m.group(1)) if m else None
+
+
 def tensors_sha256(state: dict[str, torch.Tensor]) -> str:
     """sha256 over the raw bytes of every tensor, in sorted key order."""
     h = hashlib.sha256()
@@ -255,9 +261,13 @@ class Publish(Protocol):
     def destination(self, manager: SnapshotManager) -> tuple[str, str]:
         """(where snapshots go, the setting that names it), for the one line of a storage error."""
 
-    def publish(self, ctx, step: int, path: Path | str | None, metrics: dict[str, Any]) -> None:
+    def due(self) -> bool:
+        """Rank 0, at a snapshot: whether `publish` should make it count now (the manager broadcasts
+        the answer, so every rank publishes at the same snapshots)."""
+
+    def publish(self, ctx, step: int, path: Path | str | None, metrics: dict[str, Any], now: bool) -> None:
         """On every rank after rank 0's write (`path`, from `written`: None on other ranks, for background
-        writes and when the write failed)."""
+        writes and when the write failed); `now`: the agreed answer of `due`."""
 
     def flush(self, ctx) -> None:
         """Every rank, once the last write is on storage (the end of a run, a stop): make it count too."""
@@ -290,7 +300,10 @@ class LocalPublish:
     def flush(self, ctx) -> None:
         pass  # the rename published it
 
-    def publish(self, ctx, step: int, path: Path | str | None, metrics: dict[str, Any]) -> None:
+    def due(self) -> bool:
+        return True
+
+    def publish(self, ctx, step: int, path: Path | str | None, metrics: dict[str, Any], now: bool) -> None:
         pass  # the rename published it; the other ranks waited for rank 0 in the manager's `agree`
 
     def find(self, ctx, manager: SnapshotManager) -> tuple[str, dict[str, Any]] | None:
@@ -349,17 +362,19 @@ class SnapshotManager:
         return self.publish.find(ctx, self)
 
     def save(self, ctx, step: int, state: dict[str, Any] | None, meta: dict[str, Any] | None,
-             metrics: dict[str, Any], final: bool = False) -> None:
-        """Every rank calls this; rank 0 passes the state and writes it, then every rank publishes.
+             metrics: dict[str, Any], final: bool = False, urgent: bool = False) -> None:
+        """Every rank calls this; rank 0 passes the state and writes it, then every rank publishes
+        (at once when `final` or `urgent`, a drain notice's snapshot; else when the publish step says so).
 
         A storage error drops this snapshot and training goes on; StorageError on every rank after
         `max_failures` in a row, or when the `final` snapshot fails (the run's last, or a preemption's)."""
         t0 = time.perf_counter()
         path = None
+        now = final or urgent or (ctx.is_main and self.publish.due())
         if self.async_write and self.publish.background:
             if ctx.is_main:
                 self.wait()  # the previous write's outcome is counted now
-            self.agree(ctx, final=False)  # stop before starting one write too many
+            now = self.agree(ctx, final=False, now=now)  # stop before starting one write too many
             if ctx.is_main:
                 copy = self._staging = cpu_copy(state, into=self._staging)
                 self._pending = threading.Thread(target=self._write_in_background, args=(step, copy, meta),
@@ -368,8 +383,8 @@ class SnapshotManager:
         else:
             if ctx.is_main:
                 path = self._attempt(step, state, meta)
-            self.agree(ctx, final=final)
-        self.publish.publish(ctx, step, path, metrics)
+            now = self.agree(ctx, final=final, now=now)
+        self.publish.publish(ctx, step, path, metrics, now)
         self.last_blocking_s = time.perf_counter() - t0
 
     def finish(self, ctx) -> None:
@@ -405,16 +420,18 @@ class SnapshotManager:
         self.last_written = path
         return path
 
-    def agree(self, ctx, final: bool) -> None:
-        """Every rank: rank 0's verdict on the snapshots so far; StorageError everywhere when it is fatal."""
+    def agree(self, ctx, final: bool, now: bool = True) -> bool:
+        """Every rank: rank 0's verdict on the snapshots so far, StorageError everywhere when it is
+        fatal; else rank 0's `now` (whether to publish this snapshot now), the same on every rank."""
         from trainapp import dist
 
         fatal = None
         if ctx.is_main and self._last is not None and (final or self.failures >= self.max_failures):
             fatal = self._fatal_message(final)
-        fatal = dist.broadcast_object(ctx, fatal)
+        fatal, now = dist.broadcast_object(ctx, (fatal, now))
         if fatal:
             raise StorageError(fatal)
+        return now
 
     def _fatal_message(self, final: bool) -> str:
         step, e = self._last
