@@ -15,11 +15,15 @@ records). A round runs torchrun, the Ray run(s), torchrun for each loop (the min
 even rounds, trainapp first in odd ones); each Ray run is compared with the mean of the two torchrun
 runs around it, the second torchrun with the first is the noise floor, and each ratio is the median
 over rounds. The minimal loop's Ray runs are VARIANTS (`--variants`): by default the bare loop and
-the loop with a report every 10 steps at trainapp's poll interval.
+the loop with a report every 10 steps at trainapp's poll interval. trainapp's are TRAINAPP_VARIANTS
+(`--trainapp-variants`): by default its defaults, which register a snapshot with Ray about every
+`ray.report_interval_s`; `ray_every` registers every snapshot (10 steps), the rate of the minimal
+loop's `ray_report`.
 
     python bench/ray_floor.py            # writes bench/results/ray_floor.json
     python bench/ray_floor.py --smoke    # one short round
     python bench/ray_floor.py --no-trainapp --variants ray,ray_poll,ray_report,ray_report50
+    python bench/ray_floor.py --no-minimal --trainapp-variants ray,ray_every
 """
 
 from __future__ import annotations
@@ -147,6 +151,12 @@ VARIANTS = {
     "ray_report50": (50, 0.25),  # a report every 50 steps, as trainapp's default snapshot interval
 }
 
+# trainapp's Ray runs: their overrides of the `launchers` config.
+TRAINAPP_VARIANTS = {
+    "ray": (),  # trainapp's defaults: a snapshot registered with Ray about every ray.report_interval_s
+    "ray_every": ("ray.report_interval_s=0",),  # every snapshot registered
+}
+
 
 class Floor:
     """The minimal loop's runs, on the cluster of a `launchers` Bench."""
@@ -191,7 +201,10 @@ def main() -> int:
     p.add_argument("--trainapp-steps", type=int, default=400, help="steps of a trainapp run")
     p.add_argument("--variants", default="ray,ray_report",
                    help=f"the minimal loop's Ray runs in a round, comma-separated, of: {', '.join(VARIANTS)}")
+    p.add_argument("--trainapp-variants", default="ray",
+                   help=f"trainapp's Ray runs in a round, comma-separated, of: {', '.join(TRAINAPP_VARIANTS)}")
     p.add_argument("--no-trainapp", action="store_true", help="the minimal loop only")
+    p.add_argument("--no-minimal", action="store_true", help="trainapp only")
     p.add_argument("--out", help="result file (default bench/results/ray_floor.json)")
     # Internal: a minimal worker under torchrun, and the Ray job's driver.
     p.add_argument("--worker", metavar="CFG", help=argparse.SUPPRESS)
@@ -204,9 +217,13 @@ def main() -> int:
     if args.driver:
         ray_driver(json.loads(args.driver), args.storage)
         return 0
-    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
-    if unknown:
-        p.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    for option, given, known in (("--variants", args.variants, VARIANTS),
+                                 ("--trainapp-variants", args.trainapp_variants, TRAINAPP_VARIANTS)):
+        unknown = [v for v in given.split(",") if v not in known]
+        if unknown:
+            p.error(f"{option}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
+    if args.no_trainapp and args.no_minimal:
+        p.error("--no-trainapp and --no-minimal: nothing left to run; drop one")
     if args.smoke:
         args.rounds, args.steps, args.warmup, args.trainapp_steps = 1, 60, 20, 40
     out = Path(args.out or HERE / "results" / ("smoke" if args.smoke else "") / "ray_floor.json")
@@ -214,9 +231,10 @@ def main() -> int:
     bench_args = parser().parse_args(["--steps", str(args.trainapp_steps)] + ["--smoke"] * args.smoke)
     # Each loop's contestants in a round; the first and last (torchrun) are each Ray run's neighbours.
     order = {"minimal": ("torchrun", *args.variants.split(","), "torchrun"),
-             "trainapp": ("torchrun", "ray", "torchrun")}
-    if args.no_trainapp:
-        del order["trainapp"]
+             "trainapp": ("torchrun", *args.trainapp_variants.split(","), "torchrun")}
+    for loop in ("trainapp", "minimal"):
+        if getattr(args, f"no_{loop}"):
+            del order[loop]
     runs: dict[str, dict[str, list[dict]]] = {loop: {c: [] for c in cs} for loop, cs in order.items()}
     ratios: dict[str, list[float]] = {}
     with scratch("ta-bench-floor-") as tmp:
@@ -231,7 +249,8 @@ def main() -> int:
                         if loop == "minimal":
                             run = floor.run(launcher, f"{i}{j}")
                         else:
-                            plain = b.plain_run(launcher, f"{i}{j}")
+                            plain = b.plain_run("ray" if launcher in TRAINAPP_VARIANTS else launcher, f"{i}{j}", 2,
+                                                *TRAINAPP_VARIANTS.get(launcher, ()))
                             run = {"cpu_ms": plain["train_cpu_ms_per_step"],
                                    "step_ms": 1000 * statistics.median(plain["steps"]), "thread_cpu_ms": None}
                         runs[loop][launcher].append(run)
@@ -272,13 +291,17 @@ def main() -> int:
                 values = [r[field] for r in got if r.get(field) is not None]
                 if values:
                     result[f"{loop}_{field}_{launcher}"] = statistics.median(values)
-    for launcher in order["minimal"][:-1]:
+    for launcher in order.get("minimal", ())[:-1]:
         # CPU outside the training thread (gloo's threads; in a Ray worker also Ray's own).
         if f"minimal_thread_cpu_ms_{launcher}" in result:
             result[f"minimal_other_threads_ms_per_step_{launcher}"] = (
                 result[f"minimal_cpu_ms_{launcher}"] - result[f"minimal_thread_cpu_ms_{launcher}"])
-    result["minimal_training_in_main_thread"] = {l: runs["minimal"][l][0]["main_thread"] for l in order["minimal"]}
-    result["variants"] = {v: {"report_every": VARIANTS[v][0], "poll_s": VARIANTS[v][1]} for v in order["minimal"][1:-1]}
+    if "minimal" in order:
+        result["minimal_training_in_main_thread"] = {l: runs["minimal"][l][0]["main_thread"] for l in order["minimal"]}
+        result["variants"] = {v: {"report_every": VARIANTS[v][0], "poll_s": VARIANTS[v][1]}
+                              for v in order["minimal"][1:-1]}
+    if "trainapp" in order:
+        result["trainapp_variants"] = {v: list(TRAINAPP_VARIANTS[v]) for v in order["trainapp"][1:-1]}
     result.update({"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
                    "trainapp_steps": args.trainapp_steps, "workers": 2, "threads_per_worker": 1,
                    "smoke": args.smoke, "machine": describe(), "date": time.strftime("%Y-%m-%d"),

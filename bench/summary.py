@@ -32,7 +32,7 @@ ROWS = [
     ("ray_floor", "minimal_cpu_ratio", "a minimal DDP loop in a bare TorchTrainer / under torchrun, CPU per step "
      "(what Ray Train costs any loop)", None, "{:.3f}"),
     ("ray_floor", "minimal_cpu_ratio_report", "the same with a `ray.train.report` every 10 steps and controller "
-     "polls every 0.25 s, as trainapp's runs", None, "{:.3f}"),
+     "polls every 0.25 s, as trainapp's runs before `ray.report_interval_s`", None, "{:.3f}"),
     ("ray_floor", "minimal_cpu_control_ratio", "torchrun / torchrun, the same (noise floor)", None, "{:.3f}"),
     ("ray_floor", "trainapp_cpu_ratio", "trainapp under Ray Train / torchrun, CPU per step, the same rounds", None,
      "{:.3f}"),
