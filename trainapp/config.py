@@ -1,13 +1,11 @@
 """Run configuration: dataclass sections, a YAML file, and `section.key=value` overrides.
 
-Precedence, written down once: command-line overrides > the `--config` YAML file > the defaults
-below. With no `--config` the defaults are the built-in run that `make run` uses.
-
-Validation is pydantic's (unknown keys, wrong types, ranges); cross-field checks live in each
-section's `__post_init__`. Every problem becomes a `ConfigError` whose message is one line naming
-the key, the value and what is expected, e.g. `train.grad_accum=0: must be >= 1`.
-
-This module imports neither torch nor ray, so a bad command line fails in a fraction of a second.
+Precedence: command-line overrides > the `--config` YAML file > the defaults below (with no
+`--config`, the built-in run that `make run` uses). Validation is pydantic's (unknown keys, wrong
+types, ranges); cross-field checks live in each section's `__post_init__`. Every problem becomes a
+`ConfigError` whose message is one line naming the key, the value and what is expected, e.g.
+`train.grad_accum=0: must be >= 1`. This module imports neither torch nor ray, so a bad command
+line fails in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -330,22 +328,16 @@ class RaySection:
     workers when elastic). Ray's default is 60 s. With `ray.node_loss_wait_s` the restart after a
     lost node is sized for the nodes that are left, so it does not wait this out."""
     health_check_interval_s: float = Field(default=0.25, gt=0)
-    """How often Ray Train's controller polls the workers (Ray's default: 2 s). Each poll takes at
-    most one `ray.train.report` per worker and a worker's next report waits for it, so registering
-    snapshots more often than this (`ray.report_interval_s`) stalls training; it also bounds how fast
-    a dead worker is noticed."""
+    """How often Ray Train's controller polls the workers (Ray's default: 2 s). Each poll takes at most
+    one `ray.train.report` per worker and the next report waits for it, so reports more often than
+    this stall training; it also bounds how fast a dead worker is noticed."""
     node_loss_wait_s: float = Field(default=30.0, ge=0)
-    """Elastic runs: when a node that hosted workers stops answering, the restart waits up to this
-    long for Ray to declare it dead (its GCS health checks; Ray's defaults take about 15 s), so the
-    new group is sized for the nodes that are left instead of waiting out
-    `worker_group_start_timeout_s` for a worker the lost node can never start. 0: do not wait."""
+    """Elastic runs: when a node that hosted workers stops answering, the restart waits up to this long
+    for Ray to declare it dead (its GCS health checks; about 15 s by Ray's defaults), so the new group
+    fits the nodes left instead of waiting out `worker_group_start_timeout_s`. 0: do not wait."""
     report_interval_s: float = Field(default=5.0, ge=0)
-    """Seconds between registering snapshots with Ray Train (`ray.train.report`, a barrier of every
-    worker through Ray's synchronization actor, with the run's metrics). Snapshots are still written
-    every `snapshot.every_steps`, and a restart resumes from the newest one on storage, registered or
-    not; the final and the drain snapshots are registered at once. A snapshot Ray does not know is
-    deleted once a newer one is on storage (Ray keeps `snapshot.keep` of those it knows). 0: register
-    every snapshot."""
+    """Seconds between registering snapshots with Ray (`ray.train.report`, a barrier); a restart resumes
+    from the newest snapshot on storage, registered or not. 0: every snapshot (docs/ray.md)."""
     check_resources: bool = True
     """Refuse to start when the cluster can never hold `ray.num_workers` (min) workers. Turn off on
     autoscaling clusters that grow on demand."""

@@ -85,8 +85,7 @@ def step_name(step: int) -> str:
 
 def step_of(name: str) -> int | None:
     """The step a snapshot directory's name stands for (`step_000000123`: 123); None for other names."""
-    m = _NAME.match(name)
-    return int(m.group(1)) if m else None
+    return int(m.group(1)) if (m := _NAME.match(name)) else None
 
 
 def tensors_sha256(state: dict[str, torch.Tensor]) -> str:
@@ -225,11 +224,8 @@ def find_shared(ctx, root: Path) -> tuple[str, dict[str, Any]] | None:
     chooses, every rank loads that one. None to start fresh."""
     from trainapp import dist
 
-    found = None
-    if ctx.is_main:
-        hit = newest_valid(root)
-        found = str(hit[0]) if hit else None
-    found = dist.broadcast_object(ctx, found)
+    hit = newest_valid(root) if ctx.is_main else None
+    found = dist.broadcast_object(ctx, str(hit[0]) if hit else None)
     if found is None:
         return None
     try:
@@ -262,8 +258,7 @@ class Publish(Protocol):
         """(where snapshots go, the setting that names it), for the one line of a storage error."""
 
     def due(self) -> bool:
-        """Rank 0, at a snapshot: whether `publish` should make it count now (the manager broadcasts
-        the answer, so every rank publishes at the same snapshots)."""
+        """Rank 0, at a snapshot: whether to publish it now (broadcast: every rank publishes at the same ones)."""
 
     def publish(self, ctx, step: int, path: Path | str | None, metrics: dict[str, Any], now: bool) -> None:
         """On every rank after rank 0's write (`path`, from `written`: None on other ranks, for background
@@ -363,8 +358,8 @@ class SnapshotManager:
 
     def save(self, ctx, step: int, state: dict[str, Any] | None, meta: dict[str, Any] | None,
              metrics: dict[str, Any], final: bool = False, urgent: bool = False) -> None:
-        """Every rank calls this; rank 0 passes the state and writes it, then every rank publishes
-        (at once when `final` or `urgent`, a drain notice's snapshot; else when the publish step says so).
+        """Every rank calls this; rank 0 passes the state and writes it; every rank publishes it if `final`,
+        `urgent` (a drain notice's) or `publish.due()`.
 
         A storage error drops this snapshot and training goes on; StorageError on every rank after
         `max_failures` in a row, or when the `final` snapshot fails (the run's last, or a preemption's)."""
@@ -421,8 +416,7 @@ class SnapshotManager:
         return path
 
     def agree(self, ctx, final: bool, now: bool = True) -> bool:
-        """Every rank: rank 0's verdict on the snapshots so far, StorageError everywhere when it is
-        fatal; else rank 0's `now` (whether to publish this snapshot now), the same on every rank."""
+        """Every rank: rank 0's verdict on the snapshots so far (StorageError everywhere when fatal) and its `now`."""
         from trainapp import dist
 
         fatal = None
