@@ -524,7 +524,9 @@ def parser() -> argparse.ArgumentParser:
 def main() -> int:
     args = parser().parse_args()
     if args.smoke:
-        args.rounds, args.spare_core_rounds, args.steps = 1, 1, 40
+        # 120 steps: a steady window of a few seconds, long enough for the Ray worker's main thread (about
+        # 7 ms of CPU a second) to show in /proc's 10 ms ticks now that a run reports about once in 5 s.
+        args.rounds, args.spare_core_rounds, args.steps = 1, 1, 120
     out = Path(args.out or HERE / "results" / ("smoke" if args.smoke else "") / "launchers.json")
     with scratch("ta-bench-") as tmp:
         b = Bench(args, Path(tmp))

@@ -62,8 +62,11 @@ def test_launchers_benchmark_smoke(tmp_path):
 
 
 def test_ray_floor_benchmark_smoke(tmp_path):
-    result, _ = smoke("ray_floor", tmp_path, timeout=600)
+    result, _ = smoke("ray_floor", tmp_path, "--trainapp-variants", "ray,ray_every", timeout=600)
     assert result["smoke"] is True
+    # trainapp under Ray twice a round: its defaults, and every snapshot registered with Ray.
+    assert result["trainapp_variants"] == {"ray": [], "ray_every": ["ray.report_interval_s=0"]}
+    assert result["trainapp_cpu_ratio_every"] > 0 and len(result["trainapp_cpu_ratio_every_per_round"]) == 1
     # The minimal loop ran where each launcher runs training: torchrun's main thread, a thread Ray
     # Train started; so the Ray runs did run inside Ray Train's workers.
     assert result["minimal_training_in_main_thread"] == {"torchrun": [True] * 2, "ray": [False] * 2,
