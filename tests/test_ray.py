@@ -16,7 +16,7 @@ from helpers import QUICK, REPO, inspect, metrics, run_cmd, torchrun, trainapp
 from trainapp import report
 from trainapp.preempt import StopVote
 from trainapp.ray_local import RAY, LocalCluster, free_port, proc_stat
-from trainapp.snapshot import step_of
+from trainapp.snapshot import list_snapshots, step_of
 
 pytestmark = pytest.mark.slow
 
@@ -152,34 +152,34 @@ def test_sigkilled_ray_worker_costs_at_most_one_snapshot_interval(cluster):
 
 
 def _steps_on(storage: Path) -> list[int]:
-    return sorted(step_of(p.name) for p in storage.iterdir() if step_of(p.name) is not None)
+    return [step_of(p.name) for p in list_snapshots(storage)]
 
 
 def test_snapshots_ray_never_registered_resume_a_killed_run_and_are_deleted_once_superseded(cluster):
-    """`ray.report_interval_s` longer than the run: Ray registers only the final snapshot, yet a SIGKILLed
-    worker costs at most one snapshot interval (the restart finds the newest snapshot on storage), at
-    most one snapshot Ray does not know is ever on storage beside the one being renamed into place, and
-    the run resubmits with the same name (Ray's record names no snapshot trainapp deleted)."""
+    """`ray.report_interval_s` longer than the run: Ray registers only the final snapshot. With the
+    workers frozen (SIGSTOP) after a snapshot, storage holds that one and at most the next, being
+    written: every older one Ray never knew is gone. A SIGKILLed worker then costs at most one snapshot
+    interval (the restart finds the newest snapshot on storage), and the run resubmits with the same
+    name (Ray's record names no snapshot trainapp deleted)."""
     name = "unregistered"
     run_dir = cluster.storage / name
     proc = submit_background(cluster, name, *LONG, "ray.report_interval_s=1000")
-    most = 0
     try:
-        deadline = time.monotonic() + 240
-        while not [r for r in metrics(run_dir, "snapshot", missing_ok=True) if r["step"] >= 15]:
-            assert time.monotonic() < deadline, "no snapshot at step 15"
-            most = max(most, len(_steps_on(run_dir)) if run_dir.exists() else 0)
-            time.sleep(0.02)
-        os.kill(ray_worker_pids(cluster)[-1], signal.SIGKILL)
-        while proc.poll() is None:
-            most = max(most, len(_steps_on(run_dir)))
-            time.sleep(0.02)
+        _wait_for_record(run_dir, "snapshot", lambda r: r["step"] >= 15)
+        pids = ray_worker_pids(cluster)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        newest = max(r["step"] for r in metrics(run_dir, "snapshot"))  # written after older ones went
+        frozen = _steps_on(run_dir)
+        os.kill(pids[-1], signal.SIGKILL)
+        for pid in pids[:-1]:
+            os.kill(pid, signal.SIGCONT)
     finally:
         rc, out = finish(proc)
     assert rc == 0, out[-4000:]
+    assert frozen and set(frozen) <= {newest, newest + 5}, (frozen, newest)
     before, resumed = _redone(run_dir)
-    assert resumed >= 15 and before - resumed <= 5, (before, resumed)
-    assert 1 <= most <= 2, most
+    assert resumed >= max(frozen) and before - resumed <= 5, (before, resumed, frozen)
     assert _steps_on(run_dir) == [40]  # the final one, registered; every unknown one went when it was
     r = submit(cluster, name, *LONG, "train.max_steps=45", "ray.report_interval_s=1000")
     assert r.returncode == 0, r.output[-4000:]

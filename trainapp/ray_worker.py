@@ -25,8 +25,7 @@ from typing import Any
 
 from trainapp import config, dist, logs, timeline
 from trainapp.ray_checks import is_uri
-from trainapp.snapshot import (SnapshotError, SnapshotManager, find_shared, list_snapshots, load_state, step_name,
-                               step_of, verify)
+from trainapp.snapshot import SnapshotManager, find_shared, list_snapshots, step_name, step_of
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +122,7 @@ class RayPublish:
     def due(self) -> bool:
         return time.monotonic() - self.reported_t >= self.report_s
 
-    def publish(self, ctx, step: int, path: Path | str | None, metrics: dict[str, Any], now: bool) -> None:
+    def publish(self, ctx, metrics: dict[str, Any], now: bool) -> None:
         self.last_metrics = metrics
         if now:
             self._report(ctx, metrics)
@@ -177,7 +176,9 @@ class RayPublish:
         """The newest valid snapshot on storage (rank 0 chooses, every rank loads it). Rank 0 also takes
         the snapshots newer than Ray's newest as unknown to Ray: a run killed between reports left them."""
         import ray.train
+        from ray.train import Checkpoint
 
+        listed = []
         if ctx.is_main:
             listed = self._listed(manager)
             known = ray.train.get_checkpoint()
@@ -185,32 +186,9 @@ class RayPublish:
             if newest_known is not None:  # a checkpoint trainapp did not name: take nothing for unknown
                 self.unknown = [(step, where) for step, where in listed if step > newest_known]
         if self.uri is None:
-            return find_shared(ctx, manager.root)
-        from ray.train import Checkpoint
-
-        chosen = dist.broadcast_object(ctx, self._newest_valid(listed) if ctx.is_main else None)
-        if chosen is None:
-            return None
-        with Checkpoint(chosen, filesystem=self.fs).as_directory() as d:
-            return chosen, load_state(Path(d))
-
-    def _newest_valid(self, listed: list[tuple[int, str]]) -> str | None:
-        """Rank 0, URI storage: the newest snapshot that verifies (a download each), as `newest_valid`."""
-        from ray.train import Checkpoint
-
-        problems = []
-        for _, where in reversed(listed):
-            try:
-                with Checkpoint(where, filesystem=self.fs).as_directory() as d:
-                    verify(Path(d))
-                return where
-            except SnapshotError as e:
-                problems.append(str(e))
-                log.warning("skipping snapshot: %s; falling back to the previous one", e)
-        if listed:
-            raise config.ConfigError(f"{self.shown}: {len(listed)} snapshot(s) but none is valid ({problems[0]}); "
-                                     "move them away to start over")
-        return None
+            return find_shared(ctx, manager.root, [Path(where) for _, where in listed])
+        return find_shared(ctx, self.shown, [where for _, where in listed],
+                           local=lambda where: Checkpoint(where, filesystem=self.fs).as_directory())
 
 
 class RayDrainNotice:

@@ -182,17 +182,17 @@ def list_snapshots(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name))
 
 
-def newest_valid(root: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest snapshot that verifies, warning about each newer one that does not.
-
-    Raises ConfigError when snapshots exist but none is usable: starting over silently would
-    hide the problem, and the user may want to inspect them.
-    """
-    snaps = list_snapshots(root)
+def newest_valid(root: Path | str, snaps: list | None = None, local=contextlib.nullcontext):
+    """(snapshot, meta) of the newest of `snaps` (oldest first; default: those under `root`) that
+    verifies, warning about each newer one that does not; `local(snap)`: a context that gives it as a
+    local directory (a download, for a URI). Raises ConfigError when snapshots exist but none is
+    usable: starting over silently would hide the problem, and the user may want to inspect them."""
+    snaps = list_snapshots(Path(root)) if snaps is None else snaps
     problems = []
     for snap in reversed(snaps):
         try:
-            return snap, verify(snap)
+            with local(snap) as d:
+                return snap, verify(Path(d))
         except SnapshotError as e:
             problems.append(str(e))
             log.warning("skipping snapshot: %s; falling back to the previous one", e)
@@ -219,17 +219,19 @@ def resolve(path: str | Path) -> Path:
     raise ConfigError(f"{p}: holds no snapshot (expected {STATE} + {META}, a snapshots/ dir or step_* dirs)")
 
 
-def find_shared(ctx, root: Path) -> tuple[str, dict[str, Any]] | None:
-    """(path, state) of the newest valid snapshot under `root`, on storage every rank sees: rank 0
-    chooses, every rank loads that one. None to start fresh."""
+def find_shared(ctx, root: Path | str, snaps: list | None = None,
+                local=contextlib.nullcontext) -> tuple[str, dict[str, Any]] | None:
+    """(path, state) of the newest valid snapshot under `root` (`snaps`, `local`: as `newest_valid`; on
+    rank 0), on storage every rank sees: rank 0 chooses, every rank loads that one. None to start fresh."""
     from trainapp import dist
 
-    hit = newest_valid(root) if ctx.is_main else None
+    hit = newest_valid(root, snaps, local) if ctx.is_main else None
     found = dist.broadcast_object(ctx, str(hit[0]) if hit else None)
     if found is None:
         return None
     try:
-        return found, load_state(Path(found))
+        with local(found) as d:
+            return found, load_state(Path(d))
     except FileNotFoundError:
         raise ConfigError(
             f"{root}: rank {ctx.rank} on {os.uname().nodename} cannot see snapshot {found} that rank 0 "
@@ -260,9 +262,9 @@ class Publish(Protocol):
     def due(self) -> bool:
         """Rank 0, at a snapshot: whether to publish it now (broadcast: every rank publishes at the same ones)."""
 
-    def publish(self, ctx, step: int, path: Path | str | None, metrics: dict[str, Any], now: bool) -> None:
-        """On every rank after rank 0's write (`path`, from `written`: None on other ranks, for background
-        writes and when the write failed); `now`: the agreed answer of `due`."""
+    def publish(self, ctx, metrics: dict[str, Any], now: bool) -> None:
+        """On every rank after rank 0's write (or its start, for background writes); `now`: the agreed
+        answer of `due`."""
 
     def flush(self, ctx) -> None:
         """Every rank, once the last write is on storage (the end of a run, a stop): make it count too."""
@@ -298,7 +300,7 @@ class LocalPublish:
     def due(self) -> bool:
         return True
 
-    def publish(self, ctx, step: int, path: Path | str | None, metrics: dict[str, Any], now: bool) -> None:
+    def publish(self, ctx, metrics: dict[str, Any], now: bool) -> None:
         pass  # the rename published it; the other ranks waited for rank 0 in the manager's `agree`
 
     def find(self, ctx, manager: SnapshotManager) -> tuple[str, dict[str, Any]] | None:
@@ -364,7 +366,6 @@ class SnapshotManager:
         A storage error drops this snapshot and training goes on; StorageError on every rank after
         `max_failures` in a row, or when the `final` snapshot fails (the run's last, or a preemption's)."""
         t0 = time.perf_counter()
-        path = None
         now = final or urgent or (ctx.is_main and self.publish.due())
         if self.async_write and self.publish.background:
             if ctx.is_main:
@@ -377,9 +378,9 @@ class SnapshotManager:
                 self._pending.start()
         else:
             if ctx.is_main:
-                path = self._attempt(step, state, meta)
+                self._attempt(step, state, meta)
             now = self.agree(ctx, final=final, now=now)
-        self.publish.publish(ctx, step, path, metrics, now)
+        self.publish.publish(ctx, metrics, now)
         self.last_blocking_s = time.perf_counter() - t0
 
     def finish(self, ctx) -> None:
@@ -389,7 +390,7 @@ class SnapshotManager:
         self.agree(ctx, final=True)
         self.publish.flush(ctx)
 
-    def _attempt(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path | str | None:
+    def _attempt(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
         """Rank 0: write; on ENOSPC make room once and retry; a storage error is counted, not raised."""
         try:
             try:
@@ -410,10 +411,9 @@ class SnapshotManager:
                                 "path": e.filename, "in_a_row": self.failures})
             log.warning("snapshot step=%d failed: %s; nothing half-written is left; training goes on (%d of "
                         "snapshot.max_failures=%d in a row)", step, e, self.failures, self.max_failures)
-            return None
+            return
         self.failures, self._last = 0, None
         self.last_written = path
-        return path
 
     def agree(self, ctx, final: bool, now: bool = True) -> bool:
         """Every rank: rank 0's verdict on the snapshots so far (StorageError everywhere when fatal) and its `now`."""
