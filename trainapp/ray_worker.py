@@ -46,7 +46,8 @@ class RayPublish:
 
     A snapshot written between reports is on storage but unknown to Ray. A restart resumes from the
     newest snapshot on storage all the same (`find` lists the storage, a path or a URI). Rank 0
-    deletes each unknown one once a newer one is complete, and never one Ray knows: Ray deletes those
+    deletes each unknown one as soon as a newer one is complete (in the thread that wrote that one),
+    and never one Ray knows: Ray deletes those
     itself (`CheckpointConfig(num_to_keep=snapshot.keep)`), and refuses to resume a run whose record
     names a checkpoint that is gone.
 
@@ -86,6 +87,7 @@ class RayPublish:
         where = self._upload(step, path) if self.uri is not None else path
         with self.lock:
             self.unknown.append((step, str(where)))
+        self._keep_newest_unknown()  # in the writer's thread with `snapshot.async`, off the training thread
         return where
 
     def _upload(self, step: int, path: Path) -> str:
@@ -126,8 +128,6 @@ class RayPublish:
         self.last_metrics = metrics
         if now:
             self._report(ctx, metrics)
-        elif ctx.is_main:
-            self._keep_newest_unknown()
 
     def flush(self, ctx) -> None:
         if self.background:  # every rank: one more report, registering the last background write
