@@ -4,6 +4,7 @@ loopback, its own directory and HOME, torn down by PID. Jobs go in through real 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -185,6 +186,18 @@ def test_snapshots_ray_never_registered_resume_a_killed_run_and_are_deleted_once
     assert r.returncode == 0, r.output[-4000:]
     assert metrics(run_dir, "start")[-1]["resumed_step"] == 40
     assert _steps_on(run_dir) == [40, 45]  # Ray keeps snapshot.keep=3 of the ones it knows
+    # A snapshot Ray knows, deleted by hand: Ray Train would refuse the run with a traceback and the
+    # advice to delete the run's directory. The driver says so in one line, and its fix works.
+    shutil.rmtree(run_dir / "step_000000040")
+    r = trainapp("ray", f"ray.address={cluster.address}", f"ray.storage_path={cluster.storage}", f"ray.name={name}",
+                 *LONG, timeout=90, env=cluster.client_env())
+    errors = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert r.returncode == 2 and len(errors) == 1, r.output[-3000:]
+    assert "step_000000040, gone from" in errors[0] and "move the record aside" in errors[0], errors
+    (run_dir / "checkpoint_manager_snapshot.json").rename(run_dir / "ray-record.json")
+    r = submit(cluster, name, *LONG, "train.max_steps=50", "ray.report_interval_s=1000")
+    assert r.returncode == 0, r.output[-4000:]
+    assert metrics(run_dir, "start")[-1]["resumed_step"] == 45
 
 
 def test_uri_storage_resumes_from_the_newest_uploaded_snapshot_ray_never_registered(cluster, tmp_path):

@@ -32,6 +32,10 @@ ControllerError). What it has no public way to do, and what each one uses here:
   (`controller_env` turns the patch off unless the driver's environment says otherwise). And Ray
   Train logs "Reporting training result N: ..." at INFO on every rank for every report, from its
   private execution-context module (`quiet_report_lines` keeps those off the console).
+- Say in one line when Ray Train will refuse to resume a run (`check_run_record`): its record of the
+  run's checkpoints lives in a file whose name is a private constant, and the error Ray raises when
+  a checkpoint it names is gone is a private exception, raised in the controller with a traceback
+  and the advice to delete the run's directory, snapshots and all.
 - Leave out Ray Data for a run without Ray datasets (`TorchTrainer`): Ray Train starts a
   DatasetManager actor at every worker-group start whether there are datasets or not, and only its
   private default-callback list can drop it.
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import logging
 import os
 import socket
@@ -54,7 +59,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from trainapp.config import ConfigError
-from trainapp.ray_checks import SUPPORTED
+from trainapp.ray_checks import SUPPORTED, is_uri
 
 PRIVATE_NAMES = [
     ("ray.train.torch.config", "_setup_torch_process_group"),
@@ -72,6 +77,7 @@ PRIVATE_NAMES = [
     ("ray.train.v2._internal.constants", "HEALTH_CHECK_INTERVAL_S_ENV_VAR"),
     ("ray.train.v2._internal.constants", "PREEMPTION_POLL_INTERVAL_S_ENV_VAR"),
     ("ray.train.v2._internal.constants", "ENABLE_PRINT_PATCH_ENV_VAR"),
+    ("ray.train.v2._internal.constants", "CHECKPOINT_MANAGER_SNAPSHOT_FILENAME"),
     ("ray.train.v2._internal.execution.context", "logger"),
     ("ray.train.v2._internal.callbacks.datasets", "DatasetsCallback"),
     ("ray.train.v2.api.data_parallel_trainer", "DataParallelTrainer"),
@@ -86,6 +92,7 @@ try:  # an import error here is a Ray version trainapp was not written for, said
     from ray.train.constants import DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     from ray.train.v2._internal.constants import (
+        CHECKPOINT_MANAGER_SNAPSHOT_FILENAME,
         ENABLE_PRINT_PATCH_ENV_VAR,
         HEALTH_CHECK_INTERVAL_S_ENV_VAR,
         PREEMPTION_POLL_INTERVAL_S_ENV_VAR,
@@ -226,6 +233,29 @@ class TorchConfigWithSetup(BackendConfig):
 
 # ----------------------------------------------------------------------------------------------
 # A lost node seen before an elastic restart
+
+
+def check_run_record(storage: str, name: str) -> None:
+    """In the driver, before `fit`: ConfigError when Ray's record of the run STORAGE/NAME (a resubmission)
+    names a checkpoint that is gone, which Ray Train refuses to resume (someone deleted a `step_*`
+    directory, or a bucket's lifecycle rule did). A record that is missing or unreadable is left to
+    Ray, whose own error says what is wrong with it (another Ray version's, say)."""
+    from pyarrow.fs import FileSystem, FileType, LocalFileSystem
+
+    fs, base = FileSystem.from_uri(storage) if is_uri(storage) else (LocalFileSystem(), storage)
+    run, shown = f"{base.rstrip('/')}/{name}", f"{storage.rstrip('/')}/{name}"
+    try:
+        with fs.open_input_stream(f"{run}/{CHECKPOINT_MANAGER_SNAPSHOT_FILENAME}") as f:
+            names = [r["checkpoint_dir_name"] for r in json.loads(f.read())["checkpoint_results"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    infos = fs.get_file_info([f"{run}/{n}" for n in names])
+    gone = [n for n, info in zip(names, infos) if info.type != FileType.Directory]
+    if gone:
+        raise ConfigError(f"ray.name={name}: Ray's record of this run ({shown}/{CHECKPOINT_MANAGER_SNAPSHOT_FILENAME}) "
+                          f"names {', '.join(gone)}, gone from {shown}, and Ray Train will not resume it; restore "
+                          f"the snapshot, or move the record aside to resume from the newest snapshot left there "
+                          f"(Ray forgets the metrics it recorded), or use a new ray.name to start afresh")
 
 
 def _say(msg: str) -> None:

@@ -177,8 +177,9 @@ def _fit(cfg: Config, worker=None, **extra):
         checks = Preflight(cfg, storage)
         # Ray Train takes seconds to import: while the probes start on the nodes. Nothing the
         # driver imports brings in torch (trainapp/ray_compat.py, trainapp/ray_setup.py).
-        from trainapp import ray_compat  # noqa: F401
+        from trainapp import ray_compat
         timeline.mark("driver_imported")
+        ray_compat.check_run_record(storage, cfg.ray.name)
         for line in checks.wait():
             log.info("network %s", line)
         log.info("%s: %s workers, %s per worker, storage %s/%s", where, cfg.ray.num_workers, needs, storage,
