@@ -453,6 +453,7 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
     off, so nothing else could serve the resume."""
     run_dir = cluster.storage / "drained"
     poll_s = 0.5
+    submitted_ms = time.time() * 1000  # the module's cluster ran other jobs before this one
     # 400 steps (LONG's 20 epochs are 160): the node must die well before the run's end.
     proc = submit_background(cluster, "drained", *LONG, "train.max_steps=400", "train.epochs=100",
                              "snapshot.every_steps=0",
@@ -461,6 +462,8 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
     victim = None
     try:
         wait_for_step(run_dir, 8)
+        time.sleep(4 * poll_s)  # polls by time alone would have come by now
+        undrained_ms = time.time() * 1000
         actor = cluster.state("actors", class_name="RayTrainWorker", state="ALIVE")[-1]
         victim = _node_of(cluster, actor["pid"])
         drain = run_cmd([RAY, "drain-node", "--address", cluster.address, "--node-id", actor["node_id"],
@@ -480,6 +483,12 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
             cluster.add_worker(f"{victim}-after-drain", REPO)
             cluster.wait_for_nodes(3, 120)
     assert rc == 0, out[-4000:]
+    # Until a drain, no rank asked Ray (a barrier of every worker through Ray Train's synchronization
+    # actor): no broadcast went through it, though `poll_s` passed many times.
+    broadcasts = cluster.state("tasks", name="SynchronizationActor.broadcast_from_rank_zero") or []
+    assert broadcasts, "Ray's state API lists no broadcast at all: the drain's polls should be there"
+    early = [t for t in broadcasts if submitted_ms <= t.get("creation_time_ms", submitted_ms) < undrained_ms]
+    assert not early, early[:2]
     notice = notices[0]
     assert notice["nodes"] == [actor["node_id"]] and 100 < notice["deadline_in_s"] <= 120, notice
     records = metrics(run_dir)

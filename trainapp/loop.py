@@ -46,7 +46,8 @@ class Trainer:
                  drain_notice: Callable[[], dict | None] | None = None, attempt_no: int | None = None):
         self.cfg, self.ctx, self.parts, self.snapshots = cfg, ctx, parts, snapshots
         self.run_dir = Path(cfg.run.dir)
-        self.vote = preempt.StopVote(ctx, cfg.preempt.ray_poll_s if drain_notice is not None else 0.0)
+        self.vote = preempt.StopVote(ctx, cfg.preempt.ray_poll_s if drain_notice is not None else 0.0,
+                                     getattr(drain_notice, "pending", None))
         self.watchdog = heartbeat.Watchdog(cfg.fault.hang_timeout_s, cfg.fault.hang_startup_s, self.run_dir, ctx.rank,
                                            attempt(self.run_dir) if attempt_no is None else attempt_no)
         f = cfg.fault
@@ -55,8 +56,9 @@ class Trainer:
         """This rank's fault drills by step: one dict lookup per step, and none when no drill is set."""
         self.drain_notice = drain_notice
         """Asked about every `preempt.ray_poll_s` seconds, at the step boundary the ranks agreed on in
-        the stop vote (a barrier under Ray): a dict describing a drain of one of the run's nodes while
-        one is under way (`new` the first time), else None."""
+        the stop vote (a barrier under Ray), while its `pending()` (if it has one) is true on some rank:
+        a dict describing a drain of one of the run's nodes while one is under way (`new` the first
+        time), else None."""
         preempt.describe_snapshots(str(snapshots.root))
         self.metrics = MetricsWriter(self.run_dir / METRICS if ctx.is_main else None)
         self.last_loss, self.last_eval = float("nan"), None

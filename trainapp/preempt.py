@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from trainapp import failure, heartbeat
 
@@ -204,7 +205,9 @@ class StopVote:
     With `poll_s` > 0 the vote also carries whether `poll_s` has passed on any rank since the ranks
     last polled: `take_poll()` is then true at the same boundary on every rank (the boundary where
     that vote is read), so a barrier such as `ray.train.get_preemption_info()` goes by time too, without
-    a collective of its own.
+    a collective of its own. With `pending` (a cheap local check: has this rank been told of a
+    notice?) a rank proposes a poll only while `pending()` is true, so the barrier is not paid at all
+    until some rank has a notice, and then at the next vote.
     """
 
     INTERVAL_S = 0.5
@@ -212,7 +215,7 @@ class StopVote:
     platform's grace period."""
     MAX_EVERY = 50
 
-    def __init__(self, ctx, poll_s: float = 0.0) -> None:
+    def __init__(self, ctx, poll_s: float = 0.0, pending: Callable[[], bool] | None = None) -> None:
         import torch
         import torch.distributed as tdist  # here: `trainapp drain`/`node` import this module without torch
 
@@ -224,12 +227,12 @@ class StopVote:
         self.work = None
         self.next_vote = 0  # agreed: the boundary of the next vote
         self.last_t, self.step_s = None, None
-        self.poll_s = poll_s
+        self.poll_s, self.pending = poll_s, pending
         self.polled_t = time.perf_counter()  # the start counts as a poll: a drain seen at once needs none
         self._poll = False  # the ranks agreed to poll at this boundary; cleared by take_poll
 
     def _poll_due(self, now: float) -> bool:
-        return self.poll_s > 0 and now - self.polled_t >= self.poll_s
+        return self.poll_s > 0 and now - self.polled_t >= self.poll_s and (self.pending is None or self.pending())
 
     def _polls(self, agreed: bool, now: float) -> None:
         if agreed:

@@ -36,6 +36,9 @@ ControllerError). What it has no public way to do, and what each one uses here:
   run's checkpoints lives in a file whose name is a private constant, and the error Ray raises when
   a checkpoint it names is gone is a private exception, raised in the controller with a traceback
   and the advice to delete the run's directory, snapshots and all.
+- Ask Ray Train about a drain only when there is one (`drain_pending`): `ray.train.get_preemption_info()`
+  is a barrier of every worker through the synchronization actor (rank 0's answer, broadcast), and
+  the worker's own copy of the watcher's notice, which it broadcasts, is in the private train context.
 - Leave out Ray Data for a run without Ray datasets (`TorchTrainer`): Ray Train starts a
   DatasetManager actor at every worker-group start whether there are datasets or not, and only its
   private default-callback list can drop it.
@@ -79,6 +82,7 @@ PRIVATE_NAMES = [
     ("ray.train.v2._internal.constants", "ENABLE_PRINT_PATCH_ENV_VAR"),
     ("ray.train.v2._internal.constants", "CHECKPOINT_MANAGER_SNAPSHOT_FILENAME"),
     ("ray.train.v2._internal.execution.context", "logger"),
+    ("ray.train.v2._internal.execution.context", "get_train_context"),
     ("ray.train.v2._internal.callbacks.datasets", "DatasetsCallback"),
     ("ray.train.v2.api.data_parallel_trainer", "DataParallelTrainer"),
 ]
@@ -99,6 +103,7 @@ try:  # an import error here is a Ray version trainapp was not written for, said
         WORKER_GROUP_START_TIMEOUT_S_ENV_VAR,
     )
     from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+    from ray.train.v2._internal.execution.context import get_train_context as _train_context
     from ray.train.v2._internal.execution.context import logger as _report_logger
     from ray.train.v2._internal.execution.failure_handling import FailureDecision
     from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
@@ -233,6 +238,17 @@ class TorchConfigWithSetup(BackendConfig):
 
 # ----------------------------------------------------------------------------------------------
 # A lost node seen before an elastic restart
+
+
+def drain_pending() -> bool:
+    """In a Ray Train worker's training thread: whether Ray Train's preemption watcher has told this
+    worker of a drain (`mark_preempt` sets the worker's copy; `get_preemption_info()` broadcasts rank
+    0's). True when that copy cannot be read (another Ray's layout): the loop then asks Ray by time,
+    as it would without this check."""
+    try:
+        return _train_context().preemption_context.preemption_info is not None
+    except (AttributeError, RuntimeError):
+        return True
 
 
 def check_run_record(storage: str, name: str) -> None:

@@ -192,15 +192,22 @@ class RayPublish:
 
 
 class RayDrainNotice:
-    """`ray.train.get_preemption_info()` as the loop's drain notice (about every `preempt.ray_poll_s`
-    seconds; a barrier, so every rank asks at the step the stop vote agreed on): a description while a
-    node of the run is being drained, None otherwise (`new` is true the first time a drain is seen).
+    """`ray.train.get_preemption_info()` as the loop's drain notice: a description while a node of the
+    run is being drained, None otherwise (`new` is true the first time a drain is seen). The call is a
+    barrier of every worker through Ray Train's synchronization actor (rank 0's answer, broadcast), so
+    every rank calls it at the step the stop vote agreed on, and only once some rank's `pending()`
+    says Ray Train's preemption watcher has told it of a drain (a read of the worker's own copy, no
+    collective): a run that is never drained pays no barrier, and a drain is asked about at the next
+    vote (about every 0.5 s), then about every `preempt.ray_poll_s` while it lasts.
     The loop snapshots at every such answer, so the drained node can die at any moment of its notice
     window and cost at most one poll interval of training; Ray Train then restarts the group from that
     snapshot."""
 
     def __init__(self) -> None:
+        from trainapp.ray_compat import drain_pending
+
         self.seen: tuple | None = None
+        self.pending = drain_pending
 
     def __call__(self) -> dict[str, Any] | None:
         import ray.train
