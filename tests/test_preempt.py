@@ -322,9 +322,13 @@ from trainapp import dist
 from trainapp.preempt import StopVote
 
 ctx = dist.setup(60)
-vote = StopVote(ctx, poll_s=0.2)
+# "pending": only rank 1 is told of a notice, from step 150 on: the ranks poll only after that.
+state = {"step": 0}
+pending = (lambda: ctx.rank == 1 and state["step"] >= 150) if sys.argv[2] == "pending" else None
+vote = StopVote(ctx, poll_s=0.2, pending=pending)
 polls, t0 = [], time.perf_counter()
 for step in range(1, 301):
+    state["step"] = step
     time.sleep(0.004 if ctx.rank == 0 else 0.009)  # the ranks' clocks and step times differ
     assert vote.stop(step) == 0
     if vote.take_poll():
@@ -336,16 +340,34 @@ dist.teardown(ctx)
 """
 
 
-def test_the_ranks_agree_on_the_steps_of_a_timed_poll(tmp_path):
-    """`StopVote(poll_s=...)`: the ranks of a group poll at the same steps (a barrier such as Ray's
-    `get_preemption_info` needs every rank in it), by time: about every `poll_s`, many steps apart."""
+def _polls(tmp_path: Path, mode: str) -> tuple[list[list], list[int]]:
+    """Each rank's [step, seconds] of its polls, and the steps (the same on both ranks)."""
     script = tmp_path / "poll.py"
     script.write_text(POLL_SCRIPT)
-    r = run_cmd([helpers.TORCHRUN, "--standalone", "--nproc_per_node=2", str(script), str(tmp_path)], timeout=120)
+    r = run_cmd([helpers.TORCHRUN, "--standalone", "--nproc_per_node=2", str(script), str(tmp_path), mode],
+                timeout=120)
     assert r.returncode == 0, r.output[-3000:]
     polls = [json.loads((tmp_path / f"polls.{rank}.json").read_text()) for rank in (0, 1)]
     steps = [[step for step, _ in p] for p in polls]
-    assert steps[0] == steps[1] and len(steps[0]) >= 5, polls
+    assert steps[0] == steps[1], polls
+    return polls, steps[0]
+
+
+def test_the_ranks_agree_on_the_steps_of_a_timed_poll(tmp_path):
+    """`StopVote(poll_s=...)`: the ranks of a group poll at the same steps (a barrier such as Ray's
+    `get_preemption_info` needs every rank in it), by time: about every `poll_s`, many steps apart."""
+    polls, steps = _polls(tmp_path, "time")
+    assert len(steps) >= 5, polls
     gaps = [b - a for (_, a), (_, b) in zip(polls[0], polls[0][1:])]
     assert all(0.18 <= g <= 0.2 + preempt.StopVote.INTERVAL_S + 0.2 for g in gaps), gaps  # skew: ms
-    assert min(b - a for a, b in zip(steps[0], steps[0][1:])) >= 5, steps[0]
+    assert min(b - a for a, b in zip(steps, steps[1:])) >= 5, steps
+
+
+def test_with_a_pending_check_the_ranks_poll_only_once_one_of_them_has_a_notice(tmp_path):
+    """`StopVote(pending=...)`: no poll while no rank's `pending()` is true (Ray's barrier is not paid
+    in a run that is never drained); once one rank's is (rank 1's, from step 150; rank 0's never),
+    both poll at the same steps, at the next vote and then about every `poll_s`."""
+    polls, steps = _polls(tmp_path, "pending")
+    assert steps and steps[0] >= 150, steps
+    assert steps[0] <= 150 + 0.5 / 0.009 + 5, steps  # the next vote: within half a second of rank 1's steps
+    assert len(steps) >= 3 and min(b - a for a, b in zip(steps, steps[1:])) >= 5, steps
