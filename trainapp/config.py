@@ -243,10 +243,9 @@ class PreemptSection:
     it was. Keep it under the platform's grace period (Kubernetes and `docker stop` default to 30 and
     10 s; see k8s/ and docs/preemption.md)."""
     ray_poll_s: float = Field(default=2.0, ge=0)
-    """Under Ray Train: while a node of the run is drained, seconds between `get_preemption_info()`
-    polls (a barrier, at a step agreed in the stop vote), each with a snapshot, training goes on: its
-    death costs at most this long of training plus a vote interval (0.5 s). No poll before a worker is
-    told of a drain; the first comes at the next vote. 0: off."""
+    """Under Ray Train, while a node of the run is drained (none before): seconds between
+    `get_preemption_info()` polls, each with a snapshot; training goes on, and the node's death costs
+    at most this long of training plus a vote interval (0.5 s). 0: off (docs/preemption.md)."""
 
     def __post_init__(self) -> None:
         import signal
