@@ -208,7 +208,9 @@ def test_uri_storage_resumes_from_the_newest_uploaded_snapshot_ray_never_registe
     proc = submit_background(cluster, "uri-unregistered", *LONG, f"ray.storage_path=file://{store}",
                              f"run.dir={run_dir}", "ray.report_interval_s=1000", "snapshot.async=true")
     try:
-        _wait_for_record(run_dir, "snapshot", lambda r: r["step"] >= 15)
+        # A background write starts only once the one before it is complete: with the record of
+        # snapshot 20 (written as its write starts), 15 is on the store.
+        _wait_for_record(run_dir, "snapshot", lambda r: r["step"] >= 20)
         os.kill(ray_worker_pids(cluster)[-1], signal.SIGKILL)
     finally:
         rc, out = finish(proc)
