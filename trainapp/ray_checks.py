@@ -29,6 +29,15 @@ def is_uri(path: str) -> bool:
     return "://" in path
 
 
+def run_store(storage: str, name: str):
+    """(pyarrow filesystem, the run's path on it, the run as the user wrote it, for messages) of the run
+    STORAGE/NAME, `ray.storage_path` a filesystem path or a URI."""
+    from pyarrow.fs import FileSystem, LocalFileSystem
+
+    fs, base = FileSystem.from_uri(storage) if is_uri(storage) else (LocalFileSystem(), storage)
+    return fs, f"{base.rstrip('/')}/{name}", f"{storage.rstrip('/')}/{name}"
+
+
 def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in version.split(".")[:3] if part.isdigit())
 

@@ -62,7 +62,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from trainapp.config import ConfigError
-from trainapp.ray_checks import SUPPORTED, is_uri
+from trainapp.ray_checks import SUPPORTED, run_store
 
 PRIVATE_NAMES = [
     ("ray.train.torch.config", "_setup_torch_process_group"),
@@ -237,7 +237,7 @@ class TorchConfigWithSetup(BackendConfig):
 
 
 # ----------------------------------------------------------------------------------------------
-# A lost node seen before an elastic restart
+# In the training thread
 
 
 def drain_pending() -> bool:
@@ -251,27 +251,8 @@ def drain_pending() -> bool:
         return True
 
 
-def check_run_record(storage: str, name: str) -> None:
-    """In the driver, before `fit`: ConfigError when Ray's record of the run STORAGE/NAME (a resubmission)
-    names a checkpoint that is gone, which Ray Train refuses to resume (someone deleted a `step_*`
-    directory, or a bucket's lifecycle rule did). A record that is missing or unreadable is left to
-    Ray, whose own error says what is wrong with it (another Ray version's, say)."""
-    from pyarrow.fs import FileSystem, FileType, LocalFileSystem
-
-    fs, base = FileSystem.from_uri(storage) if is_uri(storage) else (LocalFileSystem(), storage)
-    run, shown = f"{base.rstrip('/')}/{name}", f"{storage.rstrip('/')}/{name}"
-    try:
-        with fs.open_input_stream(f"{run}/{CHECKPOINT_MANAGER_SNAPSHOT_FILENAME}") as f:
-            names = [r["checkpoint_dir_name"] for r in json.loads(f.read())["checkpoint_results"]]
-    except (OSError, ValueError, KeyError, TypeError):
-        return
-    infos = fs.get_file_info([f"{run}/{n}" for n in names])
-    gone = [n for n, info in zip(names, infos) if info.type != FileType.Directory]
-    if gone:
-        raise ConfigError(f"ray.name={name}: Ray's record of this run ({shown}/{CHECKPOINT_MANAGER_SNAPSHOT_FILENAME}) "
-                          f"names {', '.join(gone)}, gone from {shown}, and Ray Train will not resume it; restore "
-                          f"the snapshot, or move the record aside to resume from the newest snapshot left there "
-                          f"(Ray forgets the metrics it recorded), or use a new ray.name to start afresh")
+# ----------------------------------------------------------------------------------------------
+# A lost node seen before an elastic restart
 
 
 def _say(msg: str) -> None:
@@ -363,6 +344,31 @@ class NodeLossWatch(ControllerCallback, WorkerGroupCallback):
         _say(f"node {names} is still alive to Ray after {self.wait_s:.0f}s; restarting anyway")
         return False
 
+
+# ----------------------------------------------------------------------------------------------
+# The driver, before the trainer
+
+
+def check_run_record(storage: str, name: str) -> None:
+    """In the driver, before `fit`: ConfigError when Ray's record of the run STORAGE/NAME (a resubmission)
+    names a checkpoint that is gone, which Ray Train refuses to resume (someone deleted a `step_*`
+    directory, or a bucket's lifecycle rule did). A record that is missing or unreadable is left to
+    Ray, whose own error says what is wrong with it (another Ray version's, say)."""
+    from pyarrow.fs import FileType
+
+    fs, run, shown = run_store(storage, name)
+    try:
+        with fs.open_input_stream(f"{run}/{CHECKPOINT_MANAGER_SNAPSHOT_FILENAME}") as f:
+            names = [r["checkpoint_dir_name"] for r in json.loads(f.read())["checkpoint_results"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    infos = fs.get_file_info([f"{run}/{n}" for n in names])
+    gone = [n for n, info in zip(names, infos) if info.type != FileType.Directory]
+    if gone:
+        raise ConfigError(f"ray.name={name}: Ray's record of this run ({shown}/{CHECKPOINT_MANAGER_SNAPSHOT_FILENAME}) "
+                          f"names {', '.join(gone)}, gone from {shown}, and Ray Train will not resume it; restore "
+                          f"the snapshot, or move the record aside to resume from the newest snapshot left there "
+                          f"(Ray forgets the metrics it recorded), or use a new ray.name to start afresh")
 
 
 # ----------------------------------------------------------------------------------------------

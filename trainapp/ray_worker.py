@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from trainapp import config, dist, logs, timeline
-from trainapp.ray_checks import is_uri
+from trainapp.ray_checks import is_uri, run_store
 from trainapp.snapshot import SnapshotManager, find_shared, list_snapshots, step_name, step_of
 
 log = logging.getLogger(__name__)
@@ -47,9 +47,8 @@ class RayPublish:
     A snapshot written between reports is on storage but unknown to Ray. A restart resumes from the
     newest snapshot on storage all the same (`find` lists the storage, a path or a URI). Rank 0
     deletes each unknown one as soon as a newer one is complete (in the thread that wrote that one),
-    and never one Ray knows: Ray deletes those
-    itself (`CheckpointConfig(num_to_keep=snapshot.keep)`), and refuses to resume a run whose record
-    names a checkpoint that is gone.
+    and never one Ray knows: Ray deletes those itself (`CheckpointConfig(num_to_keep=snapshot.keep)`),
+    and refuses to resume a run whose record names a checkpoint that is gone.
 
     With `snapshot.async` the write (and upload) runs in the snapshot writer's thread; a report
     registers the newest snapshot complete by then (`flush` the last one, at the end of the run or a
@@ -62,11 +61,7 @@ class RayPublish:
         self.report_s = report_s
         self.fs = None
         if uri is not None:
-            from pyarrow.fs import FileSystem
-
-            self.fs, base = FileSystem.from_uri(uri)
-            self.experiment = f"{base.rstrip('/')}/{name}"  # the path on `fs`
-            self.shown = f"{uri.rstrip('/')}/{name}"  # the same as a URI, for messages
+            self.fs, self.experiment, self.shown = run_store(uri, name)
         self.reported_t = time.monotonic()
         self.lock = threading.Lock()
         self.unknown: list[tuple[int, str]] = []
