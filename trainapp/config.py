@@ -328,9 +328,9 @@ class RaySection:
     workers when elastic). Ray's default is 60 s. With `ray.node_loss_wait_s` the restart after a
     lost node is sized for the nodes that are left, so it does not wait this out."""
     health_check_interval_s: float = Field(default=0.25, gt=0)
-    """How often Ray Train's controller polls the workers (Ray's default: 2 s). Each poll takes at most
-    one `ray.train.report` per worker and the next report waits for it, so reports more often than
-    this stall training; it also bounds how fast a dead worker is noticed."""
+    """How often Ray Train's controller polls the workers (Ray's default: 2 s). It bounds how fast a dead
+    worker is noticed, and each poll costs every worker a little CPU (docs/benchmarks.md). A report
+    waits for the next poll: reports more often than this (`ray.report_interval_s`) stall training."""
     node_loss_wait_s: float = Field(default=30.0, ge=0)
     """Elastic runs: when a node that hosted workers stops answering, the restart waits up to this long
     for Ray to declare it dead (its GCS health checks; about 15 s by Ray's defaults), so the new group
