@@ -49,9 +49,6 @@ def test_launchers_benchmark_smoke(tmp_path):
     # Ray's runtime threads in its workers (the core worker's task loop and its C++ threads) are found,
     # and torchrun's workers, which run training on their main thread, have next to none.
     assert result["runtime_main_thread_ms_per_s_ray"] > 0
-    # Its C++ threads (I/O, gRPC pollers, task events) are counted too, though each uses under 1 ms
-    # a second: thread CPU in nanoseconds, not clock ticks that round them to nothing.
-    assert result["runtime_threads_ms_per_s_ray"] > result["runtime_main_thread_ms_per_s_ray"]
     assert result["runtime_threads_ms_per_s_ray"] > result["runtime_threads_ms_per_s_torchrun"]
     # Where the start-up went, phase by phase, under each launcher (trainapp/timeline.py marks).
     ray, torchrun = result["startup_breakdown_ray"], result["startup_breakdown_torchrun"]
