@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -109,30 +108,24 @@ def test_a_read_only_run_dir_fails_the_final_snapshot_with_exit_3_and_keeps_the_
     no_leftovers(snaps)
 
 
-@pytest.fixture
-def world_readable_tmp():
-    """pytest's tmp_path sits under a 0700 directory of root's: another user cannot reach it."""
-    d = Path(tempfile.mkdtemp(prefix="trainapp-eacces-", dir="/tmp"))
-    d.chmod(0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+# The capabilities that let root write where a directory's owner and mode say no: without them, root is
+# refused like any other uid, and the run still reads the checkout (root owns it), wherever it lives.
+DAC_CAPS = "-dac_override,-dac_read_search,-fowner"
 
 
-def test_a_directory_without_write_permission_stops_a_non_root_run_with_exit_3(world_readable_tmp):
-    """As uid 65534 (nobody): the run dir is its own, the snapshots dir belongs to root (0755)."""
-    tmp_path = world_readable_tmp
+def test_a_directory_without_write_permission_stops_the_run_with_exit_3(tmp_path):
+    """As root without CAP_DAC_OVERRIDE (a container with its capabilities dropped): the run dir is root's,
+    the snapshots dir belongs to uid 65534 (0755). No second uid has to reach the checkout, so the test
+    passes from a private (0700) clone."""
     run_dir = tmp_path / "run"
     (run_dir / "snapshots").mkdir(parents=True)
-    home = tmp_path / "home"
-    home.mkdir()
-    for p in (run_dir, home):
-        shutil.chown(p, 65534, 65534)
+    shutil.chown(run_dir / "snapshots", 65534, 65534)
     os.chmod(run_dir / "snapshots", 0o755)
-    r = run_cmd(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", PY, "-m", "trainapp", "train",
-                 f"run.dir={run_dir}", *RUN], env={"HOME": str(home), "TRAINAPP_RUNTIME_DIR": str(home / "rt")})
+    r = run_cmd(["setpriv", f"--inh-caps={DAC_CAPS}", f"--bounding-set={DAC_CAPS}", PY, "-m", "trainapp", "train",
+                 f"run.dir={run_dir}", *RUN])
     assert r.returncode == 3, r.output[-3000:]
     line = error_line(r)
-    assert "Permission denied" in line and "uid 65534 may not write there" in line, line
+    assert "Permission denied" in line and "uid 0 without CAP_DAC_OVERRIDE may not write there" in line, line
     assert "there is no valid snapshot yet" in line, line
     assert [f["errno"] for f in metrics(run_dir, "snapshot_failed")] == ["EACCES"] * 3
     assert list((run_dir / "snapshots").iterdir()) == []

@@ -1,7 +1,8 @@
 """The bytes of a snapshot: `state.pt` written once, checksummed in passing, with O_DIRECT where the
 filesystem takes it, fsynced; and the CPU staging copy an async snapshot is written from.
 
-trainapp.snapshot builds the snapshot directory, its atomic publication and its retention on these.
+trainapp.snapshot builds the snapshot directory, its atomic publication and its retention on these; the
+storage errors it survives (a full disk, a read-only mount, a directory it may not write) are named here.
 """
 
 from __future__ import annotations
@@ -24,6 +25,38 @@ from trainapp import heartbeat
 # a snapshot's checksum guards against torn and corrupt files, not against forgery. Format-1 snapshots
 # carry a sha256 and still verify.
 CHECKSUMS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+
+
+# Failures of the storage, not of trainapp: a snapshot that hits one is dropped (nothing half-written
+# stays) and training goes on; other errors are bugs and end the run.
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def is_storage_error(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in STORAGE_ERRNOS
+
+
+def storage_hint(e: OSError, root: Path | str, size: int | None, setting: str = "run.dir") -> str:
+    """What would fix a storage error, for its one-line message (`setting`: the key that names the storage)."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        need = f" (a snapshot takes about {size / 1e6:.1f} MB)" if size else ""
+        return f"free space under {root}{need} or point {setting} at a larger volume"
+    if e.errno == errno.EROFS:
+        return f"{root} is on a read-only filesystem: remount it read-write or point {setting} elsewhere"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return f"{_writer()} may not write there: fix the directory's owner or mode, or point {setting} elsewhere"
+    return f"the storage under {root} reports I/O errors: check the disk, the network filesystem or the object store"
+
+
+def _writer() -> str:
+    """Who was refused: `uid N`, and for root the capability it lacks (a container with its capabilities
+    dropped), since root without CAP_DAC_OVERRIDE (bit 1 of CapEff) is refused like any other uid."""
+    uid = os.getuid()
+    if uid != 0:
+        return f"uid {uid}"
+    with open("/proc/self/status") as f:
+        eff = next((int(line.split()[1], 16) for line in f if line.startswith("CapEff:")), ~0)
+    return "uid 0" if eff & (1 << 1) else "uid 0 without CAP_DAC_OVERRIDE"
 
 
 def file_digest(path: Path, algo: str = "xxh3_128") -> str:

@@ -36,7 +36,8 @@ import torch
 
 from trainapp import heartbeat
 from trainapp.config import ConfigError
-from trainapp.snapfile import CHECKSUMS, cpu_copy, file_digest, fsync_dir, save_state, write_bytes
+from trainapp.snapfile import (CHECKSUMS, cpu_copy, file_digest, fsync_dir, is_storage_error, save_state, storage_hint,
+                               write_bytes)
 
 log = logging.getLogger(__name__)
 
@@ -55,27 +56,6 @@ class StorageError(Exception):
     exit_code = 3
     failure_cause = "storage"
     everywhere = True  # every rank raises it at the same step (the verdict is broadcast): nobody to tell
-
-
-# Failures of the storage, not of trainapp: a snapshot that hits one is dropped (nothing half-written
-# stays) and training goes on; other errors are bugs and end the run.
-STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM}
-
-
-def is_storage_error(e: BaseException) -> bool:
-    return isinstance(e, OSError) and e.errno in STORAGE_ERRNOS
-
-
-def storage_hint(e: OSError, root: Path | str, size: int | None, setting: str = "run.dir") -> str:
-    """What would fix a storage error, for its one-line message (`setting`: the key that names the storage)."""
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        need = f" (a snapshot takes about {size / 1e6:.1f} MB)" if size else ""
-        return f"free space under {root}{need} or point {setting} at a larger volume"
-    if e.errno == errno.EROFS:
-        return f"{root} is on a read-only filesystem: remount it read-write or point {setting} elsewhere"
-    if e.errno in (errno.EACCES, errno.EPERM):
-        return f"uid {os.getuid()} may not write there: fix the directory's owner or mode, or point {setting} elsewhere"
-    return f"the storage under {root} reports I/O errors: check the disk, the network filesystem or the object store"
 
 
 def step_name(step: int) -> str:
