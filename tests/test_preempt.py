@@ -16,9 +16,11 @@ import pytest
 
 import helpers
 from helpers import PY, REPO, inspect, kill_registered, metrics, run_cmd
+import trainapp
 from trainapp import preempt
 
 slow = pytest.mark.slow  # the process-level tests; the registry tests below are fast
+PACKAGE = Path(trainapp.__file__).resolve().parent
 
 # Long enough to be stopped in the middle (a few seconds), a periodic snapshot every 100 steps.
 RUN = ["train.progress=false", "train.log_every=5", "data.train_size=1024", "data.val_size=256",
@@ -138,7 +140,8 @@ def check_preempted(run_dir: Path, job: Job, rc: int | None, signum: int = signa
     assert rec["step"] >= trained, (rec, trained)  # the snapshot holds every step trained
     assert f"trainapp: preempted ({signal.Signals(signum).name}) at step {rec['step']}" in out, out[-2000:]
     for tb in err.split("Traceback")[1:]:  # torchrun's own SignalException may print one; never trainapp's
-        assert "/trainapp/" not in tb.split("\n\n", 1)[0], err[-3000:]
+        # The package's own files, not any path that holds "trainapp" (a checkout at ~/trainapp has its venv there).
+        assert f'File "{PACKAGE}/' not in tb.split("\n\n", 1)[0], err[-3000:]
     return rec
 
 
