@@ -96,21 +96,21 @@ image-cpu: ## Build the CPU image $(IMAGE):$(TAG)-cpu (CPU_BASE, TORCH_INDEX_URL
 
 .PHONY: ray-up
 ray-up: $(STAMP) ## Start a head (no task CPUs) and RAY_WORKERS worker nodes of RAY_CPUS CPUs, token auth on
-	$(BIN)/python -m trainapp.ray_local --dir $(RAY_DIR) up --workers $(RAY_WORKERS) --cpus $(RAY_CPUS) \
+	$(BIN)/python -m trainapp.launch.ray.cluster --dir $(RAY_DIR) up --workers $(RAY_WORKERS) --cpus $(RAY_CPUS) \
 	  --port $(RAY_PORT) --dashboard-port $(RAY_DASHBOARD_PORT)
 
 .PHONY: ray-submit
 ray-submit: $(STAMP) ## ray job submit a training run to it (ARGS, RAY_NAME: same name resumes, RAY_STORAGE)
-	$(BIN)/python -m trainapp.ray_local --dir $(RAY_DIR) submit -- python -m trainapp ray \
+	$(BIN)/python -m trainapp.launch.ray.cluster --dir $(RAY_DIR) submit -- python -m trainapp ray \
 	  ray.storage_path=$(RAY_STORAGE) ray.name=$(RAY_NAME) $(ARGS)
 
 .PHONY: ray-status
 ray-status: $(STAMP) ## Alive nodes, addresses and token file of the local Ray cluster
-	$(BIN)/python -m trainapp.ray_local --dir $(RAY_DIR) status
+	$(BIN)/python -m trainapp.launch.ray.cluster --dir $(RAY_DIR) status
 
 .PHONY: ray-down
 ray-down: $(STAMP) ## Stop exactly the processes ray-up started (never other Ray instances)
-	$(BIN)/python -m trainapp.ray_local --dir $(RAY_DIR) down
+	$(BIN)/python -m trainapp.launch.ray.cluster --dir $(RAY_DIR) down
 
 ##@ Slurm
 

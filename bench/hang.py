@@ -43,9 +43,9 @@ from machine import describe
 from scratch import scratch
 
 # This checkout's trainapp: importing launchers put REPO first on sys.path.
-from trainapp import preempt
+from trainapp.faults import preempt
 from trainapp.config import FaultSection
-from trainapp.ray_local import LocalCluster, free_port
+from trainapp.launch.ray.cluster import LocalCluster, free_port
 
 LAUNCHERS = ("torchrun", "ray")
 

@@ -46,8 +46,8 @@ sys.path.insert(0, str(REPO))
 
 from machine import describe  # noqa: E402
 from scratch import scratch  # noqa: E402
-from trainapp import metrics  # noqa: E402
-from trainapp.ray_local import LocalCluster, free_port, proc_stat  # noqa: E402
+from trainapp.observe import metrics  # noqa: E402
+from trainapp.launch.ray.cluster import LocalCluster, free_port, proc_stat  # noqa: E402
 
 BIN = Path(sys.executable).parent
 
@@ -145,7 +145,7 @@ PHASES = [  # (phase, the mark that ends it), in launch order; a launcher's miss
 
 def breakdown(start: dict, first_step: float, since: float, detected: float | None = None) -> dict[str, float]:
     """Seconds each start-up phase took, from `since` (the launch, or the kill) to the first step,
-    from the marks in a `start` record (trainapp/timeline.py); after a kill, `detected` (when Ray
+    from the marks in a `start` record (trainapp/observe/timeline.py); after a kill, `detected` (when Ray
     Train's controller saw the failure) splits detection off the restart. A phase whose mark came
     before the previous one (the driver's, in a restart) counts as 0 and is left out."""
     marks = {**start.get("startup", {}), "first_step": first_step, "detected": detected}

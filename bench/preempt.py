@@ -38,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from trainapp.metrics import read  # noqa: E402
+from trainapp.observe.metrics import read  # noqa: E402
 
 
 def one_run(run_dir: Path, model: str, signal_after: int, timeout: float = 600) -> dict:
@@ -79,8 +79,8 @@ def vote_worker(blocks: int, steps: int) -> None:
     """Under torchrun: alternating blocks of spinning steps with and without a vote at each step."""
     import torch.distributed as dist
 
-    from trainapp import dist as tdist
-    from trainapp.preempt import StopVote
+    from trainapp.launch import dist as tdist
+    from trainapp.faults.preempt import StopVote
 
     ctx = tdist.setup(60)
     vote = StopVote(ctx)
@@ -138,7 +138,7 @@ def main() -> int:
                   flush=True)
             results.append(r)
     med = {k: statistics.median(r[k] for r in results) for k in results[0]}
-    from trainapp.preempt import StopVote
+    from trainapp.faults.preempt import StopVote
 
     vote = measure_vote(2 if args.smoke else 10)
     result = {"preempt_seconds": med["preempt_seconds"],

@@ -58,9 +58,9 @@ def floor_loop(cfg: dict) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from trainapp.amp import resolve_dtype
-    from trainapp.data import SyntheticImages
-    from trainapp.models import SmallCNN
+    from trainapp.core.amp import resolve_dtype
+    from trainapp.core.data import SyntheticImages
+    from trainapp.core.models import SmallCNN
 
     torch.set_num_threads(1)
     under_ray = dist.is_initialized()  # Ray Train formed the group; under torchrun the environment names it
@@ -132,7 +132,7 @@ def ray_driver(cfg: dict, storage: str) -> None:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     if cfg.get("poll_s"):
-        from trainapp.ray_compat import HEALTH_CHECK_INTERVAL_S_ENV_VAR
+        from trainapp.launch.ray.compat import HEALTH_CHECK_INTERVAL_S_ENV_VAR
 
         os.environ[HEALTH_CHECK_INTERVAL_S_ENV_VAR] = str(cfg["poll_s"])
     TorchTrainer(floor_loop, train_loop_config=cfg,

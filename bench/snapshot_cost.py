@@ -43,7 +43,7 @@ ALONE = SimpleNamespace(is_main=True, distributed=False, rank=0)
 def build(model_name: str, image_size: int, batch: int):
     import torch
 
-    from trainapp.models import build_model
+    from trainapp.core.models import build_model
 
     torch.manual_seed(0)
     model = build_model(model_name, 10).to(memory_format=torch.channels_last)
@@ -76,7 +76,7 @@ def state_mb(state: dict) -> float:
 
 
 def blocking(model_name: str, reps: int, root: Path) -> dict:
-    from trainapp.snapshot import SnapshotManager
+    from trainapp.snapshots.snapshot import SnapshotManager
 
     model, opt, x, y = build(model_name, 32, 2)
     step(model, opt, x, y)  # momentum buffers exist, as in training
@@ -107,7 +107,7 @@ def throughput(model_name: str, intervals: int, steps: int, window: int, batch: 
     and the copy's cache effects land there). A control window in the middle of each interval, where
     nothing happens, gives the noise floor the same way.
     """
-    from trainapp.snapshot import SnapshotManager
+    from trainapp.snapshots.snapshot import SnapshotManager
 
     model, opt, x, y = build(model_name, image_size, batch)
     out = {}

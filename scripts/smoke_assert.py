@@ -56,10 +56,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-# trainapp.metrics is standard-library only, and importing the package imports nothing else: the one
+# trainapp.observe.metrics is standard-library only, and importing the package imports nothing else: the one
 # reader of metrics.jsonl serves this script under any python3 too.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainapp import metrics  # noqa: E402
+from trainapp.observe import metrics  # noqa: E402
 
 METRICS = metrics.METRICS
 STEP_DIR = re.compile(r"^step_(\d{9})$")

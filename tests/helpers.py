@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainapp.metrics import read as metrics  # noqa: F401  (the tests' name for the one reader)
+from trainapp.observe.metrics import read as metrics  # noqa: F401  (the tests' name for the one reader)
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -75,7 +75,7 @@ def inspect(path: Path) -> dict:
 def kill_registered(runtime_root: Path) -> None:
     """SIGKILL the live training processes registered under `runtime_root` (TRAINAPP_RUNTIME_DIR):
     torchrun's workers sit in process groups of their own, and a SIGSTOPped one outlives its agent."""
-    from trainapp import preempt
+    from trainapp.faults import preempt
 
     for pid in preempt.registered(runtime_root):
         try:

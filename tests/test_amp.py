@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from helpers import metrics
-from trainapp import amp, config, dist, loop
-from trainapp.amp import Precision, resolve_dtype
+from trainapp import config
+from trainapp.core import amp, loop
+from trainapp.launch import dist
+from trainapp.core.amp import Precision, resolve_dtype
 from trainapp.config import AmpSection
 
 CPU = torch.device("cpu")

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from helpers import PY, QUICK, REPO, inspect, metrics, torchrun, trainapp
-from trainapp import snapshot
-from trainapp.snapshot import SnapshotManager, load_state, newest_valid
+from trainapp.snapshots import snapshot
+from trainapp.snapshots.snapshot import SnapshotManager, load_state, newest_valid
 
 ALONE = SimpleNamespace(is_main=True, distributed=False, rank=0)
 

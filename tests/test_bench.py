@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from helpers import REPO, run_cmd
-from trainapp.amp import cpu_has_native_bf16
+from trainapp.core.amp import cpu_has_native_bf16
 
 pytestmark = [pytest.mark.slow, pytest.mark.bench]
 
@@ -50,7 +50,7 @@ def test_launchers_benchmark_smoke(tmp_path):
     # and torchrun's workers, which run training on their main thread, have next to none.
     assert result["runtime_main_thread_ms_per_s_ray"] > 0
     assert result["runtime_threads_ms_per_s_ray"] > result["runtime_threads_ms_per_s_torchrun"]
-    # Where the start-up went, phase by phase, under each launcher (trainapp/timeline.py marks).
+    # Where the start-up went, phase by phase, under each launcher (trainapp/observe/timeline.py marks).
     ray, torchrun = result["startup_breakdown_ray"], result["startup_breakdown_torchrun"]
     assert {"job submission", "preflight probes", "worker imports Ray Train, its context", "data and model",
             "first step"} <= ray.keys(), ray

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import trainapp
-from trainapp import snapshot
+from trainapp.snapshots import snapshot
 
 
 def _corrupt_run(root: Path) -> Path:

@@ -8,7 +8,7 @@ import pytest
 import netns
 from helpers import TORCHRUN
 from test_net import _PORTS, _wait, needs_netns, procs  # noqa: F401  (procs: the fixture)
-from trainapp.comm import Pair, judge
+from trainapp.tools.comm import Pair, judge
 
 def test_comm_names_the_slow_host_among_three_and_a_slow_path_among_four():
     mib = 2**20

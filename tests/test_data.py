@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainapp.config import ConfigError, DataSection
-from trainapp.data import ResumableDistributedSampler, SyntheticImages, build_datasets, set_epoch
+from trainapp.core.data import ResumableDistributedSampler, SyntheticImages, build_datasets, set_epoch
 
 CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
@@ -185,7 +185,8 @@ def test_augmentation_depends_only_on_seed_epoch_and_index(tmp_path):
 # --- the same files through the whole training loop -----------------------------------------------
 
 def _train_on(tmp_path, *overrides):
-    from trainapp import config, loop
+    from trainapp import config
+    from trainapp.core import loop
 
     cfg = config.load(None, [f"run.dir={tmp_path / 'run'}", "train.progress=false", "train.max_steps=3",
                              "train.batch_size=4", "snapshot.every_steps=2", *overrides])

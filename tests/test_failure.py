@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from helpers import PY, QUICK, REPO, metrics, run_cmd, torchrun_cmd, trainapp
-from trainapp import failure
+from trainapp.faults import failure
 from trainapp.config import ConfigError
-from trainapp.preempt import Preempted
-from trainapp.ray_local import free_port
-from trainapp.snapshot import StorageError
+from trainapp.faults.preempt import Preempted
+from trainapp.launch.ray.cluster import free_port
+from trainapp.snapshots.snapshot import StorageError
 
 # Two ranks of a plain launch (RANK/WORLD_SIZE/MASTER_ADDR, no torchrun to end the survivor): rank 0
 # hosts the store. MODE raise: rank 1 fails and stays alive (its sockets open, like a process stuck in
@@ -27,7 +27,8 @@ from trainapp.snapshot import StorageError
 # that cannot see a dead peer (as an NCCL collective cannot), and the test SIGKILLs rank 0.
 RANKS = """
 import sys, time, torch, torch.distributed
-from trainapp import dist, failure
+from trainapp.faults import failure
+from trainapp.launch import dist
 mode, run_dir = sys.argv[1], sys.argv[2]
 ctx = dist.setup(60)
 try:
@@ -172,7 +173,7 @@ def test_every_rank_agrees_on_a_fresh_attempt_name_over_a_store_holding_a_dead_a
 
     import torch.distributed as tdist
 
-    from trainapp import dist
+    from trainapp.launch import dist
 
     port, timeout = free_port(), datetime.timedelta(seconds=20)
     server = tdist.TCPStore("127.0.0.1", port, is_master=True, timeout=timeout, wait_for_workers=False)

@@ -5,7 +5,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODULES = sorted((REPO / "trainapp").glob("*.py"))
+MODULES = sorted((REPO / "trainapp").rglob("*.py"))
 MAX_FUNCTION_LINES = 50
 MAX_MODULE_LINES = 500
 

@@ -5,9 +5,9 @@ import subprocess
 import pytest
 
 from helpers import QUICK, REPO, TORCHRUN, inspect, metrics, run_cmd, torchrun, trainapp
-from trainapp import snapshot
-from trainapp.amp import cpu_has_native_bf16
-from trainapp.ray_local import free_port
+from trainapp.snapshots import snapshot
+from trainapp.core.amp import cpu_has_native_bf16
+from trainapp.launch.ray.cluster import free_port
 
 pytestmark = pytest.mark.slow
 

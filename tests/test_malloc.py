@@ -1,4 +1,4 @@
-"""glibc malloc settings of a training process (trainapp/malloc.py): a loop's steps in a thread that
+"""glibc malloc settings of a training process (trainapp/launch/malloc.py): a loop's steps in a thread that
 is not the main one, as under Ray Train, fault their buffers back in at every step with glibc's
 defaults, and keep them with trainapp's settings (bench/launchers.py counts the page faults of whole
 runs under both launchers)."""
@@ -19,7 +19,7 @@ steps counted."""
 STEPS_IN_A_THREAD = """
 import resource, sys, threading
 import torch, torch.nn as nn
-from trainapp import malloc
+from trainapp.launch import malloc
 
 torch.set_num_threads(1)
 model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),

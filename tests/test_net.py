@@ -19,9 +19,9 @@ import pytest
 
 import netns
 from helpers import QUICK, REPO, TORCHRUN, metrics, trainapp
-from trainapp import net
+from trainapp.launch import net
 from trainapp.config import NetworkSection
-from trainapp.ray_local import RAY, LocalCluster, _session_pids
+from trainapp.launch.ray.cluster import RAY, LocalCluster, _session_pids
 
 LO = net.Interface("lo", ("127.0.0.1",), True)
 ETH0 = net.Interface("eth0", ("10.9.0.5",), True)

@@ -1,4 +1,4 @@
-"""Per-rank timings (trainapp/observe.py): the rows every rank gathers, the `ranks` record and the
+"""Per-rank timings (trainapp/observe/timings.py): the rows every rank gathers, the `ranks` record and the
 straggler watch, on their own and in two real processes with one slowed by `fault.slow_rank`
 (test_loop.py's `make run` test checks a run without the drill; test_report.py the TensorBoard files
 of a run with a restart)."""
@@ -13,17 +13,17 @@ import pytest
 import torch
 
 from helpers import QUICK, inspect, metrics, torchrun
-from trainapp import observe
+from trainapp.observe import timings
 
 
 def _row(steps, cpu=0.0, **seconds):
-    return [float(steps), *(seconds.get(p, 0.0) for p in observe.TIMED), cpu]
+    return [float(steps), *(seconds.get(p, 0.0) for p in timings.TIMED), cpu]
 
 
 def test_rank_rows_are_per_step_milliseconds_whose_phases_add_up_to_the_step():
     rows = [_row(10, data=0.05, compute=0.2, comm=0.1, optim=0.05, eval=1.0, cpu=0.45),
             _row(10, data=0.05, compute=0.3, comm=0.0, optim=0.05)]
-    ranks = observe.rank_rows(rows, ["a", "b"])
+    ranks = timings.rank_rows(rows, ["a", "b"])
     assert [r["host"] for r in ranks] == ["a", "b"]
     assert ranks[0]["step_ms"] == pytest.approx(40.0) and ranks[0]["busy_ms"] == pytest.approx(30.0)
     assert ranks[0]["phase_ms"]["eval"] == pytest.approx(100.0)  # kept, but not part of the step
@@ -33,23 +33,23 @@ def test_rank_rows_are_per_step_milliseconds_whose_phases_add_up_to_the_step():
 
 
 def test_a_straggler_is_named_after_the_configured_intervals_once_with_its_slow_phase():
-    watch = observe.Stragglers(ratio=1.2, intervals=3)
+    watch = timings.Stragglers(ratio=1.2, intervals=3)
     slow = [_row(10, compute=0.2, optim=0.05, comm=0.15), _row(10, compute=0.5, optim=0.05)]
     for step in (10, 20):
-        assert watch.update(step, observe.rank_rows(slow, ["a", "b"])) == []
-    [found] = watch.update(30, observe.rank_rows(slow, ["a", "b"]))
+        assert watch.update(step, timings.rank_rows(slow, ["a", "b"])) == []
+    [found] = watch.update(30, timings.rank_rows(slow, ["a", "b"]))
     assert (found["rank"], found["host"], found["phase"], found["intervals"]) == (1, "b", "compute", 3)
     assert found["phase_ms"] == pytest.approx(50.0) and found["median_phase_ms"] == pytest.approx(35.0)
     assert found["ratio"] == pytest.approx(55 / 40)
-    assert watch.update(40, observe.rank_rows(slow, ["a", "b"])) == []  # once, not at every interval
-    line = observe.straggler_line(found, 1.2)
-    assert "rank 1 on b" in line and "compute" in line and "observe.straggler_ratio=1.2" in line
+    assert watch.update(40, timings.rank_rows(slow, ["a", "b"])) == []  # once, not at every interval
+    line = timings.straggler_line(found, 1.2)
+    assert "rank 1 on b" in line and "compute" in line and "timings.straggler_ratio=1.2" in line
 
 
 def test_an_interval_back_under_the_line_resets_the_count():
-    watch = observe.Stragglers(ratio=1.2, intervals=2)
-    slow = observe.rank_rows([_row(5, compute=0.1), _row(5, data=0.3)], ["a", "b"])
-    even = observe.rank_rows([_row(5, compute=0.1), _row(5, compute=0.1)], ["a", "b"])
+    watch = timings.Stragglers(ratio=1.2, intervals=2)
+    slow = timings.rank_rows([_row(5, compute=0.1), _row(5, data=0.3)], ["a", "b"])
+    even = timings.rank_rows([_row(5, compute=0.1), _row(5, compute=0.1)], ["a", "b"])
     for ranks in (slow, even, slow, even):
         assert watch.update(0, ranks) == []
     assert watch.update(0, slow) == []
@@ -57,14 +57,14 @@ def test_an_interval_back_under_the_line_resets_the_count():
 
 
 def test_ranks_within_the_ratio_and_a_single_rank_are_never_stragglers():
-    watch = observe.Stragglers(ratio=1.2, intervals=1)
-    close = observe.rank_rows([_row(5, compute=0.10), _row(5, compute=0.11), _row(5, compute=0.12)], ["a"] * 3)
+    watch = timings.Stragglers(ratio=1.2, intervals=1)
+    close = timings.rank_rows([_row(5, compute=0.10), _row(5, compute=0.11), _row(5, compute=0.12)], ["a"] * 3)
     assert watch.update(0, close) == []
-    assert watch.update(0, observe.rank_rows([_row(5, compute=1.0)], ["a"])) == []
+    assert watch.update(0, timings.rank_rows([_row(5, compute=1.0)], ["a"])) == []
 
 
 def test_the_timer_splits_wall_time_into_laps_and_the_last_bucket_marks_the_comm_wait():
-    timer = observe.StepTimer(torch.device("cpu"))
+    timer = timings.StepTimer(torch.device("cpu"))
     time.sleep(0.02)
     timer.lap("data")
     time.sleep(0.03)
@@ -73,7 +73,7 @@ def test_the_timer_splits_wall_time_into_laps_and_the_last_bucket_marks_the_comm
     timer.lap_backward()
     timer.step_done()
     row = timer.collect()
-    got = dict(zip(observe.TIMED, row[1:]))
+    got = dict(zip(timings.TIMED, row[1:]))
     assert row[0] == 1
     assert got["data"] == pytest.approx(0.02, abs=0.015) and got["compute"] == pytest.approx(0.03, abs=0.015)
     assert got["comm"] == pytest.approx(0.01, abs=0.01)
@@ -81,7 +81,7 @@ def test_the_timer_splits_wall_time_into_laps_and_the_last_bucket_marks_the_comm
 
 
 def test_the_timer_counts_the_process_cpu_time_of_every_thread_not_the_wall_time():
-    timer = observe.StepTimer(torch.device("cpu"))
+    timer = timings.StepTimer(torch.device("cpu"))
     time.sleep(0.1)
     assert timer.collect()[-1] < 0.05  # asleep: wall time, no CPU
 
@@ -98,7 +98,7 @@ def test_the_timer_counts_the_process_cpu_time_of_every_thread_not_the_wall_time
 
 
 def test_restart_drops_the_set_up_time_before_the_first_step():
-    timer = observe.StepTimer(torch.device("cpu"))
+    timer = timings.StepTimer(torch.device("cpu"))
     time.sleep(0.05)  # building, resuming, the start record
     timer.restart()
     timer.lap("other")
@@ -106,7 +106,7 @@ def test_restart_drops_the_set_up_time_before_the_first_step():
 
 
 def test_a_disabled_timer_records_nothing():
-    timer = observe.StepTimer(torch.device("cpu"), enabled=False)
+    timer = timings.StepTimer(torch.device("cpu"), enabled=False)
     timer.lap("data")
     timer.lap_backward()
     assert sum(timer.collect()[1:]) == 0
@@ -121,7 +121,7 @@ RANKS_RUN = ["train.max_steps=40", "train.epochs=20", "snapshot.every_steps=20",
 @pytest.mark.slow
 def test_a_slowed_rank_is_named_a_straggler_within_the_configured_intervals(tmp_path):
     r = torchrun(2, f"run.dir={tmp_path}", *RANKS_RUN, "fault.slow_rank=1", "fault.slow_ms=80",
-                 "observe.straggler_intervals=3")
+                 "timings.straggler_intervals=3")
     assert r.returncode == 0, r.output[-3000:]
     found = metrics(tmp_path, "straggler")
     assert len(found) == 1, found  # once, not at every interval
@@ -137,20 +137,20 @@ def test_a_slowed_rank_is_named_a_straggler_within_the_configured_intervals(tmp_
     # The drill only sleeps, and the communication hook is PyTorch's default all-reduce: the same
     # parameters as a run with the timings off.
     off = tmp_path / "off"
-    assert torchrun(2, f"run.dir={off}", *RANKS_RUN, "observe.ranks=false").returncode == 0
+    assert torchrun(2, f"run.dir={off}", *RANKS_RUN, "timings.ranks=false").returncode == 0
     assert metrics(off, "ranks") == [] and metrics(off, "straggler") == []
     assert inspect(off)["params_sha256"] == inspect(tmp_path)["params_sha256"]
 
 
 # ----------------------------------------------------------------------------------------------
-# TensorBoard (observe.tensorboard)
+# TensorBoard (timings.tensorboard)
 
 def test_tensorboard_without_the_package_is_one_line_naming_the_extra(monkeypatch):
-    from trainapp import tboard
+    from trainapp.observe import tboard
     from trainapp.config import ConfigError
 
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` raises ImportError
     with pytest.raises(ConfigError) as e:
         tboard.check()
-    assert str(e.value) == ("observe.tensorboard=true needs the tensorboard package: pip install "
-                            "'trainapp[tensorboard]' (or set observe.tensorboard=false)")
+    assert str(e.value) == ("timings.tensorboard=true needs the tensorboard package: pip install "
+                            "'trainapp[tensorboard]' (or set timings.tensorboard=false)")

@@ -17,7 +17,7 @@ import pytest
 import helpers
 from helpers import PY, REPO, inspect, kill_registered, metrics, run_cmd
 import trainapp
-from trainapp import preempt
+from trainapp.faults import preempt
 
 slow = pytest.mark.slow  # the process-level tests; the registry tests below are fast
 PACKAGE = Path(trainapp.__file__).resolve().parent
@@ -321,8 +321,8 @@ def test_a_notice_before_the_first_step_exits_at_once(tmp_path):
 
 POLL_SCRIPT = """
 import json, sys, time
-from trainapp import dist
-from trainapp.preempt import StopVote
+from trainapp.launch import dist
+from trainapp.faults.preempt import StopVote
 
 ctx = dist.setup(60)
 # "pending": only rank 1 is told of a notice, from step 150 on: the ranks poll only after that.

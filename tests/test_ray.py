@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from helpers import QUICK, REPO, inspect, metrics, run_cmd, torchrun, trainapp
-from trainapp import report
-from trainapp.preempt import StopVote
-from trainapp.ray_local import RAY, LocalCluster, free_port, proc_stat
-from trainapp.snapshot import list_snapshots, step_of
+from trainapp.tools import report
+from trainapp.faults.preempt import StopVote
+from trainapp.launch.ray.cluster import RAY, LocalCluster, free_port, proc_stat
+from trainapp.snapshots.snapshot import list_snapshots, step_of
 
 pytestmark = pytest.mark.slow
 
@@ -125,7 +125,7 @@ def test_sigkilled_ray_worker_costs_at_most_one_snapshot_interval(cluster):
         if autogroup.exists():
             assert autogroup.read_text().split()[-1] == str(cluster.head_nice), autogroup.read_text()
         # Ray Train's controller runs the backend and the callbacks and trains nothing: it has no torch
-        # loaded (trainapp/ray_compat.py keeps it out; its import is on the start-up's critical path).
+        # loaded (trainapp/launch/ray/compat.py keeps it out; its import is on the start-up's critical path).
         controller = cluster.state("actors", class_name="TrainController", state="ALIVE")
         assert len(controller) == 1, controller
         assert "libtorch" not in Path(f"/proc/{controller[0]['pid']}/maps").read_text()
@@ -147,7 +147,7 @@ def test_sigkilled_ray_worker_costs_at_most_one_snapshot_interval(cluster):
     assert any(e.startswith(("WorkerHealthCheckFailedError", "ActorDiedError")) for e in seen[0]["errors"].values()), seen
     said = report.failures(records)
     assert len(said) == 1 and said[0].startswith("attempt 0: Ray Train saw rank"), said
-    # The restarted group's start-up phases, for the recovery breakdown (trainapp/timeline.py).
+    # The restarted group's start-up phases, for the recovery breakdown (trainapp/observe/timeline.py).
     assert {"worker_process", "worker_setup", "process_group", "built", "loaded"} <= starts[1]["startup"].keys()
     assert killed_at < starts[1]["startup"]["worker_setup"] < starts[1]["startup"]["loaded"] < starts[1]["time"]
 
@@ -246,7 +246,7 @@ def test_job_submit_runs_two_workers_and_inspect_reads_the_ray_run(cluster, ray_
     # Each local node has an address of its own: Ray Train places the ranks as on two machines.
     placement = metrics(run_dir, "start")[0]["placement"]
     assert sorted((p["node_rank"], p["local_rank"]) for p in placement) == [(0, 0), (1, 0)], placement
-    # No Ray Data actor for a run without Ray datasets (ray_compat.TorchTrainer), but Ray Train's own
+    # No Ray Data actor for a run without Ray datasets (compat.TorchTrainer), but Ray Train's own
     # helpers are there: the state API answers and lists them.
     cluster_actors = {a["class_name"] for a in cluster.state("actors")}
     assert "SynchronizationActor" in cluster_actors and "DatasetManager" not in cluster_actors, cluster_actors
@@ -255,7 +255,7 @@ def test_job_submit_runs_two_workers_and_inspect_reads_the_ray_run(cluster, ray_
     assert ranks and all([e["rank"] for e in r_["ranks"]] == [0, 1] and r_["ranks"][1]["step_ms"] > 0 for r_ in ranks)
     # One copy of each line in the job's output (two attempts): each node streams only its own logs.
     assert r.output.count("Started training worker group") == 2, r.output[-4000:]
-    assert r.output.count("trainapp.loop: world_size=2 backend=gloo") == 2, r.output[-4000:]
+    assert r.output.count("trainapp.core.loop: world_size=2 backend=gloo") == 2, r.output[-4000:]
     # Ray Train's line per report per rank stays in its own log files, out of the job's output.
     assert "Reporting training result" not in r.output, r.output[-4000:]
     train_logs = [f.read_text() for f in cluster.dir.glob("**/logs/train/ray-train-*-worker-*.log")]

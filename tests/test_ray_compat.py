@@ -1,4 +1,4 @@
-"""Ray's private API is used in one module, trainapp/ray_compat.py: every private name it uses imports
+"""Ray's private API is used in one module, trainapp/launch/ray/compat.py: every private name it uses imports
 on the installed Ray, no other module of trainapp reaches into Ray's private modules, and a Ray outside
 the supported range stops the Ray driver with one line naming the range."""
 
@@ -14,13 +14,13 @@ import tomllib
 import pytest
 
 from helpers import REPO
-from trainapp import ray_checks, ray_compat
+from trainapp.launch.ray import checks, compat
 from trainapp.config import ConfigError
 
 
-@pytest.mark.parametrize("module, name", ray_compat.PRIVATE_NAMES, ids=[n for _, n in ray_compat.PRIVATE_NAMES])
+@pytest.mark.parametrize("module, name", compat.PRIVATE_NAMES, ids=[n for _, n in compat.PRIVATE_NAMES])
 def test_every_private_ray_name_imports_on_the_installed_ray(module, name):
-    assert hasattr(importlib.import_module(module), name), f"{module}.{name} is gone: update trainapp/ray_compat.py"
+    assert hasattr(importlib.import_module(module), name), f"{module}.{name} is gone: update trainapp/launch/ray/compat.py"
 
 
 def test_the_backend_config_stands_in_for_rays_torch_config():
@@ -29,7 +29,7 @@ def test_the_backend_config_stands_in_for_rays_torch_config():
     from ray.train.torch import TorchConfig
 
     assert {f.name for f in dataclasses.fields(TorchConfig)} == {"backend", "init_method", "timeout_s"}
-    ours = ray_compat.TorchConfigWithSetup()
+    ours = compat.TorchConfigWithSetup()
     assert (TorchConfig().init_method, TorchConfig().timeout_s) == ("env", ours.timeout_s)
     assert TorchConfig().backend_cls.share_cuda_visible_devices == ours.backend_cls.share_cuda_visible_devices
     assert ours.framework == TorchConfig().framework
@@ -56,10 +56,10 @@ def test_the_trainer_is_rays_torch_trainer_made_from_its_base_class():
 
     own = {n for n in vars(TorchTrainer) if n not in ("__doc__", "__module__") and not n.startswith("_annotated")}
     assert own == {"__init__", "_get_local_controller"}
-    assert issubclass(ray_compat.TorchTrainer, DataParallelTrainer)
+    assert issubclass(compat.TorchTrainer, DataParallelTrainer)
     for use_gpu, backend in ((False, "gloo"), (True, "nccl")):
         scaling = ScalingConfig(num_workers=2, use_gpu=use_gpu)
-        ours = ray_compat.TorchTrainer(lambda config: None, scaling_config=scaling)
+        ours = compat.TorchTrainer(lambda config: None, scaling_config=scaling)
         assert ours.backend_config.backend == TorchTrainer(lambda config: None, scaling_config=scaling).backend_config.backend == backend
 
 
@@ -78,7 +78,7 @@ PRIVATE = re.compile(r"\bray(\.\w+)*\.(_\w+)|from ray[\w.]* import .*\b_[A-Za-z]
 def test_no_other_trainapp_module_touches_rays_private_api():
     offenders = []
     for path in sorted((REPO / "trainapp").glob("*.py")):
-        if path.name == "ray_compat.py":
+        if path.name == "compat.py":
             continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#", 1)[0]
@@ -90,13 +90,13 @@ def test_no_other_trainapp_module_touches_rays_private_api():
 def test_the_pinned_ray_is_in_the_supported_range():
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     pin = next(d for d in deps if d.startswith("ray[")).split("==")[1]
-    assert ray_checks.check_version(pin) == pin
+    assert checks.check_version(pin) == pin
 
 
 @pytest.mark.parametrize("version", ["2.59.9", "2.61.0", "3.0.0"])
 def test_a_ray_outside_the_range_is_refused_naming_the_range(version):
     with pytest.raises(ConfigError, match=rf"ray {re.escape(version)}: .*Ray >=2\.60\.0,<2\.61\.0"):
-        ray_checks.check_version(version)
+        checks.check_version(version)
 
 
 def test_the_ray_driver_on_another_ray_exits_2_with_one_line(tmp_path):
@@ -111,18 +111,18 @@ def test_the_ray_driver_on_another_ray_exits_2_with_one_line(tmp_path):
     assert len(lines) == 1 and "ray 2.61.0:" in lines[0] and ">=2.60.0,<2.61.0" in lines[0], r.stderr
 
 
-DRIVER = ("from trainapp import ray_entry, ray_compat, ray_setup; ray_compat.TorchTrainer(ray_setup.train_worker, "
-          "torch_config=ray_entry._torch_config(ray_entry.Config(), 1, ray_setup.train_worker))")
+DRIVER = ("from trainapp.launch.ray import compat, driver, setup; compat.TorchTrainer(setup.train_worker, "
+          "torch_config=driver._torch_config(driver.Config(), 1, setup.train_worker))")
 
 
 @pytest.mark.parametrize("statement, absent", [
-    # Each probe task unpickles trainapp.ray_checks on its node: a torch import there costs seconds
+    # Each probe task unpickles trainapp.launch.ray.checks on its node: a torch import there costs seconds
     # of CPU per node at every launch (and the driver imports Ray Train while the probes start).
-    ("import trainapp.ray_checks", ("torch", "ray", "ray.train")),
+    ("import trainapp.launch.ray.checks", ("torch", "ray", "ray.train")),
     # Ray Train's controller unpickles the backend config (ray_compat) with its setup function
     # (ray_setup) and the controller callbacks: it trains nothing and must not pay torch's import.
-    ("import trainapp.ray_compat", ("torch",)),
-    ("import trainapp.ray_setup", ("torch",)),
+    ("import trainapp.launch.ray.compat", ("torch",)),
+    ("import trainapp.launch.ray.setup", ("torch",)),
     # The driver builds the trainer and hands Ray the per-worker function: torch is the workers' alone.
     (DRIVER, ("torch",)),
 ], ids=["probes", "controller", "setup", "driver"])
@@ -135,10 +135,10 @@ def test_what_the_probes_the_controller_and_the_driver_run_imports_no_torch(stat
 def test_every_module_a_worker_imports_while_the_group_forms_exists():
     # prepare_worker's thread swallows an import error (the worker function's own import reports it):
     # a renamed module would silently import nothing early.
-    from trainapp import ray_setup
+    from trainapp.launch.ray import setup
 
-    assert set(ray_setup.IMPORTS) == {ray_setup.train_worker, ray_setup.comm_worker}
-    for names in ray_setup.IMPORTS.values():
+    assert set(setup.IMPORTS) == {setup.train_worker, setup.comm_worker}
+    for names in setup.IMPORTS.values():
         for name in names:
             importlib.import_module(name)
 
@@ -151,6 +151,6 @@ def test_the_trainer_drops_ray_datas_callback_only_for_a_run_without_datasets():
     def names(trainer):
         return [type(cb) for cb in trainer._create_default_callbacks()]
 
-    lean = names(ray_compat.TorchTrainer(lambda config: None))
+    lean = names(compat.TorchTrainer(lambda config: None))
     assert DatasetsCallback not in lean and len(lean) >= 3  # the backend, PG cleaner, ... are kept
-    assert DatasetsCallback in names(ray_compat.TorchTrainer(lambda config: None, datasets={"train": lambda: None}))
+    assert DatasetsCallback in names(compat.TorchTrainer(lambda config: None, datasets={"train": lambda: None}))

@@ -1,7 +1,7 @@
 """scripts/smoke_assert.py on synthetic run directories: a run that lost a worker, resumed from its
 newest snapshot and finished passes every check; each way a restart can go wrong fails the check
 that names it. No training: metrics.jsonl and step_XXXXXXXXX/meta.json are written by hand, in the
-format trainapp writes them (trainapp/loop.py: `start` records carry `config`, `total_steps` and
+format trainapp writes them (trainapp/core/loop.py: `start` records carry `config`, `total_steps` and
 `resumed_step`; `train` records the optimizer `step`; `end` the final `steps`)."""
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ PREEMPTED_CHECKS = ["finished", "restarted", "preempted", "resumed-preempted", "
 
 def write_preempted_run(run_dir: Path, stop: int, resumed: int | None, *, signal: str = "SIGTERM") -> Path:
     """A run stopped by a notice at step `stop` (its `preempted` record and the snapshot of that step,
-    as trainapp/loop.py writes them) whose restart resumed from `resumed`, then finished."""
+    as trainapp/core/loop.py writes them) whose restart resumed from `resumed`, then finished."""
     write_run(run_dir, [(None, stop), (resumed, TOTAL)],
               snapshots=sorted({*range(EVERY, TOTAL + 1, EVERY), stop}))
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()

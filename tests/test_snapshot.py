@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from helpers import QUICK, inspect, metrics, trainapp
-from trainapp import snapfile, snapshot
+from trainapp.snapshots import files, snapshot
 from trainapp.config import ConfigError
-from trainapp.snapshot import SnapshotManager, newest_valid, params_sha256, verify
+from trainapp.snapshots.snapshot import SnapshotManager, newest_valid, params_sha256, verify
 
 
 def _state(step: int) -> dict:
@@ -111,12 +111,12 @@ def test_state_files_are_whole_at_every_size_on_direct_and_buffered_filesystems(
         pytest.skip("no /dev/shm")
     root = Path(tempfile.mkdtemp(dir="/dev/shm")) if where == "tmpfs" else tmp_path
     try:
-        chunk = snapfile._StateFile.CHUNK
+        chunk = files._StateFile.CHUNK
         for n in (1, 4095, 4096, 4097, chunk - 7, chunk + 5000, 2 * chunk + 1):
             state = {"model": {"w": torch.arange(n, dtype=torch.uint8)}, "progress": {"n": n}}
-            digest, size = snapfile.save_state(root / f"s{n}", state)
+            digest, size = files.save_state(root / f"s{n}", state)
             assert (root / f"s{n}").stat().st_size == size
-            assert snapfile.file_digest(root / f"s{n}") == digest
+            assert files.file_digest(root / f"s{n}") == digest
             back = torch.load(root / f"s{n}", weights_only=True)
             assert torch.equal(back["model"]["w"], state["model"]["w"]) and back["progress"] == {"n": n}
     finally:
@@ -134,8 +134,8 @@ def test_a_filesystem_that_refuses_direct_writes_midway_gets_a_buffered_one(tmp_
 
     monkeypatch.setattr(snapshot.os, "write", refusing)
     state = {"model": {"w": torch.randn(10_000)}}
-    digest, size = snapfile.save_state(tmp_path / "s", state)
-    assert snapfile.file_digest(tmp_path / "s") == digest and (tmp_path / "s").stat().st_size == size
+    digest, size = files.save_state(tmp_path / "s", state)
+    assert files.file_digest(tmp_path / "s") == digest and (tmp_path / "s").stat().st_size == size
     assert torch.equal(torch.load(tmp_path / "s", weights_only=True)["model"]["w"], state["model"]["w"])
 
 
@@ -143,9 +143,9 @@ def test_format_1_snapshots_with_a_sha256_still_verify_and_corruption_is_still_c
     m = _manager(tmp_path)
     path = m.write(10, _state(10), {"global_step": 10})
     meta = json.loads((path / "meta.json").read_text())
-    assert meta["format"] == 2 and meta["xxh3_128"] == snapfile.file_digest(path / "state.pt")
+    assert meta["format"] == 2 and meta["xxh3_128"] == files.file_digest(path / "state.pt")
     old = {k: v for k, v in meta.items() if k != "xxh3_128"}
-    old.update(format=1, sha256=snapfile.file_digest(path / "state.pt", "sha256"))
+    old.update(format=1, sha256=files.file_digest(path / "state.pt", "sha256"))
     (path / "meta.json").write_text(json.dumps(old))
     assert verify(path)["global_step"] == 10
     data = bytearray((path / "state.pt").read_bytes())

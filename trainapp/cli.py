@@ -82,8 +82,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def cmd_train(args) -> int:
     cfg = config.load(args.config, args.overrides)
-    from trainapp.loop import run  # torch is imported only once the config is known to be good
-    from trainapp.preempt import Preempted
+    from trainapp.core.loop import run  # torch is imported only once the config is known to be good
+    from trainapp.faults.preempt import Preempted
 
     try:
         summary = run(cfg)
@@ -105,10 +105,11 @@ def cmd_train(args) -> int:
 
 def cmd_ray(args) -> int:
     cfg = config.load(args.config, args.overrides)
-    from trainapp import logs, ray_entry
+    from trainapp.launch.ray import driver
+    from trainapp.observe import logs
 
     logs.setup(0, 1)
-    s = ray_entry.run(cfg)
+    s = driver.run(cfg)
     print("trainapp ray: done " + " ".join([
         f"steps={s.get('step')}", f"final_loss={s.get('loss', float('nan')):.4f}",
         f"val_acc={s.get('val_acc', float('nan')):.4f}", f"samples_per_s={s.get('samples_per_s', 0.0):.1f}",
@@ -118,7 +119,7 @@ def cmd_ray(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from trainapp import snapshot
+    from trainapp.snapshots import snapshot
 
     path = Path(args.path)
     if path.is_file() and not (path.parent / snapshot.META).exists():
@@ -159,7 +160,7 @@ def reference_markdown() -> str:
 
 
 def cmd_report(args) -> int:
-    from trainapp import report
+    from trainapp.tools import report
 
     png, text = report.run(args.run_dir, args.out)
     print(text)
@@ -173,7 +174,7 @@ def _check_drain_args(args) -> None:
 
 
 def cmd_drain(args) -> int:
-    from trainapp import preempt
+    from trainapp.faults import preempt
 
     _check_drain_args(args)
     stopped, left, said = preempt.drain(args.wait_s, args.ray_deadline_s)
@@ -184,7 +185,7 @@ def cmd_drain(args) -> int:
 
 
 def cmd_node(args) -> int:
-    from trainapp import preempt
+    from trainapp.faults import preempt
 
     command = args.node_command[1:] if args.node_command[:1] == ["--"] else args.node_command
     if not command:
@@ -198,14 +199,15 @@ def cmd_doctor(args) -> int:
     cfg = config.load(args.config, args.overrides)
     if args.comm:
         if "WORLD_SIZE" not in os.environ and (cfg.ray.address or os.environ.get("RAY_ADDRESS")):
-            from trainapp import logs, ray_entry  # a Ray job (`ray job submit`): Ray Train starts the processes
+            from trainapp.launch.ray import driver  # a Ray job (`ray job submit`): Ray Train starts the processes
+            from trainapp.observe import logs
 
             logs.setup(0, 1)
-            return ray_entry.run_comm(cfg, args.size_mb, args.iters, args.min_bandwidth)
-        from trainapp import comm
+            return driver.run_comm(cfg, args.size_mb, args.iters, args.min_bandwidth)
+        from trainapp.tools import comm
 
         return comm.main(cfg, args.size_mb, args.iters, args.min_bandwidth)
-    from trainapp import doctor
+    from trainapp.tools import doctor
 
     checks = doctor.run(cfg)
     failed = [c.name for c in checks if c.status == doctor.FAIL]
@@ -220,7 +222,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_slurm_preflight(args) -> int:
-    from trainapp import slurm
+    from trainapp.launch import slurm
 
     return slurm.main(config.load(args.config, args.overrides), args.rendezvous, args.mark)
 

@@ -34,7 +34,7 @@ def _public(name: str) -> str:
 class ConfigError(ValueError):
     """Bad configuration or bad input: the CLI prints the message as one line and exits 2."""
 
-    failure_cause = ""  # says what is wrong itself: no `failure` record (trainapp/failure.py)
+    failure_cause = ""  # says what is wrong itself: no `failure` record (trainapp/faults/failure.py)
 
 
 @dataclass(config=_STRICT)
@@ -210,9 +210,9 @@ class ObserveSection:
     no device synchronisation; the timings travel in the log interval's one collective."""
     straggler_ratio: float = Field(default=1.2, gt=1)
     """A rank is a straggler when its step time without communication wait (its own work) is over
-    this many times the median of the ranks for `observe.straggler_intervals` log intervals in a row."""
+    this many times the median of the ranks for `timings.straggler_intervals` log intervals in a row."""
     straggler_intervals: int = Field(default=3, ge=1)
-    """Log intervals in a row a rank must be over `observe.straggler_ratio` to be named a straggler:
+    """Log intervals in a row a rank must be over `timings.straggler_ratio` to be named a straggler:
     one warning line and a `straggler` record naming the rank, host, slow phase and by how much."""
     tensorboard: bool = False
     """Rank 0 also writes loss, lr, samples/s, loss scale, val_acc, val_loss and every rank's step time as

@@ -1,6 +1,6 @@
-"""What runs in each Ray Train worker: the same loop (`trainapp.loop`) as under torchrun, with the
+"""What runs in each Ray Train worker: the same loop (`trainapp.core.loop`) as under torchrun, with the
 few differences Ray needs: the worker's environment and signal handlers set before Ray creates the
-process group (`prepare_worker`, in trainapp/ray_setup.py, which imports no torch: Ray Train's
+process group (`prepare_worker`, in trainapp/launch/ray/setup.py, which imports no torch: Ray Train's
 controller and the driver reference it), snapshots published with `ray.train.report` (RayPublish,
 the snapshot manager's publish step), resume from the newest snapshot on storage (a shared directory
 or a URI `ray.storage_path`), and Ray's drain notices as the loop's
@@ -23,9 +23,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from trainapp import config, dist, logs, timeline
-from trainapp.ray_checks import is_uri, run_store
-from trainapp.snapshot import SnapshotManager, find_shared, list_snapshots, step_name, step_of
+from trainapp import config
+from trainapp.launch import dist
+from trainapp.observe import logs, timeline
+from trainapp.launch.ray.checks import is_uri, run_store
+from trainapp.snapshots.snapshot import SnapshotManager, find_shared, list_snapshots, step_name, step_of
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +201,7 @@ class RayDrainNotice:
     snapshot."""
 
     def __init__(self) -> None:
-        from trainapp.ray_compat import drain_pending
+        from trainapp.launch.ray.compat import drain_pending
 
         self.seen: tuple | None = None
         self.pending = drain_pending
@@ -220,7 +222,8 @@ class RayDrainNotice:
 
 def train_worker(payload: dict[str, Any]) -> None:
     """The per-worker function: the same loop as torchrun's, with snapshots published to Ray."""
-    from trainapp import loop, preempt
+    from trainapp.core import loop
+    from trainapp.faults import preempt
 
     for name, at in payload.get("launch", {}).items():
         timeline.mark(name, at)
@@ -246,11 +249,11 @@ def train_worker(payload: dict[str, Any]) -> None:
 
 
 def comm_worker(payload: dict[str, Any]) -> dict[str, Any]:
-    """`doctor --comm` under Ray: every worker measures the node pairs (trainapp/comm.py) in the group
+    """`doctor --comm` under Ray: every worker measures the node pairs (trainapp/tools/comm.py) in the group
     Ray created; what rank 0 returns reaches the driver as `Result.return_value`."""
     import dataclasses
 
-    from trainapp import comm
+    from trainapp.tools import comm
 
     cfg = config.from_dict(payload["config"])
     ctx = dist.setup(cfg.dist.timeout_s)  # adopts the group Ray created, on the interface prepare_worker chose

@@ -1,10 +1,10 @@
 """`python -m trainapp ray`: the driver `ray job submit` runs. Ray Train's TorchTrainer starts one
-worker per rank, each running the same loop (`trainapp.loop`) as torchrun would (trainapp/ray_worker.py).
+worker per rank, each running the same loop (`trainapp.core.loop`) as torchrun would (trainapp/launch/ray/worker.py).
 
 The driver checks the cluster first (capacity, storage, each node's network interface;
-trainapp/ray_checks.py), so a run that cannot work stops with one line, and it turns a worker's bad
+trainapp/launch/ray/checks.py), so a run that cannot work stops with one line, and it turns a worker's bad
 input or storage failure back into that one line. Ray's private API is used only through
-trainapp/ray_compat.py.
+trainapp/launch/ray/compat.py.
 
 Start-up order: the driver joins the cluster and starts the per-node probes before it imports Ray
 Train (seconds of CPU), so the two overlap; it never imports torch, which only the workers need.
@@ -19,16 +19,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from trainapp import timeline
+from trainapp.observe import timeline
 from trainapp.config import Config, ConfigError
-from trainapp.ray_checks import Preflight, check_capacity, check_version, is_uri, ray_address, worker_needs
+from trainapp.launch.ray.checks import Preflight, check_capacity, check_version, is_uri, ray_address, worker_needs
 
 log = logging.getLogger("trainapp.ray")
 
 
 def _torch_config(cfg: Config, threads: int, worker):
-    from trainapp.ray_compat import TorchConfigWithSetup
-    from trainapp.ray_setup import IMPORTS, prepare_worker
+    from trainapp.launch.ray.compat import TorchConfigWithSetup
+    from trainapp.launch.ray.setup import IMPORTS, prepare_worker
 
     return TorchConfigWithSetup(timeout_s=int(cfg.dist.timeout_s), setup=prepare_worker,
                                 setup_kwargs={"env": dict(cfg.ray.env), "threads": threads,
@@ -58,7 +58,7 @@ def _error_in(exc: BaseException) -> Exception | None:
     from ray.exceptions import RayTaskError
     from ray.train import ControllerError, WorkerGroupError
 
-    from trainapp.snapshot import StorageError
+    from trainapp.snapshots.snapshot import StorageError
 
     roots = list(exc.worker_failures.values()) if isinstance(exc, WorkerGroupError) else []
     for err in roots + [exc]:
@@ -87,7 +87,7 @@ def _group_failure_log(run_dir: str):
     noticed (the restart breakdown of bench/launchers.py starts there)."""
     from ray.train import UserCallback
 
-    from trainapp import metrics
+    from trainapp.observe import metrics
 
     class GroupFailureLog(UserCallback):
         def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
@@ -105,7 +105,7 @@ def _callbacks(cfg: Config, storage: str) -> list:
     callbacks = [] if is_uri(storage) else [_group_failure_log(f"{storage}/{cfg.ray.name}")]
     if cfg.ray.min_workers == cfg.ray.max_workers:
         return callbacks
-    from trainapp.ray_compat import NodeLossWatch
+    from trainapp.launch.ray.compat import NodeLossWatch
 
     return [*callbacks, NodeLossWatch(cfg.ray.node_loss_wait_s)]
 
@@ -115,16 +115,16 @@ def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, 
     `extra` goes into each worker's payload."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
-    from trainapp import ray_compat
-    from trainapp.ray_setup import train_worker
+    from trainapp.launch.ray import compat
+    from trainapp.launch.ray.setup import train_worker
 
     worker = worker or train_worker
     run_dir = f"{storage}/{cfg.ray.name}" if not is_uri(storage) else cfg.run.dir
     worker_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir))
     threads = cfg.ray.threads_per_worker or max(1, int(needs.get("CPU", 1)))
-    os.environ.update(ray_compat.controller_env(cfg.ray.worker_group_start_timeout_s,
+    os.environ.update(compat.controller_env(cfg.ray.worker_group_start_timeout_s,
                                                 cfg.ray.health_check_interval_s))
-    return ray_compat.TorchTrainer(
+    return compat.TorchTrainer(
         worker,
         train_loop_config={"config": worker_cfg.to_dict(), "launch": timeline.marks(), **extra},
         torch_config=_torch_config(cfg, threads, worker),
@@ -146,9 +146,9 @@ def run(cfg: Config) -> dict[str, Any]:
 
 def run_comm(cfg: Config, size_mb: float, iters: int, min_bandwidth: float) -> int:
     """`doctor --comm` as a Ray job: the workers Ray Train starts for `cfg` measure every node pair
-    (trainapp/comm.py), the driver prints the result; the exit code is comm's verdict."""
-    from trainapp import comm
-    from trainapp.ray_setup import comm_worker
+    (trainapp/tools/comm.py), the driver prints the result; the exit code is comm's verdict."""
+    from trainapp.tools import comm
+    from trainapp.launch.ray.setup import comm_worker
 
     comm.check_args(size_mb, iters, min_bandwidth)
     # A run of its own (NAME-comm), not retried: a failure is the answer.
@@ -176,10 +176,10 @@ def _fit(cfg: Config, worker=None, **extra):
         storage = cfg.ray.storage_path if is_uri(cfg.ray.storage_path) else str(Path(cfg.ray.storage_path).resolve())
         checks = Preflight(cfg, storage)
         # Ray Train takes seconds to import: while the probes start on the nodes. Nothing the
-        # driver imports brings in torch (trainapp/ray_compat.py, trainapp/ray_setup.py).
-        from trainapp import ray_compat
+        # driver imports brings in torch (trainapp/launch/ray/compat.py, trainapp/launch/ray/setup.py).
+        from trainapp.launch.ray import compat
         timeline.mark("driver_imported")
-        ray_compat.check_run_record(storage, cfg.ray.name)
+        compat.check_run_record(storage, cfg.ray.name)
         for line in checks.wait():
             log.info("network %s", line)
         log.info("%s: %s workers, %s per worker, storage %s/%s", where, cfg.ray.num_workers, needs, storage,

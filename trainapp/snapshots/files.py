@@ -1,7 +1,7 @@
 """The bytes of a snapshot: `state.pt` written once, checksummed in passing, with O_DIRECT where the
 filesystem takes it, fsynced; and the CPU staging copy an async snapshot is written from.
 
-trainapp.snapshot builds the snapshot directory, its atomic publication and its retention on these; the
+trainapp.snapshots.snapshot builds the snapshot directory, its atomic publication and its retention on these; the
 storage errors it survives (a full disk, a read-only mount, a directory it may not write) are named here.
 """
 
@@ -19,7 +19,7 @@ import torch
 import xxhash
 from torch.utils.serialization import config as torch_serialization_config
 
-from trainapp import heartbeat
+from trainapp.faults import heartbeat
 
 # The checksum of state.pt: xxh3-128 (xxhash), several times cheaper than sha256 (docs/benchmarks.md), and
 # a snapshot's checksum guards against torn and corrupt files, not against forgery. Format-1 snapshots

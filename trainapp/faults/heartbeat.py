@@ -119,7 +119,7 @@ class Watchdog:
                 self._fire(silent)
 
     def _fire(self, silent: float) -> None:
-        from trainapp import failure  # here: failure reads this module's state
+        from trainapp.faults import failure  # here: failure reads this module's state
 
         error = (f"no progress for {silent:.0f} s (fault.hang_timeout_s={self.timeout_s:g}); stacks in "
                  f"{self.path}; the launcher restarts the group from the newest snapshot")

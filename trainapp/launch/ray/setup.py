@@ -1,10 +1,10 @@
 """The torch-free entry points of a Ray Train worker: what it runs before Ray creates the process
 group (`prepare_worker`: the worker's environment, thread count, signal handlers and network
 interface), and the per-worker functions the driver hands Ray (`train_worker`, `comm_worker`, which
-call trainapp/ray_worker.py's in the worker).
+call trainapp/launch/ray/worker.py's in the worker).
 
 This module imports no torch (only its functions do, in the worker): Ray Train's controller holds a
-reference to `prepare_worker` in the backend config it is handed (trainapp/ray_compat.py), and the
+reference to `prepare_worker` in the backend config it is handed (trainapp/launch/ray/compat.py), and the
 driver pickles references to the per-worker functions; unpickling or taking a reference imports
 this module there. Neither the controller nor the driver trains, and a torch import is seconds of
 CPU on the start-up's critical path (docs/ray.md, "Start-up and recovery: where the seconds go").
@@ -17,7 +17,8 @@ import os
 import threading
 from typing import Any
 
-from trainapp import config, timeline
+from trainapp import config
+from trainapp.observe import timeline
 
 _imports: threading.Thread | None = None
 """Imports what the worker function needs while Ray creates the process group (`prepare_worker`
@@ -41,9 +42,11 @@ def prepare_worker(env: dict[str, str], threads: int, network: dict[str, Any], p
     timeline.mark("worker_setup")
     import torch
 
-    from trainapp import net, preempt, ray_compat
+    from trainapp.faults import preempt
+    from trainapp.launch import net
+    from trainapp.launch.ray import compat
 
-    ray_compat.quiet_report_lines()  # Ray Train has configured the worker's logging by now
+    compat.quiet_report_lines()  # Ray Train has configured the worker's logging by now
     # Ray's own SIGTERM handler ends the worker at once; ours turns it into the agreed stop.
     preempt.install(preemption["signals"], preemption["grace_s"])
     preempt.register()  # `trainapp drain` finds this worker; the entry goes stale with the process
@@ -63,7 +66,7 @@ def prepare_worker(env: dict[str, str], threads: int, network: dict[str, Any], p
 def _ray_worker():
     if _imports is not None:
         _imports.join()  # no two threads import the same modules at once
-    from trainapp import ray_worker
+    from trainapp.launch.ray import worker
 
     return ray_worker
 
@@ -79,7 +82,7 @@ def comm_worker(payload: dict[str, Any]) -> dict[str, Any]:
 
 IMPORTS = {
     # torch._dynamo: DistributedDataParallel and torch.optim import it on first use, seconds of CPU.
-    train_worker: ["torch._dynamo", "trainapp.loop", "trainapp.ray_worker"],
-    comm_worker: ["trainapp.comm", "trainapp.ray_worker"],
+    train_worker: ["torch._dynamo", "trainapp.core.loop", "trainapp.launch.ray.worker"],
+    comm_worker: ["trainapp.tools.comm", "trainapp.launch.ray.worker"],
 }
 """The modules each worker function imports first: `prepare_worker` imports them while the group forms."""

@@ -2,7 +2,7 @@
 
 `run(cfg)` is the whole job on this process; `train(cfg, ctx)` is a rank's training under any launcher
 (`run`'s, a Ray worker's), with its failures explained; `trainer(cfg, ctx)` builds the parts
-(trainapp.build) and hands them to the `Trainer`, whose `train()` reads top to bottom. Neither knows who launched it:
+(trainapp.core.build) and hands them to the `Trainer`, whose `train()` reads top to bottom. Neither knows who launched it:
 alone, torchrun or a Ray Train worker all look the same from here (ranks in the environment, maybe a
 process group already created).
 """
@@ -23,14 +23,16 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from trainapp import dist, failure, heartbeat, logs, malloc, observe, preempt, tboard, timeline
-from trainapp.build import Parts, build
+from trainapp.faults import failure, heartbeat, preempt
+from trainapp.launch import dist, malloc
+from trainapp.observe import logs, tboard, timeline, timings
+from trainapp.core.build import Parts, build
 from trainapp.config import Config
-from trainapp.data import make_loader, set_epoch
-from trainapp.metrics import METRICS, MetricsWriter, Throughput
-from trainapp.metrics import read as read_metrics
-from trainapp.optim import scaled_lr
-from trainapp.snapshot import SnapshotManager, params_sha256
+from trainapp.core.data import make_loader, set_epoch
+from trainapp.observe.metrics import METRICS, MetricsWriter, Throughput
+from trainapp.observe.metrics import read as read_metrics
+from trainapp.core.optim import scaled_lr
+from trainapp.snapshots.snapshot import SnapshotManager, params_sha256
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +66,10 @@ class Trainer:
         self.last_loss, self.last_eval = float("nan"), None
         self._loss_sum = torch.zeros((), device=ctx.device)  # summed on the device, read at log time
         self._loss_steps = 0
-        self.timer = observe.StepTimer(ctx.device, cfg.observe.ranks)
+        self.timer = timings.StepTimer(ctx.device, cfg.observe.ranks)
         if parts.ddp is not None and cfg.observe.ranks:
             self.timer.attach(parts.ddp)
-        self.stragglers = observe.Stragglers(cfg.observe.straggler_ratio, cfg.observe.straggler_intervals)
+        self.stragglers = timings.Stragglers(cfg.observe.straggler_ratio, cfg.observe.straggler_intervals)
         self.hosts: list[str] = []  # by rank, from the start record's placement
         self.last_ranks: list[dict] | None = None
         self._slow = (f.slow_phase, f.slow_ms / 1000) if f.slow_rank == ctx.rank else None
@@ -318,13 +320,13 @@ class Trainer:
     def _log_ranks(self, rows: list[list[float]]) -> None:
         """Rank 0: the `ranks` record of this interval, and any straggler it reveals."""
         step = self.parts.progress.global_step
-        self.last_ranks = observe.rank_rows(rows, self.hosts)
+        self.last_ranks = timings.rank_rows(rows, self.hosts)
         self.metrics.write("ranks", step=step, ranks=self.last_ranks)
         if self.board is not None:
             self.board.ranks(step, self.last_ranks)
         for found in self.stragglers.update(step, self.last_ranks):
             self.metrics.write("straggler", **found)
-            log.warning("%s", observe.straggler_line(found, self.cfg.observe.straggler_ratio))
+            log.warning("%s", timings.straggler_line(found, self.cfg.observe.straggler_ratio))
 
     def _current_lr(self) -> float:
         groups = self.parts.optimizer.param_groups
@@ -419,7 +421,7 @@ def trainer(cfg: Config, ctx: dist.DistContext, snapshots: SnapshotManager | Non
 def train(cfg: Config, ctx: dist.DistContext, snapshots: SnapshotManager | None = None,
           drain_notice: Callable[[], dict | None] | None = None) -> dict[str, Any]:
     """This rank's whole training under any launcher: build, resume and train, with whatever ends it
-    explained and its peers' failures watched for (trainapp/failure.py)."""
+    explained and its peers' failures watched for (trainapp/faults/failure.py)."""
     attempt_no = attempt(Path(cfg.run.dir))
     with failure.watching(cfg.run.dir, ctx, attempt_no):
         return trainer(cfg, ctx, snapshots, drain_notice, attempt_no).train()

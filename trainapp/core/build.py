@@ -17,14 +17,15 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
-from trainapp import dist, tboard, timeline
-from trainapp.amp import Precision
+from trainapp.launch import dist
+from trainapp.observe import tboard, timeline
+from trainapp.core.amp import Precision
 from trainapp.config import Config, ConfigError, TrainSection
-from trainapp.data import ResumableDistributedSampler, build_datasets, make_loader
-from trainapp.models import build_model
-from trainapp.optim import build_ema, build_optimizer, build_scheduler, rescale, set_schedule
-from trainapp.snapshot import SnapshotManager
-from trainapp.state import Progress, RngState, TrainState, seed_all
+from trainapp.core.data import ResumableDistributedSampler, build_datasets, make_loader
+from trainapp.core.models import build_model
+from trainapp.core.optim import build_ema, build_optimizer, build_scheduler, rescale, set_schedule
+from trainapp.snapshots.snapshot import SnapshotManager
+from trainapp.core.state import Progress, RngState, TrainState, seed_all
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from trainapp import dist
+from trainapp.launch import dist
 
 
 class Stateful(Protocol):

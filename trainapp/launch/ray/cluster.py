@@ -16,10 +16,10 @@ and to `ray job submit` through RAY_AUTH_TOKEN_PATH. The nodes also get their ow
 Every node runs `ray start --block` as the leader of its own session; `down` ends exactly those
 sessions (SIGTERM, then SIGKILL for stragglers), never other Ray processes on the machine.
 
-    python -m trainapp.ray_local up --workers 2 --cpus 1
-    python -m trainapp.ray_local submit -- python -m trainapp ray ray.storage_path=$PWD/runs/ray
-    python -m trainapp.ray_local status
-    python -m trainapp.ray_local down
+    python -m trainapp.launch.ray.cluster up --workers 2 --cpus 1
+    python -m trainapp.launch.ray.cluster submit -- python -m trainapp ray ray.storage_path=$PWD/runs/ray
+    python -m trainapp.launch.ray.cluster status
+    python -m trainapp.launch.ray.cluster down
 """
 
 from __future__ import annotations
@@ -332,7 +332,7 @@ class LocalCluster:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainapp.ray_local", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m trainapp.launch.ray.cluster", description=__doc__.splitlines()[0])
     p.add_argument("--dir", type=Path, default=DEFAULT_DIR, help=f"cluster state, token, logs (default {DEFAULT_DIR})")
     sub = p.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="start a head and N worker nodes on loopback (127.0.0.2, .3, ...)")

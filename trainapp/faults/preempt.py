@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from trainapp import failure, heartbeat
+from trainapp.faults import failure, heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class _Notice:
         self.armed = False
         self.lock = threading.Lock()
         self.snapshots = "the run's snapshots directory"
-        self.phase_at_signal = ""  # trainapp.heartbeat's phase when the first signal came
+        self.phase_at_signal = ""  # trainapp.faults.heartbeat's phase when the first signal came
         self.done = False  # this process's training is over (a Ray worker lives on): signals are not notices
 
 

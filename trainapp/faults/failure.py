@@ -8,8 +8,8 @@ heartbeat), cause, error, exit_code, attempt; for an out-of-memory error also th
 
 - `exception`: the loop raised (a bug, a data error);
 - `oom`: `torch.OutOfMemoryError`;
-- `storage`: snapshots cannot be written (every rank stops together, see trainapp/snapshot.py);
-- `hang`: the watchdog found no progress (trainapp/heartbeat.py);
+- `storage`: snapshots cannot be written (every rank stops together, see trainapp/snapshots/snapshot.py);
+- `hang`: the watchdog found no progress (trainapp/faults/heartbeat.py);
 - `signal`: a preemption notice whose grace period ran out before the agreed stop;
 - `peer`: another rank failed first, or the group's store stopped answering.
 
@@ -33,7 +33,8 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator
 
-from trainapp import heartbeat, metrics
+from trainapp.faults import heartbeat
+from trainapp.observe import metrics
 
 PEER_EXIT = 1
 """Exit code of a rank that ends because a peer failed (the peer's own code says why)."""
@@ -208,7 +209,7 @@ class _PeerWatch:
 def watching(run_dir: str | Path, ctx, attempt: int = 0) -> Iterator[None]:
     """The run of this rank: exceptions out of the block are recorded (and re-raised), peers' failures
     are watched for. Leave the block before the process group goes away: rank 0 may host the store."""
-    from trainapp import dist
+    from trainapp.launch import dist
 
     _where.run_dir, _where.rank, _where.device, _where.attempt = Path(run_dir), ctx.rank, ctx.device, attempt
     try:

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from trainapp import net
+from trainapp.launch import net
 from trainapp.config import Config
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"

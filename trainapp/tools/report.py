@@ -14,7 +14,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from trainapp import metrics
+from trainapp.observe import metrics
 from trainapp.config import ConfigError
 
 
@@ -82,10 +82,10 @@ def failures(records: list[dict]) -> list[str]:
 
 
 def rank_phases(records: list[dict]) -> dict[int, dict[str, Any]]:
-    """Per rank over the `ranks` records (trainapp/observe.py): its host, the median step time, busy
+    """Per rank over the `ranks` records (trainapp/observe/timings.py): its host, the median step time, busy
     time (the step without waiting for peers), process CPU time per step (None in runs that predate
     it) and ms per step of each phase."""
-    from trainapp.observe import PHASES
+    from trainapp.observe.timings import PHASES
 
     by_rank: dict[int, list[dict]] = {}
     for r in records:
@@ -101,7 +101,7 @@ def rank_phases(records: list[dict]) -> dict[int, dict[str, Any]]:
 
 
 def _rank_lines(records: list[dict]) -> list[str]:
-    from trainapp.observe import BUSY
+    from trainapp.observe.timings import BUSY
 
     ranks = rank_phases(records)
     if not ranks:
@@ -217,11 +217,11 @@ def _plot_rank_work(ax, records: list[dict], rs: list[dict]) -> None:
 
 def _plot_phases(ax, records: list[dict]) -> None:
     """Each rank's median step split into phases: one stacked bar per rank."""
-    from trainapp.observe import PHASES
+    from trainapp.observe.timings import PHASES
 
     ranks = rank_phases(records)
     if not ranks:
-        ax.text(0.5, 0.5, "no ranks records (observe.ranks=false?)", transform=ax.transAxes, ha="center",
+        ax.text(0.5, 0.5, "no ranks records (timings.ranks=false?)", transform=ax.transAxes, ha="center",
                 va="center", color="gray")
         return
     names = [f"rank {r}" for r in ranks]

@@ -20,7 +20,7 @@ from trainapp import config
 from trainapp.config import Config, ConfigError
 
 SUPPORTED = ("2.60.0", "2.61.0")
-"""Ray versions trainapp/ray_compat.py was written for: at least the first, below the second."""
+"""Ray versions trainapp/launch/ray/compat.py was written for: at least the first, below the second."""
 
 PROBE_TIMEOUT_S = 60
 
@@ -48,7 +48,7 @@ def check_version(version: str | None = None) -> str:
     lo, hi = SUPPORTED
     if not _version_tuple(lo) <= _version_tuple(version) < _version_tuple(hi):
         raise ConfigError(f"ray {version}: trainapp's Ray launcher was written for Ray >={lo},<{hi} (it uses Ray's "
-                          f"private API, see trainapp/ray_compat.py); install 'ray[default,train]=={lo}'")
+                          f"private API, see trainapp/launch/ray/compat.py); install 'ray[default,train]=={lo}'")
     return version
 
 
@@ -118,7 +118,7 @@ def _probe_writable(path: str) -> str:
 
 
 def _probe_network(network: dict, env: dict) -> tuple[str, str]:
-    from trainapp import net
+    from trainapp.launch import net
 
     try:
         res = net.apply(config.NetworkSection(**network), net.ray_head_host(), environ={**os.environ, **env})

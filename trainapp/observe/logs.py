@@ -1,4 +1,4 @@
-"""Logging with the rank in every line (metrics.jsonl is trainapp/metrics.py's).
+"""Logging with the rank in every line (metrics.jsonl is trainapp/observe/metrics.py's).
 
 Info goes out from rank 0 only; other ranks log warnings and errors. Log lines go through tqdm.write
 so they do not tear the progress bar.

@@ -204,5 +204,5 @@ class Stragglers:
 
 def straggler_line(s: dict[str, Any], ratio: float) -> str:
     return (f"straggler: rank {s['rank']} on {s['host']} took {s['ratio']:.2f}x the median step time without "
-            f"communication wait for {s['intervals']} log intervals (observe.straggler_ratio={ratio:g}); slowest "
+            f"communication wait for {s['intervals']} log intervals (timings.straggler_ratio={ratio:g}); slowest "
             f"phase {s['phase']}: {s['phase_ms']:.1f} ms per step against a median {s['median_phase_ms']:.1f} ms")

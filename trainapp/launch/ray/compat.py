@@ -1,12 +1,12 @@
 """Every use of Ray's private API in trainapp, in one module, for the Ray versions in
-trainapp.ray_checks.SUPPORTED.
+trainapp.launch.ray.checks.SUPPORTED.
 
 Ray Train's public API carries the training itself (TorchTrainer, ScalingConfig, RunConfig,
 FailureConfig, CheckpointConfig, `ray.train.report` / `get_checkpoint`, WorkerGroupError and
 ControllerError). What it has no public way to do, and what each one uses here:
 
 - Run code on every worker before Ray Train creates the process group: the network interface must
-  be exported by then (trainapp/net.py), or the group forms on the wrong interface or hangs. Only
+  be exported by then (trainapp/launch/net.py), or the group forms on the wrong interface or hangs. Only
   the backend of the backend config runs there, so `TorchConfigWithSetup` carries its own backend,
   which runs a setup function first. runtime_env's `worker_process_setup_hook` cannot replace it:
   Ray runs that hook only from a job-level runtime env, in every process of the job (the Train
@@ -62,7 +62,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from trainapp.config import ConfigError
-from trainapp.ray_checks import SUPPORTED, run_store
+from trainapp.launch.ray.checks import SUPPORTED, run_store
 
 PRIVATE_NAMES = [
     ("ray.train.torch.config", "_setup_torch_process_group"),
@@ -111,7 +111,7 @@ try:  # an import error here is a Ray version trainapp was not written for, said
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 except ImportError as e:
     raise ConfigError(f"ray: cannot import a name trainapp needs ({e}); trainapp's Ray launcher was written for "
-                      f"Ray >={SUPPORTED[0]},<{SUPPORTED[1]} (trainapp/ray_compat.py)") from None
+                      f"Ray >={SUPPORTED[0]},<{SUPPORTED[1]} (trainapp/launch/ray/compat.py)") from None
 
 
 PREEMPTION_POLL_S = 1.0

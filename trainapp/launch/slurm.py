@@ -20,7 +20,7 @@ import os
 import socket
 from pathlib import Path
 
-from trainapp import net
+from trainapp.launch import net
 from trainapp.config import Config, ConfigError
 
 MARKER = ".slurm-job"

@@ -34,9 +34,9 @@ from typing import Any, Protocol
 
 import torch
 
-from trainapp import heartbeat
+from trainapp.faults import heartbeat
 from trainapp.config import ConfigError
-from trainapp.snapfile import (CHECKSUMS, cpu_copy, file_digest, fsync_dir, is_storage_error, save_state, storage_hint,
+from trainapp.snapshots.files import (CHECKSUMS, cpu_copy, file_digest, fsync_dir, is_storage_error, save_state, storage_hint,
                                write_bytes)
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ def find_shared(ctx, root: Path | str, snaps: list | None = None,
                 local=contextlib.nullcontext) -> tuple[str, dict[str, Any]] | None:
     """(path, state) of the newest valid snapshot under `root` (`snaps`, `local`: as `newest_valid`; on
     rank 0), on storage every rank sees: rank 0 chooses, every rank loads that one. None to start fresh."""
-    from trainapp import dist
+    from trainapp.launch import dist
 
     hit = newest_valid(root, snaps, local) if ctx.is_main else None
     found = dist.broadcast_object(ctx, str(hit[0]) if hit else None)
@@ -397,7 +397,7 @@ class SnapshotManager:
 
     def agree(self, ctx, final: bool, now: bool = True) -> bool:
         """Every rank: rank 0's verdict on the snapshots so far (StorageError everywhere when fatal) and its `now`."""
-        from trainapp import dist
+        from trainapp.launch import dist
 
         fatal = None
         if ctx.is_main and self._last is not None and (final or self.failures >= self.max_failures):

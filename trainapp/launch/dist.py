@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from trainapp import net
+from trainapp.launch import net
 from trainapp.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ class DistContext:
     backend: str | None
     owns_group: bool
     network: net.Resolution | None = None
-    """The interface this process chose for NCCL/Gloo (trainapp.net), None when nothing was resolved."""
+    """The interface this process chose for NCCL/Gloo (trainapp.launch.net), None when nothing was resolved."""
 
     @property
     def is_main(self) -> bool:

@@ -4,7 +4,7 @@ training would use, before a long job finds a slow link the hard way.
 Run it the way training runs, one process per node at least: under torchrun (`torchrun --nnodes=N
 ... -m trainapp doctor --comm network.interface=...`) or as a Ray job (`ray job submit -- python -m
 trainapp doctor --comm ray.num_workers=N`, where Ray Train starts the processes as for training:
-trainapp/ray_entry.py). Every process sets up distributed exactly as training does (the same interface
+trainapp/launch/ray/driver.py). Every process sets up distributed exactly as training does (the same interface
 resolution and check, Gloo on CPU, NCCL on GPUs); the ranks are grouped by node, and for each pair of
 nodes the first rank of each runs a short all-reduce between the two of them (a two-rank group, one
 pair at a time, the others waiting). Rank 0 prints the bus bandwidth
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 
-from trainapp import dist
+from trainapp.launch import dist
 from trainapp.config import Config, ConfigError
 
 

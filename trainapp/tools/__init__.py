@@ -1,0 +1,1 @@
+"""Tools around a run: `trainapp doctor` (and `--comm`), `trainapp report`."""
