@@ -4,7 +4,7 @@ Measured at the watchdog's default `fault.hang_timeout_s` (60 s), under torchrun
 on a local multi-node Ray cluster. Each round runs one job per launcher, 2 workers each (`torchrun
 --standalone --nproc_per_node=2 --max-restarts=1`; Ray Train with `ray.max_failures=1` on a head + 2
 worker nodes of 1 CPU each, submitted with `ray job submit`): SmallCNN, a snapshot every 10 steps, a
-metrics record every step, and the drill `fault.hang_at_step=15 fault.rank=1`: rank 1's training
+metrics record every step, and the drill `drill.hang_at_step=15 drill.rank=1`: rank 1's training
 thread sleeps for good after step 15 (as a stuck data loader would), having written the time into the
 drill's marker file; rank 0 blocks in the next all-reduce, so both stop beating. Measured from the
 files the run leaves (wall-clock times, one machine):
@@ -42,9 +42,10 @@ from launchers import HERE, REPO, first_step_after_restart, launch_cmd, override
 from machine import describe
 from scratch import scratch
 
-# This checkout's trainapp: importing launchers put REPO first on sys.path.
-from trainapp.faults import preempt
 from trainapp.config import FaultSection
+
+# This checkout's trainapp: importing launchers put REPO first on sys.path.
+from trainapp.faults import drain
 from trainapp.launch.ray.cluster import LocalCluster, free_port
 
 LAUNCHERS = ("torchrun", "ray")
@@ -52,8 +53,8 @@ LAUNCHERS = ("torchrun", "ray")
 
 def config(args) -> list[str]:
     """Overrides shared by both launchers (the model and data are launchers.py's)."""
-    out = overrides(args.steps, args.snapshot_every, "train.log_every=1", f"fault.hang_at_step={args.hang_step}",
-                    f"fault.rank={args.rank}")
+    out = overrides(args.steps, args.snapshot_every, "train.log_every=1", f"drill.hang_at_step={args.hang_step}",
+                    f"drill.rank={args.rank}")
     if args.hang_timeout is not None:  # else trainapp's default: what is measured
         out.append(f"fault.hang_timeout_s={args.hang_timeout:g}")
     return out
@@ -62,7 +63,7 @@ def config(args) -> list[str]:
 def launch(launcher: str, run_dir: Path, args, cluster: LocalCluster | None, log: Path) -> subprocess.Popen:
     cmd, env = launch_cmd(launcher, run_dir, config(args), cluster, max_failures=1)
     if launcher == "torchrun":
-        env[preempt.RUNTIME_ENV] = str(runtime_dir(run_dir))
+        env[drain.RUNTIME_ENV] = str(runtime_dir(run_dir))
     with open(log, "w") as out:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -75,7 +76,7 @@ def runtime_dir(run_dir: Path) -> Path:
 def stop(p: subprocess.Popen, run_dir: Path) -> None:
     """End exactly this run's processes: the launcher's session and torchrun's registered workers
     (they sit in process groups of their own)."""
-    for pid in preempt.registered(runtime_dir(run_dir)):
+    for pid in drain.registered(runtime_dir(run_dir)):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -159,8 +160,8 @@ def main() -> int:
                    help="fault.hang_timeout_s (default: trainapp's, 60 s; 5 with --smoke)")
     p.add_argument("--steps", type=int, default=40, help="train.max_steps")
     p.add_argument("--snapshot-every", type=int, default=10)
-    p.add_argument("--hang-step", type=int, default=15, help="fault.hang_at_step: after a snapshot, before the next")
-    p.add_argument("--rank", type=int, default=1, help="fault.rank: the rank that hangs")
+    p.add_argument("--hang-step", type=int, default=15, help="drill.hang_at_step: after a snapshot, before the next")
+    p.add_argument("--rank", type=int, default=1, help="drill.rank: the rank that hangs")
     p.add_argument("--run-timeout", type=float, default=600, help="seconds one job may take")
     p.add_argument("--out", help="result file (default bench/results/hang.json)")
     args = p.parse_args()
@@ -204,7 +205,7 @@ def main() -> int:
         "rounds": rounds,
         "target": {"hang_recovery_seconds": "<= 100 at fault.hang_timeout_s=60"},
         "fault.hang_timeout_s": FaultSection().hang_timeout_s if args.hang_timeout is None else args.hang_timeout,
-        "fault.hang_at_step": args.hang_step, "fault.rank": args.rank, "snapshot.every_steps": args.snapshot_every,
+        "drill.hang_at_step": args.hang_step, "drill.rank": args.rank, "snapshot.every_steps": args.snapshot_every,
         "train.max_steps": args.steps, "world_size": 2, "smoke": args.smoke,
         "machine": describe(), "date": time.strftime("%Y-%m-%d"),
     })

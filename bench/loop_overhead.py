@@ -10,7 +10,7 @@ On a 2-core machine two single-threaded workers share the cores with gloo's thre
 drift by several percent, also with the position of a round in the sequence. So five contestants
 run in balanced orders (every position and every neighbour equally often): trainapp, the minimal loop,
 the minimal loop again as a control, trainapp without its preemption vote, and trainapp without its
-per-rank phase timings (`timings.ranks=false`). Each round's ratio is trainapp against the mean of that round's two
+per-rank phase timings (`observe.ranks=false`). Each round's ratio is trainapp against the mean of that round's two
 minimal runs, and `loop_overhead_ratio` is the median over rounds (pairing within a round cancels the
 drift between rounds; the ratio of the pooled medians is reported too); `control_ratio` (minimal vs
 itself, per round, then the median) shows the noise floor of the same run; `vote_cost_ratio`
@@ -92,7 +92,9 @@ def trainapp_round(ctx, steps: int, batch: int, out_dir: Path, seed: int, train_
     import torch.distributed as dist
 
     from trainapp import config
-    from trainapp.core.loop import trainer as make_trainer
+    from trainapp.faults.guard import RankGuard
+    from trainapp.launch import rank
+    from trainapp.launch.torchrun import Torchrun
 
     cfg = config.load(None, [
         f"run.dir={out_dir}", f"seed={seed}", f"train.max_steps={steps}", f"train.batch_size={batch}",
@@ -101,11 +103,11 @@ def trainapp_round(ctx, steps: int, batch: int, out_dir: Path, seed: int, train_
         # compute, not the loop); logging, progress bar and the end-of-run snapshot stay on, because
         # they are the loop's overhead.
         "train.grad_clip=0", "snapshot.every_steps=0", "train.epochs=1000", "model.channels_last=false",
-        f"timings.ranks={str(ranks).lower()}",
+        f"observe.ranks={str(ranks).lower()}",
     ])
-    trainer = make_trainer(cfg, ctx)
+    trainer = rank.trainer(Torchrun(), cfg, ctx, RankGuard())  # the launcher's parts, on this process's group
     if not vote:  # the same loop without the preemption vote: what the vote itself costs
-        trainer.vote.stop = lambda step: 0
+        trainer.boundary.vote.stop = lambda step: 0
     dist.barrier()
     t0, c0 = time.perf_counter(), time.process_time()
     trainer.train()
@@ -115,10 +117,10 @@ def trainapp_round(ctx, steps: int, batch: int, out_dir: Path, seed: int, train_
 def worker(args) -> None:
     import torch
 
-    from trainapp.launch import dist as tdist
-    from trainapp.observe import logs
     from trainapp.core.amp import resolve_dtype
     from trainapp.core.data import SyntheticImages
+    from trainapp.launch import dist as tdist
+    from trainapp.observe import logs
 
     ctx = tdist.setup(300)
     logs.setup(ctx.rank, ctx.world_size)
@@ -159,7 +161,7 @@ def worker(args) -> None:
             "loop_overhead_ratio": statistics.median(t / ((m + c) / 2) for t, m, c, _, _ in rounds),
             "control_ratio": statistics.median(c / m for _, m, c, _, _ in rounds),
             "vote_cost_ratio": statistics.median(t / n for t, _, _, n, _ in rounds),
-            # What the per-rank phase timings (timings.ranks) cost: the same loop with them off.
+            # What the per-rank phase timings (observe.ranks) cost: the same loop with them off.
             "ranks_cost_ratio": statistics.median(t / o for t, _, _, _, o in rounds),
             "ranks_cpu_ratio": statistics.median(a / b for a, b in zip(cpu["trainapp"], cpu["trainapp_noranks"])),
             # CPU time is not stretched by waiting for the other rank: a finer view of a small cost.

@@ -79,11 +79,12 @@ def vote_worker(blocks: int, steps: int) -> None:
     """Under torchrun: alternating blocks of spinning steps with and without a vote at each step."""
     import torch.distributed as dist
 
-    from trainapp.launch import dist as tdist
+    from trainapp.faults.guard import RankGuard
     from trainapp.faults.preempt import StopVote
+    from trainapp.launch import dist as tdist
 
     ctx = tdist.setup(60)
-    vote = StopVote(ctx)
+    vote = StopVote(ctx, RankGuard().notices)
     vote.INTERVAL_S = 0.0  # every step: one vote per step is what is measured
     cost = {"cpu": [], "wall": []}
     for b in range(2 * blocks):

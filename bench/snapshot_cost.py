@@ -32,9 +32,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from machine import describe
-from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
 ALONE = SimpleNamespace(is_main=True, distributed=False, rank=0)

@@ -81,7 +81,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "scripts"), str(REPO)]
 import smoke_assert  # noqa: E402  (the shared assertions, beside this script)
+
 from trainapp.observe import metrics  # noqa: E402  (standard library only: the one metrics.jsonl reader)
+
 PROG = "container-smoke"
 LOCAL_BASE = "trainapp-smoke-base:bookworm"
 PYTHON_BASE = "python:3.11-slim-bookworm"  # the Dockerfile's CPU_BASE default

@@ -75,9 +75,9 @@ def inspect(path: Path) -> dict:
 def kill_registered(runtime_root: Path) -> None:
     """SIGKILL the live training processes registered under `runtime_root` (TRAINAPP_RUNTIME_DIR):
     torchrun's workers sit in process groups of their own, and a SIGSTOPped one outlives its agent."""
-    from trainapp.faults import preempt
+    from trainapp.faults import drain
 
-    for pid in preempt.registered(runtime_root):
+    for pid in drain.registered(runtime_root):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -4,13 +4,15 @@ import math
 
 import pytest
 import torch
-
 from helpers import metrics
+
 from trainapp import config
-from trainapp.core import amp, loop
-from trainapp.launch import dist
-from trainapp.core.amp import Precision, resolve_dtype
 from trainapp.config import AmpSection
+from trainapp.core import amp
+from trainapp.core.amp import Precision, resolve_dtype
+from trainapp.core.loop import Trainer
+from trainapp.launch import rank
+from trainapp.launch.torchrun import Torchrun
 
 CPU = torch.device("cpu")
 
@@ -22,8 +24,26 @@ def _cfg(run_dir, *extra):
                               "train.log_every=2", *extra])
 
 
-def _trainer(run_dir, *extra) -> loop.Trainer:
-    return loop.trainer(_cfg(run_dir, *extra), dist.setup(60))
+@pytest.fixture
+def make_trainer(tmp_path):
+    """Trainers in this process (steps called one by one), their launchers closed at the end: the
+    worker registry must not keep the test process."""
+    made = []
+
+    def make(*extra) -> Trainer:
+        cfg, launcher = _cfg(tmp_path, *extra), Torchrun()
+        guard = launcher.guard(cfg)
+        ctx = launcher.context(cfg, guard)
+        made.append((launcher, ctx))
+        return rank.trainer(launcher, cfg, ctx, guard)
+
+    yield make
+    for launcher, ctx in made:
+        launcher.close(ctx)
+
+
+def _batches(t: Trainer):
+    return iter(torch.utils.data.DataLoader(t.parts.batches.dataset, batch_size=32))
 
 
 @pytest.mark.parametrize("native, expected", [(True, torch.bfloat16), (False, None)])
@@ -82,28 +102,29 @@ def test_one_autocast_context_and_a_scaler_enabled_only_for_fp16(choice, dtype, 
     assert p.scaler.is_enabled() is scaling
 
 
-def test_fp16_overflow_skips_the_step_counts_it_and_backs_off_the_scale(tmp_path):
+def test_fp16_overflow_skips_the_step_counts_it_and_backs_off_the_scale(make_trainer):
     # A loss scale of 1e20 overflows fp16 gradients in the backward pass: the step must be skipped.
-    t = _trainer(tmp_path, "amp.dtype=fp16", "amp.init_scale=1e20")
+    t = make_trainer("amp.dtype=fp16", "amp.init_scale=1e20")
     before = {n: p.detach().clone() for n, p in t.parts.model.named_parameters()}
-    loss = t._run_step(iter(torch.utils.data.DataLoader(t.parts.train_ds, batch_size=32)))
+    loss = t._step(_batches(t))
     assert math.isfinite(loss.item())  # the forward pass was fine
     assert int(t.parts.progress.skipped) == 1
     assert all(torch.equal(before[n], p) for n, p in t.parts.model.named_parameters())
     assert t.parts.precision.scaler.get_scale() == pytest.approx(0.5e20)
 
 
-def test_fp16_with_a_sane_scale_updates_the_weights(tmp_path):
-    t = _trainer(tmp_path, "amp.dtype=fp16")
+def test_fp16_with_a_sane_scale_updates_the_weights(make_trainer):
+    t = make_trainer("amp.dtype=fp16")
     before = {n: p.detach().clone() for n, p in t.parts.model.named_parameters()}
-    t._run_step(iter(torch.utils.data.DataLoader(t.parts.train_ds, batch_size=32)))
+    t._step(_batches(t))
     assert int(t.parts.progress.skipped) == 0
     assert any(not torch.equal(before[n], p) for n, p in t.parts.model.named_parameters())
 
 
 @pytest.mark.parametrize("choice", ["fp16", "bf16", "off"])
 def test_a_short_run_trains_in_each_precision(tmp_path, choice):
-    summary = loop.run(_cfg(tmp_path, f"amp.dtype={choice}", "train.max_steps=8", "amp.init_scale=1e12"))
+    cfg = _cfg(tmp_path, f"amp.dtype={choice}", "train.max_steps=8", "amp.init_scale=1e12")
+    summary = rank.run_rank(Torchrun(), cfg)
     assert summary["steps"] == 8 and math.isfinite(summary["final_loss"])
     start = metrics(tmp_path, "start")[0]
     assert start["amp"] == {"fp16": "fp16", "bf16": "bf16", "off": "fp32"}[choice]

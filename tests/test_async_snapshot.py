@@ -6,16 +6,22 @@ import os
 import signal
 import subprocess
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
-
 from helpers import PY, QUICK, REPO, inspect, metrics, torchrun, trainapp
-from trainapp.snapshots import snapshot
-from trainapp.snapshots.snapshot import SnapshotManager, load_state, newest_valid
 
-ALONE = SimpleNamespace(is_main=True, distributed=False, rank=0)
+from trainapp.group import DistContext
+from trainapp.snapshots import store as snapshot
+from trainapp.snapshots.manager import SnapshotManager
+from trainapp.snapshots.publish import LocalPublish
+from trainapp.snapshots.store import load_state, newest_valid
+
+ALONE = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None, owns_group=False)
+
+
+def _manager(root, **kw) -> SnapshotManager:
+    return SnapshotManager(LocalPublish(root, keep=3), every_steps=10, **kw)
 
 
 def _state(value: float) -> dict:
@@ -24,7 +30,7 @@ def _state(value: float) -> dict:
 
 
 def test_the_background_write_holds_a_copy_not_the_live_tensors(tmp_path):
-    m = SnapshotManager(tmp_path, every_steps=10, keep=3, async_write=True, write_delay_s=0.3)
+    m = _manager(tmp_path, async_write=True, write_delay_s=0.3)
     state = _state(10.0)
     m.save(ALONE, 10, state, {"global_step": 10}, {})
     state["model"]["w"].add_(5.0)  # training goes on mutating in place while the write is in flight
@@ -36,7 +42,7 @@ def test_the_background_write_holds_a_copy_not_the_live_tensors(tmp_path):
 
 
 def test_save_blocks_for_the_copy_and_the_next_save_waits_for_the_previous_write(tmp_path):
-    m = SnapshotManager(tmp_path, every_steps=10, keep=3, async_write=True, write_delay_s=1.0)
+    m = _manager(tmp_path, async_write=True, write_delay_s=1.0)
     m.save(ALONE, 10, _state(10.0), {"global_step": 10}, {})
     first = m.last_blocking_s
     assert not m.path_for(10).exists(), "returned before the write finished: it runs in the background"
@@ -49,7 +55,7 @@ def test_save_blocks_for_the_copy_and_the_next_save_waits_for_the_previous_write
 
 
 def test_the_cpu_copy_reuses_the_previous_snapshots_buffers_and_each_snapshot_keeps_its_values(tmp_path):
-    m = SnapshotManager(tmp_path, every_steps=10, keep=3, async_write=True)
+    m = _manager(tmp_path, async_write=True)
     state = _state(10.0)
     state["model"]["conv"] = torch.randn(4, 3, 5, 5).to(memory_format=torch.channels_last)
     m.save(ALONE, 10, state, {"global_step": 10}, {})
@@ -73,7 +79,7 @@ def test_the_cpu_copy_reuses_the_previous_snapshots_buffers_and_each_snapshot_ke
 def test_a_failed_background_write_surfaces_in_the_training_thread(tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")
-    m = SnapshotManager(blocker, every_steps=10, keep=3, async_write=True)
+    m = _manager(blocker, async_write=True)
     m.save(ALONE, 10, _state(10.0), {"global_step": 10}, {})
     with pytest.raises(OSError):
         m.wait()
@@ -97,7 +103,7 @@ def test_async_snapshots_change_nothing_in_the_math(tmp_path):
 def test_sigkill_during_a_background_write_leaves_the_previous_snapshot_intact(tmp_path):
     run_dir = tmp_path / "run"
     args = [f"run.dir={run_dir}", "train.max_steps=30", "snapshot.every_steps=5", "snapshot.async=true",
-            "fault.snapshot_write_delay_s=4", *QUICK]
+            "drill.snapshot_write_delay_s=4", *QUICK]
     proc = subprocess.Popen([PY, "-m", "trainapp", "train", *args], cwd=REPO, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -124,7 +130,7 @@ def test_sigkill_during_a_background_write_leaves_the_previous_snapshot_intact(t
     path, meta = newest_valid(snaps)
     assert path.name == "step_000000005" and meta["global_step"] == 5
     # The run resumes from it, sweeps the leftover and finishes.
-    r = trainapp("train", *[a for a in args if not a.startswith("fault.")], timeout=300)
+    r = trainapp("train", *[a for a in args if not a.startswith("drill.")], timeout=300)
     assert r.returncode == 0, r.output[-3000:]
     assert metrics(run_dir, "start")[-1]["resumed_step"] == 5
     assert inspect(run_dir)["global_step"] == 30

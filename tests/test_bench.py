@@ -7,8 +7,8 @@ import json
 import sys
 
 import pytest
-
 from helpers import REPO, run_cmd
+
 from trainapp.core.amp import cpu_has_native_bf16
 
 pytestmark = [pytest.mark.slow, pytest.mark.bench]

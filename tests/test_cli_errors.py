@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import trainapp
-from trainapp.snapshots import snapshot
+
+from trainapp.snapshots import store as snapshot
 
 
 def _corrupt_run(root: Path) -> Path:
@@ -55,8 +55,8 @@ CASES = {
     "lr_mult matches nothing": (lambda r: ["train", "optim.lr_mult={head: 3}", f"run.dir={r}/run"], "optim.lr_mult"),
     "global batch above dataset": (lambda r: ["train", "data.train_size=16", "train.batch_size=64",
                                                f"run.dir={r}/run"], "train.batch_size=64"),
-    "fault rank beyond world": (lambda r: ["train", "fault.kill_at_step=3", "fault.rank=4", f"run.dir={r}/run"],
-                                "fault.rank=4"),
+    "fault rank beyond world": (lambda r: ["train", "drill.kill_at_step=3", "drill.rank=4", f"run.dir={r}/run"],
+                                "drill.rank=4"),
     "interface syntax": (lambda r: ["train", "network.interface=eth 0"], "network.interface='eth 0'"),
     "non-NCCL passthrough": (lambda r: ["train", "network.nccl={GLOO_X: 1}"], "network.nccl.GLOO_X"),
     "interface not on this host": (lambda r: ["train", "network.interface=nosuch0", f"run.dir={r}/run"],

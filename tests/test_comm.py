@@ -3,12 +3,13 @@ on one bridge, one host's link rate-limited by a real `tbf` qdisc."""
 
 from __future__ import annotations
 
-import pytest
-
 import netns
+import pytest
 from helpers import TORCHRUN
 from test_net import _PORTS, _wait, needs_netns, procs  # noqa: F401  (procs: the fixture)
-from trainapp.tools.comm import Pair, judge
+
+from trainapp.launch.comm import Pair, judge
+
 
 def test_comm_names_the_slow_host_among_three_and_a_slow_path_among_four():
     mib = 2**20

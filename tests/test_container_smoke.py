@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import REPO
 from test_smoke_assert import TOTAL, smoke_assert, write_run
 

@@ -186,11 +186,12 @@ def test_augmentation_depends_only_on_seed_epoch_and_index(tmp_path):
 
 def _train_on(tmp_path, *overrides):
     from trainapp import config
-    from trainapp.core import loop
+    from trainapp.launch.rank import run_rank
+    from trainapp.launch.torchrun import Torchrun
 
     cfg = config.load(None, [f"run.dir={tmp_path / 'run'}", "train.progress=false", "train.max_steps=3",
                              "train.batch_size=4", "snapshot.every_steps=2", *overrides])
-    return loop.run(cfg)
+    return run_rank(Torchrun(), cfg)
 
 
 def test_a_short_run_trains_on_imagefolder_with_loader_workers(tmp_path):

@@ -8,12 +8,11 @@ import os
 import re
 import shlex
 import subprocess
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
+import tomllib
 from helpers import PY, REPO
 
 DOCKERFILE = REPO / "docker" / "Dockerfile"

@@ -13,13 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import PY, QUICK, REPO, metrics, run_cmd, torchrun_cmd, trainapp
+
+from trainapp.errors import PEER_EXIT, ConfigError
 from trainapp.faults import failure
-from trainapp.config import ConfigError
+from trainapp.faults.heartbeat import Heartbeat
 from trainapp.faults.preempt import Preempted
 from trainapp.launch.ray.cluster import free_port
-from trainapp.snapshots.snapshot import StorageError
+from trainapp.snapshots.manager import StorageError
 
 # Two ranks of a plain launch (RANK/WORLD_SIZE/MASTER_ADDR, no torchrun to end the survivor): rank 0
 # hosts the store. MODE raise: rank 1 fails and stays alive (its sockets open, like a process stuck in
@@ -27,12 +28,12 @@ from trainapp.snapshots.snapshot import StorageError
 # that cannot see a dead peer (as an NCCL collective cannot), and the test SIGKILLs rank 0.
 RANKS = """
 import sys, time, torch, torch.distributed
-from trainapp.faults import failure
+from trainapp.faults.guard import RankGuard
 from trainapp.launch import dist
 mode, run_dir = sys.argv[1], sys.argv[2]
 ctx = dist.setup(60)
 try:
-    with failure.watching(run_dir, ctx):
+    with RankGuard().failures.watching(run_dir, ctx, lambda: dist.side_store(ctx)):
         print("ready", flush=True)
         if mode == "raise" and ctx.rank == 1:
             raise RuntimeError("boom in rank 1")
@@ -74,7 +75,7 @@ def test_a_peer_blocked_in_a_collective_with_a_failed_rank_exits_within_seconds(
     procs = _start_ranks("raise", tmp_path)
     try:
         code, at = _wait_exit(procs[0], timeout=60)
-        assert code == failure.PEER_EXIT, procs[0].communicate(timeout=5)
+        assert code == PEER_EXIT, procs[0].communicate(timeout=5)
         assert procs[1].poll() is None  # the failed rank is still alive: only the watch ended rank 0
         failed, peer = sorted(metrics(tmp_path, "failure"), key=lambda r: r["rank"], reverse=True)
         assert (failed["rank"], failed["cause"], failed["error"]) == (1, "exception", "RuntimeError: boom in rank 1")
@@ -96,7 +97,7 @@ def test_the_ranks_exit_within_seconds_when_the_stores_host_dies(tmp_path):
         os.kill(procs[0].pid, signal.SIGKILL)
         killed = time.time()
         code, at = _wait_exit(procs[1], timeout=60)
-        assert code == failure.PEER_EXIT and at - killed < 10, (code, at - killed)
+        assert code == PEER_EXIT and at - killed < 10, (code, at - killed)
         [peer] = metrics(tmp_path, "failure")
         assert peer["rank"] == 1 and peer["cause"] == "peer" and "store stopped answering" in peer["error"], peer
     finally:
@@ -107,16 +108,16 @@ def test_the_ranks_exit_within_seconds_when_the_stores_host_dies(tmp_path):
 def test_out_of_memory_drill_under_torchrun_is_explained_and_the_restart_finishes(tmp_path):
     run_dir = tmp_path / "run"
     r = run_cmd(torchrun_cmd(2, f"run.dir={run_dir}", *QUICK, "train.epochs=100", "train.max_steps=30",
-                             "snapshot.every_steps=10", "fault.oom_at_step=15", "fault.rank=1", max_restarts=1))
+                             "snapshot.every_steps=10", "drill.oom_at_step=15", "drill.rank=1", max_restarts=1))
     assert r.returncode == 0, r.output[-3000:]
     oom, peer = metrics(run_dir, "failure")
-    assert (oom["rank"], oom["cause"], oom["step"], oom["phase"], oom["attempt"]) == (1, "oom", 15, "step", 0)
-    assert oom["error"].startswith("OutOfMemoryError: fault drill (fault.oom_at_step=15)"), oom
+    assert (oom["rank"], oom["cause"], oom["step"], oom["phase"], oom["attempt"]) == (1, "oom", 15, "compute", 0)
+    assert oom["error"].startswith("OutOfMemoryError: fault drill (drill.oom_at_step=15)"), oom
     assert oom["memory"]["device"] == "cpu" and oom["memory"]["peak_rss_mb"] > 50, oom
     assert oom["host"] == os.uname().nodename and oom["exit_code"] == 1
     assert (peer["rank"], peer["cause"]) == (0, "peer") and "rank 1 on" in peer["error"] and "oom" in peer["error"]
     assert peer["time"] - oom["time"] < 10
-    assert "trainapp: rank 1 on" in r.stderr and "failed after step 15 in phase step: oom: OutOfMemoryError" in r.stderr
+    assert "trainapp: rank 1 on" in r.stderr and "failed after step 15 in phase compute: oom: OutOfMemoryError" in r.stderr
     starts = metrics(run_dir, "start")
     assert [s["resumed_step"] for s in starts] == [None, 10] and metrics(run_dir, "end")[0]["steps"] == 30
     rep = trainapp("report", str(run_dir), timeout=120)
@@ -152,15 +153,16 @@ def test_cuda_out_of_memory_records_the_allocators_peak_and_summary(monkeypatch)
 
 
 def test_which_endings_are_failures():
-    assert failure.explain(ConfigError("x=1: bad")) is None
-    assert failure.explain(Preempted(15, 10, 1.0, "/s", 0)) is None
-    assert failure.explain(KeyboardInterrupt()) is None
-    cause, error, _ = failure.explain(StorageError("snapshot.max_failures=3: ..."))
+    explain = failure.FailureLog(Heartbeat(), leave=lambda code: None).explain
+    assert explain(ConfigError("x=1: bad")) is None
+    assert explain(Preempted(15, 10, 1.0, "/s", 0)) is None
+    assert explain(KeyboardInterrupt()) is None
+    cause, error, _ = explain(StorageError("snapshot.max_failures=3: ..."))
     assert (cause, StorageError.everywhere) == ("storage", True)
-    cause, error, extra = failure.explain(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer "
-                                                       "[127.0.0.1]:4242"))
+    cause, error, extra = explain(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                                               "[127.0.0.1]:4242"))
     assert cause == "peer" and "died without a word" in error and extra == {"peer": "unknown"}
-    assert failure.explain(ValueError("bad batch\nmore")) == ("exception", "ValueError: bad batch", {})
+    assert explain(ValueError("bad batch\nmore")) == ("exception", "ValueError: bad batch", {})
 
 
 def test_every_rank_agrees_on_a_fresh_attempt_name_over_a_store_holding_a_dead_attempts_keys():

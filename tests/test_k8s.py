@@ -22,14 +22,13 @@ import secrets
 import shlex
 import shutil
 import subprocess
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import tomllib
 import yaml
-
 from helpers import PY, REPO
 
 K8S = REPO / "k8s"

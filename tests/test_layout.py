@@ -1,17 +1,55 @@
-"""The package stays easy to change: small modules with one job each, and no function so long that a
-reader has to scroll to follow it (the house style: nanoGPT's train.py, pytorch/examples' multinode.py)."""
+"""The package stays easy to change: small modules with one job each, no function so long that a reader
+has to scroll to follow it (the house style: nanoGPT's train.py, pytorch/examples' multinode.py), and
+an architecture the tree shows: subsystem packages that import only the layers below them, no import
+cycle (function-level imports included), no mutable module-global state, one `os._exit`, and failure
+metadata carried by types, not looked up by `getattr`."""
+
+from __future__ import annotations
 
 import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODULES = sorted((REPO / "trainapp").rglob("*.py"))
+PACKAGE = REPO / "trainapp"
+MODULES = sorted(PACKAGE.rglob("*.py"))
 MAX_FUNCTION_LINES = 50
 MAX_MODULE_LINES = 500
+LAYERS = ("errors", "config", "group", "observe", "snapshots", "faults", "core", "launch", "tools", "cli", "__main__")
+"""trainapp's subsystems from the bottom up: a module imports its own layer and the layers below it only."""
+
+
+def _name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
+NAMES = {_name(p): p for p in MODULES}
+
+
+def _imports(path: Path) -> set[str]:
+    """The trainapp modules `path` imports anywhere (module level or inside a function)."""
+    out = set()
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("trainapp")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("trainapp"):
+            for a in node.names:  # `from trainapp.core import data` names a module; `import Config` a name
+                sub = f"{node.module}.{a.name}"
+                out.add(sub if sub in NAMES else node.module)
+    return {m for m in out if m in NAMES and m != _name(path)}
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 else -1  # trainapp/__init__.py: the package's doc
 
 
 def _functions(path: Path):
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             yield node.name, node.lineno, node.end_lineno - node.lineno + 1
 
@@ -28,5 +66,89 @@ def test_no_module_in_trainapp_is_longer_than_500_lines():
 
 
 def test_every_module_says_what_it_is_for():
-    missing = [p.name for p in MODULES if not ast.get_docstring(ast.parse(p.read_text()))]
+    missing = [str(p.relative_to(REPO)) for p in MODULES if not ast.get_docstring(_tree(p))]
     assert not missing, missing
+
+
+def test_every_module_belongs_to_a_subsystem_and_imports_only_its_layer_and_those_below():
+    up = sorted(f"{m} -> {i}" for m, p in NAMES.items() for i in _imports(p) if _layer(i) > _layer(m))
+    assert not up, up
+    assert all(_layer(m) >= 0 for m in NAMES if m != "trainapp"), sorted(NAMES)
+
+
+def test_no_import_cycle_even_through_function_level_imports():
+    graph = {m: _imports(p) for m, p in NAMES.items()}
+    done, stack, cycles = set(), [], []
+
+    def visit(m: str) -> None:
+        if m in stack:
+            cycles.append(stack[stack.index(m):] + [m])
+            return
+        if m in done:
+            return
+        stack.append(m)
+        for n in sorted(graph[m]):
+            visit(n)
+        stack.pop()
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m)
+    assert not cycles, cycles
+
+
+def _module_state(path: Path) -> list[str]:
+    """Module-level names bound to something mutable, or rebound later (`global`)."""
+    found = []
+    tree = _tree(path)
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        value = getattr(node, "value", None)
+        for t in targets:
+            names = [t.id] if isinstance(t, ast.Name) else []
+            for name in names:
+                constant = name.lstrip("_").isupper() or name in ("log", "__all__", "__version__")
+                literal = isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp))
+                if not constant or (literal and name != "__all__"):
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno} {name}")
+    found += [f"{path.relative_to(REPO)}:{n.lineno} global {', '.join(n.names)}" for n in ast.walk(tree)
+              if isinstance(n, ast.Global)]
+    return found
+
+
+def test_no_mutable_module_global_state():
+    """State is owned by objects that are passed on (the rank's guard, the timeline, the snapshot
+    manager), not kept in modules: constants only, and never a mutable container."""
+    found = [f for p in MODULES for f in _module_state(p)]
+    assert not found, found
+
+
+def test_one_place_ends_the_process():
+    calls = [f"{p.relative_to(REPO)}:{n.lineno}" for p in MODULES for n in ast.walk(_tree(p))
+             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "_exit"]
+    assert calls == ["trainapp/errors.py:" + calls[0].split(":")[1]] and len(calls) == 1, calls
+
+
+def test_failure_metadata_is_typed_not_looked_up_with_getattr():
+    looked_up = [f"{p.relative_to(REPO)}:{n.lineno}" for p in MODULES for n in ast.walk(_tree(p))
+                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "getattr"
+                 and len(n.args) > 1 and isinstance(n.args[1], ast.Constant)
+                 and n.args[1].value in ("exit_code", "cause", "failure_cause", "everywhere")]
+    assert not looked_up, looked_up
+
+
+def test_build_makes_the_parts_in_order_visiting_each_core_module_once():
+    """`build` (trainapp/core/build.py) calls into the core modules in build order (data, model, precision,
+    optimizer, state), each in one stretch: no part goes back to a module it has left."""
+    build = next(n for n in ast.walk(_tree(PACKAGE / "core" / "build.py"))
+                 if isinstance(n, ast.FunctionDef) and n.name == "build")
+    by_name = {"data": "data", "_datasets": "data", "models": "models", "Precision": "amp", "optim": "optim",
+               "TrainState": "state", "RngState": "state", "state": "state"}
+    seen = []
+    for n in sorted((n for n in ast.walk(build) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset)):
+        f = n.func
+        head = f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else getattr(f, "id", None)
+        module = by_name.get(head)
+        if module and (not seen or seen[-1] != module):
+            seen.append(module)
+    assert seen == ["data", "models", "amp", "optim", "state"], seen

@@ -3,11 +3,11 @@
 import subprocess
 
 import pytest
-
 from helpers import QUICK, REPO, TORCHRUN, inspect, metrics, run_cmd, torchrun, trainapp
-from trainapp.snapshots import snapshot
+
 from trainapp.core.amp import cpu_has_native_bf16
 from trainapp.launch.ray.cluster import free_port
+from trainapp.snapshots import store as snapshot
 
 pytestmark = pytest.mark.slow
 
@@ -52,10 +52,10 @@ FAULT_RUN = ["train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5", 
 def test_resume_after_sigkill_is_bitwise_identical_alone(tmp_path):
     clean, faulty = tmp_path / "clean", tmp_path / "faulty"
     assert trainapp("train", f"run.dir={clean}", *FAULT_RUN).returncode == 0
-    killed = trainapp("train", f"run.dir={faulty}", *FAULT_RUN, "fault.kill_at_step=13")
+    killed = trainapp("train", f"run.dir={faulty}", *FAULT_RUN, "drill.kill_at_step=13")
     assert killed.returncode == -9, killed.output  # SIGKILL: no cleanup, like a lost node
     assert inspect(faulty)["global_step"] == 10
-    resumed = trainapp("train", f"run.dir={faulty}", *FAULT_RUN, "fault.kill_at_step=13")
+    resumed = trainapp("train", f"run.dir={faulty}", *FAULT_RUN, "drill.kill_at_step=13")
     assert resumed.returncode == 0, resumed.output
     assert metrics(faulty, "start")[-1]["resumed_step"] == 10
     a, b = inspect(clean), inspect(faulty)
@@ -67,7 +67,7 @@ def test_resume_after_sigkill_is_bitwise_identical_alone(tmp_path):
 def test_resume_under_torchrun_restart_is_bitwise_identical_at_world_size_2(tmp_path):
     clean, faulty = tmp_path / "clean", tmp_path / "faulty"
     assert torchrun(2, f"run.dir={clean}", *FAULT_RUN).returncode == 0
-    r = torchrun(2, f"run.dir={faulty}", *FAULT_RUN, "fault.kill_at_step=13", "fault.rank=1", max_restarts=1)
+    r = torchrun(2, f"run.dir={faulty}", *FAULT_RUN, "drill.kill_at_step=13", "drill.rank=1", max_restarts=1)
     assert r.returncode == 0, r.output
     starts = metrics(faulty, "start")
     assert [s["restart"] for s in starts] == [0, 1]
@@ -82,7 +82,7 @@ def test_resume_under_torchrun_restart_is_bitwise_identical_at_world_size_2(tmp_
 def test_resume_at_another_world_size_continues_at_the_same_global_sample(tmp_path):
     run = tmp_path / "run"
     args = [f"run.dir={run}", "snapshot.every_steps=5", *QUICK]
-    r = torchrun(2, *args, "fault.kill_at_step=7", "fault.rank=0")
+    r = torchrun(2, *args, "drill.kill_at_step=7", "drill.rank=0")
     assert r.returncode != 0  # no restarts allowed: the job fails, the snapshot of step 5 remains
     assert inspect(run)["global_step"] == 5
     r = trainapp("train", *args)  # the same run, now on one process

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import REPO
 
 WARMUP, COUNTED = 20, 20

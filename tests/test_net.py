@@ -15,12 +15,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import pytest
-
 import netns
+import pytest
 from helpers import QUICK, REPO, TORCHRUN, metrics, trainapp
-from trainapp.launch import net
+
 from trainapp.config import NetworkSection
+from trainapp.launch import net
 from trainapp.launch.ray.cluster import RAY, LocalCluster, _session_pids
 
 LO = net.Interface("lo", ("127.0.0.1",), True)

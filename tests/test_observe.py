@@ -1,5 +1,5 @@
 """Per-rank timings (trainapp/observe/timings.py): the rows every rank gathers, the `ranks` record and the
-straggler watch, on their own and in two real processes with one slowed by `fault.slow_rank`
+straggler watch, on their own and in two real processes with one slowed by `drill.slow_rank`
 (test_loop.py's `make run` test checks a run without the drill; test_report.py the TensorBoard files
 of a run with a restart)."""
 
@@ -11,8 +11,8 @@ import time
 
 import pytest
 import torch
-
 from helpers import QUICK, inspect, metrics, torchrun
+
 from trainapp.observe import timings
 
 
@@ -43,7 +43,7 @@ def test_a_straggler_is_named_after_the_configured_intervals_once_with_its_slow_
     assert found["ratio"] == pytest.approx(55 / 40)
     assert watch.update(40, timings.rank_rows(slow, ["a", "b"])) == []  # once, not at every interval
     line = timings.straggler_line(found, 1.2)
-    assert "rank 1 on b" in line and "compute" in line and "timings.straggler_ratio=1.2" in line
+    assert "rank 1 on b" in line and "compute" in line and "observe.straggler_ratio=1.2" in line
 
 
 def test_an_interval_back_under_the_line_resets_the_count():
@@ -63,27 +63,41 @@ def test_ranks_within_the_ratio_and_a_single_rank_are_never_stragglers():
     assert watch.update(0, timings.rank_rows([_row(5, compute=1.0)], ["a"])) == []
 
 
-def test_the_timer_splits_wall_time_into_laps_and_the_last_bucket_marks_the_comm_wait():
-    timer = timings.StepTimer(torch.device("cpu"))
+def test_the_clock_splits_wall_time_into_phases_tells_the_heartbeat_and_the_last_bucket_marks_the_comm_wait():
+    told = []
+    clock = timings.PhaseClock(torch.device("cpu"), on_phase=told.append)
+    clock.enter("data")
     time.sleep(0.02)
-    timer.lap("data")
+    clock.enter("compute")
     time.sleep(0.03)
-    timer._handoff = timer._now()  # what the DDP hook does at the last bucket
+    clock._handoff = clock._now()  # what the DDP hook does at the last bucket
     time.sleep(0.01)
-    timer.lap_backward()
-    timer.step_done()
-    row = timer.collect()
+    clock.enter("optim")
+    time.sleep(0.01)
+    clock.enter("other")
+    clock.step_done()
+    row = clock.collect()
     got = dict(zip(timings.TIMED, row[1:]))
-    assert row[0] == 1
+    assert row[0] == 1 and told == ["data", "compute", "optim", "other"]
     assert got["data"] == pytest.approx(0.02, abs=0.015) and got["compute"] == pytest.approx(0.03, abs=0.015)
-    assert got["comm"] == pytest.approx(0.01, abs=0.01)
-    assert timer.collect()[0] == 0 and sum(timer.collect()[1:]) < 0.01  # the next interval starts empty
+    assert got["comm"] == pytest.approx(0.01, abs=0.01) and got["optim"] == pytest.approx(0.01, abs=0.01)
+    assert clock.collect()[0] == 0 and sum(clock.collect()[1:]) < 0.01  # the next interval starts empty
+
+
+def test_a_phase_block_returns_to_the_phase_before_it():
+    told = []
+    clock = timings.PhaseClock(torch.device("cpu"), on_phase=told.append)
+    with clock.phase("eval"):
+        time.sleep(0.02)
+    got = dict(zip(timings.TIMED, clock.collect()[1:]))
+    assert told == ["eval", "other"] and clock.current == "other"
+    assert got["eval"] == pytest.approx(0.02, abs=0.015)
 
 
 def test_the_timer_counts_the_process_cpu_time_of_every_thread_not_the_wall_time():
-    timer = timings.StepTimer(torch.device("cpu"))
+    clock = timings.PhaseClock(torch.device("cpu"))
     time.sleep(0.1)
-    assert timer.collect()[-1] < 0.05  # asleep: wall time, no CPU
+    assert clock.collect()[-1] < 0.05  # asleep: wall time, no CPU
 
     def spin(seconds):
         end = time.thread_time() + seconds
@@ -94,22 +108,24 @@ def test_the_timer_counts_the_process_cpu_time_of_every_thread_not_the_wall_time
     other.start()
     spin(0.1)
     other.join()
-    assert timer.collect()[-1] >= 0.19
+    assert clock.collect()[-1] >= 0.19
 
 
 def test_restart_drops_the_set_up_time_before_the_first_step():
-    timer = timings.StepTimer(torch.device("cpu"))
+    clock = timings.PhaseClock(torch.device("cpu"))
     time.sleep(0.05)  # building, resuming, the start record
-    timer.restart()
-    timer.lap("other")
-    assert sum(timer.collect()[1:]) < 0.01
+    clock.restart()
+    clock.enter("data")
+    assert sum(clock.collect()[1:]) < 0.01
 
 
-def test_a_disabled_timer_records_nothing():
-    timer = timings.StepTimer(torch.device("cpu"), enabled=False)
-    timer.lap("data")
-    timer.lap_backward()
-    assert sum(timer.collect()[1:]) == 0
+def test_a_disabled_clock_records_nothing_but_still_tells_the_heartbeat():
+    told = []
+    clock = timings.PhaseClock(torch.device("cpu"), enabled=False, on_phase=told.append)
+    clock.enter("data")
+    clock.enter("compute")
+    clock.enter("optim")
+    assert sum(clock.collect()[1:]) == 0 and told == ["data", "compute", "optim"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -120,8 +136,8 @@ RANKS_RUN = ["train.max_steps=40", "train.epochs=20", "snapshot.every_steps=20",
 
 @pytest.mark.slow
 def test_a_slowed_rank_is_named_a_straggler_within_the_configured_intervals(tmp_path):
-    r = torchrun(2, f"run.dir={tmp_path}", *RANKS_RUN, "fault.slow_rank=1", "fault.slow_ms=80",
-                 "timings.straggler_intervals=3")
+    r = torchrun(2, f"run.dir={tmp_path}", *RANKS_RUN, "drill.slow_rank=1", "drill.slow_ms=80",
+                 "observe.straggler_intervals=3")
     assert r.returncode == 0, r.output[-3000:]
     found = metrics(tmp_path, "straggler")
     assert len(found) == 1, found  # once, not at every interval
@@ -137,20 +153,20 @@ def test_a_slowed_rank_is_named_a_straggler_within_the_configured_intervals(tmp_
     # The drill only sleeps, and the communication hook is PyTorch's default all-reduce: the same
     # parameters as a run with the timings off.
     off = tmp_path / "off"
-    assert torchrun(2, f"run.dir={off}", *RANKS_RUN, "timings.ranks=false").returncode == 0
+    assert torchrun(2, f"run.dir={off}", *RANKS_RUN, "observe.ranks=false").returncode == 0
     assert metrics(off, "ranks") == [] and metrics(off, "straggler") == []
     assert inspect(off)["params_sha256"] == inspect(tmp_path)["params_sha256"]
 
 
 # ----------------------------------------------------------------------------------------------
-# TensorBoard (timings.tensorboard)
+# TensorBoard (observe.tensorboard)
 
 def test_tensorboard_without_the_package_is_one_line_naming_the_extra(monkeypatch):
-    from trainapp.observe import tboard
     from trainapp.config import ConfigError
+    from trainapp.observe import tboard
 
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` raises ImportError
     with pytest.raises(ConfigError) as e:
         tboard.check()
-    assert str(e.value) == ("timings.tensorboard=true needs the tensorboard package: pip install "
-                            "'trainapp[tensorboard]' (or set timings.tensorboard=false)")
+    assert str(e.value) == ("observe.tensorboard=true needs the tensorboard package: pip install "
+                            "'trainapp[tensorboard]' (or set observe.tensorboard=false)")

@@ -5,7 +5,15 @@ import torch
 
 from trainapp.config import ConfigError, OptimSection, SchedSection
 from trainapp.core.models import SmallCNN, build_model
-from trainapp.core.optim import WarmupCosine, build_ema, build_optimizer, build_scheduler, param_groups, rescale, scaled_lr
+from trainapp.core.optim import (
+    WarmupCosine,
+    build_ema,
+    build_optimizer,
+    build_scheduler,
+    param_groups,
+    rescale,
+    scaled_lr,
+)
 
 
 @pytest.mark.parametrize("mode, expected", [("none", 0.1), ("linear", 0.4), ("sqrt", 0.2)])

@@ -12,12 +12,12 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-
 import helpers
+import pytest
 from helpers import PY, REPO, inspect, kill_registered, metrics, run_cmd
+
 import trainapp
-from trainapp.faults import preempt
+from trainapp.faults import drain, preempt
 
 slow = pytest.mark.slow  # the process-level tests; the registry tests below are fast
 PACKAGE = Path(trainapp.__file__).resolve().parent
@@ -59,10 +59,13 @@ class Job:
         finally:
             self.kill()
 
-    def signal_after(self, run_dir: Path, kind: str, step: int, pid: int | None, signum: int = signal.SIGTERM) -> int:
-        """Once metrics.jsonl has a `kind` record at `step` or later, send `signum` to `pid` (None: the
-        whole process group, as a container runtime does); the exit code, which came within the grace period."""
+    def signal_after(self, run_dir: Path, kind: str, step: int, pid: int | None, signum: int = signal.SIGTERM,
+                     delay_s: float = 0.0) -> int:
+        """Once metrics.jsonl has a `kind` record at `step` or later (and `delay_s` more), send `signum` to
+        `pid` (None: the whole process group, as a container runtime does); the exit code, which came
+        within the grace period."""
         wait_for(run_dir, kind, step, self)
+        time.sleep(delay_s)
         t0 = time.monotonic()
         if pid is None:
             os.killpg(self.proc.pid, signum)
@@ -160,7 +163,7 @@ def test_sigterm_alone_snapshots_the_step_reached_and_the_rerun_is_bitwise_equal
     job = Job(trainapp_cmd(run_dir), tmp_path, "alone")
     rc = job.signal_after(run_dir, "train", 120, job.proc.pid)
     rec = check_preempted(run_dir, job, rc)
-    assert rec["phase"] in ("data", "step")
+    assert rec["phase"] in ("data", "compute", "optim", "other")  # the phase clock's, inside a step
     rerun_resumes_exactly(run_dir, trainapp_cmd, rec["step"], straight(trainapp_cmd))
 
 
@@ -196,7 +199,7 @@ def test_sigterm_to_one_torchrun_worker_stops_both_at_the_same_step(tmp_path):
 def test_second_signal_during_an_async_write_and_during_the_stop_keeps_every_snapshot_valid(tmp_path, straight):
     """The notice lands while the periodic step-100 snapshot is still being written in the background
     (the drill slows every write by 2 s); a second signal lands while the stop's own snapshot is written."""
-    args = ("snapshot.async=true", "fault.snapshot_write_delay_s=2")
+    args = ("snapshot.async=true", "drill.snapshot_write_delay_s=2")
     run_dir = tmp_path / "run"
     job = Job(trainapp_cmd(run_dir, *args), tmp_path, "async")
     wait_for(run_dir, "snapshot", 100, job)  # recorded when the copy is done; the write goes on
@@ -219,7 +222,8 @@ def test_a_signal_during_eval_cuts_the_eval_short_and_snapshots_after_the_next_s
     # A validation set large enough that evaluating it takes seconds, after the train record at step 60.
     job = Job(trainapp_cmd(run_dir, "data.val_size=60000", "train.eval_every=60", "train.log_every=60"),
               tmp_path, "eval")
-    rc = job.signal_after(run_dir, "train", 60, job.proc.pid)
+    # Half a second into the eval, which takes seconds: not in the instant between the record and the eval.
+    rc = job.signal_after(run_dir, "train", 60, job.proc.pid, delay_s=0.5)
     rec = check_preempted(run_dir, job, rc)
     assert rec["phase"] == "eval" and rec["step"] > 60, rec
     assert not metrics(run_dir, "eval")  # a partial eval is not recorded
@@ -282,23 +286,23 @@ def test_trainapp_node_drains_its_training_processes_before_stopping(tmp_path):
 
 
 def test_the_registry_lists_live_workers_and_drops_dead_and_reused_pids(tmp_path, monkeypatch):
-    monkeypatch.setenv(preempt.RUNTIME_ENV, str(tmp_path))
-    entry = preempt.register()
-    assert entry is not None and preempt.registered() == [os.getpid()]
+    monkeypatch.setenv(drain.RUNTIME_ENV, str(tmp_path))
+    entry = drain.register()
+    assert entry is not None and drain.registered() == [os.getpid()]
     dead = subprocess.Popen(["true"])
     dead.wait()
     (tmp_path / "workers" / str(dead.pid)).write_text("1\n")  # a process that is gone
     (tmp_path / "workers" / "1").write_text("999999999\n")  # a live PID with another start time: reused
-    assert preempt.registered() == [os.getpid()]
+    assert drain.registered() == [os.getpid()]
     assert sorted(p.name for p in (tmp_path / "workers").iterdir()) == [str(os.getpid())]
-    preempt.unregister(entry)
-    assert preempt.registered() == []
+    drain.unregister(entry)
+    assert drain.registered() == []
 
 
 def test_drain_and_node_do_not_import_torch(tmp_path):
     """They run as a pod's preStop and a container's PID 1: seconds and memory matter there."""
     r = run_cmd([PY, "-X", "importtime", "-m", "trainapp", "node", "--", "true"], timeout=60,
-                env={preempt.RUNTIME_ENV: str(tmp_path)})
+                env={drain.RUNTIME_ENV: str(tmp_path)})
     assert r.returncode == 0, r.output
     assert not re.search(r"\|\s+torch$", r.stderr, re.M), "torch was imported"
 
@@ -322,13 +326,14 @@ def test_a_notice_before_the_first_step_exits_at_once(tmp_path):
 POLL_SCRIPT = """
 import json, sys, time
 from trainapp.launch import dist
+from trainapp.faults.guard import RankGuard
 from trainapp.faults.preempt import StopVote
 
 ctx = dist.setup(60)
 # "pending": only rank 1 is told of a notice, from step 150 on: the ranks poll only after that.
 state = {"step": 0}
 pending = (lambda: ctx.rank == 1 and state["step"] >= 150) if sys.argv[2] == "pending" else None
-vote = StopVote(ctx, poll_s=0.2, pending=pending)
+vote = StopVote(ctx, RankGuard().notices, poll_s=0.2, pending=pending)
 polls, t0 = [], time.perf_counter()
 for step in range(1, 301):
     state["step"] = step

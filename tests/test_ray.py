@@ -12,12 +12,12 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from helpers import QUICK, REPO, inspect, metrics, run_cmd, torchrun, trainapp
-from trainapp.tools import report
+
 from trainapp.faults.preempt import StopVote
 from trainapp.launch.ray.cluster import RAY, LocalCluster, free_port, proc_stat
-from trainapp.snapshots.snapshot import list_snapshots, step_of
+from trainapp.snapshots.store import list_snapshots, step_of
+from trainapp.tools import report
 
 pytestmark = pytest.mark.slow
 
@@ -228,11 +228,11 @@ DRILL_DELAY_S = 0.5
 
 @pytest.fixture(scope="module")
 def ray_run_with_restart(cluster):
-    """A 2-worker job whose rank 1 SIGKILLs itself after step 13 (fault.kill_at_step); every snapshot
-    write is slowed by the fault.snapshot_write_delay_s drill."""
+    """A 2-worker job whose rank 1 SIGKILLs itself after step 13 (drill.kill_at_step); every snapshot
+    write is slowed by the drill.snapshot_write_delay_s drill."""
     name = "drill"
     r = submit(cluster, name, "train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5",
-               "fault.kill_at_step=13", "fault.rank=1", f"fault.snapshot_write_delay_s={DRILL_DELAY_S}", *QUICK)
+               "drill.kill_at_step=13", "drill.rank=1", f"drill.snapshot_write_delay_s={DRILL_DELAY_S}", *QUICK)
     return r, cluster.storage / name
 
 
@@ -299,8 +299,8 @@ def test_an_out_of_memory_rank_then_a_hung_rank_are_explained_and_the_ray_run_en
     name = "failures"
     run_dir = cluster.storage / name
     proc = submit_background(cluster, name, "train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5",
-                             *QUICK, "train.log_every=1", "fault.oom_at_step=8", "fault.hang_at_step=17",
-                             "fault.rank=1", "fault.hang_timeout_s=5", "ray.max_failures=2", "snapshot.async=true")
+                             *QUICK, "train.log_every=1", "drill.oom_at_step=8", "drill.hang_at_step=17",
+                             "drill.rank=1", "fault.hang_timeout_s=5", "ray.max_failures=2", "snapshot.async=true")
     try:
         gone = []  # per attempt: seconds from rank 1's failure record until rank 0's process was gone
         for attempt in (0, 1):

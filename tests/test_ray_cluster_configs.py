@@ -9,16 +9,15 @@ import json
 import pathlib
 import re
 import shlex
-import tomllib
 
 import jsonschema
 import pytest
 import ray
+import tomllib
 import yaml
+from helpers import REPO
 from ray.autoscaler._private.docker import docker_start_cmds
 from ray.autoscaler._private.util import prepare_config, validate_config
-
-from helpers import REPO
 
 CLUSTER_DIR = REPO / "ray_cluster"
 CONFIGS = sorted(CLUSTER_DIR.glob("*.yaml"))

@@ -9,13 +9,13 @@ import importlib
 import re
 import subprocess
 import sys
-import tomllib
 
 import pytest
-
+import tomllib
 from helpers import REPO
-from trainapp.launch.ray import checks, compat
+
 from trainapp.config import ConfigError
+from trainapp.launch.ray import checks, compat
 
 
 @pytest.mark.parametrize("module, name", compat.PRIVATE_NAMES, ids=[n for _, n in compat.PRIVATE_NAMES])

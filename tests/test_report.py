@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from helpers import QUICK, torchrun, trainapp
+
 from trainapp.tools import report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -14,7 +14,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def restarted_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("report") / "run"
     r = torchrun(2, f"run.dir={run_dir}", "train.max_steps=20", "snapshot.every_steps=5", "train.eval_every=10",
-                 "fault.kill_at_step=13", "fault.rank=1", *QUICK, "train.log_every=1", "timings.tensorboard=true",
+                 "drill.kill_at_step=13", "drill.rank=1", *QUICK, "train.log_every=1", "observe.tensorboard=true",
                  max_restarts=1)
     assert r.returncode == 0, r.output[-3000:]
     return run_dir
@@ -52,7 +52,7 @@ def test_the_summary_names_the_slowest_rank_its_phase_and_the_stragglers():
                         "step, most of it compute (90.0 ms); fastest rank 0: 33.5 ms")
     assert lines[1:] == ["stragglers     1", "  rank 1 on h1 from step 15: 1.46x the median step without "
                          "communication wait; compute 90.0 ms against 60.0 ms"]
-    assert report._rank_lines([{"kind": "train", "step": 1}]) == []  # timings.ranks=false: no lines
+    assert report._rank_lines([{"kind": "train", "step": 1}]) == []  # observe.ranks=false: no lines
     # Runs that record each rank's CPU time per step show the slowest rank's.
     for e in ranks["ranks"]:
         e["cpu_ms"] = e["busy_ms"] + 1.5

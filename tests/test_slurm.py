@@ -14,11 +14,11 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-
 import helpers
+import pytest
 from helpers import PY, REPO, inspect, metrics, run_cmd
 from test_preempt import RUN, straight_sha, torchrun_cmd  # the preemption tests' run and its straight twin
+
 from trainapp.config import PreemptSection
 
 SBATCH = REPO / "slurm" / "train.sbatch"
@@ -167,7 +167,7 @@ def test_a_preempted_job_requeues_itself_and_resumes_with_zero_steps_redone(slur
     if how == "time-limit":  # steps of 300 ms (a sleep, no change to the numbers) outlast Slurm's 30 s check
         run_dir, info, text, pre = stop_mid_run(
             slurm, tmp_path, how, lambda job: shorten_the_time_limit(slurm, job), at_step=10, every=1000,
-            extra=("fault.slow_rank=0", "fault.slow_ms=300", "snapshot.every_steps=1000"))
+            extra=("drill.slow_rank=0", "drill.slow_ms=300", "snapshot.every_steps=1000"))
     else:  # what --signal=B:USR1@N sends before the time limit, sent by hand
         run_dir, info, text, pre = stop_mid_run(
             slurm, tmp_path, how, lambda job: slurm.run("scancel", "--batch", "--signal=USR1", job))
@@ -209,7 +209,7 @@ def test_a_killed_rank_is_restarted_inside_the_allocation_by_torchrun(slurm, str
     rendezvous on node1, and the group resumes from the snapshot of step 10 in the same job."""
     run_dir = tmp_path / "run"
     job, out = submit(slurm, tmp_path, "crash", RUN_DIR=str(run_dir),
-                      ARGS=" ".join([*RUN, "snapshot.every_steps=10", "fault.kill_at_step=13", "fault.rank=1"]))
+                      ARGS=" ".join([*RUN, "snapshot.every_steps=10", "drill.kill_at_step=13", "drill.rank=1"]))
     info = slurm.wait_job(job, timeout=300)
     text = out.read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", (info, text[-4000:])

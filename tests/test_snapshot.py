@@ -8,11 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import QUICK, inspect, metrics, trainapp
-from trainapp.snapshots import files, snapshot
+
 from trainapp.config import ConfigError
-from trainapp.snapshots.snapshot import SnapshotManager, newest_valid, params_sha256, verify
+from trainapp.snapshots import files
+from trainapp.snapshots import store as snapshot
+from trainapp.snapshots.manager import SnapshotManager
+from trainapp.snapshots.publish import LocalPublish
+from trainapp.snapshots.store import newest_valid, params_sha256, verify
 
 
 def _state(step: int) -> dict:
@@ -20,14 +23,14 @@ def _state(step: int) -> dict:
 
 
 def _manager(tmp_path, keep=3) -> SnapshotManager:
-    return SnapshotManager(tmp_path / "snapshots", every_steps=10, keep=keep)
+    return SnapshotManager(LocalPublish(tmp_path / "snapshots", keep), every_steps=10)
 
 
 def test_manager_owns_the_cadence(tmp_path):
     m = _manager(tmp_path)
     assert [s for s in range(1, 35) if m.due(s, last=False)] == [10, 20, 30]
     assert m.due(7, last=True)
-    assert not SnapshotManager(tmp_path, every_steps=0, keep=1).due(10, last=False)
+    assert not SnapshotManager(LocalPublish(tmp_path, 1), every_steps=0).due(10, last=False)
 
 
 def test_write_is_complete_and_leaves_no_temporary_files(tmp_path):
@@ -111,7 +114,7 @@ def test_state_files_are_whole_at_every_size_on_direct_and_buffered_filesystems(
         pytest.skip("no /dev/shm")
     root = Path(tempfile.mkdtemp(dir="/dev/shm")) if where == "tmpfs" else tmp_path
     try:
-        chunk = files._StateFile.CHUNK
+        chunk = files.Buffers.CHUNK
         for n in (1, 4095, 4096, 4097, chunk - 7, chunk + 5000, 2 * chunk + 1):
             state = {"model": {"w": torch.arange(n, dtype=torch.uint8)}, "progress": {"n": n}}
             digest, size = files.save_state(root / f"s{n}", state)
@@ -132,7 +135,7 @@ def test_a_filesystem_that_refuses_direct_writes_midway_gets_a_buffered_one(tmp_
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_write(fd, data)
 
-    monkeypatch.setattr(snapshot.os, "write", refusing)
+    monkeypatch.setattr(files.os, "write", refusing)
     state = {"model": {"w": torch.randn(10_000)}}
     digest, size = files.save_state(tmp_path / "s", state)
     assert files.file_digest(tmp_path / "s") == digest and (tmp_path / "s").stat().st_size == size

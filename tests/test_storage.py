@@ -10,7 +10,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from helpers import PY, QUICK, inspect, metrics, run_cmd, torchrun, trainapp
 
 pytestmark = [pytest.mark.slow,

@@ -1,11 +1,9 @@
 """Command line: `trainapp train|ray|inspect|config|doctor|report|drain|node|slurm-preflight`.
 
-Exit codes: 0 success; 2 bad config or bad input (one line on stderr naming the key, path or value
-and what is expected); 128 + N after a preemption notice by signal N, handled (143 for SIGTERM: the
-snapshot of the step reached is written, rerun to resume); 3 snapshots cannot be written
-(`snapshot.max_failures` in a row, or the final one; one line naming the cause, the path and what to
-free); 124 the hang watchdog ended a rank that made no progress for `fault.hang_timeout_s` (its
-stacks are in `run.dir/hangs/`); anything else is a runtime failure.
+Every command prints one line on stderr for an ending trainapp explains and exits with its code: 2
+for bad config or bad input (the line names the key, path or value and what is expected), 3 when
+snapshots cannot be written, 128 + N after a handled preemption notice by signal N, 124 for a hung
+rank (the table is trainapp/errors.py's); anything else is a runtime failure.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ import sys
 from pathlib import Path
 
 from trainapp import config
+from trainapp.errors import Failure, exit_code
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -82,11 +81,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def cmd_train(args) -> int:
     cfg = config.load(args.config, args.overrides)
-    from trainapp.core.loop import run  # torch is imported only once the config is known to be good
+    # torch is imported only once the config is known to be good
     from trainapp.faults.preempt import Preempted
+    from trainapp.launch.rank import run_rank
+    from trainapp.launch.torchrun import Torchrun
 
     try:
-        summary = run(cfg)
+        summary = run_rank(Torchrun(), cfg)
     except Preempted as e:  # a notice, handled: the snapshot is written, the scheduler sees "terminated"
         if e.rank == 0:
             print(e.line(), flush=True)
@@ -119,20 +120,20 @@ def cmd_ray(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from trainapp.snapshots import snapshot
+    from trainapp.snapshots import store
 
     path = Path(args.path)
-    if path.is_file() and not (path.parent / snapshot.META).exists():
-        state, meta = snapshot.load_state(path.parent, name=path.name), {"path": str(path)}
+    if path.is_file() and not (path.parent / store.META).exists():
+        state, meta = store.load_state(path.parent, name=path.name), {"path": str(path)}
     else:
-        snap = snapshot.resolve(path)
-        meta = {"path": str(snap), **snapshot.verify(snap)}
-        state = snapshot.load_state(snap)
+        snap = store.resolve(path)
+        meta = {"path": str(snap), **store.verify(snap)}
+        state = store.load_state(snap)
     progress = state.get("progress", {})
     out = {
         **meta,
         **progress,
-        "params_sha256": snapshot.tensors_sha256(state["model"]),
+        "params_sha256": store.tensors_sha256(state["model"]),
         "model": state.get("config", {}).get("model", {}).get("name"),
     }
     print(json.dumps(out, indent=2, sort_keys=True))
@@ -174,25 +175,25 @@ def _check_drain_args(args) -> None:
 
 
 def cmd_drain(args) -> int:
-    from trainapp.faults import preempt
+    from trainapp.faults import drain
 
     _check_drain_args(args)
-    stopped, left, said = preempt.drain(args.wait_s, args.ray_deadline_s)
+    stopped, left, said = drain.drain(args.wait_s, args.ray_deadline_s)
     if said:
         print(f"trainapp drain: {said}", flush=True)
-    print(f"trainapp drain: {preempt.drain_line(stopped, left, args.wait_s)}", flush=True)
+    print(f"trainapp drain: {drain.drain_line(stopped, left, args.wait_s)}", flush=True)
     return 1 if left else 0
 
 
 def cmd_node(args) -> int:
-    from trainapp.faults import preempt
+    from trainapp.faults import drain
 
     command = args.node_command[1:] if args.node_command[:1] == ["--"] else args.node_command
     if not command:
         raise config.ConfigError("no command to run; give it after --, e.g. trainapp node -- ray start "
                                  "--address=HEAD:6379 --block")
     _check_drain_args(args)
-    return preempt.supervise(command, args.wait_s, args.ray_deadline_s)
+    return drain.supervise(command, args.wait_s, args.ray_deadline_s)
 
 
 def cmd_doctor(args) -> int:
@@ -204,7 +205,7 @@ def cmd_doctor(args) -> int:
 
             logs.setup(0, 1)
             return driver.run_comm(cfg, args.size_mb, args.iters, args.min_bandwidth)
-        from trainapp.tools import comm
+        from trainapp.launch import comm
 
         return comm.main(cfg, args.size_mb, args.iters, args.min_bandwidth)
     from trainapp.tools import doctor
@@ -233,17 +234,13 @@ def main(argv: list[str] | None = None) -> int:
         return {"train": cmd_train, "ray": cmd_ray, "inspect": cmd_inspect, "config": cmd_config,
                 "doctor": cmd_doctor, "report": cmd_report, "drain": cmd_drain,
                 "node": cmd_node, "slurm-preflight": cmd_slurm_preflight}[args.command](args)
-    except config.ConfigError as e:
-        print(f"trainapp {args.command}: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except Exception as e:
-        code = getattr(e, "exit_code", None)  # a failure that names its own exit code (snapshot.StorageError)
-        if not isinstance(code, int):
+    except Failure as e:  # an ending trainapp explains: one line, its own exit code (trainapp.errors)
+        if not e.exit_code:
             raise
         print(f"trainapp {args.command}: error: {e}", file=sys.stderr, flush=True)
-        return code
+        return e.exit_code
     except KeyboardInterrupt:
-        return 130
+        return exit_code(KeyboardInterrupt())
     except BrokenPipeError:  # output piped into `head` and the like
         return 0
 

@@ -14,7 +14,7 @@ import torch
 
 from trainapp.config import AmpSection
 
-BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}
+BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 """CPU feature flags (/proc/cpuinfo) of bf16 arithmetic in hardware: AVX512_BF16 and AMX on x86,
 BF16 on Arm. oneDNN's own check (`_is_mkldnn_bf16_supported`) also says yes on AVX-512F alone, where
 it emulates bf16, and a step is then about 1.5x slower than in fp32 (bench/amp_cpu.py)."""

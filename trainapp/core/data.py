@@ -1,4 +1,4 @@
-"""Datasets and the resumable distributed sampler.
+"""Datasets, the resumable distributed sampler, and where training is in them (`Progress`).
 
 Exact resume depends on the data order being a pure function of (seed, epoch, position): the sampler
 draws one permutation per epoch and can start at any global sample offset, and random augmentations
@@ -10,12 +10,12 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from trainapp.config import ConfigError, DataSection
+from trainapp.config import ConfigError, DataSection, TrainSection
 
 log = logging.getLogger(__name__)
 
@@ -240,3 +240,60 @@ def set_epoch(dataset: Dataset, sampler: ResumableDistributedSampler, epoch: int
     if isinstance(dataset, SeededTransform):
         dataset.set_epoch(epoch)
 
+
+class EpochBatches:
+    """The training batches of an epoch from a global sample on: the sampler (and the augmentations) set
+    to that position, and a fresh loader over it."""
+
+    def __init__(self, dataset: Dataset, sampler: ResumableDistributedSampler, batch_size: int, num_workers: int,
+                 pin_memory: bool, seed: int):
+        self.dataset, self.sampler, self.batch_size = dataset, sampler, batch_size
+        self.num_workers, self.pin_memory, self.seed = num_workers, pin_memory, seed
+
+    def steps_from(self, start: int) -> int:
+        return self.sampler.steps_from(start)
+
+    def epoch(self, epoch: int, start: int) -> Iterator:
+        set_epoch(self.dataset, self.sampler, epoch, start)
+        return iter(make_loader(self.dataset, self.sampler, self.batch_size, self.num_workers, self.pin_memory,
+                                self.seed * 100_003 + epoch))
+
+
+class Progress:
+    """Where training is: optimizer steps done, the epoch and the global sample position in it, and
+    the fp16 steps the GradScaler skipped (a device counter, so counting costs no host sync)."""
+
+    def __init__(self, world_size: int, global_batch: int, device: torch.device):
+        self.global_step, self.epoch, self.epoch_sample = 0, 0, 0
+        self.world_size, self.global_batch = world_size, global_batch
+        self.skipped = torch.zeros((), dtype=torch.int64, device=device)
+        self.resumed: dict[str, Any] | None = None
+        """The progress of the snapshot this run resumed from (its world size and global batch too)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"global_step": self.global_step, "epoch": self.epoch, "epoch_sample": self.epoch_sample,
+                "world_size": self.world_size, "global_batch": self.global_batch,
+                "skipped_steps": int(self.skipped.item())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.global_step, self.epoch, self.epoch_sample = state["global_step"], state["epoch"], state["epoch_sample"]
+        self.skipped.fill_(state.get("skipped_steps", 0))
+        self.resumed = dict(state)
+
+    def advance(self, steps_from: Callable[[int], int]) -> bool:
+        """Count the step just taken; True when it was the epoch's last (`steps_from`: the sampler's)."""
+        self.global_step += 1
+        self.epoch_sample += self.global_batch
+        if steps_from(self.epoch_sample) == 0:
+            self.epoch, self.epoch_sample = self.epoch + 1, 0
+            return True
+        return False
+
+
+def plan_total(sampler: ResumableDistributedSampler, progress: Progress, train: TrainSection) -> int:
+    """Steps done plus steps left: the rest of this epoch and the full epochs after it."""
+    left = 0
+    if progress.epoch < train.epochs:
+        left = sampler.steps_from(progress.epoch_sample) + (train.epochs - progress.epoch - 1) * sampler.steps_from(0)
+    total = progress.global_step + left
+    return min(total, train.max_steps) if train.max_steps is not None else total

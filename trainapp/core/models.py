@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
-from trainapp.config import ConfigError
+from trainapp.config import ConfigError, ModelSection
+
+log = logging.getLogger(__name__)
 
 
 class SmallCNN(nn.Module):
@@ -45,3 +49,18 @@ def build_model(name: str, num_classes: int) -> nn.Module:
                           f"model such as {examples}")
     # weights=None: no download at run time; training starts from random weights.
     return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+
+
+def make_model(cfg: ModelSection, num_classes: int, seed: int, ctx) -> nn.Module:
+    """The run's model on this rank's device, initialised from `seed`, identically on every rank (DDP
+    would broadcast rank 0's anyway)."""
+    torch.manual_seed(seed)
+    model = build_model(cfg.name, num_classes).to(ctx.device)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if cfg.sync_bn and ctx.distributed:
+        if ctx.device.type == "cuda":
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        elif ctx.is_main:
+            log.warning("model.sync_bn=true ignored: SyncBatchNorm needs CUDA; plain BatchNorm on CPU")
+    return model

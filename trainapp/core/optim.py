@@ -1,8 +1,16 @@
-"""Optimizer, parameter groups, learning-rate scaling and schedule, EMA weights."""
+"""Optimizer, parameter groups, learning-rate scaling and schedule, EMA weights.
+
+`build` makes all of them at once. The schedule is a stateful part of its own (`Schedule`): loading a
+snapshot into it aims the resumed schedule at this run's horizon and, after a resize, rescales the
+peak LR to the new global batch, so resume-time LR logic lives here and nowhere else.
+"""
 
 from __future__ import annotations
 
+import logging
 import math
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -10,6 +18,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from trainapp.config import ConfigError, OptimSection, SchedSection
+
+log = logging.getLogger(__name__)
 
 
 def scaled_lr(cfg: OptimSection, global_batch: int) -> float:
@@ -92,3 +102,51 @@ def build_ema(model: nn.Module, decay: float) -> AveragedModel | None:
         return None
     # use_buffers: BatchNorm running statistics are averaged too, so the EMA model evaluates sanely.
     return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+
+
+class Schedule:
+    """The LR schedule as a part of the run's state: warmup + cosine to `horizon()` steps (steps done
+    plus steps left). `load_state_dict` resumes the saved schedule's step count and points it at this
+    run's horizon (the saved one ended where that run would have), and when the global batch changed
+    since the snapshot (another world size), rescales the peak LR by `optim.lr_scaling`. `progress`
+    says what the snapshot's run was: it loads before this part."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, optim: OptimSection, sched: SchedSection,
+                 horizon: Callable[[], int], progress) -> None:
+        self.optimizer, self.optim, self.sched, self.horizon, self.progress = optimizer, optim, sched, horizon, progress
+        self.total_steps = horizon()
+        self.scheduler = build_scheduler(optimizer, sched, self.total_steps)
+
+    def step(self) -> None:
+        self.scheduler.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+        self.total_steps = self.horizon()
+        set_schedule(self.scheduler, self.sched, self.total_steps)
+        p = self.progress
+        before = p.resumed["global_batch"]
+        if before != p.global_batch:
+            peak = rescale(self.optimizer, self.scheduler, self.optim, p.global_batch)
+            log.info("global batch %d -> %d (world size %d -> %d): peak lr rescaled to %.4g", before, p.global_batch,
+                     p.resumed["world_size"], p.world_size, peak)
+
+
+@dataclass
+class Optimization:
+    optimizer: torch.optim.Optimizer
+    schedule: Schedule
+    ema: AveragedModel | None
+    peak_lr: float
+    """The LR of the groups without a multiplier at the schedule's peak, for the start record."""
+
+
+def build(model: nn.Module, optim: OptimSection, sched: SchedSection, ema_decay: float, horizon: Callable[[], int],
+          progress, fused: bool = False) -> Optimization:
+    """The optimizer over `model`'s parameter groups, its schedule to `horizon()` and the EMA weights."""
+    optimizer = build_optimizer(model, optim, progress.global_batch, fused=fused)
+    return Optimization(optimizer, Schedule(optimizer, optim, sched, horizon, progress), build_ema(model, ema_decay),
+                        scaled_lr(optim, progress.global_batch))

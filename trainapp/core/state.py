@@ -1,6 +1,7 @@
-"""The run's state: one registry of the parts a snapshot must hold to continue exactly.
+"""The run's state: one registry of the parts a snapshot must hold to continue exactly, and the
+random generators of every rank, the registry's last part.
 
-`TrainState` maps a name to each stateful part (data progress, model, optimizer, scheduler,
+`TrainState` maps a name to each stateful part (data progress, model, optimizer, schedule,
 GradScaler, EMA, RNG). Its `state_dict()` / `load_state_dict()` walk the registry, so saving and
 resuming name the parts in one place, and adding a part (a sampler cursor, a watchdog counter) is one
 entry. The names are the keys of a snapshot's `state.pt`.
@@ -11,13 +12,16 @@ may shift the generators the uninterrupted run would have had.
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from trainapp.launch import dist
+from trainapp.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 class Stateful(Protocol):
@@ -45,6 +49,19 @@ class TrainState:
                 out[name] = part.state_dict()
         return {**out, **self.records} if is_main else None
 
+    def resume(self, found: tuple[str, dict[str, Any]], run_dir: str) -> None:
+        """Load the snapshot `found` ((where, state)) into every part; ConfigError naming `run_dir` when
+        it does not fit this run's parts (another model, another config)."""
+        where, snap = found
+        try:
+            self.load_state_dict(snap)
+        except (RuntimeError, ValueError, KeyError) as e:
+            first = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
+            raise ConfigError(f"run.dir={run_dir}: snapshot {where} does not fit this config ({first}); use a new "
+                              "run.dir or the config it was written with") from None
+        p = self.parts["progress"]
+        log.info("resumed from %s: step=%d epoch=%d epoch_sample=%d", where, p.global_step, p.epoch, p.epoch_sample)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, part in self.parts.items():
             if part is None:
@@ -52,28 +69,6 @@ class TrainState:
             if state.get(name) is None:
                 raise ValueError(f"the snapshot has no {name} state")
             part.load_state_dict(state[name])
-
-
-class Progress:
-    """Where training is: optimizer steps done, the epoch and the global sample position in it, and
-    the fp16 steps the GradScaler skipped (a device counter, so counting costs no host sync)."""
-
-    def __init__(self, world_size: int, global_batch: int, device: torch.device):
-        self.global_step, self.epoch, self.epoch_sample = 0, 0, 0
-        self.world_size, self.global_batch = world_size, global_batch
-        self.skipped = torch.zeros((), dtype=torch.int64, device=device)
-        self.resumed: dict[str, Any] | None = None
-        """The progress of the snapshot this run resumed from (its world size and global batch too)."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"global_step": self.global_step, "epoch": self.epoch, "epoch_sample": self.epoch_sample,
-                "world_size": self.world_size, "global_batch": self.global_batch,
-                "skipped_steps": int(self.skipped.item())}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.global_step, self.epoch, self.epoch_sample = state["global_step"], state["epoch"], state["epoch_sample"]
-        self.skipped.fill_(state.get("skipped_steps", 0))
-        self.resumed = dict(state)
 
 
 def seed_all(seed: int) -> None:
@@ -115,11 +110,14 @@ class RngState:
 
     collective = True
 
-    def __init__(self, ctx: dist.DistContext, seed: int, progress: Progress):
+    def __init__(self, ctx, seed: int, progress):
+        """Seeds this rank's generators apart from the others' (dropout, augmentation) until a snapshot's
+        are loaded."""
         self.ctx, self.seed, self.progress = ctx, seed, progress
+        seed_all(seed + 1000 * ctx.rank)
 
     def state_dict(self) -> list[dict[str, Any]] | None:
-        return dist.gather_objects(self.ctx, rng_state())
+        return self.ctx.gather_objects(rng_state())
 
     def load_state_dict(self, rngs: list[dict[str, Any]]) -> None:
         if self.ctx.rank < len(rngs):

@@ -8,7 +8,7 @@ heartbeat), cause, error, exit_code, attempt; for an out-of-memory error also th
 
 - `exception`: the loop raised (a bug, a data error);
 - `oom`: `torch.OutOfMemoryError`;
-- `storage`: snapshots cannot be written (every rank stops together, see trainapp/snapshots/snapshot.py);
+- `storage`: snapshots cannot be written (every rank stops together, see trainapp/snapshots/manager.py);
 - `hang`: the watchdog found no progress (trainapp/faults/heartbeat.py);
 - `signal`: a preemption notice whose grace period ran out before the agreed stop;
 - `peer`: another rank failed first, or the group's store stopped answering.
@@ -31,13 +31,12 @@ import resource
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
-from trainapp.faults import heartbeat
+from trainapp.errors import PEER_EXIT, Failure
+from trainapp.faults.heartbeat import Heartbeat
 from trainapp.observe import metrics
 
-PEER_EXIT = 1
-"""Exit code of a rank that ends because a peer failed (the peer's own code says why)."""
 POLL_S = 1.0
 """How often each rank asks the store whether a peer failed."""
 STORE_MISSES = 3
@@ -47,61 +46,145 @@ PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 """What Gloo's errors say when the process at the other end of a collective is gone."""
 
 
-class _Where:
-    """What a record needs that the failure itself does not know; set by `watching`."""
-
-    def __init__(self) -> None:
-        self.run_dir: Path | None = None
-        self.rank = 0
-        self.device = None
-        self.store = None
-        self.attempt = 0
-        self.done = False  # this process's failure is recorded: nothing more to say
-        self.lock = threading.Lock()
-
-
-_where = _Where()
-
-
 def host() -> str:
     return os.uname().nodename
 
 
-def what(cause: str, error: str) -> str:
-    """'rank R on HOST failed after step S in phase P: CAUSE: ERROR' (what peers are told)."""
-    s = heartbeat.state
-    return f"rank {_where.rank} on {host()} failed after step {s.step} in phase {s.phase}: {cause}: {error}"
-
-
-def line_for(cause: str, error: str, code: int) -> str:
-    return f"trainapp: {what(cause, error)}; exiting with {code}"
-
-
-def record(cause: str, error: str, exit_code: int, post: bool = True, **extra: Any) -> str:
-    """Write this rank's `failure` record and print its line (once per process); post it to the peers
-    unless every rank fails the same way at once. Returns the line. Safe from any thread."""
-    with _where.lock:
-        if _where.done:
-            return ""
-        _where.done = True
-    line = line_for(cause, error, exit_code)
-    fields = {"rank": _where.rank, "host": host(), "step": heartbeat.state.step, "phase": heartbeat.state.phase,
-              "cause": cause, "error": error, "exit_code": exit_code, "attempt": _where.attempt, **extra}
-    if _where.run_dir is not None:
-        try:
-            metrics.append(_where.run_dir, "failure", **fields)
-        except OSError as e:  # the storage may be what failed: the line still says it
-            line += f" (no failure record: {e})"
-    print(line, file=sys.stderr, flush=True)
-    if post and _where.store is not None:
-        with contextlib.suppress(Exception):  # a store that is gone has no one left to tell
-            _where.store.set(KEY, what(cause, error))
-    return line
-
-
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+class FailureLog:
+    """This rank's failure record and its word to the peers. `heartbeat` says where the rank was;
+    `begin` says where the record goes and which store the peers read; `leave(code)` ends the process
+    (trainapp.errors.leave, or a test's stand-in)."""
+
+    def __init__(self, heartbeat: Heartbeat, leave: Callable[[int], None]) -> None:
+        self.heartbeat, self.leave = heartbeat, leave
+        self.run_dir: Path | None = None
+        self.rank, self.device, self.store, self.attempt = 0, None, None, 0
+        self.done = False  # this process's failure is recorded: nothing more to say
+        self.lock = threading.Lock()
+
+    def what(self, cause: str, error: str) -> str:
+        """'rank R on HOST failed after step S in phase P: CAUSE: ERROR' (what peers are told)."""
+        hb = self.heartbeat
+        return f"rank {self.rank} on {host()} failed after step {hb.step} in phase {hb.phase}: {cause}: {error}"
+
+    def line_for(self, cause: str, error: str, code: int) -> str:
+        return f"trainapp: {self.what(cause, error)}; exiting with {code}"
+
+    def record(self, cause: str, error: str, exit_code: int, post: bool = True, **extra: Any) -> str:
+        """Write this rank's `failure` record and print its line (once per process); post it to the peers
+        unless every rank fails the same way at once. Returns the line ('' when one was recorded before).
+        Safe from any thread."""
+        with self.lock:
+            if self.done:
+                return ""
+            self.done = True
+        line = self.line_for(cause, error, exit_code)
+        fields = {"rank": self.rank, "host": host(), "step": self.heartbeat.step, "phase": self.heartbeat.phase,
+                  "cause": cause, "error": error, "exit_code": exit_code, "attempt": self.attempt, **extra}
+        if self.run_dir is not None:
+            try:
+                metrics.append(self.run_dir, "failure", **fields)
+            except OSError as e:  # the storage may be what failed: the line still says it
+                line += f" (no failure record: {e})"
+        print(line, file=sys.stderr, flush=True)
+        if post and self.store is not None:
+            with contextlib.suppress(Exception):  # a store that is gone has no one left to tell
+                self.store.set(KEY, self.what(cause, error))
+        return line
+
+    def end(self, cause: str, error: str, exit_code: int, **extra: Any) -> None:
+        """Record a failure found outside the training thread (a hang, a failed peer, a grace period run
+        out) and end the process; nothing when this process has recorded its failure already (its own
+        ending is under way)."""
+        if self.record(cause, error, exit_code, **extra):
+            self.leave(exit_code)
+
+    def explain(self, e: BaseException) -> tuple[str, str, dict[str, Any]] | None:
+        """(cause, error, extra fields) of an exception that ends this rank; None for an ending that is
+        not a failure (a handled preemption, bad input: each says so itself)."""
+        cause = e.cause if isinstance(e, Failure) else "exception"
+        if not cause or isinstance(e, (KeyboardInterrupt, SystemExit)):
+            return None
+        error, extra = first_line(e), {}
+        if type(e).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch here
+            cause, extra["memory"] = "oom", memory(self.device)
+            mem = extra["memory"]
+            peak = mem.get("peak_allocated_mb", mem.get("peak_rss_mb"))
+            error += f" (peak {peak} MB on {mem['device']})" if peak is not None else ""
+        if cause == "exception":
+            # A collective that broke because a peer went away: the peer's failure is the cause.
+            peer = self._peer_line()
+            if peer:
+                return "peer", f"{peer} (here: {error})", {"peer": peer}
+            if any(s in str(e) for s in PEER_GONE):
+                return "peer", f"a peer's connection closed: it died without a word (SIGKILL, the OOM killer, a " \
+                               f"lost node) ({error})", {"peer": "unknown"}
+        return cause, error, extra
+
+    def _peer_line(self) -> str:
+        with contextlib.suppress(Exception):
+            return posted(self.store) if self.store is not None else ""
+        return ""
+
+    @contextlib.contextmanager
+    def watching(self, run_dir: str | Path, ctx, store: Callable[[], Any], attempt: int = 0) -> Iterator[None]:
+        """The run of this rank: exceptions out of the block are recorded (and re-raised), and peers'
+        failures are watched for through the store `store()` returns (the group's, None alone). Leave the
+        block before the process group goes away: rank 0 may host the store."""
+        self.run_dir, self.rank, self.device, self.attempt = Path(run_dir), ctx.rank, ctx.device, attempt
+        watch = None
+        try:
+            self.store = store()
+            watch = PeerWatch(self) if self.store is not None else None
+            yield
+        except BaseException as e:
+            explained = self.explain(e)
+            if explained is not None:
+                cause, error, extra = explained
+                everywhere = isinstance(e, Failure) and e.everywhere
+                self.record(cause, error, e.exit_code if isinstance(e, Failure) else 1, post=not everywhere, **extra)
+            raise
+        finally:
+            if watch is not None:
+                watch.stop.set()
+
+
+def posted(store) -> str:
+    """A peer's failure line from the store, '' while there is none; raises when the store is gone."""
+    return store.get(KEY).decode(errors="replace") if store.check([KEY]) else ""
+
+
+class PeerWatch:
+    """Polls the store for a peer's failure once a second, from a thread, and ends this rank once one is
+    posted or the store stops answering."""
+
+    def __init__(self, log: FailureLog) -> None:
+        self.log, self.store = log, log.store
+        self.stop = threading.Event()
+        threading.Thread(target=self._run, name="peer-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        misses = 0
+        while not self.stop.wait(POLL_S):
+            try:
+                peer = posted(self.store)
+                misses = 0
+            except Exception as e:
+                misses += 1
+                if misses >= STORE_MISSES and not self.stop.is_set():
+                    self._leave(f"the group's store stopped answering ({first_line(e)}): its host, rank 0 or the "
+                                "launcher, is gone")
+                continue
+            if peer and not self.stop.is_set():
+                self._leave(peer)
+
+    def _leave(self, why: str) -> None:
+        self.log.end("peer", why, PEER_EXIT, post=False, peer=why)
 
 
 def memory(device) -> dict[str, Any]:
@@ -142,93 +225,3 @@ def summary_rows(table: str) -> list[str]:
         if cells and (cells[0] in SUMMARY_ROWS or cells[0].startswith("CUDA OOMs")):
             rows.append(" | ".join(" ".join(c.split()) for c in cells))
     return rows
-
-
-def explain(e: BaseException) -> tuple[str, str, dict[str, Any]] | None:
-    """(cause, error, extra fields) of an exception that ends this rank; None for an ending that is
-    not a failure (a handled preemption, bad input: each says so itself)."""
-    cause = getattr(e, "failure_cause", "exception")
-    if not cause or isinstance(e, (KeyboardInterrupt, SystemExit)):
-        return None
-    error = _first_line(e)
-    extra: dict[str, Any] = {}
-    if type(e).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch here
-        cause, extra["memory"] = "oom", memory(_where.device)
-        mem = extra["memory"]
-        peak = mem.get("peak_allocated_mb", mem.get("peak_rss_mb"))
-        error += f" (peak {peak} MB on {mem['device']})" if peak is not None else ""
-    if cause == "exception":
-        # A collective that broke because a peer went away: the peer's failure is the cause.
-        peer = _peer_line()
-        if peer:
-            return "peer", f"{peer} (here: {error})", {"peer": peer}
-        if any(s in str(e) for s in PEER_GONE):
-            return "peer", f"a peer's connection closed: it died without a word (SIGKILL, the OOM killer, a lost " \
-                           f"node) ({error})", {"peer": "unknown"}
-    return cause, error, extra
-
-
-def _posted(store) -> str:
-    """A peer's failure line from the store, '' while there is none; raises when the store is gone."""
-    return store.get(KEY).decode(errors="replace") if store.check([KEY]) else ""
-
-
-def _peer_line() -> str:
-    with contextlib.suppress(Exception):
-        return _posted(_where.store) if _where.store is not None else ""
-    return ""
-
-
-class _PeerWatch:
-    def __init__(self, store) -> None:
-        self.store = store
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="peer-watch", daemon=True)
-
-    def _run(self) -> None:
-        misses = 0
-        while not self.stop.wait(POLL_S):
-            try:
-                posted = _posted(self.store)
-                misses = 0
-            except Exception as e:
-                misses += 1
-                if misses >= STORE_MISSES and not self.stop.is_set():
-                    self._leave(f"the group's store stopped answering ({_first_line(e)}): its host, rank 0 or the "
-                                "launcher, is gone")
-                continue
-            if posted and not self.stop.is_set():
-                self._leave(posted)
-
-    def _leave(self, why: str) -> None:
-        if record("peer", why, PEER_EXIT, post=False, peer=why):
-            os._exit(PEER_EXIT)
-
-
-@contextlib.contextmanager
-def watching(run_dir: str | Path, ctx, attempt: int = 0) -> Iterator[None]:
-    """The run of this rank: exceptions out of the block are recorded (and re-raised), peers' failures
-    are watched for. Leave the block before the process group goes away: rank 0 may host the store."""
-    from trainapp.launch import dist
-
-    _where.run_dir, _where.rank, _where.device, _where.attempt = Path(run_dir), ctx.rank, ctx.device, attempt
-    try:
-        _where.store = dist.side_store(ctx)
-    except Exception as e:  # the group formed a moment ago: its store's host died since
-        record("peer", f"the group's store is unreachable ({_first_line(e)}): its host, rank 0 or the launcher, is gone",
-               PEER_EXIT, post=False)
-        raise
-    watch = _PeerWatch(_where.store) if _where.store is not None else None
-    if watch is not None:
-        watch.thread.start()
-    try:
-        yield
-    except BaseException as e:
-        explained = explain(e)
-        if explained is not None:
-            cause, error, extra = explained
-            record(cause, error, getattr(e, "exit_code", 1), post=not getattr(e, "everywhere", False), **extra)
-        raise
-    finally:
-        if watch is not None:
-            watch.stop.set()

@@ -1,193 +1,171 @@
-"""Preemption notices: a signal, or a Ray node drain, becomes a snapshot of the step reached.
+"""Preemption notices: a signal (or a Ray node drain, trainapp/faults/boundary.py) becomes a snapshot
+of the step reached.
 
-Three pieces, each with one job:
+Two pieces, each with one job:
 
-- `install` (once per process, main thread): handlers for SIGTERM, SIGINT and `preempt.signals`.
-  The handler only records the signal. A watcher thread wakes on the same signal through
-  `signal.set_wakeup_fd`, so it sees the signal even while the main thread sits in a blocked
-  collective, logs it, and arms the `preempt.grace_s` deadline: if the process has not exited by
-  then, it exits anyway with 128 + the signal. The newest valid snapshot is what it was (writes are
-  atomic), and a peer that is gone or hung cannot hold the process past the platform's grace period.
+- `Notices` (one per process, owned by the rank's guard, trainapp/faults/guard.py): handlers for
+  SIGTERM, SIGINT and `preempt.signals`, installed from the main thread. The handler only records the
+  signal. A watcher thread wakes on the same signal through `signal.set_wakeup_fd`, so it sees the
+  signal even while the main thread sits in a blocked collective, logs it, and arms the
+  `preempt.grace_s` deadline: if the process has not exited by then, it exits anyway with 128 + the
+  signal. The newest valid snapshot is what it was (writes are atomic), and a peer that is gone or hung
+  cannot hold the process past the platform's grace period.
 - `StopVote` (per run, every rank): about twice a second (at most once a step) the ranks agree
   whether any of them got a signal, so all stop after the same step, and whether it is time to ask
   Ray Train about drained nodes (a barrier every rank must enter at the same step). A vote is an
   asynchronous all-reduce started at one step boundary and read at the next, so the loop never waits
   on it.
-- The worker registry: every training process writes its PID under `TRAINAPP_RUNTIME_DIR`, so
-  `trainapp drain` (a pod's preStop, a container's stop trap) can send exactly those processes the
-  notice and wait for their snapshot.
+
+The node side of a notice (the worker registry, `trainapp drain` and `trainapp node`) is
+trainapp/faults/drain.py.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import signal
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Callable
 
-from trainapp.faults import failure, heartbeat
+import torch
+import torch.distributed as tdist
+
+from trainapp.errors import Failure
+from trainapp.faults.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
 
 ALWAYS = ("SIGTERM", "SIGINT")
-RUNTIME_ENV = "TRAINAPP_RUNTIME_DIR"
-"""Node-local directory of the worker registry (default /tmp/trainapp-runtime)."""
 
 
-class Preempted(Exception):
-    """Raised out of `Trainer.train()` on every rank once the stop step's snapshot is written."""
+class Preempted(Failure):
+    """Raised out of the training loop on every rank once the stop step's snapshot is written."""
 
-    failure_cause = ""  # a handled notice, on record as `preempted`, not a failure
+    cause = ""  # a handled notice, on record as `preempted`, not a failure
 
     def __init__(self, signum: int, step: int, seconds: float, snapshot: str | None, rank: int = 0):
         self.signum, self.step, self.seconds, self.snapshot, self.rank = signum, step, seconds, snapshot, rank
+        self.exit_code = 128 + signum
         super().__init__(self.line())
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum
 
     def line(self) -> str:
         return (f"trainapp: preempted ({signal.Signals(self.signum).name}) at step {self.step} after "
                 f"{self.seconds:.1f} s; snapshot {self.snapshot}; rerun the same command to resume")
 
 
-class _Notice:
-    """The process-wide state of a notice: the first signal, when it came, the deadline armed on it."""
+class Notices:
+    """This process's preemption notices: the first signal, when it came, and the deadline armed on it.
+    `expire(cause, error, code)` ends the process when the deadline runs out or a notice comes before
+    any step (the guard's failure log)."""
 
-    def __init__(self) -> None:
+    def __init__(self, heartbeat: Heartbeat, expire: Callable[[str, str, int], None], grace_s: float = 25.0) -> None:
+        self.heartbeat, self.expire, self.grace_s = heartbeat, expire, grace_s
         self.signum = 0
+        """The signal number of the first notice, 0 if none."""
         self.at = 0.0  # time.monotonic() of the first signal
-        self.grace_s = 25.0
         self.signals: set[int] = set()
         self.watching = False
         self.armed = False
         self.lock = threading.Lock()
         self.snapshots = "the run's snapshots directory"
-        self.phase_at_signal = ""  # trainapp.faults.heartbeat's phase when the first signal came
+        """What the deadline's message names as the snapshots left intact."""
+        self.phase_at_signal = ""  # the heartbeat's phase when the first signal came
         self.done = False  # this process's training is over (a Ray worker lives on): signals are not notices
 
+    def seconds_since(self) -> float:
+        return time.monotonic() - self.at if self.signum else 0.0
 
-_notice = _Notice()
+    def training_over(self) -> None:
+        """Training in this process is over (finished, failed or stopped): from now on a signal is not
+        a notice, it ends the process as it would without trainapp (Ray stops a finished worker group
+        with SIGTERM: no "stopping after the next step" then)."""
+        self.done = True
 
+    def install(self, names: list[str], grace_s: float, handler: Callable) -> bool:
+        """Handle SIGTERM, SIGINT and `names` as preemption notices in this process with `handler` (which
+        calls `handle`). Call from the main thread (Python delivers signals there); False, with a
+        warning, where that is impossible."""
+        self.grace_s = grace_s
+        nums = {signal.Signals[n] for n in (*ALWAYS, *names)}
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("preemption: signal handlers can only be installed from the main thread; %s will end this "
+                        "process without a snapshot", ", ".join(sorted(n.name for n in nums)))
+            return False
+        for s in nums:
+            signal.signal(s, handler)
+        self.signals = {int(s) for s in nums}
+        if not self.watching:
+            r, w = os.pipe()
+            os.set_blocking(w, False)
+            old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+            if old != -1:  # someone else's wakeup fd (an asyncio loop in this thread): leave it theirs
+                signal.set_wakeup_fd(old)
+                os.close(r)
+                os.close(w)
+            else:
+                threading.Thread(target=self._watch, args=(r,), name="preempt-watch", daemon=True).start()
+                self.watching = True
+        return True
 
-def received() -> int:
-    """The signal number of the first notice this process got, 0 if none."""
-    return _notice.signum
+    def _record(self, signum: int) -> None:
+        if not self.signum:
+            self.at, self.phase_at_signal = time.monotonic(), self.heartbeat.phase
+            self.signum = signum
 
-
-def seconds_since() -> float:
-    return time.monotonic() - _notice.at if _notice.signum else 0.0
-
-
-def phase_at_signal() -> str:
-    return _notice.phase_at_signal
-
-
-def training_over() -> None:
-    """Training in this process is over (finished, failed or stopped): from now on a signal is not a
-    notice, it ends the process as it would without trainapp (Ray stops a finished worker group with
-    SIGTERM: no "stopping after the next step" then)."""
-    _notice.done = True
-
-
-def describe_snapshots(where: str) -> None:
-    """What the deadline's message names as the snapshots left intact."""
-    _notice.snapshots = where
-
-
-def _record(signum: int) -> None:
-    if not _notice.signum:
-        _notice.at, _notice.phase_at_signal = time.monotonic(), heartbeat.state.phase
-        _notice.signum = signum
-
-
-def _handler(signum, frame) -> None:
-    # Runs in the main thread between bytecodes: record only; logging here could deadlock on a lock
-    # the interrupted code holds. The watcher thread arms the deadline (here only without one).
-    if _notice.done:  # no training left to save: the signal does what it would without us
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-        return
-    _record(signum)
-    if not _notice.watching:
-        _arm(signum)
-
-
-def _arm(signum: int) -> None:
-    """First notice: log it and start the deadline; later ones: say they change nothing."""
-    if _notice.done:
-        return
-    with _notice.lock:
-        first = not _notice.armed
-        _notice.armed = True
-        _record(signum)  # the watcher may see a signal before the blocked main thread runs the handler
-    name = signal.Signals(signum).name
-    if first and heartbeat.state.phase == "start":  # no step trained yet in this process: nothing to save
-        failure.record("signal", f"{name} before training started; nothing to save", 128 + signum)
-        os._exit(128 + signum)
-    if not first:
-        log.warning("preemption: %s again; already stopping (the snapshot is on its way; exit at the latest %.0f s "
-                    "after the first notice)", name, _notice.grace_s)
-        return
-    log.warning("preemption: %s received; stopping after the next step with a snapshot (preempt.grace_s=%g)",
-                name, _notice.grace_s)
-    remaining = max(0.0, _notice.grace_s - seconds_since())
-    timer = threading.Timer(remaining, _expire)
-    timer.daemon = True
-    timer.start()
-
-
-def _expire() -> None:
-    code = 128 + _notice.signum
-    failure.record("signal", f"{signal.Signals(_notice.signum).name}: preempt.grace_s={_notice.grace_s:g} ran out "
-                   f"before the stop was agreed and its snapshot written (a peer gone or hung?); the newest valid "
-                   f"snapshot in {_notice.snapshots} is unchanged", code)
-    os._exit(code)
-
-
-def _watch(fd: int) -> None:
-    while True:
-        try:
-            data = os.read(fd, 64)
-        except OSError:
+    def handle(self, signum: int) -> None:
+        """The signal handler's work. Runs in the main thread between bytecodes: record only; logging here
+        could deadlock on a lock the interrupted code holds. The watcher thread arms the deadline (here
+        only without one)."""
+        if self.done:  # no training left to save: the signal does what it would without us
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
             return
-        if not data:
+        self._record(signum)
+        if not self.watching:
+            self._arm(signum)
+
+    def _arm(self, signum: int) -> None:
+        """First notice: log it and start the deadline; later ones: say they change nothing."""
+        if self.done:
             return
-        for signum in data:
-            if signum in _notice.signals:
-                _arm(signum)
+        with self.lock:
+            first = not self.armed
+            self.armed = True
+            self._record(signum)  # the watcher may see a signal before the blocked main thread runs the handler
+        name = signal.Signals(signum).name
+        if first and self.heartbeat.phase == "start":  # no step trained yet in this process: nothing to save
+            self.expire("signal", f"{name} before training started; nothing to save", 128 + signum)
+            return
+        if not first:
+            log.warning("preemption: %s again; already stopping (the snapshot is on its way; exit at the latest %.0f "
+                        "s after the first notice)", name, self.grace_s)
+            return
+        log.warning("preemption: %s received; stopping after the next step with a snapshot (preempt.grace_s=%g)",
+                    name, self.grace_s)
+        timer = threading.Timer(max(0.0, self.grace_s - self.seconds_since()), self._deadline)
+        timer.daemon = True
+        timer.start()
 
+    def _deadline(self) -> None:
+        self.expire("signal", f"{signal.Signals(self.signum).name}: preempt.grace_s={self.grace_s:g} ran out before "
+                    f"the stop was agreed and its snapshot written (a peer gone or hung?); the newest valid snapshot "
+                    f"in {self.snapshots} is unchanged", 128 + self.signum)
 
-def install(names: list[str], grace_s: float) -> bool:
-    """Handle SIGTERM, SIGINT and `names` as preemption notices in this process. Call from the main
-    thread (Python delivers signals there); False, with a warning, where that is impossible."""
-    _notice.grace_s = grace_s
-    nums = {signal.Signals[n] for n in (*ALWAYS, *names)}
-    if threading.current_thread() is not threading.main_thread():
-        log.warning("preemption: signal handlers can only be installed from the main thread; %s will end this "
-                    "process without a snapshot", ", ".join(sorted(n.name for n in nums)))
-        return False
-    for s in nums:
-        signal.signal(s, _handler)
-    _notice.signals = {int(s) for s in nums}
-    if not _notice.watching:
-        r, w = os.pipe()
-        os.set_blocking(w, False)
-        old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-        if old != -1:  # someone else's wakeup fd (an asyncio loop in this thread): leave it theirs
-            signal.set_wakeup_fd(old)
-            os.close(r)
-            os.close(w)
-        else:
-            threading.Thread(target=_watch, args=(r,), name="preempt-watch", daemon=True).start()
-            _notice.watching = True
-    return True
+    def _watch(self, fd: int) -> None:
+        while True:
+            try:
+                data = os.read(fd, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum in self.signals:
+                    self._arm(signum)
 
 
 class StopVote:
@@ -215,11 +193,8 @@ class StopVote:
     platform's grace period."""
     MAX_EVERY = 50
 
-    def __init__(self, ctx, poll_s: float = 0.0, pending: Callable[[], bool] | None = None) -> None:
-        import torch
-        import torch.distributed as tdist  # here: `trainapp drain`/`node` import this module without torch
-
-        self.ctx, self.dist = ctx, tdist
+    def __init__(self, ctx, notices: Notices, poll_s: float = 0.0, pending: Callable[[], bool] | None = None) -> None:
+        self.ctx, self.notices = ctx, notices
         self.group = None
         if ctx.distributed and tdist.get_backend() != "gloo":
             self.group = tdist.new_group(backend="gloo")  # collective: every rank builds the vote together
@@ -248,7 +223,7 @@ class StopVote:
         now = time.perf_counter()
         if not self.ctx.distributed:
             self._polls(self._poll_due(now), now)
-            return received()
+            return self.notices.signum
         if self.last_t is not None:
             dt = now - self.last_t
             self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
@@ -262,158 +237,14 @@ class StopVote:
             self._polls(bool(poll), now)
         if step >= self.next_vote:
             every = 1 if not self.step_s else min(self.MAX_EVERY, max(1, int(self.INTERVAL_S / self.step_s)))
-            self.flag[0], self.flag[1], self.flag[2] = received(), step + every, self._poll_due(now)
-            self.work = self.dist.all_reduce(self.flag, op=self.dist.ReduceOp.MAX, group=self.group, async_op=True)
+            self.flag[0], self.flag[1], self.flag[2] = self.notices.signum, step + every, self._poll_due(now)
+            self.work = tdist.all_reduce(self.flag, op=tdist.ReduceOp.MAX, group=self.group, async_op=True)
         return 0
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Finish the vote in flight (the last boundary's), before the process group goes away; bounded,
         for the case of an error that a peer did not share."""
         if self.work is not None:
-            import datetime
-
             with contextlib.suppress(Exception):
                 self.work.wait(datetime.timedelta(seconds=timeout_s))
             self.work = None
-
-
-# ----------------------------------------------------------------------------------------------
-# The worker registry and `trainapp drain`
-
-
-def runtime_dir(root: str | Path | None = None) -> Path:
-    return Path(root or os.environ.get(RUNTIME_ENV) or "/tmp/trainapp-runtime") / "workers"
-
-
-def _stat(pid: int) -> list[str] | None:
-    """/proc/PID/stat after the command name (state first), None when there is no such process."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks (field 22 of /proc/PID/stat): a PID with another start
-    time is a reused PID, not our worker."""
-    stat = _stat(pid)
-    return stat[19] if stat else None
-
-
-def _running(pid: int) -> bool:
-    stat = _stat(pid)
-    return stat is not None and stat[0] != "Z"  # a zombie has exited; only its parent has not reaped it
-
-
-def register() -> Path | None:
-    """Write this process's entry in the registry; removed by `unregister` (or found stale later)."""
-    d = runtime_dir()
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        entry = d / str(os.getpid())
-        entry.write_text(f"{_start_time(os.getpid())}\n")
-        return entry
-    except OSError as e:
-        log.warning("preemption: cannot register this worker under %s (%s); `trainapp drain` will not see it", d, e)
-        return None
-
-
-def unregister(entry: Path | None) -> None:
-    if entry is not None:
-        with contextlib.suppress(OSError):
-            entry.unlink()
-
-
-def registered(root: str | Path | None = None) -> list[int]:
-    """PIDs of live registered workers on this node (stale entries are removed); `root`: another
-    registry than TRAINAPP_RUNTIME_DIR's."""
-    live = []
-    d = runtime_dir(root)
-    for entry in sorted(d.glob("[0-9]*")) if d.is_dir() else []:
-        pid = int(entry.name)
-        try:
-            ok = _start_time(pid) == entry.read_text().strip()
-        except OSError:
-            ok = False
-        if ok:
-            live.append(pid)
-        else:
-            with contextlib.suppress(OSError):
-                entry.unlink()
-    return live
-
-
-def _ray_drain(deadline_s: int) -> str:
-    """Tell Ray this node is being preempted, so Ray Train snapshots in time and restarts elsewhere."""
-    import shutil
-    import subprocess
-
-    ray = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
-    cmd = [ray, "drain-node", "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message",
-           "trainapp drain (pod deleted or container stopped)", "--deadline-remaining-seconds", str(deadline_s)]
-    try:
-        # Bounded: the drain wait that follows must still fit the platform's grace period.
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"ray drain-node failed ({e.__class__.__name__}: {e})"
-    if r.returncode != 0:
-        last = (r.stderr.strip() or r.stdout.strip()).splitlines()[-1:] or ["no output"]
-        return f"ray drain-node failed (exit {r.returncode}: {last[0]})"
-    return f"Ray node drained for preemption, deadline {deadline_s} s"
-
-
-def drain(wait_s: float, ray_deadline_s: int | None = None, poll_s: float = 0.1) -> tuple[list[int], list[int], str]:
-    """This node is going away: drain its Ray node (when asked), send every registered training process
-    on it SIGTERM, and wait up to `wait_s` for them to exit. (stopped PIDs, still running PIDs, what the
-    Ray drain said)."""
-    said = _ray_drain(ray_deadline_s) if ray_deadline_s is not None else ""
-    pids = registered()
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    end = time.monotonic() + wait_s
-    left = list(pids)
-    while left and time.monotonic() < end:
-        time.sleep(poll_s)
-        left = [p for p in left if _running(p)]
-    return [p for p in pids if p not in left], left, said
-
-
-def drain_line(stopped: list[int], left: list[int], wait_s: float) -> str:
-    """What a drain did, in one line (`trainapp drain` and `trainapp node` print it)."""
-    return (f"{len(stopped)} training process(es) stopped with their snapshot"
-            + (f" (pids {' '.join(map(str, stopped))})" if stopped else "")
-            + (f"; still running after {wait_s:g} s: pids {' '.join(map(str, left))}" if left else ""))
-
-
-def supervise(cmd: list[str], wait_s: float, ray_deadline_s: int | None) -> int:
-    """Run `cmd` (e.g. `ray start --block`) as a container's main process; on SIGTERM or SIGINT (`docker
-    stop`, a pod deleted) first `drain` this node, then pass the signal on and return 128 + it."""
-    import subprocess
-
-    got: list[int] = []
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, lambda signum, frame: got.append(signum))
-    try:
-        child = subprocess.Popen(cmd)
-    except OSError as e:
-        from trainapp.config import ConfigError
-
-        raise ConfigError(f"trainapp node: cannot run {cmd[0]!r} ({e.strerror}); give the node's command after --")
-    while child.poll() is None and not got:
-        time.sleep(0.2)
-    if not got:
-        return child.returncode
-    name = signal.Signals(got[0]).name
-    print(f"trainapp node: {name}: draining this node before stopping {cmd[0]}", flush=True)
-    stopped, left, said = drain(wait_s, ray_deadline_s)
-    if said:
-        print(f"trainapp node: {said}", flush=True)
-    print(f"trainapp node: {drain_line(stopped, left, wait_s)}", flush=True)
-    child.send_signal(got[0])
-    try:
-        child.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.wait()
-    return 128 + got[0]

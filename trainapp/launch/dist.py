@@ -2,7 +2,7 @@
 
 torchrun and Ray Train both export RANK, LOCAL_RANK and WORLD_SIZE; Ray Train also creates the
 process group itself. So: ranks come from the environment, a group is created only when none exists,
-and only a group we created is destroyed.
+and only a group we created is destroyed. The result is the rank's `DistContext` (trainapp/group.py).
 """
 
 from __future__ import annotations
@@ -13,35 +13,15 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from trainapp.errors import ConfigError
+from trainapp.group import DistContext
 from trainapp.launch import net
-from trainapp.config import ConfigError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class DistContext:
-    rank: int
-    local_rank: int
-    world_size: int
-    device: torch.device
-    backend: str | None
-    owns_group: bool
-    network: net.Resolution | None = None
-    """The interface this process chose for NCCL/Gloo (trainapp.launch.net), None when nothing was resolved."""
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
 
 
 def _env_int(name: str, default: int) -> int:
@@ -82,27 +62,23 @@ def _check_network(network, store, rank: int, world_size: int) -> net.Resolution
     return res
 
 
-_round: str | None = None
-"""The name every rank of this torchrun attempt agreed on (`_agree_on_round`), for the side store."""
-
-
 def _elastic_store(timeout: datetime.timedelta):
-    """Under torchrun: the agent's store, under a prefix that names this attempt of the group.
+    """Under torchrun: (the agent's store under a prefix that names this attempt of the group, that
+    prefix's scope for `side_store`), or (None, "side") when torchrun did not launch us.
 
     Without the prefix, a group restarted after a peer died mid-all-reduce can read the dead attempt's
     Gloo addresses from the shared store and fail with `connectFullMesh ... Connection refused`.
     """
     if os.environ.get("TORCHELASTIC_RESTART_COUNT") is None:
-        return None
+        return None, "side"
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     world_size, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(host, port, world_size, is_master=(not agent_hosts and rank == 0),
                           timeout=timeout, multi_tenant=not agent_hosts)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    global _round
-    _round = _agree_on_round(dist.PrefixStore(f"trainapp/{run_id}/rounds", store), rank, world_size, timeout)
-    return dist.PrefixStore(f"trainapp/{run_id}/{_round}", store)
+    name = _agree_on_round(dist.PrefixStore(f"trainapp/{run_id}/rounds", store), rank, world_size, timeout)
+    return dist.PrefixStore(f"trainapp/{run_id}/{name}", store), f"{run_id}/{name}/side"
 
 
 def _agree_on_round(store, rank: int, world_size: int, timeout: datetime.timedelta, poll_s: float = 0.02) -> str:
@@ -155,8 +131,7 @@ def side_store(ctx: DistContext, timeout_s: float = 10.0):
         return None
     store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 29500), is_master=False,
                           timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
-    scope = "side" if _round is None else f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{_round}/side"
-    return dist.PrefixStore(f"trainapp/{scope}", store)
+    return dist.PrefixStore(f"trainapp/{ctx.store_scope}", store)
 
 
 def setup(timeout_s: float, network=None) -> DistContext:
@@ -166,7 +141,7 @@ def setup(timeout_s: float, network=None) -> DistContext:
     group someone else created (Ray) was preceded by the same resolution in its backend hook, which
     left its choice in the environment.
     """
-    resolution = None
+    resolution, scope = None, "side"
     if dist.is_available() and dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
         local_rank = _env_int("LOCAL_RANK", 0)
@@ -176,7 +151,7 @@ def setup(timeout_s: float, network=None) -> DistContext:
         rank, world_size, local_rank = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0)
         if not 0 <= rank < world_size:
             raise ConfigError(f"environment RANK={rank}: must be in [0, WORLD_SIZE={world_size})")
-        backend, owns = None, False
+        backend, owns, scope = None, False, "side"
         if world_size > 1:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             timeout = datetime.timedelta(seconds=timeout_s)
@@ -185,7 +160,7 @@ def setup(timeout_s: float, network=None) -> DistContext:
                     f"environment WORLD_SIZE={world_size} without MASTER_ADDR/MASTER_PORT: launch with torchrun "
                     "(or set both) so the ranks can find each other"
                 )
-            store = _elastic_store(timeout)
+            store, scope = _elastic_store(timeout)
             if store is None:
                 store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 29500), world_size,
                                       is_master=rank == 0, timeout=timeout)
@@ -205,57 +180,9 @@ def setup(timeout_s: float, network=None) -> DistContext:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    return DistContext(rank, local_rank, world_size, device, backend, owns, resolution)
+    return DistContext(rank, local_rank, world_size, device, backend, owns, resolution, scope)
 
 
 def teardown(ctx: DistContext) -> None:
     if ctx.owns_group and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def barrier(ctx: DistContext) -> None:
-    if ctx.distributed:
-        dist.barrier()
-
-
-def all_reduce_sum(ctx: DistContext, tensor: torch.Tensor) -> torch.Tensor:
-    """Sum in place across ranks (a no-op alone)."""
-    if ctx.distributed:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
-
-
-def all_gather(ctx: DistContext, tensor: torch.Tensor) -> torch.Tensor:
-    """Every rank's 1-D `tensor` as the rows of one [world size, n] tensor, on every rank."""
-    if not ctx.distributed:
-        return tensor.unsqueeze(0)
-    out = [torch.empty_like(tensor) for _ in range(ctx.world_size)]
-    dist.all_gather(out, tensor)
-    return torch.stack(out)
-
-
-def all_gather_objects(ctx: DistContext, obj) -> list:
-    """Every rank's `obj`, in rank order, on every rank."""
-    if not ctx.distributed:
-        return [obj]
-    out = [None] * ctx.world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def broadcast_object(ctx: DistContext, obj):
-    """Rank 0's `obj` on every rank."""
-    if not ctx.distributed:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def gather_objects(ctx: DistContext, obj) -> list | None:
-    """Every rank's `obj`, in rank order, on rank 0 (None elsewhere)."""
-    if not ctx.distributed:
-        return [obj]
-    out = [None] * ctx.world_size if ctx.is_main else None
-    dist.gather_object(obj, out, dst=0)
-    return out

@@ -28,9 +28,10 @@ NETWORK_ENV = "TRAINAPP_NETWORK"
 """Where `apply` leaves its choice (JSON) for the rest of the process: under Ray the interface is
 resolved in a hook before Ray creates the process group, and the loop reads it back from here."""
 
-# What this process exported itself, so a second resolution in the same process (Ray reuses nothing,
-# tests do) does not mistake our own value for the user's.
-_exported: dict[str, str] = {}
+EXPORTED_ENV = "TRAINAPP_NETWORK_EXPORTED"
+"""What `apply` exported itself (JSON), kept in the environment it exported to, so a second resolution
+in the same process (Ray reuses nothing, tests do) does not mistake trainapp's own value for the
+user's."""
 
 
 class NetworkError(ConfigError):
@@ -165,7 +166,8 @@ def apply(section: NetworkSection, rendezvous: str | None, environ=os.environ, h
     in messages (default: the host name)."""
     host = host or socket.gethostname()
     env_gloo = environ.get(GLOO_IFNAME)
-    if env_gloo and _exported.get(GLOO_IFNAME) != env_gloo:
+    ours = json.loads(environ.get(EXPORTED_ENV, "{}"))
+    if env_gloo and ours.get(GLOO_IFNAME) != env_gloo:
         # The user's own Gloo interface still has to exist here, or Gloo fails late and obscurely.
         ifaces = interfaces()
         if env_gloo not in ifaces or not ifaces[env_gloo].ipv4:
@@ -177,12 +179,12 @@ def apply(section: NetworkSection, rendezvous: str | None, environ=os.environ, h
     for key, value in wanted.items():
         if value is None:
             continue
-        mine = _exported.get(key)
-        if key in environ and environ[key] != mine and environ[key] != value:
+        if key in environ and environ[key] != ours.get(key) and environ[key] != value:
             res.kept[key] = environ[key]
             log.warning("%s=%s from the environment wins over the configured %s", key, environ[key], value)
             continue
-        environ[key] = _exported[key] = res.exported[key] = str(value)
+        environ[key] = ours[key] = res.exported[key] = str(value)
+    environ[EXPORTED_ENV] = json.dumps(ours)
     environ[NETWORK_ENV] = json.dumps(res.to_dict())
     log.info("network: %s", res.summary())
     return res

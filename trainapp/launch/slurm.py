@@ -20,8 +20,8 @@ import os
 import socket
 from pathlib import Path
 
-from trainapp.launch import net
 from trainapp.config import Config, ConfigError
+from trainapp.launch import net
 
 MARKER = ".slurm-job"
 """File under run.dir that the batch script writes and every node reads back."""

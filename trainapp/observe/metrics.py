@@ -18,23 +18,24 @@ METRICS = "metrics.jsonl"
 
 
 class MetricsWriter:
-    """Appends one JSON object per line to metrics.jsonl (rank 0 only; restarts append)."""
+    """Appends one JSON object per line to metrics.jsonl (rank 0 only, `path` None elsewhere; restarts
+    append). The file opens at the first record and writes nothing once closed."""
 
     def __init__(self, path: Path | None):
         self.path = path
         self._f = None
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(path, "a", buffering=1)
 
     def write(self, kind: str, **fields: Any) -> None:
+        if self._f is None and self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(self.path, "a", buffering=1)
         if self._f is not None:
             self._f.write(_line(kind, fields))
 
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
-            self._f = None
+        self._f, self.path = None, None
 
 
 def _line(kind: str, fields: dict[str, Any]) -> str:

@@ -1,4 +1,4 @@
-"""TensorBoard event files of a run (`timings.tensorboard`): rank 0 writes the scalars of its records
+"""TensorBoard event files of a run (`observe.tensorboard`): rank 0 writes the scalars of its records
 under `run.dir/tb`, one timeline across restarts.
 
 TensorBoard is an optional extra (`pip install 'trainapp[tensorboard]'`, like matplotlib for the
@@ -26,8 +26,8 @@ def check() -> None:
     try:
         import tensorboard  # noqa: F401
     except ImportError:
-        raise ConfigError("timings.tensorboard=true needs the tensorboard package: pip install "
-                          "'trainapp[tensorboard]' (or set timings.tensorboard=false)") from None
+        raise ConfigError("observe.tensorboard=true needs the tensorboard package: pip install "
+                          "'trainapp[tensorboard]' (or set observe.tensorboard=false)") from None
 
 
 class Board:

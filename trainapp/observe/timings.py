@@ -1,6 +1,8 @@
 """Every rank's step time by phase, gathered at the log interval, and stragglers named.
 
-Each rank splits its wall time into phases as it trains (`StepTimer.lap`, a clock read and an add):
+Each rank splits its wall time into phases as it trains: the loop says which phase it enters
+(`PhaseClock.enter`, a clock read and an add), and the same call tells the heartbeat, so the hang
+watchdog, the failure records and the timings name the same phases:
 
 - `data`: waiting for the next batch and moving it to the device;
 - `compute`: forward and backward, from the moment the wrapped model's own forward starts to the
@@ -29,10 +31,11 @@ Rank 0 turns the rows into a `ranks` record and feeds `Stragglers`. The module i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 if TYPE_CHECKING:
     import torch
@@ -46,11 +49,14 @@ BUSY = tuple(p for p in PHASES if p != "comm")
 """A rank's own work: the step without the time spent waiting for its peers."""
 
 
-class StepTimer:
-    """This rank's seconds by phase since the last `collect()`."""
+class PhaseClock:
+    """This rank's seconds by phase since the last `collect()`. `enter(phase)` says what the training
+    thread does from now on and tells `on_phase` (the heartbeat's `set_phase`) even when the timings
+    are off."""
 
-    def __init__(self, device: torch.device, enabled: bool = True):
-        self.enabled = enabled
+    def __init__(self, device: torch.device, enabled: bool = True, on_phase: Callable[[str], None] = lambda p: None):
+        self.enabled, self.on_phase = enabled, on_phase
+        self.current = "other"
         self.cuda = device.type == "cuda"
         if self.cuda:
             import torch
@@ -78,25 +84,38 @@ class StepTimer:
             self.totals[phase] += end - start
 
     def restart(self) -> None:
-        """Drop the time since the last lap: the first interval starts at the first step, not at set-up."""
+        """Drop the time since the last `enter`: the first interval starts at the first step, not at set-up."""
         if self.enabled:
             self._last = self._now()
             self._cpu = time.process_time()
 
-    def lap(self, phase: str) -> None:
-        """The time since the previous lap was spent in `phase`."""
-        if not self.enabled:
-            return
-        now = self._now()
-        self._add(phase, self._last, now)
-        self._last = now
+    def enter(self, phase: str) -> None:
+        """From now on the training thread does `phase`: the time since the last `enter` goes to the phase
+        it leaves (leaving `compute`, split between compute and the wait for peers: `_leave_compute`)."""
+        self.on_phase(phase)
+        if self.enabled:
+            if self.current == "compute":
+                self._leave_compute()
+            else:
+                now = self._now()
+                self._add(self.current, self._last, now)
+                self._last = now
+        self.current = phase
 
-    def lap_backward(self) -> None:
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """`name` inside the block, then back to the phase before it (evaluation, a snapshot)."""
+        before = self.current
+        self.enter(name)
+        try:
+            yield
+        finally:
+            self.enter(before)
+
+    def _leave_compute(self) -> None:
         """After forward and backward: comm until the wrapped model's forward began, compute until
         the last bucket's hand-off, comm from there on (all compute without DDP, and no all-reduce
         wait in a `no_sync` micro-step)."""
-        if not self.enabled:
-            return
         now, forward, handoff = self._now(), self._forward, self._handoff
         self._forward = self._handoff = None
         begin = self._last
@@ -204,5 +223,5 @@ class Stragglers:
 
 def straggler_line(s: dict[str, Any], ratio: float) -> str:
     return (f"straggler: rank {s['rank']} on {s['host']} took {s['ratio']:.2f}x the median step time without "
-            f"communication wait for {s['intervals']} log intervals (timings.straggler_ratio={ratio:g}); slowest "
+            f"communication wait for {s['intervals']} log intervals (observe.straggler_ratio={ratio:g}); slowest "
             f"phase {s['phase']}: {s['phase_ms']:.1f} ms per step against a median {s['median_phase_ms']:.1f} ms")

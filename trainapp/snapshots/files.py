@@ -1,8 +1,9 @@
 """The bytes of a snapshot: `state.pt` written once, checksummed in passing, with O_DIRECT where the
 filesystem takes it, fsynced; and the CPU staging copy an async snapshot is written from.
 
-trainapp.snapshots.snapshot builds the snapshot directory, its atomic publication and its retention on these; the
-storage errors it survives (a full disk, a read-only mount, a directory it may not write) are named here.
+trainapp/snapshots/store.py builds the snapshot directory and its atomic publication on these; the
+storage errors a run survives (a full disk, a read-only mount, a directory it may not write) are
+named here.
 """
 
 from __future__ import annotations
@@ -13,23 +14,22 @@ import mmap
 import os
 import threading
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Callable
 
 import torch
 import xxhash
 from torch.utils.serialization import config as torch_serialization_config
 
-from trainapp.faults import heartbeat
-
 # The checksum of state.pt: xxh3-128 (xxhash), several times cheaper than sha256 (docs/benchmarks.md), and
 # a snapshot's checksum guards against torn and corrupt files, not against forgery. Format-1 snapshots
 # carry a sha256 and still verify.
-CHECKSUMS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+CHECKSUMS = MappingProxyType({"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256})
 
 
 # Failures of the storage, not of trainapp: a snapshot that hits one is dropped (nothing half-written
 # stays) and training goes on; other errors are bugs and end the run.
-STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM}
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM})
 
 
 def is_storage_error(e: BaseException) -> bool:
@@ -67,29 +67,42 @@ def file_digest(path: Path, algo: str = "xxh3_128") -> str:
     return h.hexdigest()
 
 
+class Buffers:
+    """Page-aligned buffers for O_DIRECT writes (one per concurrent writer), kept for the next snapshot."""
+
+    CHUNK = 8 << 20
+
+    def __init__(self) -> None:
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> mmap.mmap:
+        with self._lock:
+            return self._free.pop() if self._free else mmap.mmap(-1, self.CHUNK)
+
+    def give(self, buf: mmap.mmap) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+
 class _StateFile:
     """The file torch.save writes a snapshot's state into: checksummed in passing (one pass over the
     bytes, not a second read of the file), and with `direct`, written with O_DIRECT through an
-    aligned buffer reused across snapshots. Direct writes skip the page cache: no cache pages to
-    allocate and fill, no writeback later. That roughly halves the machine's CPU per snapshot
-    (docs/benchmarks.md), and the writer's CPU is what a background snapshot takes from training."""
+    aligned buffer from `buffers`. Direct writes skip the page cache: no cache pages to allocate and
+    fill, no writeback later. That roughly halves the machine's CPU per snapshot (docs/benchmarks.md),
+    and the writer's CPU is what a background snapshot takes from training. Every chunk calls
+    `progress` (the heartbeat's: a long write is progress, for the hang watchdog)."""
 
-    CHUNK = 8 << 20
-    _free: list[mmap.mmap] = []
-    _lock = threading.Lock()
-
-    def __init__(self, path: Path, direct: bool) -> None:
+    def __init__(self, path: Path, direct: bool, progress: Callable[[], None], buffers: Buffers) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
         self.fd = os.open(path, flags, 0o644)
         self.digest, self.size, self.used = xxhash.xxh3_128(), 0, 0
-        self.buf = None
-        if direct:
-            with self._lock:
-                # page-aligned, as O_DIRECT needs; one per concurrent writer, kept for the next snapshot
-                self.buf = self._free.pop() if self._free else mmap.mmap(-1, self.CHUNK)
+        self.progress, self.buffers = progress, buffers
+        self.buf = buffers.take() if direct else None
+        self.chunk = Buffers.CHUNK
 
     def write(self, data) -> int:
-        heartbeat.progress()  # a long write is progress, chunk by chunk, for the hang watchdog
+        self.progress()
         view = memoryview(data).cast("B")
         n = len(view)
         self.digest.update(view)
@@ -98,10 +111,10 @@ class _StateFile:
             self._write_all(view)
             return n
         while view:
-            k = min(len(view), self.CHUNK - self.used)
+            k = min(len(view), self.chunk - self.used)
             self.buf[self.used:self.used + k] = view[:k]
             self.used, view = self.used + k, view[k:]
-            if self.used == self.CHUNK:
+            if self.used == self.chunk:
                 self._write_all(memoryview(self.buf))
                 self.used = 0
         return n
@@ -126,19 +139,20 @@ class _StateFile:
             os.close(self.fd)
             self.fd = -1
         if self.buf is not None:
-            with self._lock:
-                self._free.append(self.buf)
+            self.buffers.give(self.buf)
             self.buf = None
 
 
-def save_state(path: Path, state: dict[str, Any]) -> tuple[str, int]:
+def save_state(path: Path, state: dict[str, Any], progress: Callable[[], None] = lambda: None,
+               buffers: Buffers | None = None) -> tuple[str, int]:
     """torch.save `state` to `path`, on disk when this returns; (xxh3_128 checksum, size) of the file.
 
     O_DIRECT first; a filesystem that refuses it (tmpfs, some network and overlay filesystems; EINVAL)
     gets an ordinary buffered write."""
+    buffers = buffers or Buffers()
     for direct in ((True, False) if hasattr(os, "O_DIRECT") else (False,)):
         try:
-            f = _StateFile(path, direct)
+            f = _StateFile(path, direct, progress, buffers)
         except OSError as e:
             if direct and e.errno == errno.EINVAL:
                 continue

@@ -14,8 +14,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from trainapp.launch import net
 from trainapp.config import Config
+from trainapp.launch import net
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 # DataLoader batches wait in shared memory: `prefetch_factor` (2) per worker, float32 images.

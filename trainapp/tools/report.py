@@ -14,8 +14,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from trainapp.observe import metrics
 from trainapp.config import ConfigError
+from trainapp.observe import metrics
 
 
 def read(run_dir: Path) -> list[dict[str, Any]]:
@@ -221,7 +221,7 @@ def _plot_phases(ax, records: list[dict]) -> None:
 
     ranks = rank_phases(records)
     if not ranks:
-        ax.text(0.5, 0.5, "no ranks records (timings.ranks=false?)", transform=ax.transAxes, ha="center",
+        ax.text(0.5, 0.5, "no ranks records (observe.ranks=false?)", transform=ax.transAxes, ha="center",
                 va="center", color="gray")
         return
     names = [f"rank {r}" for r in ranks]

@@ -64,7 +64,7 @@ from typing import Any, Callable
 from trainapp.config import ConfigError
 from trainapp.launch.ray.checks import SUPPORTED, run_store
 
-PRIVATE_NAMES = [
+PRIVATE_NAMES = (
     ("ray.train.torch.config", "_setup_torch_process_group"),
     ("ray.train.torch.config", "_set_torch_distributed_env_vars"),
     ("ray.train.torch.config", "_shutdown_torch"),
@@ -85,7 +85,7 @@ PRIVATE_NAMES = [
     ("ray.train.v2._internal.execution.context", "get_train_context"),
     ("ray.train.v2._internal.callbacks.datasets", "DatasetsCallback"),
     ("ray.train.v2.api.data_parallel_trainer", "DataParallelTrainer"),
-]
+)
 """(module, name) of every private Ray name used here; the tests import each one."""
 
 
@@ -93,7 +93,10 @@ try:  # an import error here is a Ray version trainapp was not written for, said
     import ray
     from ray.exceptions import GetTimeoutError
     from ray.train.backend import Backend, BackendConfig
-    from ray.train.constants import DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
+    from ray.train.constants import (
+        DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
+        TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
+    )
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     from ray.train.v2._internal.constants import (
         CHECKPOINT_MANAGER_SNAPSHOT_FILENAME,

@@ -1,14 +1,15 @@
 """`python -m trainapp ray`: the driver `ray job submit` runs. Ray Train's TorchTrainer starts one
-worker per rank, each running the same loop (`trainapp.core.loop`) as torchrun would (trainapp/launch/ray/worker.py).
+worker per rank, each running the same rank as torchrun would (`run_rank`, through
+trainapp/launch/ray/worker.py).
 
 The driver checks the cluster first (capacity, storage, each node's network interface;
-trainapp/launch/ray/checks.py), so a run that cannot work stops with one line, and it turns a worker's bad
-input or storage failure back into that one line. Ray's private API is used only through
-trainapp/launch/ray/compat.py.
+trainapp/launch/ray/checks.py), so a run that cannot work stops with one line, and it turns a
+worker's bad input or storage failure back into that one line. Ray's private API is used only
+through trainapp/launch/ray/compat.py.
 
 Start-up order: the driver joins the cluster and starts the per-node probes before it imports Ray
-Train (seconds of CPU), so the two overlap; it never imports torch, which only the workers need.
-`timeline` marks each phase for the launch breakdown of bench/launchers.py.
+Train (seconds of CPU), so the two overlap; it never imports torch, which only the workers need. Its
+`Timeline` marks each phase for the launch breakdown of bench/launchers.py.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from trainapp.observe import timeline
 from trainapp.config import Config, ConfigError
+from trainapp.errors import Failure
 from trainapp.launch.ray.checks import Preflight, check_capacity, check_version, is_uri, ray_address, worker_needs
+from trainapp.observe.timeline import Timeline
 
 log = logging.getLogger("trainapp.ray")
 
@@ -51,25 +53,24 @@ def connect(address: str) -> str:
         raise ConfigError(f"ray.address={address}: cannot join the Ray cluster ({str(e).splitlines()[0]})") from None
 
 
-def _error_in(exc: BaseException) -> Exception | None:
-    """A ConfigError or StorageError raised in a worker or in the backend's setup, if that is what
-    ended the run (through Ray's public failure types: WorkerGroupError.worker_failures,
-    ControllerError.controller_failure, RayTaskError.cause), as a plain one of its class."""
+def _error_in(exc: BaseException) -> Failure | None:
+    """The ending trainapp explains (a `Failure`: bad input, storage, ...) raised in a worker or in the
+    backend's setup, if that is what ended the run (through Ray's public failure types:
+    WorkerGroupError.worker_failures, ControllerError.controller_failure, RayTaskError.cause), as a
+    plain one with the same message, cause and exit code."""
     from ray.exceptions import RayTaskError
     from ray.train import ControllerError, WorkerGroupError
-
-    from trainapp.snapshots.snapshot import StorageError
 
     roots = list(exc.worker_failures.values()) if isinstance(exc, WorkerGroupError) else []
     for err in roots + [exc]:
         seen = err
         while seen is not None:
-            for kind in (ConfigError, StorageError):
-                # A RayTaskError poses as its cause's class but prints Ray's header: rebuild the plain one.
-                if isinstance(seen, RayTaskError) and isinstance(seen.cause, kind):
-                    return kind(str(seen.cause))
-                if isinstance(seen, kind):
-                    return kind(str(seen))
+            # A RayTaskError poses as its cause's class but prints Ray's header: rebuild the plain one.
+            found = seen.cause if isinstance(seen, RayTaskError) and isinstance(seen.cause, Failure) else seen
+            if isinstance(found, Failure):
+                plain = Failure(str(found))
+                plain.cause, plain.exit_code, plain.everywhere = found.cause, found.exit_code, found.everywhere
+                return plain
             if isinstance(seen, ControllerError):
                 seen = seen.controller_failure
             elif isinstance(seen, RayTaskError):
@@ -110,9 +111,10 @@ def _callbacks(cfg: Config, storage: str) -> list:
     return [*callbacks, NodeLossWatch(cfg.ray.node_loss_wait_s)]
 
 
-def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, worker=None, **extra):
+def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, timeline: Timeline, worker=None,
+             **extra):
     """Ray Train's TorchTrainer over `worker` (`train_worker`), with the run directory at STORAGE/NAME;
-    `extra` goes into each worker's payload."""
+    the driver's `timeline` and `extra` go into each worker's payload."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
     from trainapp.launch.ray import compat
@@ -122,8 +124,7 @@ def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, 
     run_dir = f"{storage}/{cfg.ray.name}" if not is_uri(storage) else cfg.run.dir
     worker_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir))
     threads = cfg.ray.threads_per_worker or max(1, int(needs.get("CPU", 1)))
-    os.environ.update(compat.controller_env(cfg.ray.worker_group_start_timeout_s,
-                                                cfg.ray.health_check_interval_s))
+    os.environ.update(compat.controller_env(cfg.ray.worker_group_start_timeout_s, cfg.ray.health_check_interval_s))
     return compat.TorchTrainer(
         worker,
         train_loop_config={"config": worker_cfg.to_dict(), "launch": timeline.marks(), **extra},
@@ -146,8 +147,8 @@ def run(cfg: Config) -> dict[str, Any]:
 
 def run_comm(cfg: Config, size_mb: float, iters: int, min_bandwidth: float) -> int:
     """`doctor --comm` as a Ray job: the workers Ray Train starts for `cfg` measure every node pair
-    (trainapp/tools/comm.py), the driver prints the result; the exit code is comm's verdict."""
-    from trainapp.tools import comm
+    (trainapp/launch/comm.py), the driver prints the result; the exit code is comm's verdict."""
+    from trainapp.launch import comm
     from trainapp.launch.ray.setup import comm_worker
 
     comm.check_args(size_mb, iters, min_bandwidth)
@@ -161,6 +162,7 @@ def run_comm(cfg: Config, size_mb: float, iters: int, min_bandwidth: float) -> i
 
 def _fit(cfg: Config, worker=None, **extra):
     """Join, check, fit; (Ray Train's Result, the storage path)."""
+    timeline = Timeline()
     timeline.mark_process("driver_process")
     address = ray_address(cfg)
     check_version()  # a Ray it was not written for stops here, before anything imports it
@@ -186,7 +188,7 @@ def _fit(cfg: Config, worker=None, **extra):
                  cfg.ray.name)
         timeline.mark("driver_checked")
         try:
-            result = _trainer(cfg, storage, needs, use_gpu, worker, **extra).fit()
+            result = _trainer(cfg, storage, needs, use_gpu, timeline, worker, **extra).fit()
         except Exception as e:
             plain = _error_in(e)
             if plain is not None:

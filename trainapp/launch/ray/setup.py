@@ -15,14 +15,10 @@ from __future__ import annotations
 import importlib
 import os
 import threading
+from types import MappingProxyType
 from typing import Any
 
 from trainapp import config
-from trainapp.observe import timeline
-
-_imports: threading.Thread | None = None
-"""Imports what the worker function needs while Ray creates the process group (`prepare_worker`
-starts it)."""
 
 
 def _import(names: list[str]) -> None:
@@ -36,43 +32,51 @@ def _import(names: list[str]) -> None:
 def prepare_worker(env: dict[str, str], threads: int, network: dict[str, Any], preemption: dict[str, Any],
                    imports: list[str]) -> str:
     """Runs in every worker before Ray creates the process group, in the worker's main thread (where
-    Python takes signals: the loop runs in a thread of Ray's); returns its network choice. `imports`:
-    the worker function's (IMPORTS), started in a thread as it returns."""
-    timeline.mark_process("worker_process")
-    timeline.mark("worker_setup")
+    Python takes signals: the loop runs in a thread of Ray's); returns its network choice. It makes the
+    rank's guard (trainapp/faults/guard.py), which the training function finds again. `imports`: the
+    worker function's (IMPORTS), started in a thread the guard keeps, as this returns."""
     import torch
 
-    from trainapp.faults import preempt
+    from trainapp.faults import drain
+    from trainapp.faults.guard import RankGuard
     from trainapp.launch import net
     from trainapp.launch.ray import compat
 
+    guard = RankGuard()
+    guard.timeline.mark_process("worker_process")
+    guard.timeline.mark("worker_setup")
     compat.quiet_report_lines()  # Ray Train has configured the worker's logging by now
     # Ray's own SIGTERM handler ends the worker at once; ours turns it into the agreed stop.
-    preempt.install(preemption["signals"], preemption["grace_s"])
-    preempt.register()  # `trainapp drain` finds this worker; the entry goes stale with the process
+    guard.install(preemption["signals"], preemption["grace_s"])
+    drain.register()  # `trainapp drain` finds this worker; the entry goes stale with the process
     os.environ.update(env)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
     summary = net.apply(config.NetworkSection(**network), net.ray_head_host()).summary()
     # Ray forms the process group next, a few round trips through its controller in which the worker
     # mostly waits: the worker function's imports go in that time, in a thread it joins first.
-    global _imports
-    _imports = threading.Thread(target=_import, args=(imports,), name="trainapp-imports", daemon=True)
-    _imports.start()
-    timeline.mark("worker_setup_done")
+    guard.before_training = threading.Thread(target=_import, args=(imports,), name="trainapp-imports", daemon=True)
+    guard.before_training.start()
+    guard.timeline.mark("worker_setup_done")
     return summary
 
 
 def _ray_worker():
-    if _imports is not None:
-        _imports.join()  # no two threads import the same modules at once
+    """trainapp/launch/ray/worker.py, once the imports `prepare_worker` started are done (no two
+    threads import the same modules at once)."""
+    from trainapp.faults.guard import RankGuard
+
+    guard = RankGuard.installed()
+    if guard is not None:
+        guard.timeline.mark("process_group")  # Ray formed it before calling the worker function
+        if guard.before_training is not None:
+            guard.before_training.join()
     from trainapp.launch.ray import worker
 
-    return ray_worker
+    return worker
 
 
 def train_worker(payload: dict[str, Any]) -> None:
-    timeline.mark("process_group")  # Ray formed it before calling this
     _ray_worker().train_worker(payload)
 
 
@@ -80,9 +84,9 @@ def comm_worker(payload: dict[str, Any]) -> dict[str, Any]:
     return _ray_worker().comm_worker(payload)
 
 
-IMPORTS = {
+IMPORTS = MappingProxyType({
     # torch._dynamo: DistributedDataParallel and torch.optim import it on first use, seconds of CPU.
-    train_worker: ["torch._dynamo", "trainapp.core.loop", "trainapp.launch.ray.worker"],
-    comm_worker: ["trainapp.tools.comm", "trainapp.launch.ray.worker"],
-}
+    train_worker: ("torch._dynamo", "trainapp.launch.rank", "trainapp.launch.ray.worker"),
+    comm_worker: ("trainapp.launch.comm", "trainapp.launch.ray.worker"),
+})
 """The modules each worker function imports first: `prepare_worker` imports them while the group forms."""

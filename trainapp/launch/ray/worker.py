@@ -1,259 +1,76 @@
-"""What runs in each Ray Train worker: the same loop (`trainapp.core.loop`) as under torchrun, with the
-few differences Ray needs: the worker's environment and signal handlers set before Ray creates the
-process group (`prepare_worker`, in trainapp/launch/ray/setup.py, which imports no torch: Ray Train's
-controller and the driver reference it), snapshots published with `ray.train.report` (RayPublish,
-the snapshot manager's publish step), resume from the newest snapshot on storage (a shared directory
-or a URI `ray.storage_path`), and Ray's drain notices as the loop's
-preemption notice. Only the workers import this module (it imports torch), through ray_setup's
-`train_worker` and `comm_worker`.
+"""What runs in each Ray Train worker: the same rank (trainapp/launch/rank.py's `run_rank`) as under
+torchrun, through the `RayWorker` launcher: the guard that the worker's set-up made before Ray
+created the process group (`prepare_worker`, in trainapp/launch/ray/setup.py, which imports no
+torch: Ray Train's controller and the driver reference it), the group Ray created, snapshots
+published with `ray.train.report` (trainapp/launch/ray/publish.py), and Ray's drain notices. Only
+the workers import this module (it imports torch), through setup.py's `train_worker` and
+`comm_worker`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import logging
-import os
-import shutil
+import dataclasses
 import sys
-import tempfile
-import threading
-import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 from trainapp import config
+from trainapp.errors import leave
+from trainapp.faults.guard import RankGuard
+from trainapp.faults.preempt import Preempted
+from trainapp.group import DistContext
 from trainapp.launch import dist
-from trainapp.observe import logs, timeline
-from trainapp.launch.ray.checks import is_uri, run_store
-from trainapp.snapshots.snapshot import SnapshotManager, find_shared, list_snapshots, step_name, step_of
-
-log = logging.getLogger(__name__)
+from trainapp.launch.rank import run_rank
+from trainapp.launch.ray.checks import is_uri
+from trainapp.launch.ray.publish import RayDrainNotice, RayPublish
 
 
-class RayPublish:
-    """The publish step of snapshots under Ray Train: `ray.train.report` registers a snapshot with Ray
-    as a checkpoint. A report is a barrier of every worker through Ray Train's synchronization actor,
-    so every rank reports at the same snapshots: about every `ray.report_interval_s` (rank 0's clock,
-    agreed in the manager's broadcast), and at once for the final and the drain snapshots. The
-    directory format is the local one, so one format serves every launcher.
+class RayWorker:
+    """`Launcher` (trainapp/launch/rank.py) for a Ray Train worker; `payload` is what the driver sent."""
 
-    Ray only ever registers a snapshot trainapp has put in place (`NO_UPLOAD`), never uploads one:
-    on a filesystem path rank 0 writes it there atomically, as under torchrun (an upload from a local
-    directory would write every snapshot twice); to a URI rank 0 writes it locally and uploads it with
-    pyarrow, as Ray would. So a failed write or upload is a failed snapshot like a full local disk
-    (counted against `snapshot.max_failures`, nothing partial left), not an error inside
-    `ray.train.report` that ends the run and leaves the worker's report sequence broken.
+    def __init__(self, payload: dict[str, Any]) -> None:
+        self.payload = payload
 
-    A snapshot written between reports is on storage but unknown to Ray. A restart resumes from the
-    newest snapshot on storage all the same (`find` lists the storage, a path or a URI). Rank 0
-    deletes each unknown one as soon as a newer one is complete (in the thread that wrote that one),
-    and never one Ray knows: Ray deletes those itself (`CheckpointConfig(num_to_keep=snapshot.keep)`),
-    and refuses to resume a run whose record names a checkpoint that is gone.
+    def guard(self, cfg: config.Config) -> RankGuard:
+        guard = RankGuard.installed() or RankGuard()  # made by prepare_worker, before the process group
+        for name, at in self.payload.get("launch", {}).items():  # the driver's start-up marks
+            guard.timeline.mark(name, at)
+        return guard
 
-    With `snapshot.async` the write (and upload) runs in the snapshot writer's thread; a report
-    registers the newest snapshot complete by then (`flush` the last one, at the end of the run or a
-    stop): Ray must not register what is not on storage yet.
-    """
+    def context(self, cfg: config.Config, guard: RankGuard) -> DistContext:
+        return dist.setup(cfg.dist.timeout_s)  # adopts the group Ray created
 
-    def __init__(self, uri: str | None, async_write: bool, name: str, report_s: float = 0.0):
-        self.uri = uri
-        self.background = async_write
-        self.report_s = report_s
-        self.fs = None
-        if uri is not None:
-            self.fs, self.experiment, self.shown = run_store(uri, name)
-        self.reported_t = time.monotonic()
-        self.lock = threading.Lock()
-        self.unknown: list[tuple[int, str]] = []
-        """Rank 0: (step, where) of the complete snapshots Ray does not know, oldest first (appended by
-        whichever thread wrote them)."""
-        self.last_metrics: dict[str, Any] = {}
+    def publish(self, cfg: config.Config, ctx: DistContext) -> RayPublish:
+        uri = cfg.ray.storage_path if is_uri(cfg.ray.storage_path) else None
+        return RayPublish(Path(cfg.run.dir), uri, cfg.snapshot.async_, cfg.ray.name, cfg.ray.report_interval_s)
 
-    def root(self, run_dir: Path) -> Path:
-        return run_dir  # Ray stores the checkpoints as STORAGE/NAME/step_*: the run directory itself
+    def drains(self, cfg: config.Config) -> RayDrainNotice | None:
+        return RayDrainNotice() if cfg.preempt.ray_poll_s else None
 
-    def place(self, manager: SnapshotManager, step: int) -> Path:
-        if self.uri is None:
-            return manager.path_for(step)
-        return Path(tempfile.gettempdir()) / f"trainapp-snap-{uuid.uuid4().hex[:12]}"  # uploaded in `written`
+    def restart(self) -> int:
+        return 0  # Ray Train's restarts show as attempts in metrics.jsonl
 
-    def written(self, manager: SnapshotManager, step: int, path: Path) -> Path | str:
-        manager.sweep_leftovers()
-        where = self._upload(step, path) if self.uri is not None else path
-        with self.lock:
-            self.unknown.append((step, str(where)))
-        self._keep_newest_unknown()  # in the writer's thread with `snapshot.async`, off the training thread
-        return where
-
-    def _upload(self, step: int, path: Path) -> str:
-        from pyarrow.fs import copy_files
-
-        dest = f"{self.experiment}/{step_name(step)}"
-        try:
-            self.fs.create_dir(dest)
-            copy_files(str(path), dest, destination_filesystem=self.fs)
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                self.fs.delete_dir(dest)
-            # pyarrow names no file, and a remote store's errors carry no errno: EIO stands for those.
-            code = e.errno or errno.EIO
-            why = os.strerror(e.errno) if e.errno else f"upload failed: {str(e).split('. Detail:')[0]}"
-            raise OSError(code, why, f"{self.shown}/{step_name(step)}") from None
-        finally:
-            shutil.rmtree(path, ignore_errors=True)
-        return dest
-
-    def make_room(self, manager: SnapshotManager) -> int:
-        return self._keep_newest_unknown()  # Ray owns the retention of the snapshots it knows
-
-    def _keep_newest_unknown(self) -> int:
-        """Rank 0: deletes the snapshots Ray does not know but the newest; how many."""
-        with self.lock:
-            doomed, self.unknown = self.unknown[:-1], self.unknown[-1:]
-        self._delete(doomed)
-        return len(doomed)
-
-    def destination(self, manager: SnapshotManager) -> tuple[str, str]:
-        return (self.shown if self.uri is not None else str(manager.root)), "ray.storage_path"
-
-    def due(self) -> bool:
-        return time.monotonic() - self.reported_t >= self.report_s
-
-    def publish(self, ctx, metrics: dict[str, Any], now: bool) -> None:
-        self.last_metrics = metrics
-        if now:
-            self._report(ctx, metrics)
-
-    def flush(self, ctx) -> None:
-        if self.background:  # every rank: one more report, registering the last background write
-            self._report(ctx, self.last_metrics)
-
-    def _report(self, ctx, metrics: dict[str, Any]) -> None:
-        """Every rank; rank 0 registers the newest complete snapshot Ray does not know, if any, and
-        deletes the older unknown ones after Ray has it."""
-        import ray.train
-        from ray.train import Checkpoint, CheckpointUploadMode
-
-        newest, doomed = None, []
-        if ctx.is_main:
-            with self.lock:
-                if self.unknown:
-                    newest, doomed, self.unknown = self.unknown[-1], self.unknown[:-1], []
-        ckpt = None
-        if newest is not None:
-            where = newest[1]
-            ckpt = Checkpoint(where, filesystem=self.fs) if self.fs is not None else Checkpoint.from_directory(where)
-        ray.train.report(metrics, checkpoint=ckpt, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
-                         checkpoint_dir_name=step_name(newest[0]) if newest is not None else None)
-        self.reported_t = time.monotonic()
-        self._delete(doomed)
-
-    def _delete(self, doomed: list[tuple[int, str]]) -> None:
-        for step, where in doomed:
-            if self.fs is not None:
-                with contextlib.suppress(OSError):
-                    self.fs.delete_dir(where)
-            else:
-                shutil.rmtree(where, ignore_errors=True)
-            log.debug("snapshot step=%d deleted (newer one on storage; Ray never registered it)", step)
-
-    def _listed(self, manager: SnapshotManager) -> list[tuple[int, str]]:
-        """(step, where) of every snapshot on storage, oldest first."""
-        if self.fs is None:
-            return [(step_of(p.name), str(p)) for p in list_snapshots(manager.root)]
-        from pyarrow.fs import FileSelector, FileType
-
-        infos = self.fs.get_file_info(FileSelector(self.experiment, allow_not_found=True))
-        return sorted((step_of(i.base_name), i.path) for i in infos
-                      if i.type == FileType.Directory and step_of(i.base_name) is not None)
-
-    def find(self, ctx, manager: SnapshotManager) -> tuple[str, dict[str, Any]] | None:
-        """The newest valid snapshot on storage (rank 0 chooses, every rank loads it). Rank 0 also takes
-        the snapshots newer than Ray's newest as unknown to Ray: a run killed between reports left them."""
-        import ray.train
-        from ray.train import Checkpoint
-
-        listed = []
-        if ctx.is_main:
-            listed = self._listed(manager)
-            known = ray.train.get_checkpoint()
-            newest_known = step_of(Path(known.path).name) if known is not None else -1
-            if newest_known is not None:  # a checkpoint trainapp did not name: take nothing for unknown
-                self.unknown = [(step, where) for step, where in listed if step > newest_known]
-        if self.uri is None:
-            return find_shared(ctx, manager.root, [Path(where) for _, where in listed])
-        return find_shared(ctx, self.shown, [where for _, where in listed],
-                           local=lambda where: Checkpoint(where, filesystem=self.fs).as_directory())
-
-
-class RayDrainNotice:
-    """`ray.train.get_preemption_info()` as the loop's drain notice: a description while a node of the
-    run is being drained, None otherwise (`new` is true the first time a drain is seen). The call is a
-    barrier of every worker through Ray Train's synchronization actor (rank 0's answer, broadcast), so
-    every rank calls it at the step the stop vote agreed on, and only once some rank's `pending()`
-    says Ray Train's preemption watcher has told it of a drain (a read of the worker's own copy, no
-    collective): a run that is never drained pays no barrier, and a drain is asked about at the next
-    vote (about every 0.5 s), then about every `preempt.ray_poll_s` while it lasts.
-    The loop snapshots at every such answer, so the drained node can die at any moment of its notice
-    window and cost at most one poll interval of training; Ray Train then restarts the group from that
-    snapshot."""
-
-    def __init__(self) -> None:
-        from trainapp.launch.ray.compat import drain_pending
-
-        self.seen: tuple | None = None
-        self.pending = drain_pending
-
-    def __call__(self) -> dict[str, Any] | None:
-        import ray.train
-
-        info = ray.train.get_preemption_info()
-        if info is None:
-            return None
-        key = (tuple(info.preempted_node_ids), info.deadline_ms)
-        new, self.seen = key != self.seen, key
-        left = round(info.deadline_ms / 1000 - time.time(), 1) if info.deadline_ms else None
-        return {"new": new, "nodes": info.preempted_node_ids, "ranks": info.preempted_ranks, "deadline_in_s": left,
-                "what": f"Ray node(s) {', '.join(n[:12] for n in info.preempted_node_ids)} drained for preemption "
-                        f"(ranks {info.preempted_ranks}, deadline in {left} s)"}
+    def close(self, ctx: DistContext | None) -> None:
+        if ctx is not None:
+            dist.teardown(ctx)
 
 
 def train_worker(payload: dict[str, Any]) -> None:
-    """The per-worker function: the same loop as torchrun's, with snapshots published to Ray."""
-    from trainapp.core import loop
-    from trainapp.faults import preempt
-
-    for name, at in payload.get("launch", {}).items():
-        timeline.mark(name, at)
-    cfg = config.from_dict(payload["config"])
-    ctx = dist.setup(cfg.dist.timeout_s)  # adopts the group Ray created
-    logs.setup(ctx.rank, ctx.world_size)
-    uri = cfg.ray.storage_path if is_uri(cfg.ray.storage_path) else None
-    publish = RayPublish(uri, async_write=cfg.snapshot.async_, name=cfg.ray.name, report_s=cfg.ray.report_interval_s)
-    snapshots = SnapshotManager.from_config(cfg, publish)
-    notice = RayDrainNotice() if cfg.preempt.ray_poll_s else None
+    """The per-worker function: the same rank as torchrun's, with snapshots published to Ray."""
     try:
-        loop.train(cfg, ctx, snapshots, notice)
-    except preempt.Preempted as e:
+        run_rank(RayWorker(payload), config.from_dict(payload["config"]))
+    except Preempted as e:
         # The snapshot is reported; the process ends as under torchrun, and Ray Train restarts the group
         # from it (on the nodes that are left when a node is going away).
         if e.rank == 0:
             print(e.line(), file=sys.stderr, flush=True)
-        logging.shutdown()
-        os._exit(e.exit_code)
-    finally:
-        preempt.training_over()
-        dist.teardown(ctx)
+        leave(e.exit_code)
 
 
 def comm_worker(payload: dict[str, Any]) -> dict[str, Any]:
-    """`doctor --comm` under Ray: every worker measures the node pairs (trainapp/tools/comm.py) in the group
+    """`doctor --comm` under Ray: every worker measures the node pairs (trainapp/launch/comm.py) in the group
     Ray created; what rank 0 returns reaches the driver as `Result.return_value`."""
-    import dataclasses
-
-    from trainapp.tools import comm
+    from trainapp.launch import comm
 
     cfg = config.from_dict(payload["config"])
     ctx = dist.setup(cfg.dist.timeout_s)  # adopts the group Ray created, on the interface prepare_worker chose

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 
-from trainapp.launch import dist
 from trainapp.config import Config, ConfigError
+from trainapp.launch import dist
 
 
 @dataclass
@@ -63,7 +63,7 @@ def _time_all_reduce(ctx: dist.DistContext, group, nbytes: int, iters: int) -> f
 def measure(ctx: dist.DistContext, nbytes: int, iters: int) -> tuple[list[str], list[Pair]]:
     """Every rank: (the nodes in order of their first rank, the pairs measured between them)."""
     where = dist.placement(ctx)
-    keys = dist.all_gather_objects(ctx, (where["host"], where["node_rank"]))  # node rank: hosts may share a name
+    keys = ctx.all_gather_objects((where["host"], where["node_rank"]))  # node rank: hosts may share a name
     order = list(dict.fromkeys(keys))
     leaders = [keys.index(k) for k in order]
     hosts = [h for h, _ in order]
@@ -78,7 +78,7 @@ def measure(ctx: dist.DistContext, nbytes: int, iters: int) -> tuple[list[str], 
                 mine.append(Pair(a, b, seconds, nbytes))
         tdist.barrier()  # one pair at a time: pairs that share nothing could still share a switch
         tdist.destroy_process_group(group)
-    pairs = [p for per_rank in dist.all_gather_objects(ctx, mine) for p in per_rank]
+    pairs = [p for per_rank in ctx.all_gather_objects(mine) for p in per_rank]
     return nodes, pairs
 
 

@@ -1,0 +1,120 @@
+"""Config sections of the launchers: the process group, the network interface, Ray Train."""
+
+from __future__ import annotations
+
+import re
+from typing import Optional, Union
+
+from pydantic import Field
+from pydantic.dataclasses import dataclass
+
+from trainapp.config.base import STRICT
+from trainapp.errors import ConfigError
+
+
+@dataclass(config=STRICT)
+class DistSection:
+    timeout_s: float = Field(default=300.0, gt=0)
+    """Timeout of process-group creation and of every collective, in seconds."""
+
+
+
+_IFNAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")
+
+
+@dataclass(config=STRICT)
+class NetworkSection:
+    """Which network interface NCCL and Gloo use: resolved on every node before the process group."""
+
+    interface: str = "auto"
+    """`auto`: on each node, the interface whose address routes to the rendezvous address (MASTER_ADDR
+    under torchrun, the Ray head under Ray). A name or comma list (`eth0`, `ens5,ens6`): exactly those,
+    checked to exist with an IPv4 address on every node. `^lo,docker0`: any interface but those.
+    Exported as NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME (Gloo gets one name); a variable already set
+    in the environment wins."""
+    nccl: dict[str, str] = Field(default_factory=dict)
+    """Other NCCL variables to export on every node, e.g. `{NCCL_IB_DISABLE: 1, NCCL_DEBUG: INFO}`
+    (an environment variable of the same name wins)."""
+    check_timeout_s: float = Field(default=60.0, gt=0)
+    """How long each rank waits for every rank's interface check before the process group is created;
+    a rank whose check failed stops all of them at once."""
+
+    def __post_init__(self) -> None:
+        spec = self.interface.strip()
+        names = [n.strip() for n in spec.removeprefix("^").split(",")]
+        if spec != "auto" and (not spec or not all(_IFNAME.match(n) for n in names)):
+            raise ConfigError(f"network.interface={self.interface!r}: expected auto, an interface name or comma "
+                              "list (eth0, ens5,ens6) or an exclusion (^lo,docker0)")
+        self.interface = spec
+        bad = [k for k in self.nccl if not re.fullmatch(r"NCCL_[A-Z0-9_]+", k)]
+        if bad:
+            raise ConfigError(f"network.nccl.{bad[0]}: only NCCL_* variables go here; put other variables in "
+                              "ray.env or the environment")
+        if "NCCL_SOCKET_IFNAME" in self.nccl:
+            raise ConfigError("network.nccl.NCCL_SOCKET_IFNAME: set network.interface instead (it also sets Gloo's)")
+
+
+@dataclass(config=STRICT)
+class RaySection:
+    """`python -m trainapp ray`: Ray Train's TorchTrainer runs the same loop on a Ray cluster."""
+
+    address: str = ""
+    """Cluster to join: empty means the one this job runs in (`ray job submit` sets RAY_ADDRESS) or,
+    with none, an embedded local Ray instance; else `host:port` of the head's GCS, or `auto`."""
+    num_workers: Union[int, tuple[int, int]] = 2
+    """Training workers (one process each, one GPU each with `ray.use_gpu`): an int, or `[min, max]`
+    for elastic training that continues on fewer workers when nodes are lost."""
+    use_gpu: Optional[bool] = None
+    """One GPU per worker and NCCL. Empty: true when the cluster has GPUs."""
+    resources_per_worker: dict[str, float] = Field(default_factory=dict)
+    """Ray resources each worker reserves, e.g. `{CPU: 4, GPU: 1}`. Empty: 1 CPU (and 1 GPU with use_gpu)."""
+    storage_path: str = "runs/ray"
+    """Where snapshots (Ray checkpoints) and metrics.jsonl go: a path every node sees (NFS, a
+    ReadWriteMany volume) or a URI such as `s3://bucket/runs`. A relative path is taken from the
+    driver's working directory."""
+    name: str = "trainapp"
+    """Run name under `ray.storage_path`. Resubmitting with the same name resumes that run."""
+    max_failures: int = Field(default=3, ge=-1)
+    """Worker-group restarts after failures (each resumes from the newest snapshot); -1: unlimited."""
+    threads_per_worker: Optional[int] = Field(default=None, ge=1)
+    """Intra-op threads of each worker (torch.set_num_threads, OMP_NUM_THREADS). Empty: the CPUs the
+    worker reserves."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment variables set in every worker before the process group is created."""
+    worker_group_start_timeout_s: float = Field(default=60.0, gt=0)
+    """Ray Train gives up starting a worker group after this long and retries (possibly with fewer
+    workers when elastic). Ray's default is 60 s. With `ray.node_loss_wait_s` the restart after a
+    lost node is sized for the nodes that are left, so it does not wait this out."""
+    health_check_interval_s: float = Field(default=0.25, gt=0)
+    """How often Ray Train's controller polls the workers (Ray's default: 2 s). It bounds how fast a dead
+    worker is noticed, and each poll costs every worker a little CPU (docs/benchmarks.md). A report
+    waits for the next poll: reports more often than this (`ray.report_interval_s`) stall training."""
+    node_loss_wait_s: float = Field(default=30.0, ge=0)
+    """Elastic runs: when a node that hosted workers stops answering, the restart waits up to this long
+    for Ray to declare it dead (its GCS health checks; about 15 s by Ray's defaults), so the new group
+    fits the nodes left instead of waiting out `worker_group_start_timeout_s`. 0: do not wait."""
+    report_interval_s: float = Field(default=5.0, ge=0)
+    """Seconds between registering snapshots with Ray (`ray.train.report`, a barrier); a restart resumes
+    from the newest snapshot on storage, registered or not. 0: every snapshot (docs/ray.md)."""
+    check_resources: bool = True
+    """Refuse to start when the cluster can never hold `ray.num_workers` (min) workers. Turn off on
+    autoscaling clusters that grow on demand."""
+
+    def __post_init__(self) -> None:
+        n = self.num_workers
+        lo, hi = (n, n) if isinstance(n, int) else n
+        if lo < 1 or lo > hi:
+            raise ConfigError(f"ray.num_workers={list(n) if isinstance(n, tuple) else n}: "
+                              "need an int >= 1 or [min, max] with 1 <= min <= max")
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"ray.name={self.name!r}: must be a non-empty name without '/'")
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[0]
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[1]
+
+

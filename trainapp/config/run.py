@@ -1,0 +1,162 @@
+"""Config sections of the run itself: where it lives, its data, model, training, optimizer, schedule,
+mixed precision, snapshots and per-rank timings."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field, field_validator
+from pydantic.dataclasses import dataclass
+
+from trainapp.config.base import STRICT
+
+
+@dataclass(config=STRICT)
+class RunSection:
+    dir: str = "runs/default"
+    """Run directory: snapshots go to `DIR/snapshots/`, metrics to `DIR/metrics.jsonl`. Re-running with
+    the same dir resumes from its newest valid snapshot; under multi-node torchrun it must be storage
+    every node sees."""
+
+
+@dataclass(config=STRICT)
+class DataSection:
+    name: Literal["synthetic", "cifar10", "imagefolder"] = "synthetic"
+    """`synthetic` (built in, made from `seed`, no files), `cifar10` (torchvision's files under
+    `data.root`) or `imagefolder` (`data.root/train/<class>/*`, `data.root/val/<class>/*`)."""
+    root: str = "data"
+    """Dataset directory for `cifar10` and `imagefolder`."""
+    image_size: int = Field(default=32, ge=8, le=1024)
+    """Side of the square images fed to the model, in pixels."""
+    num_workers: int = Field(default=0, ge=0, le=64)
+    """DataLoader worker processes per training process (0 loads in the training process)."""
+    download: bool = False
+    """Allow `cifar10` to download into `data.root` when it is missing. Off by default: a missing
+    dataset is an error, not a surprise 170 MB download on every node."""
+    augment: bool = True
+    """Random crop and horizontal flip for `cifar10`/`imagefolder` training images (seeded per sample
+    and epoch, so a resumed run sees the same augmentations)."""
+    train_size: int = Field(default=4096, ge=1)
+    """`synthetic` only: number of training images."""
+    val_size: int = Field(default=1024, ge=1)
+    """`synthetic` only: number of validation images."""
+    synthetic_classes: int = Field(default=10, ge=2)
+    """`synthetic` only: number of classes."""
+
+
+@dataclass(config=STRICT)
+class ModelSection:
+    name: str = "smallcnn"
+    """`smallcnn` (built in, trains in seconds on CPU) or a torchvision classification model by name
+    (`resnet18`, `resnet50`, ...), always built from random weights."""
+    num_classes: Optional[int] = Field(default=None, ge=2)
+    """Output classes; empty means: take it from the dataset. If set, it must match the dataset."""
+    sync_bn: bool = False
+    """Convert BatchNorm to SyncBatchNorm when world size > 1 (CUDA only; ignored with a warning on CPU)."""
+    channels_last: bool = True
+    """Use the channels_last memory format for the model and its inputs: faster convolutions with CUDA
+    tensor cores, and faster pooling on CPU (oneDNN)."""
+
+
+@dataclass(config=STRICT)
+class TrainSection:
+    epochs: int = Field(default=3, ge=1)
+    """Passes over the training set."""
+    max_steps: Optional[int] = Field(default=None, ge=1)
+    """Optional cap on optimizer steps (stops earlier than `train.epochs` would)."""
+    batch_size: int = Field(default=64, ge=1)
+    """Micro-batch size per worker process. Global batch = batch_size * grad_accum * world size."""
+    grad_accum: int = Field(default=1, ge=1)
+    """Micro-batches per optimizer step; the gradient all-reduce runs on the last one only."""
+    eval_every: int = Field(default=0, ge=0)
+    """Evaluate every N optimizer steps (0: only at the end)."""
+    log_every: int = Field(default=10, ge=1)
+    """Write a metrics record and a log line every N optimizer steps."""
+    grad_clip: float = Field(default=1.0, ge=0)
+    """Clip the global gradient norm to this value after unscaling (0 disables clipping)."""
+    ema_decay: float = Field(default=0.0, ge=0, lt=1)
+    """Keep an exponential moving average of the weights with this decay and evaluate with it
+    (0 disables; 0.999 is typical for long runs)."""
+    progress: bool = True
+    """Show a tqdm progress bar on rank 0."""
+
+
+@dataclass(config=STRICT)
+class OptimSection:
+    name: Literal["sgd", "adamw"] = "sgd"
+    """Optimizer: `sgd` (with Nesterov momentum) or `adamw`."""
+    lr: float = Field(default=0.05, gt=0)
+    """Learning rate at the reference global batch `optim.base_batch_size`."""
+    momentum: float = Field(default=0.9, ge=0, lt=1)
+    """SGD momentum (AdamW uses beta1 = 0.9)."""
+    weight_decay: float = Field(default=5e-4, ge=0)
+    """Weight decay; never applied to biases and normalization weights."""
+    lr_scaling: Literal["none", "linear", "sqrt"] = "linear"
+    """Scale `optim.lr` by global batch / base_batch_size (`linear`), its square root (`sqrt`), or not."""
+    base_batch_size: int = Field(default=128, ge=1)
+    """The global batch size at which `optim.lr` applies unscaled."""
+    lr_mult: dict[str, float] = Field(default_factory=dict)
+    """Per-module learning-rate multipliers by parameter-name prefix, e.g. `{fc: 10.0}`."""
+
+
+@dataclass(config=STRICT)
+class SchedSection:
+    warmup_steps: int = Field(default=0, ge=0)
+    """Linear warmup from 0 over this many optimizer steps, then cosine decay to the end of training."""
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    """Floor of the cosine decay as a fraction of the peak learning rate."""
+
+
+@dataclass(config=STRICT)
+class AmpSection:
+    dtype: Literal["auto", "bf16", "fp16", "off"] = "auto"
+    """Autocast dtype. `auto`: bf16 where the device supports it, else fp16 with loss scaling (CUDA);
+    on CPU bf16 where the CPU has bf16 instructions (AVX512_BF16, AMX, Arm BF16 in /proc/cpuinfo),
+    else fp32, because emulated bf16 (oneDNN's path on AVX-512F or AVX2 alone) is slower than fp32.
+    `off`: full fp32."""
+    init_scale: float = Field(default=2.0**16, gt=0)
+    """fp16 only: initial loss scale of the GradScaler."""
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _yaml_off(cls, v):
+        # YAML 1.1 reads a bare `off` as false.
+        return "off" if v is False else v
+
+
+@dataclass(config=STRICT)
+class SnapshotSection:
+    every_steps: int = Field(default=50, ge=0)
+    """Rank 0 writes a snapshot every N optimizer steps and at the end (0: only at the end)."""
+    keep: int = Field(default=3, ge=1)
+    """Complete snapshots to keep; older ones are deleted. Keep at least 2 if you want a fallback when
+    the newest is found corrupt."""
+    async_: bool = Field(default=False, alias="async")
+    """`snapshot.async`: rank 0 copies the state to CPU memory and writes it in a background thread,
+    so training blocks only for the copy; the next snapshot waits for the previous write. Same atomic,
+    checksummed files. Under Ray the write (and the upload to a URI) runs in the background too, and Ray
+    registers the snapshot at the next report."""
+    max_failures: int = Field(default=3, ge=1)
+    """Snapshots that may fail in a row (a full disk, a read-only or unwritable directory, I/O errors)
+    before the run stops with exit code 3. A failed snapshot leaves nothing half-written and training
+    goes on; on a full disk older snapshots (never the newest valid one) are deleted and the write is
+    tried once more. The final snapshot may not fail: a run never reports success without it."""
+
+
+@dataclass(config=STRICT)
+class ObserveSection:
+    ranks: bool = True
+    """Time each rank's steps by phase (data, compute, gradient communication wait, optimizer,
+    snapshot) and write a `ranks` record at every log interval; rank 0 watches for stragglers. It adds
+    no device synchronisation; the timings travel in the log interval's one collective."""
+    straggler_ratio: float = Field(default=1.2, gt=1)
+    """A rank is a straggler when its step time without communication wait (its own work) is over
+    this many times the median of the ranks for `observe.straggler_intervals` log intervals in a row."""
+    straggler_intervals: int = Field(default=3, ge=1)
+    """Log intervals in a row a rank must be over `observe.straggler_ratio` to be named a straggler:
+    one warning line and a `straggler` record naming the rank, host, slow phase and by how much."""
+    tensorboard: bool = False
+    """Rank 0 also writes loss, lr, samples/s, loss scale, val_acc, val_loss and every rank's step time as
+    TensorBoard files under `run.dir/tb`, one timeline across restarts; needs `trainapp[tensorboard]`."""
+
+

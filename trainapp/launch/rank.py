@@ -1,0 +1,100 @@
+"""The launcher seam: what differs between the launchers a rank can run under (`Launcher`), and
+`run_rank`, the one function every launcher calls to run a rank.
+
+A launcher says how its process is set up (the rank's guard: signal handlers, the worker registry),
+how the process group comes to be (created, or adopted from Ray Train), where snapshots are
+published, where notices other than signals come from (Ray's node drains), and how many times it
+has restarted this rank. Everything else is the same under every launcher: `run_rank` builds the
+parts, watches the rank and trains. torchrun, Slurm (through torchrun) and a plain process use
+`Torchrun` (trainapp/launch/torchrun.py); Ray Train's workers use `RayWorker`
+(trainapp/launch/ray/worker.py). How a rank's ending becomes its exit is trainapp.errors'.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from trainapp.config import Config
+from trainapp.core.build import build
+from trainapp.core.loop import Trainer
+from trainapp.errors import PEER_EXIT, Failure
+from trainapp.faults.boundary import DrainNotices, StepBoundary
+from trainapp.faults.drills import Drills
+from trainapp.faults.failure import first_line
+from trainapp.faults.guard import RankGuard
+from trainapp.group import DistContext
+from trainapp.launch import dist, malloc
+from trainapp.observe import logs, metrics
+from trainapp.observe.records import Records
+from trainapp.snapshots.manager import SnapshotManager
+from trainapp.snapshots.publish import Publish
+
+
+class Launcher(Protocol):
+    """What differs between launchers, asked by `run_rank` in this order."""
+
+    def guard(self, cfg: Config) -> RankGuard:
+        """The process set up for training: the rank's guard, its signal handlers installed."""
+
+    def context(self, cfg: Config, guard: RankGuard) -> DistContext:
+        """The process group, created or adopted."""
+
+    def publish(self, cfg: Config, ctx: DistContext) -> Publish:
+        """Where snapshots go and what makes them count."""
+
+    def drains(self, cfg: Config) -> DrainNotices | None:
+        """Notices of a node going away, besides signals (None: signals only)."""
+
+    def restart(self) -> int:
+        """How many times the launcher restarted this rank's group (for the start record)."""
+
+    def close(self, ctx: DistContext | None) -> None:
+        """After training, whatever ended it: tear down what `guard` and `context` set up."""
+
+
+def run_rank(launcher: Launcher, cfg: Config) -> dict[str, Any]:
+    """This rank's whole run under `launcher`: set up, build and resume, train; the summary. Whatever ends
+    it early is recorded and raised (trainapp/faults/failure.py)."""
+    guard, ctx = launcher.guard(cfg), None
+    try:
+        ctx = launcher.context(cfg, guard)
+        guard.timeline.mark("process_group")
+        logs.setup(ctx.rank, ctx.world_size)
+        attempt = len(metrics.read(cfg.run.dir, "start", missing_ok=True))
+        with guard.watching(cfg, ctx, lambda: _side_store(ctx), attempt):
+            return {**trainer(launcher, cfg, ctx, guard).train(), "rank": ctx.rank}
+    finally:
+        guard.training_over()
+        launcher.close(ctx)
+
+
+def _side_store(ctx: DistContext):
+    try:
+        return dist.side_store(ctx)
+    except Exception as e:  # the group formed a moment ago: its store's host died since
+        raise StoreGone(f"the group's store is unreachable ({first_line(e)}): its host, rank 0 or the launcher, "
+                        "is gone") from None
+
+
+class StoreGone(Failure):
+    """The group's store could not be reached at the start of a rank's run: whoever hosted it is gone."""
+
+    cause = "peer"
+    exit_code = PEER_EXIT
+    everywhere = True  # no store to tell the peers through
+
+
+def trainer(launcher: Launcher, cfg: Config, ctx: DistContext, guard: RankGuard) -> Trainer:
+    """The rank's parts, built and resumed, and the Trainer over them, its start on record."""
+    malloc.keep_freed_memory()  # before the parts and the first step allocate what every step reuses
+    publish = launcher.publish(cfg, ctx)
+    guard.notices.snapshots = publish.where
+    snapshots = SnapshotManager.from_config(cfg, publish, guard.heartbeat)
+    drills = Drills(cfg.drill, ctx.rank, ctx.world_size, cfg.run.dir, guard.heartbeat)
+    records = Records(cfg, ctx)
+    parts = build(cfg, ctx, snapshots.load, guard.timeline.mark)
+    drills.attach(parts)
+    boundary = StepBoundary(ctx, guard.notices, snapshots.due, launcher.drains(cfg), cfg.preempt.ray_poll_s,
+                            records.drain_notice)
+    records.start(parts, dist.placement(ctx), launcher.restart(), guard.timeline.marks())
+    return Trainer(cfg, ctx, parts, snapshots, guard, boundary, records, (drills.after_step,))

@@ -1,0 +1,115 @@
+"""What a rank's run leaves on record: rank 0's metrics.jsonl records, its TensorBoard files and log
+lines, and the straggler watch over every rank's timings. The loop (trainapp/core/loop.py) says what
+happened; this module says how it is written down.
+
+Records (trainapp/observe/metrics.py reads them): `start` (one per attempt: the world, the
+placement and network of every rank, the start-up marks, the config), `train` (every
+`train.log_every` steps), `ranks` and `straggler` (trainapp/observe/timings.py), `eval`, `snapshot`
+and `snapshot_failed`, `drain_notice`, `preempted`, `end`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainapp.config import Config
+from trainapp.observe import logs, tboard, timings
+from trainapp.observe.metrics import METRICS, MetricsWriter
+
+log = logging.getLogger("trainapp.core.loop")  # the loop's lines, as the loop names them
+
+
+class Records:
+    """Rank 0 writes; the other ranks only log warnings. Made before the parts: a missing TensorBoard
+    package is said before anything is built."""
+
+    def __init__(self, cfg: Config, ctx) -> None:
+        self.cfg, self.ctx = cfg, ctx
+        if cfg.observe.tensorboard:
+            tboard.check()
+        self.metrics = MetricsWriter(Path(cfg.run.dir) / METRICS if ctx.is_main else None)
+        self.board: tboard.Board | None = None
+        self.stragglers = timings.Stragglers(cfg.observe.straggler_ratio, cfg.observe.straggler_intervals)
+        self.hosts: list[str] = []  # by rank, from the start record's placement
+        self.last_ranks: list[dict] | None = None
+
+    def start(self, parts, placement: dict, restart: int, startup: dict[str, float]) -> None:
+        """Every rank (it gathers each rank's network choice and placement on rank 0)."""
+        ctx, p, cfg = self.ctx, parts.progress, self.cfg
+        gathered = ctx.gather_objects((ctx.network.to_dict() if ctx.network else None, placement))
+        network, placed = ([g[0] for g in gathered], [g[1] for g in gathered]) if gathered else (None, None)
+        self.hosts = [pl["host"] for pl in placed or []]
+        resumed = p.resumed or {}
+        if cfg.observe.tensorboard and ctx.is_main:  # from where this attempt starts: one timeline across restarts
+            self.board = tboard.Board(cfg.run.dir, resumed.get("global_step"))
+        self.metrics.write("start", step=p.global_step, epoch=p.epoch, epoch_sample=p.epoch_sample,
+                           world_size=ctx.world_size, global_batch=p.global_batch, total_steps=parts.total_steps,
+                           peak_lr=parts.peak_lr, amp=parts.precision.name, backend=ctx.backend, device=str(ctx.device),
+                           threads=torch.get_num_threads(), interop_threads=torch.get_num_interop_threads(),
+                           restart=restart, resumed_from=parts.resumed_from, resumed_step=resumed.get("global_step"),
+                           resumed_world_size=resumed.get("world_size"), network=network, placement=placed,
+                           startup=startup, config=cfg.to_dict())
+        log.info("config %s", json.dumps(cfg.to_dict(), separators=(",", ":")))
+        log.info(logs.kv(world_size=ctx.world_size, backend=ctx.backend, device=ctx.device, amp=parts.precision.name,
+                         global_batch=p.global_batch, total_steps=parts.total_steps, start_step=p.global_step))
+
+    def train(self, record: dict[str, Any]) -> None:
+        self.metrics.write("train", **record)
+        if self.board is not None:
+            keys = ("loss", "lr", "samples_per_s", "loss_scale", "skipped_steps")
+            self.board.scalars("train", record["step"], {k: record.get(k) for k in keys})
+        log.info(logs.kv(**record))
+
+    def ranks(self, step: int, rows: list[list[float]]) -> None:
+        """Rank 0: the `ranks` record of this interval, and any straggler it reveals."""
+        self.last_ranks = timings.rank_rows(rows, self.hosts)
+        self.metrics.write("ranks", step=step, ranks=self.last_ranks)
+        if self.board is not None:
+            self.board.ranks(step, self.last_ranks)
+        for found in self.stragglers.update(step, self.last_ranks):
+            self.metrics.write("straggler", **found)
+            log.warning("%s", timings.straggler_line(found, self.cfg.observe.straggler_ratio))
+
+    def eval(self, epoch: int, result: dict[str, Any]) -> None:
+        self.metrics.write("eval", epoch=epoch, **result)
+        if self.board is not None:
+            self.board.scalars("eval", result["step"], {k: result[k] for k in ("val_acc", "val_loss")})
+        log.info(logs.kv(**result))
+
+    def snapshot(self, step: int, snapshots) -> None:
+        """After a snapshot (`snapshots`: the manager): rank 0's failures, taken from its list, then the
+        snapshot itself unless it failed (a background write's outcome is known only later)."""
+        self.snapshot_failures(snapshots.failed)
+        if self.board is not None:
+            self.board.flush()  # what a SIGKILL could lose is only ever steps after this snapshot
+        if snapshots.failures == 0 or snapshots.async_write:
+            self.metrics.write("snapshot", step=step, blocking_s=round(snapshots.last_blocking_s, 4),
+                               background=snapshots.async_write)
+
+    def snapshot_failures(self, failed: list[dict[str, Any]]) -> None:
+        while failed:
+            self.metrics.write("snapshot_failed", **failed.pop(0))
+
+    def drain_notice(self, step: int, notice: dict[str, Any]) -> None:
+        self.metrics.write("drain_notice", step=step, **notice)
+        log.warning("preemption: %s; a snapshot now and about every %g s until the node is gone, training goes on",
+                    notice.get("what", "node drained"), self.cfg.preempt.ray_poll_s)
+
+    def preempted(self, **fields: Any) -> None:
+        self.metrics.write("preempted", **fields)
+        self.metrics.close()
+
+    def end(self, summary: dict[str, Any]) -> None:
+        self.metrics.write("end", **summary)
+        self.metrics.close()
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
+        self.metrics.close()
+

@@ -1,0 +1,205 @@
+"""Rank-0 snapshots: the cadence, the write (in the background with `snapshot.async`), the storage
+failures a run survives, and the load of the newest valid snapshot on start.
+
+With `snapshot.async`, rank 0 blocks only while it copies the state into CPU memory (the previous
+snapshot's buffers, reused); a background thread writes that copy the same atomic way. One write is
+in flight at most: the next snapshot (and the end of training) waits for it.
+
+A storage error (a full disk, a read-only mount, a directory rank 0 may not write, I/O errors) drops
+that snapshot, leaves nothing half-written, and training goes on; `snapshot.max_failures` in a row,
+or a failed final snapshot, stop every rank at once with `StorageError` (exit 3) and one line naming
+the cause, the place and the fix. Where snapshots go, and their retention, is the publish step's
+(trainapp/snapshots/publish.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from trainapp.errors import ConfigError, Failure
+from trainapp.snapshots.files import Buffers, cpu_copy, is_storage_error, storage_hint
+from trainapp.snapshots.publish import LocalPublish, Publish
+from trainapp.snapshots.store import newest_valid, step_name, write_dir
+
+log = logging.getLogger(__name__)
+
+
+class StorageError(Failure):
+    """Snapshots cannot be written (`snapshot.max_failures` in a row, or the final one): exit 3."""
+
+    cause = "storage"
+    exit_code = 3
+    everywhere = True  # every rank raises it at the same step (the verdict is broadcast): nobody to tell
+
+
+class _Unwatched:
+    """The heartbeat of a manager no watchdog watches (benchmarks, tests): progress is not noted."""
+
+    def progress(self) -> None:
+        pass
+
+    def wait_for(self, thread: threading.Thread) -> None:
+        thread.join()
+
+
+class SnapshotManager:
+    """Owns the cadence, the writing and the loading of snapshots; `publish` is the one step that
+    differs between launchers (LocalPublish, or Ray Train's). The loop calls `due`, then `save` on every
+    rank; rank 0 does the file work. `heartbeat` (the rank guard's) hears of every chunk written."""
+
+    def __init__(self, publish: Publish, every_steps: int = 50, async_write: bool = False, max_failures: int = 3,
+                 write_delay_s: float = 0.0, heartbeat: Any = None) -> None:
+        self.publish, self.root = publish, publish.root
+        self.every_steps, self.async_write, self.max_failures = every_steps, async_write, max_failures
+        self.write_delay_s = write_delay_s
+        """Failure drill (`drill.snapshot_write_delay_s`): a pause inside every write, before the meta
+        file that completes the snapshot."""
+        self.heartbeat = heartbeat or _Unwatched()
+        self.last_blocking_s = 0.0
+        """Seconds the last `save` held training (the copy with async writes, the whole write without)."""
+        self.failures = 0
+        """Rank 0: snapshots that failed in a row (a storage error: ENOSPC, EIO, EROFS, EACCES)."""
+        self.failed: list[dict[str, Any]] = []
+        """Rank 0: failures not yet recorded in metrics.jsonl (the loop takes them)."""
+        self.last_written: Path | str | None = None
+        """Rank 0: where this process's last successful snapshot went."""
+        self._pending: threading.Thread | None = None
+        self._staging: Any = None  # the CPU copy the last async snapshot was written from (see cpu_copy)
+        self._error: BaseException | None = None
+        self._last: tuple[int, OSError] | None = None
+        self._buffers = Buffers()
+
+    @classmethod
+    def from_config(cls, cfg, publish: Publish | None = None, heartbeat: Any = None) -> SnapshotManager:
+        """The one place a run's snapshot manager is made from its config."""
+        s = cfg.snapshot
+        publish = publish or LocalPublish(Path(cfg.run.dir) / "snapshots", s.keep)
+        return cls(publish, s.every_steps, s.async_, s.max_failures, cfg.drill.snapshot_write_delay_s, heartbeat)
+
+    def due(self, step: int, last: bool) -> bool:
+        return last or (self.every_steps > 0 and step % self.every_steps == 0)
+
+    def path_for(self, step: int) -> Path:
+        return self.root / step_name(step)
+
+    def load(self, ctx) -> tuple[str, dict[str, Any]] | None:
+        """(where, state) of the newest valid snapshot, the same on every rank; None to start fresh."""
+        return self.publish.find(ctx)
+
+    def save(self, ctx, step: int, state: dict[str, Any] | None, meta: dict[str, Any] | None,
+             report: dict[str, Any], final: bool = False, urgent: bool = False) -> None:
+        """Every rank calls this; rank 0 passes the state and writes it; then the publish step announces it
+        (at once when `final` or `urgent`, a drain notice's).
+
+        A storage error drops this snapshot and training goes on; StorageError on every rank after
+        `max_failures` in a row, or when the `final` snapshot fails (the run's last, or a preemption's)."""
+        t0 = time.perf_counter()
+        if self.async_write:
+            if ctx.is_main:
+                self.wait()  # the previous write's outcome is counted now
+            self.agree(ctx, final=False)  # stop before starting one write too many
+            if ctx.is_main:
+                copy = self._staging = cpu_copy(state, into=self._staging)
+                self._pending = threading.Thread(target=self._write_in_background, args=(step, copy, meta),
+                                                 name=f"snapshot-{step}")
+                self._pending.start()
+        else:
+            if ctx.is_main:
+                self._attempt(step, state, meta)
+            self.agree(ctx, final=final)
+        self.publish.announce(ctx, report, final or urgent)
+        self.last_blocking_s = time.perf_counter() - t0
+
+    def finish(self, ctx) -> None:
+        """Every rank, at the end of a run or a stop: the write in flight is on disk, or StorageError."""
+        if ctx.is_main:
+            self.wait()
+        self.agree(ctx, final=True)
+        self.publish.flush(ctx)
+
+    def _attempt(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Rank 0: write; on ENOSPC make room once and retry; a storage error is counted, not raised."""
+        try:
+            try:
+                where = self.write(step, state, meta)
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not self.publish.make_room():
+                    raise
+                log.warning("snapshot step=%d: %s; deleted older snapshots to make room, writing it again", step, e)
+                where = self.write(step, state, meta)
+        except OSError as e:
+            if not is_storage_error(e):
+                raise
+            if e.filename is None:  # os.write's errors name no file: say which snapshot it was
+                e = OSError(e.errno, e.strerror, str(self.path_for(step)))
+            self.failures += 1
+            self._last = (step, e)
+            self.failed.append({"step": step, "errno": errno.errorcode.get(e.errno, str(e.errno)), "error": str(e),
+                                "path": e.filename, "in_a_row": self.failures})
+            log.warning("snapshot step=%d failed: %s; nothing half-written is left; training goes on (%d of "
+                        "snapshot.max_failures=%d in a row)", step, e, self.failures, self.max_failures)
+            return
+        self.failures, self._last = 0, None
+        self.last_written = where
+
+    def agree(self, ctx, final: bool) -> None:
+        """Every rank: rank 0's verdict on the snapshots so far; StorageError everywhere when fatal."""
+        fatal = None
+        if ctx.is_main and self._last is not None and (final or self.failures >= self.max_failures):
+            fatal = self._fatal_message(final)
+        fatal = ctx.broadcast_object(fatal)
+        if fatal:
+            raise StorageError(fatal)
+
+    def _fatal_message(self, final: bool) -> str:
+        step, e = self._last
+        try:
+            newest = newest_valid(self.root)
+        except ConfigError:  # none is valid: nothing to name
+            newest = None
+        if newest is None and self.last_written is not None:  # published elsewhere (a URI): this process wrote it
+            newest = (self.last_written, {})
+        size = newest[1].get("bytes") if newest else None
+        why = (f"the final snapshot (step {step}) failed" if final and self.failures < self.max_failures
+               else f"snapshot.max_failures={self.max_failures}: {self.failures} snapshots in a row failed, the last "
+                    f"at step {step}")
+        kept = f"the newest valid snapshot is {newest[0]}" if newest else "there is no valid snapshot yet"
+        hint = storage_hint(e, self.publish.where, size, self.publish.setting)
+        return f"{why}: {e}; {hint}; {kept}; rerun to resume from it"
+
+    def _write_in_background(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        if sys.platform == "linux":
+            # Linux nices threads one by one: the writer yields the cores to training and takes what
+            # is left; it has a whole snapshot interval to finish.
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        try:
+            self._attempt(step, state, meta)  # a storage error is counted there, for the next agree()
+        except BaseException as e:  # handed to the training thread at its next save or wait
+            self._error = e
+
+    def wait(self) -> None:
+        """Until the write in flight (if any) is on disk; re-raises its error in the caller."""
+        if self._pending is not None:
+            self.heartbeat.wait_for(self._pending)
+            self._pending = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def write(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path | str:
+        """Rank 0 only: write the snapshot of `step` under the root, then commit it where it goes."""
+        t0 = time.perf_counter()
+        path = write_dir(self.path_for(step), state, meta, self.write_delay_s, self.heartbeat.progress, self._buffers)
+        where = self.publish.commit(step, path)
+        log.info("snapshot step=%d path=%s seconds=%.2f%s", step, where, time.perf_counter() - t0,
+                 " (background)" if self._pending is not None else "")
+        return where

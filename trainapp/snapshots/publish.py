@@ -1,0 +1,80 @@
+"""The publish step: where a run's snapshots go, what makes a written one count, and how the newest is
+found again. It is the one part of snapshots that differs between launchers: `LocalPublish` here
+(storage every rank sees; torchrun, Slurm, alone) and Ray Train's in trainapp/launch/ray/publish.py.
+Each keeps its own retention: the last `snapshot.keep` here, Ray's checkpoint bookkeeping there.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Protocol
+
+from trainapp.errors import ConfigError
+from trainapp.snapshots.store import find_shared, list_snapshots, newest_valid, sweep_leftovers
+
+
+class Publish(Protocol):
+    """Where snapshots go and what makes one count. The manager writes each one atomically under
+    `root` (a local directory) on rank 0, then calls `commit`."""
+
+    root: Path
+    where: str
+    """Where snapshots go, as a message names it (a path or a URI)."""
+    setting: str
+    """The config key that names that place, for the one line of a storage error."""
+
+    def commit(self, step: int, path: Path) -> Path | str:
+        """Rank 0, after the write (in the writer's thread with `snapshot.async`): take the snapshot where
+        it goes (an OSError here counts as a failed snapshot) and apply the retention; where it is now."""
+
+    def make_room(self) -> int:
+        """Rank 0, after ENOSPC: delete older snapshots (never the newest valid one); how many went."""
+
+    def announce(self, ctx, report: dict[str, Any], urgent: bool) -> None:
+        """Every rank, after each snapshot is written (or its background write started): make it known
+        where the launcher needs it; `urgent` (the same on every rank): at once."""
+
+    def flush(self, ctx) -> None:
+        """Every rank, once the last write is on storage (the end of a run, a stop): make it count too."""
+
+    def find(self, ctx) -> tuple[str, dict[str, Any]] | None:
+        """(where, state) of the newest valid snapshot, the same on every rank; None to start fresh."""
+
+
+class LocalPublish:
+    """Snapshots in `root` (`run.dir/snapshots`) on storage every rank sees (one machine, NFS, a
+    ReadWriteMany volume): the atomic rename publishes, the last `keep` stay."""
+
+    setting = "run.dir"
+
+    def __init__(self, root: Path, keep: int) -> None:
+        self.root, self.keep = Path(root), keep
+        self.where = str(self.root)
+
+    def commit(self, step: int, path: Path) -> Path:
+        snaps = list_snapshots(self.root)
+        for old in snaps[: max(0, len(snaps) - self.keep)]:
+            shutil.rmtree(old, ignore_errors=True)
+        sweep_leftovers(self.root)
+        return path
+
+    def make_room(self) -> int:
+        try:
+            newest = newest_valid(self.root)
+        except ConfigError:  # none is valid: none worth keeping
+            newest = None
+        older = [p for p in list_snapshots(self.root) if newest is None or p != newest[0]]
+        for old in older:
+            shutil.rmtree(old, ignore_errors=True)
+        sweep_leftovers(self.root)
+        return len(older)
+
+    def announce(self, ctx, report: dict[str, Any], urgent: bool) -> None:
+        pass  # the rename published it; the other ranks waited for rank 0's verdict in the manager
+
+    def flush(self, ctx) -> None:
+        pass
+
+    def find(self, ctx) -> tuple[str, dict[str, Any]] | None:
+        return find_shared(ctx, self.root)

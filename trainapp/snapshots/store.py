@@ -1,0 +1,208 @@
+"""The snapshot directory: its format, its atomic write, and finding the newest valid one again.
+
+A snapshot is a directory `step_000000123/` holding `state.pt` (everything needed to continue exactly)
+and `meta.json` (step, epoch, world size, the checksum and size of state.pt). It is written under a
+temporary name, every file fsynced, `meta.json` last, then renamed into place: a directory with that
+name is complete by construction. On load the checksum is verified, and a corrupt or truncated
+snapshot is reported and skipped in favour of the previous one. A process killed mid-write leaves a
+`.tmp-*` directory, never a `step_*` one (`sweep_leftovers` removes it later).
+
+The same directory is what Ray Train stores as a checkpoint, so one format serves every launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from trainapp.errors import ConfigError, Failure
+from trainapp.snapshots.files import CHECKSUMS, Buffers, file_digest, fsync_dir, save_state, write_bytes
+
+log = logging.getLogger(__name__)
+
+STATE, META = "state.pt", "meta.json"
+FORMAT = 2
+_NAME = re.compile(r"^step_(\d{9})$")
+
+
+class SnapshotError(Failure):
+    """A snapshot that cannot be used (missing file, bad checksum, unreadable): bad input, exit 2."""
+
+    cause = ""
+    exit_code = 2
+
+
+def step_name(step: int) -> str:
+    """The directory name of the snapshot of `step` (`step_000000123`), on every kind of storage."""
+    return f"step_{step:09d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step a snapshot directory's name stands for (`step_000000123`: 123); None for other names."""
+    return int(m.group(1)) if (m := _NAME.match(name)) else None
+
+
+def tensors_sha256(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over the raw bytes of every tensor, in sorted key order."""
+    h = hashlib.sha256()
+    for key in sorted(state):
+        t = state[key].detach().to("cpu").contiguous().reshape(-1)
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def params_sha256(module: torch.nn.Module) -> str:
+    """sha256 over a model's parameters and buffers (its state_dict), in sorted name order."""
+    return tensors_sha256(module.state_dict())
+
+
+def write_dir(final: Path, state: dict[str, Any], meta: dict[str, Any], delay_s: float = 0.0,
+              progress: Callable[[], None] = lambda: None, buffers: Buffers | None = None) -> Path:
+    """Write `state` and `meta` as the snapshot directory `final`, atomically (`delay_s`: a drill's
+    pause between the state file and the meta file that completes it; `progress`: called as the
+    write goes, for the hang watchdog)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        digest, size = save_state(tmp / STATE, state, progress, buffers)
+        end = time.monotonic() + delay_s
+        while time.monotonic() < end:  # a slow write, not a hung one: it beats as a real one does
+            time.sleep(max(0.0, min(0.5, end - time.monotonic())))
+            progress()
+        meta = {**meta, "format": FORMAT, "xxh3_128": digest, "bytes": size}
+        write_bytes(tmp / META, lambda f: f.write(json.dumps(meta, indent=2).encode()))
+        fsync_dir(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.exists():
+        # Same step written again (e.g. a run resumed from its final snapshot): move the old one aside
+        # first so the name never points at a half-state.
+        old = final.parent / f".old-{final.name}-{os.getpid()}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    fsync_dir(final.parent)
+    return final
+
+
+def read_meta(snap: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((snap / META).read_text())
+    except FileNotFoundError:
+        raise SnapshotError(f"{snap}: no {META} (incomplete snapshot)") from None
+    except (OSError, ValueError) as e:
+        raise SnapshotError(f"{snap}/{META}: unreadable ({e})") from None
+    if not isinstance(meta, dict) or not any(k in meta for k in CHECKSUMS):
+        raise SnapshotError(f"{snap}/{META}: not a trainapp snapshot record")
+    return meta
+
+
+def verify(snap: Path) -> dict[str, Any]:
+    """Meta of a complete, intact snapshot; SnapshotError saying what is wrong otherwise."""
+    meta = read_meta(snap)
+    state = snap / STATE
+    if not state.is_file():
+        raise SnapshotError(f"{state}: missing")
+    size = state.stat().st_size
+    if size != meta.get("bytes"):
+        raise SnapshotError(f"{state}: {size} bytes, expected {meta.get('bytes')} (truncated?)")
+    algo = next(k for k in CHECKSUMS if k in meta)
+    if file_digest(state, algo) != meta[algo]:
+        raise SnapshotError(f"{state}: checksum mismatch ({algo}; corrupt)")
+    return meta
+
+
+def load_state(snap: Path, name: str = STATE) -> dict[str, Any]:
+    """Every rank loads to CPU first, then moves what it needs to its own device."""
+    try:
+        state = torch.load(snap / name, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise SnapshotError(f"{snap / name}: cannot be loaded as a snapshot ({e.__class__.__name__}: {first})") from None
+    if not isinstance(state, dict) or "model" not in state:
+        raise SnapshotError(f"{snap / name}: not a trainapp snapshot (no model state)")
+    return state
+
+
+def list_snapshots(root: Path) -> list[Path]:
+    """Snapshot directories under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name))
+
+
+def newest_valid(root: Path | str, snaps: list | None = None, local=contextlib.nullcontext):
+    """(snapshot, meta) of the newest of `snaps` (oldest first; default: those under `root`) that
+    verifies, warning about each newer one that does not; `local(snap)`: a context that gives it as a
+    local directory (a download, for a URI). Raises ConfigError when snapshots exist but none is
+    usable: starting over silently would hide the problem, and the user may want to inspect them."""
+    snaps = list_snapshots(Path(root)) if snaps is None else snaps
+    problems = []
+    for snap in reversed(snaps):
+        try:
+            with local(snap) as d:
+                return snap, verify(Path(d))
+        except SnapshotError as e:
+            problems.append(str(e))
+            log.warning("skipping snapshot: %s; falling back to the previous one", e)
+    if snaps:
+        raise ConfigError(f"{root}: {len(snaps)} snapshot(s) but none is valid ({problems[0]}); "
+                          "move them away to start over")
+    return None
+
+
+def resolve(path: str | Path) -> Path:
+    """A snapshot directory from a snapshot file, a snapshot dir, a snapshots dir or a run dir."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"{p}: no such file or directory; pass a snapshot, a snapshots/ dir or a run dir")
+    if p.is_file():
+        p = p.parent
+    if (p / META).exists() or (p / STATE).exists():
+        return p
+    for candidate in (p / "snapshots", p):
+        if list_snapshots(candidate):
+            found = newest_valid(candidate)
+            if found:
+                return found[0]
+    raise ConfigError(f"{p}: holds no snapshot (expected {STATE} + {META}, a snapshots/ dir or step_* dirs)")
+
+
+def find_shared(ctx, root: Path | str, snaps: list | None = None,
+                local=contextlib.nullcontext) -> tuple[str, dict[str, Any]] | None:
+    """(path, state) of the newest valid snapshot under `root` (`snaps`, `local`: as `newest_valid`; on
+    rank 0), on storage every rank sees: rank 0 chooses, every rank loads that one. None to start fresh."""
+    hit = newest_valid(root, snaps, local) if ctx.is_main else None
+    found = ctx.broadcast_object(str(hit[0]) if hit else None)
+    if found is None:
+        return None
+    try:
+        with local(found) as d:
+            return found, load_state(Path(d))
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{root}: rank {ctx.rank} on {os.uname().nodename} cannot see snapshot {found} that rank 0 "
+            "chose; the run directory must be storage every node sees") from None
+
+
+def sweep_leftovers(root: Path) -> None:
+    """Remove what writers that died left under `root` (`.tmp-*`): one write at a time, and it just ended."""
+    for leftover in root.glob(".tmp-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
