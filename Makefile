@@ -157,8 +157,12 @@ container-smoke: $(STAMP) ## Needs root, docker.io, debootstrap: CPU image, Ray 
 ##@ Test
 
 .PHONY: test
-test: $(STAMP) $(TOOLS_STAMP) ## Run the whole test suite but the benchmark smoke runs and real Slurm (PYTEST_ARGS="-k resume -x")
+test: $(STAMP) $(TOOLS_STAMP) ## The suite: every subsystem end to end, but the long fault scenarios, benchmarks, real Slurm (PYTEST_ARGS="-k resume -x")
 	$(BIN)/python -m pytest --durations=15 $(PYTEST_ARGS)
+
+.PHONY: test-e2e
+test-e2e: $(STAMP) $(TOOLS_STAMP) ## The long end-to-end fault scenarios (Ray faults, hangs, namespaces); CI runs them after make test
+	$(BIN)/python -m pytest --e2e -m e2e --durations=15 $(PYTEST_ARGS)
 
 .PHONY: bench-smoke
 bench-smoke: $(STAMP) ## Every benchmark in its smoke mode, checked (tests/test_bench.py; make test leaves them out, CI runs them)

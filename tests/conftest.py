@@ -4,10 +4,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from helpers import FAULT_RUN, torchrun  # noqa: E402
 from scratch import scratch  # noqa: E402
 
 # Tests `make test` leaves to a CI step of their own: marker -> (option, the target that runs them).
 SEPARATE = {
+    "e2e": ("--e2e", "a long end-to-end fault scenario: make test-e2e runs it (CI does, after make test)"),
     "slurm": ("--slurm", "starts a real Slurm: make slurm-smoke runs it (CI does, after make test)"),
     "bench": ("--bench", "a benchmark's smoke run: make bench-smoke runs it (CI does, after make test)"),
 }
@@ -39,3 +41,15 @@ def children_temp_dir():
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
+
+
+@pytest.fixture(scope="session")
+def torchrun_restarted(tmp_path_factory) -> Path:
+    """One run several test files read: 2 ranks under torchrun, rank 1 SIGKILLed at step 13 by the drill
+    and the group restarted from the step-10 snapshot, a record and TensorBoard scalars at every step.
+    tests/test_loop.py checks its resume is bitwise, tests/test_report.py its report and TensorBoard files."""
+    run_dir = tmp_path_factory.mktemp("restarted") / "run"
+    r = torchrun(2, f"run.dir={run_dir}", *FAULT_RUN, "drill.kill_at_step=13", "drill.rank=1", "train.log_every=1",
+                 "observe.tensorboard=true", max_restarts=1)
+    assert r.returncode == 0, r.output[-3000:]
+    return run_dir

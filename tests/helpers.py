@@ -18,6 +18,10 @@ TORCHRUN = str(Path(PY).with_name("torchrun"))
 
 # Small, fast settings shared by the process-level tests.
 QUICK = ["train.progress=false", "train.log_every=5", "data.train_size=1024", "data.val_size=256"]
+# A run that exercises every stateful part (accumulation, EMA, evaluation, snapshots every 5 steps), for
+# the resume tests and the shared restarted run (conftest.py's `torchrun_restarted`).
+FAULT_RUN = ["train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5", "train.grad_accum=2",
+             "train.ema_decay=0.9", "train.eval_every=10", *QUICK]
 
 
 @dataclass

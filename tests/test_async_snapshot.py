@@ -99,6 +99,7 @@ def test_async_snapshots_change_nothing_in_the_math(tmp_path):
     assert [r["step"] for r in records] == [5, 10, 15, 20] and all(r["background"] for r in records)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_sigkill_during_a_background_write_leaves_the_previous_snapshot_intact(tmp_path):
     run_dir = tmp_path / "run"

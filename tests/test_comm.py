@@ -31,6 +31,7 @@ def test_comm_names_the_slow_host_among_three_and_a_slow_path_among_four():
     assert judge(["a", "b"], pairs({("a", "b"): 0.1}), 0.5)[1] == ["pair a <-> b: 0.100 GB/s; check the path between them"]
 
 
+@pytest.mark.e2e
 @needs_netns
 @pytest.mark.slow
 def test_doctor_comm_names_the_host_whose_link_is_rate_limited(procs, tmp_path):  # noqa: F811

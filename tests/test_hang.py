@@ -47,6 +47,7 @@ def test_a_hung_rank_is_found_by_both_ranks_and_the_restart_resumes_bitwise(tmp_
     assert inspect(run_dir)["params_sha256"] == inspect(straight)["params_sha256"]
 
 
+@pytest.mark.e2e
 def test_a_sigstopped_rank_is_found_by_its_peer_in_seconds(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINAPP_RUNTIME_DIR": str(tmp_path / "rt")}
@@ -78,6 +79,7 @@ def test_a_sigstopped_rank_is_found_by_its_peer_in_seconds(tmp_path):
     assert inspect(run_dir)["global_step"] == 100
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_no_false_alarm_from_a_long_eval_or_a_slow_snapshot_write(tmp_path, nproc):
     run_dir = tmp_path / "run"
@@ -97,6 +99,7 @@ def test_no_false_alarm_from_a_long_eval_or_a_slow_snapshot_write(tmp_path, npro
     assert [s["step"] for s in metrics(run_dir, "snapshot")] == [30, 60]
 
 
+@pytest.mark.e2e
 def test_a_background_snapshot_write_does_not_hide_a_hung_training_thread(tmp_path):
     """The writer of an asynchronous snapshot makes progress for 30 s while the training thread hangs
     one step later: the watchdog counts only the training thread, and fires after its 3 s."""

@@ -243,6 +243,7 @@ def test_a_wrong_interface_stops_both_hosts_within_seconds(hosts, procs, tmp_pat
         assert "exitcode  : 2" in log, log[-2000:]
 
 
+@pytest.mark.e2e
 @needs_netns
 @pytest.mark.slow
 def test_ray_head_and_worker_on_two_hosts(hosts, procs, tmp_path):

@@ -167,6 +167,7 @@ def test_sigterm_alone_snapshots_the_step_reached_and_the_rerun_is_bitwise_equal
     rerun_resumes_exactly(run_dir, trainapp_cmd, rec["step"], straight(trainapp_cmd))
 
 
+@pytest.mark.e2e
 @slow
 def test_sigterm_to_the_torchrun_process_group_stops_every_rank_at_one_step(tmp_path, straight):
     """What a container runtime does: the signal reaches torchrun's agent and both workers; the agent
@@ -195,6 +196,7 @@ def test_sigterm_to_one_torchrun_worker_stops_both_at_the_same_step(tmp_path):
     assert "[rank 1] WARNING trainapp: preempted at step %d" % rec["step"] in err, err[-3000:]
 
 
+@pytest.mark.e2e
 @slow
 def test_second_signal_during_an_async_write_and_during_the_stop_keeps_every_snapshot_valid(tmp_path, straight):
     """The notice lands while the periodic step-100 snapshot is still being written in the background
@@ -230,6 +232,7 @@ def test_a_signal_during_eval_cuts_the_eval_short_and_snapshots_after_the_next_s
     assert "cut short by a preemption notice" in job.output()[1]
 
 
+@pytest.mark.e2e
 @slow
 def test_an_extra_signal_from_preempt_signals_is_a_notice_too(tmp_path):
     run_dir = tmp_path / "run"
@@ -239,6 +242,7 @@ def test_an_extra_signal_from_preempt_signals_is_a_notice_too(tmp_path):
     assert rec["step"] > 60
 
 
+@pytest.mark.e2e
 @slow
 def test_a_hung_peer_cannot_hold_the_stop_past_the_grace_period(tmp_path):
     """Rank 0 is frozen (SIGSTOP), rank 1 gets the notice: the vote never completes, so rank 1 exits
@@ -361,6 +365,8 @@ def _polls(tmp_path: Path, mode: str) -> tuple[list[list], list[int]]:
     return polls, steps[0]
 
 
+@pytest.mark.e2e
+@slow
 def test_the_ranks_agree_on_the_steps_of_a_timed_poll(tmp_path):
     """`StopVote(poll_s=...)`: the ranks of a group poll at the same steps (a barrier such as Ray's
     `get_preemption_info` needs every rank in it), by time: about every `poll_s`, many steps apart."""
@@ -371,6 +377,8 @@ def test_the_ranks_agree_on_the_steps_of_a_timed_poll(tmp_path):
     assert min(b - a for a, b in zip(steps, steps[1:])) >= 5, steps
 
 
+@pytest.mark.e2e
+@slow
 def test_with_a_pending_check_the_ranks_poll_only_once_one_of_them_has_a_notice(tmp_path):
     """`StopVote(pending=...)`: no poll while no rank's `pending()` is true (Ray's barrier is not paid
     in a run that is never drained); once one rank's is (rank 1's, from step 150; rank 0's never),

@@ -107,6 +107,7 @@ def _redone(run_dir: Path) -> tuple[int, int]:
     return before, records[starts[1]]["resumed_step"]
 
 
+@pytest.mark.e2e
 def test_sigkilled_ray_worker_costs_at_most_one_snapshot_interval(cluster):
     run_dir = cluster.storage / "killed"
     proc = submit_background(cluster, "killed", *LONG)
@@ -156,6 +157,7 @@ def _steps_on(storage: Path) -> list[int]:
     return [step_of(p.name) for p in list_snapshots(storage)]
 
 
+@pytest.mark.e2e
 def test_snapshots_ray_never_registered_resume_a_killed_run_and_are_deleted_once_superseded(cluster):
     """`ray.report_interval_s` longer than the run: Ray registers only the final snapshot. With the
     workers frozen (SIGSTOP) after a snapshot, storage holds that one and at most the next, being
@@ -200,6 +202,7 @@ def test_snapshots_ray_never_registered_resume_a_killed_run_and_are_deleted_once
     assert metrics(run_dir, "start")[-1]["resumed_step"] == 45
 
 
+@pytest.mark.e2e
 def test_uri_storage_resumes_from_the_newest_uploaded_snapshot_ray_never_registered(cluster, tmp_path):
     """`ray.storage_path` a file:// URI, no report but the final one, `snapshot.async` (the upload, and
     the deletion of the upload it supersedes, in the writer's thread): the restart after a SIGKILLed
@@ -289,6 +292,7 @@ def test_ray_and_torchrun_end_with_the_same_parameters(ray_run_with_restart, tmp
     assert inspect(run_dir)["params_sha256"] == inspect(tmp_path / "tr")["params_sha256"]
 
 
+@pytest.mark.e2e
 def test_an_out_of_memory_rank_then_a_hung_rank_are_explained_and_the_ray_run_ends_as_if_neither_happened(
         cluster, ray_run_with_restart):
     """Rank 1 raises torch.OutOfMemoryError after step 8 (attempt 0), then hangs after step 17
@@ -330,6 +334,7 @@ def test_an_out_of_memory_rank_then_a_hung_rank_are_explained_and_the_ray_run_en
     assert "failures       2" in rep.stdout and "attempt 1: rank 1 on" in rep.stdout, rep.output
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: needs root")
 def test_a_failed_upload_to_uri_storage_is_a_failed_snapshot_and_the_final_one_stops_the_run(cluster, tmp_path):
     """`ray.storage_path` a URI (file:// on a 1.2 MB tmpfs, room for one snapshot): rank 0 uploads, the
@@ -383,6 +388,7 @@ def test_bad_ray_input_fails_fast_with_one_line(cluster, tmp_path):
         assert elapsed < 60, (name, elapsed)
 
 
+@pytest.mark.e2e
 def test_losing_a_worker_node_continues_elastically_on_the_other(cluster):
     """Kills a node (its raylet), then starts a replacement and waits for it, so the tests after it
     have two worker nodes again. It runs before the job-stop test: a run stopped with `ray job stop`
@@ -419,6 +425,7 @@ def test_losing_a_worker_node_continues_elastically_on_the_other(cluster):
     assert end["world_size"] == 1 and end["steps"] == inspect(run_dir)["global_step"]
 
 
+@pytest.mark.e2e
 def test_sigterm_to_a_ray_training_worker_stops_every_worker_at_one_step_and_redoes_none(cluster):
     """SIGTERM reaching one Ray training worker (its node's shutdown, a container runtime): all workers
     agree on the step, rank 0 reports the snapshot of it, the workers exit 143 and Ray Train restarts
@@ -447,6 +454,7 @@ def _node_of(cluster, pid: int) -> str:
     return next(n.name for n in cluster.nodes if pid in cluster.node_pids(n.name).values())
 
 
+@pytest.mark.e2e
 def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(cluster):
     """A drain for preemption (what the autoscaler and our pods' preStop send) reaches the loop through
     ray.train.get_preemption_info, asked about every `preempt.ray_poll_s` seconds at a step the
@@ -515,6 +523,7 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
     assert metrics(run_dir, "start")[-1]["world_size"] == 1
 
 
+@pytest.mark.e2e
 def test_stopped_job_resubmitted_with_the_same_name_resumes(cluster):
     name, sid = "resubmit", f"resubmit-{uuid.uuid4().hex[:6]}"
     run_dir = cluster.storage / name
@@ -535,6 +544,7 @@ def test_stopped_job_resubmitted_with_the_same_name_resumes(cluster):
     assert inspect(run_dir)["global_step"] == 150
 
 
+@pytest.mark.e2e
 def test_doctor_comm_as_a_ray_job_measures_the_pair_of_worker_nodes(cluster):
     # 1 TB/s: no link reaches it, so the pair is named (exit 0 with no bar is test_comm.py's, under torchrun).
     r = run_cmd([RAY, "job", "submit", "--address", cluster.dashboard_url, "--", "python", "-m", "trainapp", "doctor",

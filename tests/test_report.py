@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import pytest
-from helpers import QUICK, torchrun, trainapp
+from helpers import trainapp
 
 from trainapp.tools import report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(scope="module")
-def restarted_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("report") / "run"
-    r = torchrun(2, f"run.dir={run_dir}", "train.max_steps=20", "snapshot.every_steps=5", "train.eval_every=10",
-                 "drill.kill_at_step=13", "drill.rank=1", *QUICK, "train.log_every=1", "observe.tensorboard=true",
-                 max_restarts=1)
-    assert r.returncode == 0, r.output[-3000:]
-    return run_dir
+@pytest.fixture
+def restarted_run(torchrun_restarted):
+    """The session's shared torchrun run with a restart (conftest.py): killed at step 13, resumed at 10."""
+    return torchrun_restarted
 
 
 @pytest.mark.slow
@@ -29,7 +25,7 @@ def test_report_plots_and_summarizes_a_run_with_a_restart(restarted_run, tmp_pat
     assert data.startswith(PNG_MAGIC) and len(data) > 20_000
     summary = out.with_suffix(".txt").read_text()
     assert summary.strip() in r.stdout
-    assert "finished at step 20 of 20 planned" in summary
+    assert "finished at step 24 of 24 planned" in summary
     assert "restarts       1: resumed at 10 after 13 (3 redone, world size 2)" in summary, summary
     assert "val_acc        final" in summary and "snapshots      " in summary
     # Both ranks' timings, over both attempts (log_every=1: a ranks record per step).
@@ -96,6 +92,17 @@ def test_a_rank_that_died_silently_is_named_from_ray_trains_view():
         "attempt 0: ended without a failure record (SIGKILL: a lost node, the OOM killer)"]
 
 
+def test_a_rank_hung_in_forward_and_backward_is_named_after_the_rank_that_hung_elsewhere():
+    """Both watchdogs fire, in whichever order their polls fall: the rank blocked in the gradient
+    all-reduce (phase compute) is waiting for the one stuck in its data loader, which leads."""
+    start = {"kind": "start", "time": 1.0}
+    blocked = {"kind": "failure", "time": 3.0, "attempt": 0, "rank": 0, "host": "a", "step": 17, "phase": "compute",
+               "cause": "hang", "error": "no progress for 6 s"}
+    stuck = {**blocked, "time": 3.4, "rank": 1, "phase": "data"}
+    said = report.failures([start, blocked, stuck, {**start, "time": 5.0}])
+    assert said == ["attempt 0: rank 1 on a after step 17 (phase data): hang: no progress for 6 s; then rank 0 hang"]
+
+
 @pytest.mark.slow
 def test_tensorboard_files_hold_one_timeline_over_the_restart(restarted_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -108,7 +115,7 @@ def test_tensorboard_files_hold_one_timeline_over_the_restart(restarted_run):
     # Steps 11-13 ran twice (resumed from the step-10 snapshot): TensorBoard shows each step once, with
     # the value of the attempt that counts, as metrics.jsonl's last record of each step has it.
     loss = {e.step: e.value for e in acc.Scalars("train/loss")}
-    assert sorted(loss) == list(range(1, 21)), sorted(loss)
+    assert sorted(loss) == list(range(1, 25)), sorted(loss)
     last = {rec["step"]: rec["loss"] for rec in report.read(restarted_run) if rec["kind"] == "train"}
     assert loss == pytest.approx(last, rel=1e-6)
-    assert [e.step for e in acc.Scalars("eval/val_acc")] == [10, 20]
+    assert [e.step for e in acc.Scalars("eval/val_acc")] == [10, 20, 24]

@@ -90,6 +90,7 @@ def test_a_full_disk_with_room_for_one_stops_after_max_failures_with_exit_3(tmp_
     no_leftovers(snaps)
 
 
+@pytest.mark.e2e
 def test_a_read_only_run_dir_fails_the_final_snapshot_with_exit_3_and_keeps_the_old_one(tmp_path, mounts):
     run_dir = tmp_path / "run"
     r = trainapp("train", f"run.dir={run_dir}", *QUICK, "train.max_steps=20", "snapshot.every_steps=0")

@@ -204,11 +204,11 @@ class LocalCluster:
 
     def up(self, timeout: float = 120, cwd: Path | None = None) -> "LocalCluster":
         if (self.dir / STATE).exists():
-            raise SystemExit(f"ray_local: a cluster is already recorded in {self.dir / STATE}; "
-                             "run `make ray-down` (or ray_local down) first")
+            raise SystemExit(f"local ray cluster: a cluster is already recorded in {self.dir / STATE}; "
+                             "run `make ray-down` (or `python -m trainapp.launch.ray.cluster down`) first")
         for host, port in ((self.node_ip, self.gcs_port), ("127.0.0.1", self.dashboard_port)):
             if _wait_port(port, 0.2, host):
-                raise SystemExit(f"ray_local: port {port} on 127.0.0.1 is in use; pick others "
+                raise SystemExit(f"local ray cluster: port {port} on 127.0.0.1 is in use; pick others "
                                  "(RAY_PORT / RAY_DASHBOARD_PORT)")
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
         (self.dir / "home").mkdir(exist_ok=True)
@@ -324,7 +324,7 @@ class LocalCluster:
     def load(cls, directory: Path) -> "LocalCluster":
         path = directory / STATE
         if not path.exists():
-            raise SystemExit(f"ray_local: no cluster recorded in {directory}; start one with `make ray-up`")
+            raise SystemExit(f"local ray cluster: no cluster recorded in {directory}; start one with `make ray-up`")
         data = json.loads(path.read_text())
         data["dir"] = Path(data["dir"])
         data["nodes"] = [Node(**n) for n in data["nodes"]]
@@ -355,21 +355,22 @@ def main(argv: list[str] | None = None) -> int:
                          health_check_period_ms=args.health_check_period_ms,
                          health_check_failure_threshold=args.health_check_failure_threshold,
                          metrics=args.metrics).up()
-        print(f"ray_local: {1 + c.workers} nodes up (head + {c.workers} x {c.cpus:g} CPU); dashboard {c.dashboard_url}")
+        print(f"local ray cluster: {1 + c.workers} nodes up (head + {c.workers} x {c.cpus:g} CPU); "
+              f"dashboard {c.dashboard_url}")
         print(f"  submit: make ray-submit   (or: RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={c.token_path} "
               f"ray job submit --address {c.dashboard_url} -- python -m trainapp ray ...)")
         return 0
     c = LocalCluster.load(args.dir)
     if args.cmd == "down":
         c.down()
-        print(f"ray_local: stopped {c.dir}")
+        print(f"local ray cluster: stopped {c.dir}")
     elif args.cmd == "status":
-        print(f"ray_local: {c.alive_nodes()} alive nodes; GCS {c.address}; dashboard {c.dashboard_url}; "
+        print(f"local ray cluster: {c.alive_nodes()} alive nodes; GCS {c.address}; dashboard {c.dashboard_url}; "
               f"token {c.token_path}")
     elif args.cmd == "submit":
         entry = args.entrypoint[1:] if args.entrypoint[:1] == ["--"] else args.entrypoint
         if not entry:
-            raise SystemExit("ray_local submit: give the entrypoint after --, e.g. -- python -m trainapp ray")
+            raise SystemExit("local ray cluster submit: give the entrypoint after --, e.g. -- python -m trainapp ray")
         return subprocess.call([RAY, "job", "submit", "--address", c.dashboard_url, "--", *entry], env=c.env())
     return 0
 
