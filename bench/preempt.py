@@ -86,7 +86,7 @@ def vote_worker(blocks: int, steps: int) -> None:
     ctx = tdist.setup(60)
     vote = StopVote(ctx, RankGuard().notices)
     vote.INTERVAL_S = 0.0  # every step: one vote per step is what is measured
-    cost = {"cpu": [], "wall": []}
+    cost, base = {"cpu": [], "wall": []}, (0.0, 0.0)
     for b in range(2 * blocks):
         voting = b % 2 == 1
         dist.barrier()

@@ -37,7 +37,7 @@ from types import SimpleNamespace
 from machine import describe
 
 HERE = Path(__file__).resolve().parent
-ALONE = SimpleNamespace(is_main=True, distributed=False, rank=0)
+ALONE = SimpleNamespace(is_main=True, distributed=False, rank=0, broadcast_object=lambda obj: obj)  # one process
 
 
 def build(model_name: str, image_size: int, batch: int):
@@ -75,13 +75,18 @@ def state_mb(state: dict) -> float:
     return total / 2**20
 
 
-def blocking(model_name: str, reps: int, root: Path) -> dict:
-    from trainapp.snapshots.snapshot import SnapshotManager
+def manager(root: Path, every_steps: int, async_write: bool = False):
+    """trainapp's snapshot manager over `root`, keeping 2, as a run alone would make it."""
+    from trainapp.snapshots.manager import SnapshotManager
+    from trainapp.snapshots.publish import LocalPublish
 
+    return SnapshotManager(LocalPublish(root, keep=2), every_steps, async_write=async_write)
+
+
+def blocking(model_name: str, reps: int, root: Path) -> dict:
     model, opt, x, y = build(model_name, 32, 2)
     step(model, opt, x, y)  # momentum buffers exist, as in training
-    modes = {"sync": SnapshotManager(root / f"{model_name}-sync", 1, 2),
-             "async": SnapshotManager(root / f"{model_name}-async", 1, 2, async_write=True)}
+    modes = {"sync": manager(root / f"{model_name}-sync", 1), "async": manager(root / f"{model_name}-async", 1, True)}
     times = {"sync": [], "async": []}
     for i in range(reps + 1):
         for mode in (("sync", "async") if i % 2 else ("async", "sync")):
@@ -107,12 +112,10 @@ def throughput(model_name: str, intervals: int, steps: int, window: int, batch: 
     and the copy's cache effects land there). A control window in the middle of each interval, where
     nothing happens, gives the noise floor the same way.
     """
-    from trainapp.snapshots.snapshot import SnapshotManager
-
     model, opt, x, y = build(model_name, image_size, batch)
     out = {}
     for mode in ("async", "sync"):
-        m = SnapshotManager(root / f"{model_name}-tp-{mode}", steps, 2, async_write=mode == "async")
+        m = manager(root / f"{model_name}-tp-{mode}", steps, mode == "async")
         losses, controls, n, step_s = [], [], 0, []
         for k in range(intervals + 1):
             held = 0.0

@@ -3,7 +3,8 @@
     python bench/summary.py                  # prints it and writes bench/results/summary.md
     python bench/summary.py --results DIR    # another results folder (e.g. bench/results/smoke)
 
-A row per headline metric: the value, its target where the issue set one, and whether it is met.
+A row per headline metric: the value, its target where the issue set one, whether it is met, and when
+and on which CPU it was measured (the CPU of the project's machine type changes between sessions).
 """
 
 from __future__ import annotations
@@ -74,9 +75,21 @@ def _value(results: dict, name: str, key: str):
     return None if data is None else data.get(key)
 
 
+def cpu(machine: str) -> str:
+    """A short name for the CPU of `bench/machine.py`'s description ("EPYC AVX2", "Xeon AMX")."""
+    vendor = "EPYC" if "EPYC" in machine else "Xeon" if "Xeon" in machine else "CPU"
+    feature = ("AMX" if "amx_bf16" in machine else "AVX-512 BF16" if "avx512_bf16" in machine
+               else "AVX-512" if "avx512f" in machine else "AVX2" if "avx2" in machine else "")
+    return f"{vendor} {feature}".strip()
+
+
+def _when(data: dict | None) -> str:
+    return f"{data.get('date', '')[5:]}, {cpu(data.get('machine', ''))}" if data else ""
+
+
 def table(results_dir: Path) -> str:
     results = {p.stem: json.loads(p.read_text()) for p in sorted(results_dir.glob("*.json"))}
-    lines = ["| benchmark | metric | value | target | met |", "|---|---|---|---|---|"]
+    lines = ["| benchmark | metric | value | target | met | measured |", "|---|---|---|---|---|---|"]
     for name, key, label, target, fmt in ROWS:
         value = _value(results, name, key)
         shown = fmt.format(value) if isinstance(value, (int, float)) else "not run"
@@ -86,13 +99,14 @@ def table(results_dir: Path) -> str:
             goal = f"{op} {fmt.format(bound)}"
         else:
             met, goal = "", ""
-        lines.append(f"| `{name}` | {label} (`{key}`) | {shown} | {goal} | {met} |")
+        lines.append(f"| `{name}` | {label} (`{key}`) | {shown} | {goal} | {met} | {_when(results.get(name))} |")
     amp = results.get("amp_cpu", {}).get("models", {})
     for model, m in amp.items():
         lines.append(f"| `amp_cpu` | {model}: bf16 autocast / fp32, step time ({m['bf16_step_ms']:.1f} vs "
-                     f"{m['fp32_step_ms']:.1f} ms) | {m['bf16_vs_fp32_step_ratio']:.3f} |  |  |")
-    machines = sorted({f"{r.get('machine')} ({r.get('date')})" for r in results.values() if r.get("machine")})
-    return "\n".join(lines) + "\n\nMeasured on: " + "; ".join(machines) + "\n"
+                     f"{m['fp32_step_ms']:.1f} ms) | {m['bf16_vs_fp32_step_ratio']:.3f} |  |  | "
+                     f"{_when(results.get('amp_cpu'))} |")
+    torch = sorted({r["machine"].rsplit("torch ", 1)[-1] for r in results.values() if "torch " in r.get("machine", "")})
+    return "\n".join(lines) + f"\n\nMeasured on x86_64, 2 cores, 24 GiB, no GPU; torch {', '.join(torch)}.\n"
 
 
 def main() -> int:

@@ -98,11 +98,10 @@ class FailureLog:
         return line
 
     def end(self, cause: str, error: str, exit_code: int, **extra: Any) -> None:
-        """Record a failure found outside the training thread (a hang, a failed peer, a grace period run
-        out) and end the process; nothing when this process has recorded its failure already (its own
-        ending is under way)."""
-        if self.record(cause, error, exit_code, **extra):
-            self.leave(exit_code)
+        """Record a failure found outside the training thread (a hang, a grace period run out) and end the
+        process, whatever it was doing: its main thread may be blocked for good."""
+        self.record(cause, error, exit_code, **extra)
+        self.leave(exit_code)
 
     def explain(self, e: BaseException) -> tuple[str, str, dict[str, Any]] | None:
         """(cause, error, extra fields) of an exception that ends this rank; None for an ending that is
@@ -184,7 +183,9 @@ class PeerWatch:
                 self._leave(peer)
 
     def _leave(self, why: str) -> None:
-        self.log.end("peer", why, PEER_EXIT, post=False, peer=why)
+        # Only a rank that has not failed itself: one whose own ending is under way keeps its own code.
+        if self.log.record("peer", why, PEER_EXIT, post=False, peer=why):
+            self.log.leave(PEER_EXIT)
 
 
 def memory(device) -> dict[str, Any]:

@@ -49,7 +49,8 @@ class Launcher(Protocol):
         """How many times the launcher restarted this rank's group (for the start record)."""
 
     def close(self, ctx: DistContext | None) -> None:
-        """After training, whatever ended it: tear down what `guard` and `context` set up."""
+        """After training, whatever ended it: tear down what `guard` and `context` set up (a process that
+        lives on, as a Ray worker does, also tells its guard that signals are no notices any more)."""
 
 
 def run_rank(launcher: Launcher, cfg: Config) -> dict[str, Any]:
@@ -64,7 +65,6 @@ def run_rank(launcher: Launcher, cfg: Config) -> dict[str, Any]:
         with guard.watching(cfg, ctx, lambda: _side_store(ctx), attempt):
             return {**trainer(launcher, cfg, ctx, guard).train(), "rank": ctx.rank}
     finally:
-        guard.training_over()
         launcher.close(ctx)
 
 

@@ -30,9 +30,10 @@ class RayWorker:
 
     def __init__(self, payload: dict[str, Any]) -> None:
         self.payload = payload
+        self._guard: RankGuard | None = None
 
     def guard(self, cfg: config.Config) -> RankGuard:
-        guard = RankGuard.installed() or RankGuard()  # made by prepare_worker, before the process group
+        guard = self._guard = RankGuard.installed() or RankGuard()  # made by prepare_worker, before the group
         for name, at in self.payload.get("launch", {}).items():  # the driver's start-up marks
             guard.timeline.mark(name, at)
         return guard
@@ -51,6 +52,10 @@ class RayWorker:
         return 0  # Ray Train's restarts show as attempts in metrics.jsonl
 
     def close(self, ctx: DistContext | None) -> None:
+        # The worker process lives on after training (Ray stops a finished group with SIGTERM): from now on
+        # a signal is no notice, it ends the process as it would without trainapp.
+        if self._guard is not None:
+            self._guard.training_over()
         if ctx is not None:
             dist.teardown(ctx)
 
