@@ -235,12 +235,10 @@ def main(argv: list[str] | None = None) -> int:
                 "doctor": cmd_doctor, "report": cmd_report, "drain": cmd_drain,
                 "node": cmd_node, "slurm-preflight": cmd_slurm_preflight}[args.command](args)
     except Failure as e:  # an ending trainapp explains: one line, its own exit code (trainapp.errors)
-        if not e.exit_code:
-            raise
         print(f"trainapp {args.command}: error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
-    except KeyboardInterrupt:
-        return exit_code(KeyboardInterrupt())
+    except KeyboardInterrupt as e:
+        return exit_code(e)
     except BrokenPipeError:  # output piped into `head` and the like
         return 0
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from trainapp.errors import ConfigError, Failure
 from trainapp.snapshots.files import Buffers, cpu_copy, is_storage_error, storage_hint
-from trainapp.snapshots.publish import LocalPublish, Publish
+from trainapp.snapshots.publish import Publish
 from trainapp.snapshots.store import newest_valid, step_name, write_dir
 
 log = logging.getLogger(__name__)
@@ -78,10 +78,9 @@ class SnapshotManager:
         self._buffers = Buffers()
 
     @classmethod
-    def from_config(cls, cfg, publish: Publish | None = None, heartbeat: Any = None) -> SnapshotManager:
-        """The one place a run's snapshot manager is made from its config."""
+    def from_config(cls, cfg, publish: Publish, heartbeat: Any = None) -> SnapshotManager:
+        """The one place a run's snapshot manager is made from its config (`publish`: the launcher's)."""
         s = cfg.snapshot
-        publish = publish or LocalPublish(Path(cfg.run.dir) / "snapshots", s.keep)
         return cls(publish, s.every_steps, s.async_, s.max_failures, cfg.drill.snapshot_write_delay_s, heartbeat)
 
     def due(self, step: int, last: bool) -> bool:
