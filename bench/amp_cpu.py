@@ -29,7 +29,7 @@ def measure(model_name: str, batch: int, image_size: int, rounds: int, steps: in
     import torch
     import torch.nn.functional as F
 
-    from trainapp.core.models import build_model
+    from trainapp.tasks.image import build_model
 
     torch.manual_seed(0)
     model = build_model(model_name, 10).to(memory_format=torch.channels_last)

@@ -48,7 +48,7 @@ def minimal_round(ctx, steps: int, batch: int, train_ds, val_ds, out_dir: Path, 
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from trainapp.core.models import SmallCNN
+    from trainapp.tasks.image import SmallCNN
 
     torch.manual_seed(seed)
     model = DDP(SmallCNN(10))
@@ -118,7 +118,7 @@ def worker(args) -> None:
     import torch
 
     from trainapp.core.amp import resolve_dtype
-    from trainapp.core.data import SyntheticImages
+    from trainapp.tasks.image import SyntheticImages
     from trainapp.launch import dist as tdist
     from trainapp.observe import logs
 

@@ -59,8 +59,7 @@ def floor_loop(cfg: dict) -> None:
     from torch.utils.data import DataLoader, DistributedSampler
 
     from trainapp.core.amp import resolve_dtype
-    from trainapp.core.data import SyntheticImages
-    from trainapp.core.models import SmallCNN
+    from trainapp.tasks.image import SmallCNN, SyntheticImages
 
     torch.set_num_threads(1)
     under_ray = dist.is_initialized()  # Ray Train formed the group; under torchrun the environment names it

@@ -43,7 +43,7 @@ ALONE = SimpleNamespace(is_main=True, distributed=False, rank=0, broadcast_objec
 def build(model_name: str, image_size: int, batch: int):
     import torch
 
-    from trainapp.core.models import build_model
+    from trainapp.tasks.image import build_model
 
     torch.manual_seed(0)
     model = build_model(model_name, 10).to(memory_format=torch.channels_last)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from trainapp.config import ConfigError, DataSection
-from trainapp.core.data import ResumableDistributedSampler, SyntheticImages, build_datasets, set_epoch
+from trainapp.core.data import ResumableDistributedSampler, SeededItems, set_epoch
+from trainapp.tasks.image import SyntheticImages, build_datasets
 
 CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
@@ -170,7 +171,8 @@ def test_imagefolder_with_different_classes_in_val_is_rejected(tmp_path):
 
 def test_augmentation_depends_only_on_seed_epoch_and_index(tmp_path):
     write_tiny_imagefolder(tmp_path, size=(32, 32))
-    train, _, _ = build_datasets(DataSection(name="imagefolder", root=str(tmp_path), image_size=32), seed=0)
+    raw, _, _ = build_datasets(DataSection(name="imagefolder", root=str(tmp_path), image_size=32), seed=0)
+    train = SeededItems(raw, seed=0)
     sampler = ResumableDistributedSampler(train, 1, 0, shuffle=True, seed=0, global_batch=4)
     set_epoch(train, sampler, 3)
     a = train[2][0]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from trainapp.config import ConfigError, OptimSection, SchedSection
-from trainapp.core.models import SmallCNN, build_model
+from trainapp.tasks.image import SmallCNN, build_model
 from trainapp.core.optim import (
     WarmupCosine,
     build_ema,

@@ -20,7 +20,21 @@ Launch commands (the same loop every time; ranks come from the environment):
     # inspect the newest valid snapshot of a run
     python -m trainapp inspect runs/ddp
 
+    # your own model: a task (docs/your-own-model.md), by import path or from your own script
+    torchrun --standalone --nproc_per_node=2 -m trainapp train task.name=mypkg.tasks:MyTask task.args.hidden=64
+    python -c 'import trainapp, mypkg.tasks; trainapp.main(mypkg.tasks.MyTask())' train.max_steps=50
+
 Re-running a command with the same `run.dir` resumes from its newest valid snapshot.
 """
 
 __version__ = "0.1.0"
+PUBLIC = ("fit", "fit_ray", "main")
+"""trainapp/api.py's entry points, importable from here without importing torch with the package."""
+
+
+def __getattr__(name: str):
+    if name in PUBLIC:
+        from trainapp import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'trainapp' has no attribute {name!r}")

@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reference", action="store_true",
                    help="instead: the reference of every key, default and meaning (docs/configuration.md's table)")
     _add_config_args(p)
-    p = sub.add_parser("report", help="plot loss, val_acc, samples/s, lr and loss scale of a run, restarts marked, "
+    p = sub.add_parser("report", help="plot loss, validation, samples/s, lr and loss scale of a run, restarts marked, "
                                       "and print a short summary")
     p.add_argument("run_dir", metavar="RUN_DIR", help="run.dir of a run (or STORAGE/NAME of a Ray run)")
     p.add_argument("--out", metavar="PNG", help="where the plot goes (default RUN_DIR/report.png)")
@@ -79,15 +79,24 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def cmd_train(args) -> int:
-    cfg = config.load(args.config, args.overrides)
+def _val_fields(summary: dict) -> list[str]:
+    """The task's evaluation metrics (`val_acc=0.9123`, `val_loss=...`) for a done line."""
+    return [f"{k}={v:.4f}" for k, v in summary.items() if k.startswith("val_") and k != "val_count"
+            and isinstance(v, (int, float))]
+
+
+def cmd_train(args, task=None) -> int:
+    from trainapp.tasks.load import given, named
+
+    cfg = config.load(args.config, [*named(task), *args.overrides])
+    task = given(task, cfg)
     # torch is imported only once the config is known to be good
     from trainapp.faults.preempt import Preempted
     from trainapp.launch.rank import run_rank
     from trainapp.launch.torchrun import Torchrun
 
     try:
-        summary = run_rank(Torchrun(), cfg)
+        summary = run_rank(Torchrun(), cfg, task)
     except Preempted as e:  # a notice, handled: the snapshot is written, the scheduler sees "terminated"
         if e.rank == 0:
             print(e.line(), flush=True)
@@ -96,24 +105,26 @@ def cmd_train(args) -> int:
         return e.exit_code
     if summary["rank"] == 0:
         print("trainapp: done " + " ".join([
-            f"steps={summary['steps']}", f"final_loss={summary['final_loss']:.4f}",
-            f"val_acc={summary['val_acc']:.4f}", f"samples_per_s={summary['samples_per_s']:.1f}",
+            f"steps={summary['steps']}", f"final_loss={summary['final_loss']:.4f}", *_val_fields(summary),
+            f"samples_per_s={summary['samples_per_s']:.1f}",
             f"world_size={summary['world_size']}", f"skipped_steps={summary['skipped_steps']}",
             f"snapshots={summary['snapshots']}",
         ]), flush=True)
     return 0
 
 
-def cmd_ray(args) -> int:
-    cfg = config.load(args.config, args.overrides)
+def cmd_ray(args, task=None) -> int:
+    from trainapp.tasks.load import named
+
+    cfg = config.load(args.config, [*named(task), *args.overrides])
     from trainapp.launch.ray import driver
     from trainapp.observe import logs
 
     logs.setup(0, 1)
-    s = driver.run(cfg)
+    s = driver.run(cfg, task)
     print("trainapp ray: done " + " ".join([
-        f"steps={s.get('step')}", f"final_loss={s.get('loss', float('nan')):.4f}",
-        f"val_acc={s.get('val_acc', float('nan')):.4f}", f"samples_per_s={s.get('samples_per_s', 0.0):.1f}",
+        f"steps={s.get('step')}", f"final_loss={s.get('loss', float('nan')):.4f}", *_val_fields(s),
+        f"samples_per_s={s.get('samples_per_s', 0.0):.1f}",
         f"world_size={s.get('world_size')}", f"storage={s['storage']}",
     ]), flush=True)
     return 0
@@ -228,12 +239,15 @@ def cmd_slurm_preflight(args) -> int:
     return slurm.main(config.load(args.config, args.overrides), args.rendezvous, args.mark)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, task=None) -> int:
+    """The command line; `task`: a task object for `train` and `ray` (trainapp/api.py), instead of the
+    one `task.name` names."""
     args = _parser().parse_args(argv)
     try:
-        return {"train": cmd_train, "ray": cmd_ray, "inspect": cmd_inspect, "config": cmd_config,
-                "doctor": cmd_doctor, "report": cmd_report, "drain": cmd_drain,
-                "node": cmd_node, "slurm-preflight": cmd_slurm_preflight}[args.command](args)
+        if args.command in ("train", "ray"):
+            return {"train": cmd_train, "ray": cmd_ray}[args.command](args, task)
+        return {"inspect": cmd_inspect, "config": cmd_config, "doctor": cmd_doctor, "report": cmd_report,
+                "drain": cmd_drain, "node": cmd_node, "slurm-preflight": cmd_slurm_preflight}[args.command](args)
     except Failure as e:  # an ending trainapp explains: one line, its own exit code (trainapp.errors)
         print(f"trainapp {args.command}: error: {e}", file=sys.stderr, flush=True)
         return e.exit_code

@@ -5,6 +5,8 @@ from trainapp.config.faults import DrillSection, FaultSection, PreemptSection
 from trainapp.config.launch import DistSection, NetworkSection, RaySection
 from trainapp.config.load import Config, from_dict, leaves, load, parse_override, read_yaml
 from trainapp.config.run import (
+                                 BUILTIN_TASKS,
+                                 IMPORT_PATH,
                                  AmpSection,
                                  DataSection,
                                  ModelSection,
@@ -13,11 +15,12 @@ from trainapp.config.run import (
                                  RunSection,
                                  SchedSection,
                                  SnapshotSection,
+                                 TaskSection,
                                  TrainSection,
 )
 from trainapp.errors import ConfigError
 
-__all__ = ["AmpSection", "Config", "ConfigError", "DataSection", "DistSection", "DrillSection", "FaultSection",
+__all__ = ["BUILTIN_TASKS", "IMPORT_PATH", "AmpSection", "Config", "ConfigError", "DataSection", "DistSection", "DrillSection", "FaultSection",
            "ModelSection", "NetworkSection", "ObserveSection", "OptimSection", "PreemptSection", "RaySection",
-           "RunSection", "SchedSection", "SnapshotSection", "TrainSection", "from_dict", "leaves", "load",
+           "RunSection", "SchedSection", "SnapshotSection", "TaskSection", "TrainSection", "from_dict", "leaves", "load",
            "parse_override", "read_yaml"]

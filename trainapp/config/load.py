@@ -10,8 +10,10 @@ line fails in a fraction of a second.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -24,6 +26,7 @@ from trainapp.config.base import STRICT, public
 from trainapp.config.faults import DrillSection, FaultSection, PreemptSection
 from trainapp.config.launch import DistSection, NetworkSection, RaySection
 from trainapp.config.run import (
+    TASK_DEFAULTS,
     AmpSection,
     DataSection,
     ModelSection,
@@ -32,6 +35,7 @@ from trainapp.config.run import (
     RunSection,
     SchedSection,
     SnapshotSection,
+    TaskSection,
     TrainSection,
 )
 from trainapp.errors import ConfigError
@@ -42,6 +46,7 @@ class Config:
     seed: int = 0
     """Seed of the model init, the data order and the synthetic dataset."""
     run: RunSection = dataclasses.field(default_factory=RunSection)
+    task: TaskSection = dataclasses.field(default_factory=TaskSection)
     data: DataSection = dataclasses.field(default_factory=DataSection)
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
@@ -173,10 +178,20 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def load(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the YAML file, then the overrides (CLI > file > defaults)."""
-    tree = read_yaml(path) if path else {}
+def load(path: str | Path | Mapping | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then a built-in task's defaults (TASK_DEFAULTS), then the YAML file (or a mapping of the
+    same shape, from Python), then the overrides (CLI > file > task > defaults)."""
+    tree = copy.deepcopy(dict(path)) if isinstance(path, Mapping) else read_yaml(path) if path else {}
     for item in overrides or []:
         key, value = parse_override(item)
         _set_dotted(tree, key, value, item)
+    task = tree.get("task")
+    name = task.get("name") if isinstance(task, dict) else None
+    for key, value in TASK_DEFAULTS.get(name, {}).items() if isinstance(name, str) else ():
+        *sections, leaf = key.split(".")
+        node = tree
+        for part in sections:
+            node = node.setdefault(part, {})
+        if isinstance(node, dict):
+            node.setdefault(leaf, value)
     return from_dict(tree)

@@ -1,9 +1,11 @@
-"""Config sections of the run itself: where it lives, its data, model, training, optimizer, schedule,
+"""Config sections of the run itself: where it lives, its task, the image task's data and model, training, optimizer, schedule,
 mixed precision, snapshots and per-rank timings."""
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+import re
+from types import MappingProxyType
+from typing import Any, Literal, Optional
 
 from pydantic import Field, field_validator
 from pydantic.dataclasses import dataclass
@@ -17,6 +19,36 @@ class RunSection:
     """Run directory: snapshots go to `DIR/snapshots/`, metrics to `DIR/metrics.jsonl`. Re-running with
     the same dir resumes from its newest valid snapshot; under multi-node torchrun it must be storage
     every node sees."""
+
+
+BUILTIN_TASKS = ("image_classification", "char_lm")
+"""The tasks trainapp ships (trainapp/tasks/); any other `task.name` is an import path."""
+TASK_DEFAULTS = MappingProxyType({
+    # A transformer wants AdamW and a warmup where the CNN is fine with SGD; two epochs are about a minute
+    # on two CPU cores.
+    "char_lm": MappingProxyType({"optim.name": "adamw", "optim.weight_decay": 0.01,
+                                 "optim.lr": 0.004, "sched.warmup_steps": 30, "train.epochs": 2}),
+})
+"""A built-in task's defaults for other keys: under the YAML file and the command line, over trainapp's."""
+IMPORT_PATH = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")
+
+
+@dataclass(config=STRICT)
+class TaskSection:
+    name: str = "image_classification"
+    """The task: the user's part of a run (datasets, model, loss, evaluation; docs/your-own-model.md).
+    `image_classification` (the `data.*` and `model.*` keys configure it), `char_lm` (a character-level
+    transformer on a shipped text), or `package.module:attr`, a callable that returns the task."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the task's factory, e.g. `task.args.hidden=64`, or a mapping in the YAML."""
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if v not in BUILTIN_TASKS and not IMPORT_PATH.fullmatch(v):
+            raise ValueError(f"task.name={v!r}: use {' or '.join(BUILTIN_TASKS)}, or an import path "
+                             "package.module:attr whose attr returns the task")
+        return v
 
 
 @dataclass(config=STRICT)

@@ -1,6 +1,6 @@
 """`build(cfg, ctx, load)`: every part of a rank's run, made in the order the parts depend on each
-other (data, model, precision, optimizer, state), then resumed from the newest valid snapshot that
-`load` (the snapshot manager's) finds. The Trainer is handed the finished parts, as pytorch/examples'
+other (the task, its data and model, precision, optimizer, state), then resumed from the newest valid
+snapshot that `load` (the snapshot manager's) finds. The Trainer is handed the finished parts, as pytorch/examples'
 multinode.py does; it never builds or loads anything itself.
 
 Order matters in three places, each said where it happens: the model is made from the same seed on
@@ -20,15 +20,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from trainapp.config import Config, ConfigError
-from trainapp.core import data, models, optim
+from trainapp.core import data, optim
 from trainapp.core.amp import Precision
 from trainapp.core.state import RngState, TrainState
+from trainapp.core.task import BoundTask, bind
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Parts:
+    task: BoundTask
     batches: data.EpochBatches
     val_loader: DataLoader
     model: torch.nn.Module
@@ -48,13 +50,19 @@ class Parts:
 
 
 def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | None] = lambda ctx: None,
-          mark: Callable[[str], None] = lambda name: None) -> Parts:
-    """The parts, resumed from what `load(ctx)` finds ((where, state), or None to start fresh); `mark`
-    notes on the start-up timeline when they were made ("built") and loaded ("loaded")."""
+          mark: Callable[[str], None] = lambda name: None, task: Any = None) -> Parts:
+    """The parts of the run of `task` (default: the one `task.name` names), resumed from what
+    `load(ctx)` finds ((where, state), or None to start fresh); `mark` notes on the start-up timeline
+    when they were made ("built") and loaded ("loaded")."""
     cuda = ctx.device.type == "cuda"
     if cuda:
         torch.backends.cudnn.benchmark = True
-    train_ds, val_ds, num_classes = _datasets(cfg, ctx)
+    task = bind(task, cfg, ctx)
+    train_ds, val_ds = task.datasets()
+    model = task.model()  # after the datasets: a task may size its model by its data (classes, vocabulary)
+    groups = task.param_groups(model)
+    if task.random_items:
+        train_ds = data.SeededItems(train_ds, cfg.seed)
     global_batch = cfg.train.batch_size * cfg.train.grad_accum * ctx.world_size
     if global_batch > len(train_ds):
         raise ConfigError(f"train.batch_size={cfg.train.batch_size}: the global batch (batch_size*grad_accum*"
@@ -62,18 +70,21 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
     sampler = data.ResumableDistributedSampler(train_ds, ctx.world_size, ctx.rank, shuffle=True, seed=cfg.seed,
                                                global_batch=global_batch)
     val_sampler = data.ResumableDistributedSampler(val_ds, ctx.world_size, ctx.rank, shuffle=False, seed=cfg.seed)
-    val_loader = data.make_loader(val_ds, val_sampler, cfg.train.batch_size, cfg.data.num_workers, cuda, cfg.seed)
-    batches = data.EpochBatches(train_ds, sampler, cfg.train.batch_size, cfg.data.num_workers, cuda, cfg.seed)
+    val_loader = data.make_loader(val_ds, val_sampler, cfg.train.batch_size, cfg.data.num_workers, cuda, cfg.seed,
+                                  task.collate)
+    batches = data.EpochBatches(train_ds, sampler, cfg.train.batch_size, cfg.data.num_workers, cuda, cfg.seed,
+                                task.collate)
     progress = data.Progress(ctx.world_size, global_batch, ctx.device)
     horizon = functools.partial(data.plan_total, sampler, progress, cfg.train)  # steps done plus steps left
 
-    model = models.make_model(cfg.model, num_classes, cfg.seed, ctx)
     precision = Precision(cfg.amp, ctx.device)
     if precision.note and ctx.is_main:
         log.warning("%s", precision.note)
-    opt = optim.build(model, cfg.optim, cfg.sched, cfg.train.ema_decay, horizon, progress, fused=cuda)
+    opt = optim.build(model, cfg.optim, cfg.sched, cfg.train.ema_decay, horizon, progress, fused=cuda,
+                      groups=groups)
     state = TrainState({"progress": progress, "model": model, "optimizer": opt.optimizer, "scheduler": opt.schedule,
-                        "scaler": precision.scaler, "ema": opt.ema, "rng": RngState(ctx, cfg.seed, progress)},
+                        "scaler": precision.scaler, "ema": opt.ema, "task": task.state,
+                        "rng": RngState(ctx, cfg.seed, progress)},
                        records={"config": cfg.to_dict()})
     mark("built")
     found = load(ctx)
@@ -83,14 +94,6 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
     ddp = None
     if ctx.distributed:  # wrap last: the snapshot went into the plain module
         ddp = DDP(model, device_ids=[ctx.device.index] if cuda else None, gradient_as_bucket_view=True)
-    return Parts(batches, val_loader, model, ddp or model, ddp, precision, opt.optimizer, opt.schedule, opt.ema,
+    return Parts(task, batches, val_loader, model, ddp or model, ddp, precision, opt.optimizer, opt.schedule, opt.ema,
                  progress, state, opt.schedule.total_steps, opt.peak_lr, found[0] if found else None)
-
-
-def _datasets(cfg: Config, ctx):
-    train_ds, val_ds, num_classes = data.build_datasets(cfg.data, cfg.seed, ctx.is_main, ctx.barrier)
-    if cfg.model.num_classes is not None and cfg.model.num_classes != num_classes:
-        raise ConfigError(f"model.num_classes={cfg.model.num_classes}: the dataset has {num_classes} classes; "
-                          "set it equal or leave it empty")
-    return train_ds, val_ds, num_classes
 

@@ -1,4 +1,5 @@
-"""Datasets, the resumable distributed sampler, and where training is in them (`Progress`).
+"""How a task's datasets are read: per-item seeding, the resumable distributed sampler, the loaders,
+and where training is in them (`Progress`).
 
 Exact resume depends on the data order being a pure function of (seed, epoch, position): the sampler
 draws one permutation per epoch and can start at any global sample offset, and random augmentations
@@ -9,60 +10,35 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from pathlib import Path
+import random
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from trainapp.config import ConfigError, DataSection, TrainSection
+from trainapp.config import TrainSection
 
 log = logging.getLogger(__name__)
-
-# Per-channel statistics used to normalise real images (CIFAR-10's; close enough for small photos).
-_MEAN, _STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
-
-
-class SyntheticImages(Dataset):
-    """A deterministic, learnable class-conditional image set made from a seed (no files).
-
-    Each class has a smooth random prototype image; a sample is its class prototype plus per-sample
-    noise strong enough that a small CNN needs a few hundred steps to separate the classes.
-    """
-
-    def __init__(self, size: int, num_classes: int, image_size: int, seed: int, split: str, noise: float = 6.0):
-        protos_gen = torch.Generator().manual_seed(seed)
-        coarse = torch.randn(num_classes, 3, 4, 4, generator=protos_gen)
-        protos = torch.nn.functional.interpolate(coarse, size=(image_size, image_size), mode="bilinear",
-                                                 align_corners=False)
-        # Train and val share the prototypes but not the samples.
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + (1 if split == "train" else 2))
-        self.targets = torch.randint(num_classes, (size,), generator=gen)
-        self.images = protos[self.targets] + noise * torch.randn(size, 3, image_size, image_size, generator=gen)
-        self.classes = [f"class{i}" for i in range(num_classes)]
-
-    def __len__(self) -> int:
-        return len(self.targets)
-
-    def __getitem__(self, i: int):
-        return self.images[i], self.targets[i]
-
 
 def _sample_seed(seed: int, epoch: int, index: int) -> int:
     digest = hashlib.blake2b(f"{seed}/{epoch}/{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-class SeededTransform(Dataset):
-    """Applies `transform` with the torch RNG seeded from (seed, epoch, index), then restores the RNG.
+class SeededItems(Dataset):
+    """The task's training items, each read with the generators seeded from (seed, epoch, index).
 
     Random augmentations then depend only on which sample is read in which epoch, not on which
-    DataLoader worker reads it or how far the process had got: a mid-epoch restart is exact.
+    DataLoader worker reads it or how far the process had got: a mid-epoch restart is exact. torch's
+    generator is put back after each item (the model's dropout keeps the rank's stream); Python's and
+    numpy's are left seeded from the last item, a pure function of the data position too (putting
+    numpy's back costs more than reading a small item). A task whose items draw nothing random says
+    so with `random_items = False`, and its items are read as they are.
     """
 
-    def __init__(self, base: Dataset, transform: Callable, seed: int):
-        self.base, self.transform, self.seed, self.epoch = base, transform, seed, 0
-        self.classes = getattr(base, "classes", None)
+    def __init__(self, base, seed: int):
+        self.base, self.seed, self.epoch = base, seed, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -71,10 +47,16 @@ class SeededTransform(Dataset):
         return len(self.base)
 
     def __getitem__(self, i: int):
-        img, target = self.base[i]
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_sample_seed(self.seed, self.epoch, i))
-            return self.transform(img), target
+        seed = _sample_seed(self.seed, self.epoch, i)
+        gen = torch.default_generator
+        saved = gen.get_state()
+        gen.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed & 0xFFFFFFFF)
+        try:
+            return self.base[i]
+        finally:
+            gen.set_state(saved)
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -128,116 +110,20 @@ class ResumableDistributedSampler(DistributedSampler):
         return len(range(self.rank, len(self.dataset), self.num_replicas))
 
 
-# ----------------------------------------------------------------------------------------------
-# Real datasets
-
-
-def _transforms(image_size: int, train: bool, augment: bool, resize: bool):
-    from torchvision.transforms import v2
-
-    steps = [v2.ToImage()]
-    if resize:
-        steps += [v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size)]
-    if train and augment:
-        steps += [v2.RandomCrop(image_size, padding=max(1, image_size // 8)), v2.RandomHorizontalFlip()]
-    steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(_MEAN, _STD)]
-    return v2.Compose(steps)
-
-
-def _cifar10_class():
-    from torchvision.datasets import CIFAR10
-
-    class CIFAR10Files(CIFAR10):
-        """torchvision's CIFAR10 reader without the per-file md5 check (md5=None: present counts).
-
-        That check re-hashes all 170 MB on every rank at every start, and rejects the small files our
-        tests write in the same format. A corrupt batch file still fails to unpickle.
-        """
-
-        train_list = [[name, None] for name, _ in CIFAR10.train_list]
-        test_list = [[name, None] for name, _ in CIFAR10.test_list]
-        meta = {**CIFAR10.meta, "md5": None}
-
-    return CIFAR10Files
-
-
-def _cifar10(cfg: DataSection, is_main: bool, wait: Callable[[], None]):
-    root = Path(cfg.root)
-    cls = _cifar10_class()
-    if cfg.download:
-        # Rank 0 downloads while the others wait, so they never read a half-written archive.
-        if is_main:
-            try:
-                cls(str(root), train=True, download=True)
-            except Exception as e:  # network or disk failure: the user must act
-                raise ConfigError(f"data.root={root}: CIFAR-10 download failed ({e}); "
-                                  "place the files there and set data.download=false") from None
-        wait()
-    try:
-        train = cls(str(root), train=True)
-        val = cls(str(root), train=False)
-    except RuntimeError:
-        raise ConfigError(
-            f"data.root={root}: no CIFAR-10 there (expected {root}/cifar-10-batches-py/data_batch_1..5 and "
-            "test_batch); put the dataset there or set data.download=true"
-        ) from None
-    except Exception as e:  # a truncated or foreign pickle
-        raise ConfigError(f"data.root={root}: CIFAR-10 files are unreadable ({e.__class__.__name__}: {e}); "
-                          "re-download them") from None
-    return train, val, cfg.image_size != 32
-
-
-def _imagefolder(cfg: DataSection):
-    from torchvision.datasets import ImageFolder
-
-    root = Path(cfg.root)
-    parts = {}
-    for split in ("train", "val"):
-        d = root / split
-        if not d.is_dir():
-            raise ConfigError(f"data.root={root}: missing {d}/ (imagefolder expects {root}/train/<class>/*.jpg "
-                              f"and {root}/val/<class>/*.jpg)")
-        try:
-            parts[split] = ImageFolder(str(d))
-        except (FileNotFoundError, OSError) as e:
-            raise ConfigError(f"data.root={root}: {d} has no usable class folders ({e})") from None
-    if parts["train"].classes != parts["val"].classes:
-        raise ConfigError(f"data.root={root}: train/ and val/ have different class folders "
-                          f"({parts['train'].classes} vs {parts['val'].classes})")
-    return parts["train"], parts["val"], True
-
-
-def build_datasets(cfg: DataSection, seed: int, is_main: bool = True,
-                   wait: Callable[[], None] = lambda: None) -> tuple[Dataset, Dataset, int]:
-    """(train, val, num_classes) for `data.name`; bad paths raise ConfigError naming them."""
-    if cfg.name == "synthetic":
-        train = SyntheticImages(cfg.train_size, cfg.synthetic_classes, cfg.image_size, seed, "train")
-        val = SyntheticImages(cfg.val_size, cfg.synthetic_classes, cfg.image_size, seed, "val")
-        return train, val, cfg.synthetic_classes
-    if cfg.name == "cifar10":
-        train, val, resize = _cifar10(cfg, is_main, wait)
-    else:
-        train, val, resize = _imagefolder(cfg)
-    num_classes = len(train.classes)
-    train = SeededTransform(train, _transforms(cfg.image_size, True, cfg.augment, resize), seed)
-    val = SeededTransform(val, _transforms(cfg.image_size, False, False, resize), seed)
-    return train, val, num_classes
-
-
 def make_loader(dataset: Dataset, sampler: ResumableDistributedSampler, batch_size: int, num_workers: int,
-                pin_memory: bool, generator_seed: int) -> DataLoader:
+                pin_memory: bool, generator_seed: int, collate: Callable | None = None) -> DataLoader:
     # An explicit generator keeps DataLoader's worker base seed off the global torch RNG, whose
     # position differs between an uninterrupted run and one resumed mid-epoch.
     return DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
         drop_last=False, generator=torch.Generator().manual_seed(generator_seed),
-        persistent_workers=False,
+        persistent_workers=False, collate_fn=collate,
     )
 
 
 def set_epoch(dataset: Dataset, sampler: ResumableDistributedSampler, epoch: int, start: int = 0) -> None:
     sampler.set_epoch(epoch, start)
-    if isinstance(dataset, SeededTransform):
+    if isinstance(dataset, SeededItems):
         dataset.set_epoch(epoch)
 
 
@@ -246,9 +132,9 @@ class EpochBatches:
     to that position, and a fresh loader over it."""
 
     def __init__(self, dataset: Dataset, sampler: ResumableDistributedSampler, batch_size: int, num_workers: int,
-                 pin_memory: bool, seed: int):
+                 pin_memory: bool, seed: int, collate: Callable | None = None):
         self.dataset, self.sampler, self.batch_size = dataset, sampler, batch_size
-        self.num_workers, self.pin_memory, self.seed = num_workers, pin_memory, seed
+        self.num_workers, self.pin_memory, self.seed, self.collate = num_workers, pin_memory, seed, collate
 
     def steps_from(self, start: int) -> int:
         return self.sampler.steps_from(start)
@@ -256,7 +142,7 @@ class EpochBatches:
     def epoch(self, epoch: int, start: int) -> Iterator:
         set_epoch(self.dataset, self.sampler, epoch, start)
         return iter(make_loader(self.dataset, self.sampler, self.batch_size, self.num_workers, self.pin_memory,
-                                self.seed * 100_003 + epoch))
+                                self.seed * 100_003 + epoch, self.collate))
 
 
 class Progress:

@@ -1,4 +1,6 @@
-"""The training loop: DDP + autocast, gradient accumulation, distributed eval, snapshots.
+"""The training loop: DDP + autocast, gradient accumulation, distributed eval, snapshots. What is
+trained, on what data, with which loss, is the task's (trainapp/core/task.py): the loop calls its
+`loss` and `evaluate` and knows nothing else about it.
 
 `Trainer.train()` reads top to bottom: a step, then the step boundary's one answer (go on, snapshot,
 or stop: trainapp/faults/boundary.py), the log interval, evaluation and the step hooks (the drills).
@@ -15,7 +17,6 @@ import warnings
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from trainapp.config import Config
@@ -103,13 +104,13 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.ctx.device)
         for micro in range(accum):
             clock.enter("data")
-            x, y = self._to_device(*next(batches))
+            batch = parts.task.to_device(next(batches))
             clock.enter("compute")
             # All-reduce only on the last micro-step; the others just accumulate local gradients.
             sync = parts.ddp is None or micro == accum - 1
             with contextlib.nullcontext() if sync else parts.ddp.no_sync():
                 with parts.precision.autocast():
-                    loss = F.cross_entropy(parts.train_model(x), y)
+                    loss = parts.task.loss(parts.train_model, batch)
                 scaler.scale(loss / accum).backward()
             loss_sum += loss.detach()
         clock.enter("optim")
@@ -130,43 +131,48 @@ class Trainer:
         clock.step_done()
         return loss_sum / accum
 
-    def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)
-        if self.cfg.model.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        return x, y
-
     @torch.no_grad()
     def evaluate(self) -> dict[str, float] | None:
-        """Accuracy over the whole validation set: correct/total summed across ranks."""
+        """The task's evaluation over the whole validation set: each entry `evaluate` returns, summed
+        over batches and ranks, over the summed `count`, recorded as `val_<name>` (`val_count`: the count)."""
         parts, notices = self.parts, self.guard.notices
         model = parts.ema.module if parts.ema is not None else parts.model
         was_training = model.training
         model.eval()
-        # correct, total, loss sum, ranks that stopped early for a preemption notice
-        stats = torch.zeros(4, dtype=torch.float64, device=self.ctx.device)
+        sums: dict[str, torch.Tensor] = {}
+        interrupted = False
         for batch in parts.val_loader:
             # The stop comes after the next step, so a partial eval is not recorded. The last step's eval
             # runs to the end: no stop follows it, the run ends normally.
             if notices.signum and parts.progress.global_step < parts.total_steps:
-                stats[3] = 1
+                interrupted = True
                 break
             self.guard.heartbeat.beat()
-            x, y = self._to_device(*batch)
+            batch = parts.task.to_device(batch)
             with parts.precision.autocast():
-                out = model(x)
-            stats[0] += (out.argmax(1) == y).sum()
-            stats[1] += y.numel()
-            stats[2] += F.cross_entropy(out.float(), y, reduction="sum")
+                out = parts.task.evaluate(model, batch)
+            for key, value in out.items():
+                value = torch.as_tensor(value, device=self.ctx.device).detach().double().reshape(())
+                sums[key] = sums[key] + value if key in sums else value
         model.train(was_training)
-        correct, total, loss, interrupted = self.ctx.all_reduce_sum(stats).tolist()
-        if interrupted:
+        # A rank may have had no validation batch (fewer samples than ranks): the names are agreed first.
+        keys = sorted(set().union(*self.ctx.all_gather_objects(sorted(sums))))
+        zero = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        vector = torch.stack([sums.get(k, zero) for k in keys] + [zero + interrupted])
+        totals = dict(zip(keys + ["_interrupted"], self.ctx.all_reduce_sum(vector).tolist()))
+        if totals.pop("_interrupted"):
             log.warning("eval at step %d cut short by a preemption notice; not recorded", parts.progress.global_step)
             return self.last_eval
-        self.last_eval = {"step": parts.progress.global_step, "val_acc": correct / max(total, 1),
-                          "val_loss": loss / max(total, 1), "val_samples": int(total)}
+        count = totals.pop("count", 0.0)
+        self.last_eval = {"step": parts.progress.global_step,
+                          **{f"val_{k}": v / count if count else float("nan") for k, v in totals.items()},
+                          "val_count": int(count) if float(count).is_integer() else count}
         self.records.eval(parts.progress.epoch, self.last_eval)
         return self.last_eval
+
+    def val_metrics(self) -> dict[str, float]:
+        """The last evaluation's `val_*` values, without the count, for summaries and reports."""
+        return {k: v for k, v in (self.last_eval or {}).items() if k.startswith("val_") and k != "val_count"}
 
     def _log_interval(self, samples_per_s: float, bar: tqdm) -> None:
         # The only host syncs of the loop: once per log interval. One all-gather carries every rank's
@@ -200,7 +206,7 @@ class Trainer:
         report = {"step": p.global_step, "epoch": p.epoch, "loss": self.last_loss, "world_size": self.ctx.world_size,
                   "samples_per_s": samples_per_s}
         if self.last_eval is not None and self.last_eval["step"] == p.global_step:
-            report["val_acc"] = self.last_eval["val_acc"]
+            report.update(self.val_metrics())
         if self.records.last_ranks:  # under Ray these go with ray.train.report
             keys = ("rank", "host", "step_ms", "busy_ms")
             report["ranks"] = [{k: r[k] for k in keys} for r in self.records.last_ranks]
@@ -236,7 +242,7 @@ class Trainer:
         if self.last_eval is None or self.last_eval["step"] != p.global_step:
             self.evaluate()
         summary = {"steps": p.global_step, "steps_this_run": p.global_step - start_step, "final_loss": self.last_loss,
-                   "val_acc": self.last_eval["val_acc"], "world_size": self.ctx.world_size,
+                   **self.val_metrics(), "world_size": self.ctx.world_size,
                    "samples_per_s": samples_per_s, "skipped_steps": int(p.skipped.item()),
                    "snapshots": self.snapshots.publish.where}
         self._finish_snapshots()  # the final snapshot is on disk before the run says it ended

@@ -55,8 +55,26 @@ def param_groups(model: nn.Module, cfg: OptimSection) -> list[dict]:
     return list(groups.values())
 
 
-def build_optimizer(model: nn.Module, cfg: OptimSection, global_batch: int, fused: bool = False) -> torch.optim.Optimizer:
-    groups = param_groups(model, cfg)
+def task_groups(groups: list[dict], cfg: OptimSection) -> list[dict]:
+    """The task's own parameter groups (its `param_groups(model)`), with trainapp's defaults for the
+    options a group does not set: `optim.weight_decay` and an LR multiplier of 1."""
+    if cfg.lr_mult:
+        raise ConfigError(f"optim.lr_mult={cfg.lr_mult}: the task sets its own param_groups; give a group an "
+                          "lr_mult there instead")
+    out = []
+    for g in groups:
+        g = dict(g)
+        g["params"] = list(g["params"])
+        g.setdefault("weight_decay", cfg.weight_decay)
+        g.setdefault("lr_mult", 1.0)
+        out.append(g)
+    return out
+
+
+def build_optimizer(model: nn.Module, cfg: OptimSection, global_batch: int, fused: bool = False,
+                    groups: list[dict] | None = None) -> torch.optim.Optimizer:
+    """SGD or AdamW over `groups` (the task's, else trainapp's `param_groups`), at the scaled peak LR."""
+    groups = task_groups(groups, cfg) if groups is not None else param_groups(model, cfg)
     peak = scaled_lr(cfg, global_batch)
     for g in groups:
         g["lr"] = peak * g["lr_mult"]
@@ -145,8 +163,9 @@ class Optimization:
 
 
 def build(model: nn.Module, optim: OptimSection, sched: SchedSection, ema_decay: float, horizon: Callable[[], int],
-          progress, fused: bool = False) -> Optimization:
-    """The optimizer over `model`'s parameter groups, its schedule to `horizon()` and the EMA weights."""
-    optimizer = build_optimizer(model, optim, progress.global_batch, fused=fused)
+          progress, fused: bool = False, groups: list[dict] | None = None) -> Optimization:
+    """The optimizer over `model`'s parameter groups (or the task's `groups`), its schedule to
+    `horizon()` and the EMA weights."""
+    optimizer = build_optimizer(model, optim, progress.global_batch, fused=fused, groups=groups)
     return Optimization(optimizer, Schedule(optimizer, optim, sched, horizon, progress), build_ema(model, ema_decay),
                         scaled_lr(optim, progress.global_batch))

@@ -53,9 +53,10 @@ class Launcher(Protocol):
         lives on, as a Ray worker does, also tells its guard that signals are no notices any more)."""
 
 
-def run_rank(launcher: Launcher, cfg: Config) -> dict[str, Any]:
-    """This rank's whole run under `launcher`: set up, build and resume, train; the summary. Whatever ends
-    it early is recorded and raised (trainapp/faults/failure.py)."""
+def run_rank(launcher: Launcher, cfg: Config, task: Any = None) -> dict[str, Any]:
+    """This rank's whole run of `task` (default: the one `task.name` names) under `launcher`: set up,
+    build and resume, train; the summary. Whatever ends it early is recorded and raised
+    (trainapp/faults/failure.py)."""
     guard, ctx = launcher.guard(cfg), None
     try:
         ctx = launcher.context(cfg, guard)
@@ -63,7 +64,7 @@ def run_rank(launcher: Launcher, cfg: Config) -> dict[str, Any]:
         logs.setup(ctx.rank, ctx.world_size)
         attempt = len(metrics.read(cfg.run.dir, "start", missing_ok=True))
         with guard.watching(cfg, ctx, lambda: _side_store(ctx), attempt):
-            return {**trainer(launcher, cfg, ctx, guard).train(), "rank": ctx.rank}
+            return {**trainer(launcher, cfg, ctx, guard, task).train(), "rank": ctx.rank}
     finally:
         launcher.close(ctx)
 
@@ -84,7 +85,7 @@ class StoreGone(Failure):
     everywhere = True  # no store to tell the peers through
 
 
-def trainer(launcher: Launcher, cfg: Config, ctx: DistContext, guard: RankGuard) -> Trainer:
+def trainer(launcher: Launcher, cfg: Config, ctx: DistContext, guard: RankGuard, task: Any = None) -> Trainer:
     """The rank's parts, built and resumed, and the Trainer over them, its start on record."""
     malloc.keep_freed_memory()  # before the parts and the first step allocate what every step reuses
     publish = launcher.publish(cfg, ctx)
@@ -92,7 +93,7 @@ def trainer(launcher: Launcher, cfg: Config, ctx: DistContext, guard: RankGuard)
     snapshots = SnapshotManager.from_config(cfg, publish, guard.heartbeat)
     drills = Drills(cfg.drill, ctx.rank, ctx.world_size, cfg.run.dir, guard.heartbeat)
     records = Records(cfg, ctx)
-    parts = build(cfg, ctx, snapshots.load, guard.timeline.mark)
+    parts = build(cfg, ctx, snapshots.load, guard.timeline.mark, task)
     drills.attach(parts)
     boundary = StepBoundary(ctx, guard.notices, snapshots.due, launcher.drains(cfg), cfg.preempt.ray_poll_s,
                             records.drain_notice)

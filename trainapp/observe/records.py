@@ -78,7 +78,8 @@ class Records:
     def eval(self, epoch: int, result: dict[str, Any]) -> None:
         self.metrics.write("eval", epoch=epoch, **result)
         if self.board is not None:
-            self.board.scalars("eval", result["step"], {k: result[k] for k in ("val_acc", "val_loss")})
+            self.board.scalars("eval", result["step"], {k: v for k, v in result.items()
+                                                        if k.startswith("val_") and k != "val_count"})
         log.info(logs.kv(**result))
 
     def snapshot(self, step: int, snapshots) -> None:

@@ -128,6 +128,16 @@ def _rank_lines(records: list[dict]) -> list[str]:
     return lines
 
 
+def val_keys(records: list[dict]) -> list[str]:
+    """The task's evaluation metrics in the eval records (`val_acc`, `val_loss`, ...), in order of first
+    appearance, without `val_count`."""
+    keys: dict[str, None] = {}
+    for r in records:
+        if r.get("kind") == "eval":
+            keys.update((k, None) for k in r if k.startswith("val_") and k != "val_count")
+    return list(keys)
+
+
 def summarize(run_dir: Path, records: list[dict]) -> str:
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
@@ -158,9 +168,11 @@ def summarize(run_dir: Path, records: list[dict]) -> str:
         sps = [r["samples_per_s"] for r in train if r.get("samples_per_s")]
         if sps:
             lines.append(f"samples/s      median {statistics.median(sps):.1f} over {len(sps)} records")
-    if evals:
-        best = max(evals, key=lambda r: r["val_acc"])
-        lines.append(f"val_acc        final {evals[-1]['val_acc']:.4f}, best {best['val_acc']:.4f} at step {best['step']}")
+    for key in val_keys(records):
+        seen = [r for r in evals if key in r]
+        low, high = min(seen, key=lambda r: r[key]), max(seen, key=lambda r: r[key])
+        lines.append(f"{key:<14} final {seen[-1][key]:.4f} at step {seen[-1]['step']}; lowest {low[key]:.4f} at step "
+                     f"{low['step']}, highest {high[key]:.4f} at step {high['step']}")
     if snaps:
         lines.append(f"snapshots      {len(snaps)} written; training blocked a median {statistics.median(snaps) * 1000:.1f} "
                      f"ms each")
@@ -249,7 +261,9 @@ def plot(records: list[dict], out: Path, title: str) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ConfigError("matplotlib is not installed (the report extra): pip install 'trainapp[report]'") from None
-    panels = [("loss", "train", "loss", False), ("validation accuracy", "eval", "val_acc", False),
+    # The task's first evaluation metric: val_acc for the image task, val_loss for char_lm's.
+    val = next(iter(val_keys(records)), "val_loss")
+    panels = [("loss", "train", "loss", False), (val, "eval", val, False),
               ("samples/s", "train", "samples_per_s", False), ("learning rate", "train", "lr", False),
               ("loss scale (fp16)", "train", "loss_scale", True)]
     fig, all_axes = plt.subplots(len(panels) + 2, 1, figsize=(9, 2.3 * (len(panels) + 2)))

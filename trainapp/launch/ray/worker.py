@@ -63,7 +63,7 @@ class RayWorker:
 def train_worker(payload: dict[str, Any]) -> None:
     """The per-worker function: the same rank as torchrun's, with snapshots published to Ray."""
     try:
-        run_rank(RayWorker(payload), config.from_dict(payload["config"]))
+        run_rank(RayWorker(payload), config.from_dict(payload["config"]), payload.get("task"))
     except Preempted as e:
         # The snapshot is reported; the process ends as under torchrun, and Ray Train restarts the group
         # from it (on the nodes that are left when a node is going away).

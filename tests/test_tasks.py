@@ -1,0 +1,121 @@
+"""The task API (docs/your-own-model.md): a user's own task, not trainapp's, under every launcher and
+fault. Bad tasks get one line naming what is wrong and exit 2; a good one trains, resumes bitwise
+after a SIGKILLed rank, keeps its own state across snapshots and fails like any run when its code
+raises. The built-in char_lm task and the examples/ template are trained here too."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import REPO, TORCHRUN, inspect, metrics, run_cmd, trainapp
+
+from trainapp import cli
+from trainapp.snapshots.store import load_state, newest_valid
+
+USERTASKS = Path(__file__).resolve().parent / "usertasks"
+EXAMPLE = REPO / "examples" / "tabular"
+SHORT = ["train.progress=false", "train.max_steps=6", "train.batch_size=8", "train.log_every=2",
+         "snapshot.every_steps=3"]
+# A run with every stateful part (accumulation, EMA, evaluation, snapshots every 5 steps), killed at 13.
+FAULT = ["train.max_steps=24", "train.epochs=20", "snapshot.every_steps=5", "train.grad_accum=2",
+         "train.ema_decay=0.9", "train.eval_every=10", "train.progress=false", "train.log_every=5"]
+CHAR_LM = ["task.name=char_lm", "task.args.n_embd=32", "task.args.n_layer=1", "task.args.block_size=32",
+           "task.args.stride=64", "train.batch_size=16"]
+TABULAR = ["task.name=tabular_task:Regression", "task.args.hidden=32", "task.args.train_rows=2048",
+           "optim.name=adamw", "optim.lr=0.003"]
+
+
+@pytest.fixture
+def on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(USERTASKS))
+
+
+def train_here(capsys, tmp_path, *args) -> tuple[int, str]:
+    """`trainapp train ARGS` in this process; (exit code, stderr)."""
+    code = cli.main(["train", f"run.dir={tmp_path / 'run'}", *SHORT, *args])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name,args,expected", [
+    ("usertasks_probe:Nope", [], "usertasks_probe.py) has no attribute Nope"),
+    ("usertasks_probe:NOT_CALLABLE", [], "NOT_CALLABLE is a int, not callable"),
+    ("usertasks_probe:make", ["task.args.hidden=64"], "does not take them"),
+    ("usertasks_probe:Good", ["task.args.rows=4"], "rejected them (ValueError: rows=4: need at least 16)"),
+    ("usertasks_probe:NoEvaluate", [], "has no evaluate method"),
+    ("usertasks_probe:NoLen", [], "a train set without len()"),
+    ("usertasks_probe:VectorLoss", [], "returned a tensor of shape (8,); it must return a scalar"),
+    ("usertasks_probe:DetachedLoss", [], "returned a tensor without grad"),
+    ("usertasks_probe:NoCount", [], "returned keys ['mse']; it must return a dict of sums"),
+    ("usertasks_probe:Ragged", [], "the default collate cannot batch the items"),
+    ("no_such_module_xyz.tasks:Task", [], "cannot import no_such_module_xyz.tasks (ModuleNotFoundError"),
+])
+def test_a_bad_task_is_one_line_naming_it_and_exit_2(on_path, capsys, tmp_path, name, args, expected):
+    code, err = train_here(capsys, tmp_path, f"task.name={name}", *args)
+    assert code == 2, err[-2000:]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("trainapp train: error: task.") and expected in line, line
+    assert "Traceback" not in err
+
+
+def test_a_module_that_fails_to_import_is_named_with_its_own_error(capsys, tmp_path, monkeypatch):
+    (tmp_path / "brokentask_mod.py").write_text("import torch\nraise RuntimeError('needs CUDA 13 here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, err = train_here(capsys, tmp_path, "task.name=brokentask_mod:Task")
+    assert code == 2
+    assert "cannot import brokentask_mod (RuntimeError: needs CUDA 13 here)" in err.strip().splitlines()[-1]
+
+
+def test_the_ray_driver_checks_the_task_before_anything_starts(tmp_path):
+    r = trainapp("ray", "task.name=usertasks_probe:NoEvaluate", f"ray.storage_path={tmp_path}",
+                 env={"PYTHONPATH": str(USERTASKS)}, timeout=60)
+    assert r.returncode == 2, r.output[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("trainapp ray: error: task.name='usertasks_probe:NoEvaluate'")
+    assert "Traceback" not in r.stderr and "ray.init" not in r.output
+
+
+def test_the_tasks_own_state_is_in_every_snapshot_and_resumes(on_path, capsys, tmp_path):
+    code, err = train_here(capsys, tmp_path, "task.name=usertasks_probe:Counting", "train.grad_accum=2")
+    assert code == 0, err[-2000:]
+    code, err = train_here(capsys, tmp_path, "task.name=usertasks_probe:Counting", "train.grad_accum=2",
+                           "train.max_steps=9")
+    assert code == 0, err[-2000:]
+    start = metrics(tmp_path / "run", "start")[-1]
+    assert start["resumed_step"] == 6
+    state = load_state(newest_valid(tmp_path / "run" / "snapshots")[0])
+    assert state["task"] == {"seen": 18}  # 9 steps of 2 micro-batches: the resumed run counted on from 12
+    (ev,) = [e for e in metrics(tmp_path / "run", "eval") if e["step"] == 9]
+    assert ev["val_count"] == 32 and ev["val_mse"] >= 0 and set(ev) >= {"val_mse", "val_count", "step"}
+
+
+def test_a_user_exception_in_loss_mid_run_is_a_failure_record_with_rank_step_and_phase(tmp_path):
+    run_dir = tmp_path / "run"
+    r = run_cmd([*_torchrun(2), f"run.dir={run_dir}", *SHORT, "task.name=usertasks_probe:Counting",
+                 "task.args.fail_at=4"], env={"PYTHONPATH": str(USERTASKS)})  # torchrun's workers inherit it
+    assert r.returncode != 0
+    assert "RuntimeError: user bug in loss at call 4" in r.stderr and "usertasks_probe.py" in r.stderr
+    fails = [f for f in metrics(run_dir, "failure") if f.get("cause") != "peer"]
+    assert fails and {f["step"] for f in fails} == {3} and {f["phase"] for f in fails} == {"compute"}, fails
+    assert "user bug in loss" in fails[0]["error"]
+
+
+@pytest.mark.parametrize("which", ["example", "char_lm"])
+def test_a_non_image_task_resumes_bitwise_after_a_sigkilled_rank_under_torchrun(tmp_path, which):
+    args = TABULAR if which == "example" else CHAR_LM
+    env = {"PYTHONPATH": str(EXAMPLE)}
+    clean, faulty = tmp_path / "clean", tmp_path / "faulty"
+    r = run_cmd([*_torchrun(2), f"run.dir={clean}", *FAULT, *args], env=env)
+    assert r.returncode == 0, r.output[-3000:]
+    r = run_cmd([*_torchrun(2, restarts=1), f"run.dir={faulty}", *FAULT, *args, "drill.kill_at_step=13",
+                 "drill.rank=1"], env=env)
+    assert r.returncode == 0, r.output[-3000:]
+    assert [s["resumed_step"] for s in metrics(faulty, "start")] == [None, 10]
+    a, b = inspect(clean), inspect(faulty)
+    assert a["global_step"] == b["global_step"] == 24 and a["params_sha256"] == b["params_sha256"]
+    done = [line for line in r.stdout.splitlines() if line.startswith("trainapp: done")][0]
+    assert ("val_mse=" in done) if which == "example" else ("val_bpc=" in done and "val_loss=" in done), done
+
+
+def _torchrun(nproc: int, restarts: int = 0) -> list[str]:
+    return [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={restarts}", "-m", "trainapp",
+            "train"]

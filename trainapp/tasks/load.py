@@ -1,0 +1,108 @@
+"""`task.name` and `task.args` to a task object, every way that can go wrong one line naming it.
+
+Built-in names resolve to factories in this package that also read the config (the image task's
+`data.*` and `model.*` keys); any other name is an import path `package.module:attr` whose `attr`
+is called with `task.args` as keyword arguments. Nothing here runs the task: `check` only looks at
+what it is (the methods it has), so the Ray driver can do it before any worker starts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from types import MappingProxyType
+from typing import Any, Callable
+
+from trainapp.config import IMPORT_PATH, Config, ConfigError
+from trainapp.tasks.api import REQUIRED
+
+BUILTIN = MappingProxyType({
+    "image_classification": "trainapp.tasks.image:from_config",
+    "char_lm": "trainapp.tasks.char_lm:from_config",
+})
+"""Built-in task name -> its factory, called as factory(cfg, **task.args)."""
+DOCS = "docs/your-own-model.md"
+
+
+def _first_line(e: BaseException) -> str:
+    text = (str(e).strip().splitlines() or [""])[0]
+    return f"{e.__class__.__name__}: {text}" if text else e.__class__.__name__
+
+
+def find(path: str) -> Callable:
+    """The callable `package.module:attr` names; ConfigError naming `task.name` when it cannot be had."""
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # any import-time error of the user's module: its own message says what
+        raise ConfigError(f"task.name={path!r}: cannot import {module_name} ({_first_line(e)}); put its package "
+                          f"on PYTHONPATH, pip install it, or under Ray ship it with --working-dir ({DOCS})") from None
+    target: Any = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            where = getattr(module, "__file__", None) or module_name
+            raise ConfigError(f"task.name={path!r}: {module_name} ({where}) has no attribute {attr}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ConfigError(f"task.name={path!r}: {attr} is a {type(target).__name__}, not callable; name a class or "
+                          "a function that returns the task")
+    return target
+
+
+def make(factory: Callable, name: str, args: dict[str, Any], *leading) -> Any:
+    """`factory(*leading, **args)`; arguments it does not take, or a TypeError/ValueError it raises about
+    them, become one line naming `task.args`."""
+    try:
+        inspect.signature(factory).bind(*leading, **args)
+    except TypeError as e:
+        raise ConfigError(f"task.args={args}: {name} does not take them ({e}); its parameters are "
+                          f"{_parameters(factory, len(leading))}") from None
+    except ValueError:  # no signature to check (a builtin): the call says
+        pass
+    try:
+        return factory(*leading, **args)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"task.args={args}: {name} rejected them ({_first_line(e)})") from None
+
+
+def _parameters(factory: Callable, skip: int) -> str:
+    try:
+        params = list(inspect.signature(factory).parameters.values())[skip:]
+    except ValueError:
+        return "unknown"
+    return "(" + ", ".join(str(p) for p in params) + ")" if params else "none"
+
+
+def check(task: Any, name: str) -> Any:
+    """`task`, when it has every method the contract requires; else one line naming what is missing."""
+    missing = [m for m in REQUIRED if not callable(getattr(task, m, None))]
+    if missing:
+        raise ConfigError(f"task.name={name!r}: the task ({type(task).__name__}) has no {', '.join(missing)} "
+                          f"method; a task has datasets(ctx), model(ctx), loss(model, batch) and "
+                          f"evaluate(model, batch) ({DOCS})")
+    halves = [callable(getattr(task, m, None)) for m in ("state_dict", "load_state_dict")]
+    if any(halves) and not all(halves):
+        raise ConfigError(f"task.name={name!r}: the task has only one of state_dict and load_state_dict; "
+                          "give it both or neither")
+    return task
+
+
+def given(task: Any, cfg: Config) -> Any:
+    """A task object handed over from Python (trainapp/api.py), checked; None stays None (`task.name`'s)."""
+    return None if task is None else check(task, cfg.task.name)
+
+
+def named(task: Any) -> list[str]:
+    """The override that records where a task object's class lives (`task.name=module:Class`), where it
+    can be written as one."""
+    cls = type(task)
+    path = f"{cls.__module__}:{cls.__qualname__}"
+    return [f"task.name={path}"] if task is not None and IMPORT_PATH.fullmatch(path) else []
+
+
+def resolve(cfg: Config) -> Any:
+    """The task `cfg.task` names, made and checked."""
+    name, args = cfg.task.name, dict(cfg.task.args)
+    if name in BUILTIN:
+        return check(make(find(BUILTIN[name]), name, args, cfg), name)
+    return check(make(find(name), name, args), name)
