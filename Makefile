@@ -21,6 +21,8 @@ RAY_PORT ?= 26379
 RAY_DASHBOARD_PORT ?= 28265
 RAY_STORAGE ?= $(CURDIR)/runs/ray
 RAY_NAME ?= demo
+# A directory Ray ships with `make ray-submit` (your task's package: docs/your-own-model.md).
+WORKING_DIR ?=
 # Images (docker/Dockerfile): $(IMAGE):$(TAG)-gpu and $(IMAGE):$(TAG)-cpu
 IMAGE ?= trainapp
 TAG ?= 0.1.0
@@ -100,8 +102,9 @@ ray-up: $(STAMP) ## Start a head (no task CPUs) and RAY_WORKERS worker nodes of 
 	  --port $(RAY_PORT) --dashboard-port $(RAY_DASHBOARD_PORT)
 
 .PHONY: ray-submit
-ray-submit: $(STAMP) ## ray job submit a training run to it (ARGS, RAY_NAME: same name resumes, RAY_STORAGE)
-	$(BIN)/python -m trainapp.launch.ray.cluster --dir $(RAY_DIR) submit -- python -m trainapp ray \
+ray-submit: $(STAMP) ## ray job submit a training run to it (ARGS, RAY_NAME: same name resumes, RAY_STORAGE, WORKING_DIR: your task's code)
+	$(BIN)/python -m trainapp.launch.ray.cluster --dir $(RAY_DIR) submit $(if $(WORKING_DIR),--working-dir $(WORKING_DIR)) \
+	  -- python -m trainapp ray \
 	  ray.storage_path=$(RAY_STORAGE) ray.name=$(RAY_NAME) $(ARGS)
 
 .PHONY: ray-status

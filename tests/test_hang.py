@@ -95,7 +95,7 @@ def test_no_false_alarm_from_a_long_eval_or_a_slow_snapshot_write(tmp_path, npro
     assert r.returncode == 0, r.output[-3000:]
     assert not (run_dir / "hangs").exists()
     evals = metrics(run_dir, "eval")
-    assert len(evals) == 2 and all(e["val_samples"] == 40000 for e in evals)
+    assert len(evals) == 2 and all(e["val_count"] == 40000 for e in evals)
     assert [s["step"] for s in metrics(run_dir, "snapshot")] == [30, 60]
 
 

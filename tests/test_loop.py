@@ -26,7 +26,7 @@ def test_make_run_trains_two_ddp_processes_that_learn(tmp_path):
     assert all(TRAIN_KEYS <= rec.keys() and rec["world_size"] == 2 for rec in train)
     assert train[-1]["loss"] < 0.6 * train[0]["loss"]
     # Accuracy counted over the whole validation set, summed across both ranks; chance is 0.1.
-    assert evals[-1]["val_samples"] == 1024 and evals[-1]["val_acc"] > 0.6
+    assert evals[-1]["val_count"] == 1024 and evals[-1]["val_acc"] > 0.6
     # amp.dtype=auto: bf16 where this CPU runs it natively, fp32 where bf16 would be emulated.
     assert metrics(run_dir, "start")[0]["amp"] == ("bf16" if cpu_has_native_bf16() else "fp32")
     assert metrics(run_dir, "start")[0]["backend"] == "gloo"

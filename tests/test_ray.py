@@ -41,8 +41,9 @@ def cluster(tmp_path_factory):
         subprocess.run(["rm", "-rf", str(c.dir)], check=False)
 
 
-def _submit_cmd(cluster, name: str, *args: str, sid: str | None = None, wait: bool = True) -> list[str]:
-    return [RAY, "job", "submit", "--address", cluster.dashboard_url,
+def _submit_cmd(cluster, name: str, *args: str, sid: str | None = None, wait: bool = True,
+                ship: str | None = None) -> list[str]:
+    return [RAY, "job", "submit", "--address", cluster.dashboard_url, *(["--working-dir", ship] if ship else []),
             *(["--submission-id", sid] if sid else []), *([] if wait else ["--no-wait"]), "--",
             "python", "-m", "trainapp", "ray", f"ray.storage_path={cluster.storage}", f"ray.name={name}", *args]
 
@@ -290,6 +291,34 @@ def test_ray_and_torchrun_end_with_the_same_parameters(ray_run_with_restart, tmp
                  *QUICK)
     assert t.returncode == 0, t.output
     assert inspect(run_dir)["params_sha256"] == inspect(tmp_path / "tr")["params_sha256"]
+
+
+def test_a_user_task_shipped_with_working_dir_resumes_a_killed_worker_bitwise_as_under_torchrun(cluster, tmp_path):
+    """The user's package is on no node: `ray job submit --working-dir` ships it to the driver and the
+    workers. Rank 1 SIGKILLs itself after step 13; the run ends where torchrun's straight run does."""
+    task = ["task.name=tabular_task:Regression", "task.args.hidden=32", "task.args.train_rows=2048",
+            "optim.name=adamw", "optim.lr=0.003", "train.max_steps=24", "train.epochs=20", "snapshot.every_steps=5",
+            "train.progress=false", "train.log_every=5", "train.eval_every=10"]
+    missing = run_cmd(_submit_cmd(cluster, "usertask-unshipped", *task), timeout=120, env=cluster.env())
+    assert missing.returncode != 0
+    assert "trainapp ray: error: task.name='tabular_task:Regression': cannot import tabular_task" in missing.output
+    assert "Started training worker group" not in missing.output  # the driver's preflight, before any worker
+    r = run_cmd(_submit_cmd(cluster, "usertask", *task, "drill.kill_at_step=13", "drill.rank=1",
+                            ship="examples/tabular"), timeout=400, env=cluster.env())
+    assert r.returncode == 0, r.output[-4000:]
+    assert "trainapp ray: done steps=24" in r.output and "val_mse=" in r.output, r.output[-2000:]
+    run_dir = cluster.storage / "usertask"
+    assert [s["resumed_step"] for s in metrics(run_dir, "start")] == [None, 10]
+    t = run_cmd([*helpers_torchrun(), f"run.dir={tmp_path / 'tr'}", *task],
+                env={"PYTHONPATH": str(REPO / "examples" / "tabular")})
+    assert t.returncode == 0, t.output[-3000:]
+    assert inspect(run_dir)["params_sha256"] == inspect(tmp_path / "tr")["params_sha256"]
+
+
+def helpers_torchrun() -> list[str]:
+    from helpers import torchrun_cmd
+
+    return torchrun_cmd(2)
 
 
 @pytest.mark.e2e

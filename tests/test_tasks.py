@@ -5,10 +5,12 @@ raises. The built-in char_lm task and the examples/ template are trained here to
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import REPO, TORCHRUN, inspect, metrics, run_cmd, trainapp
+from helpers import PY, REPO, TORCHRUN, inspect, metrics, run_cmd, trainapp
 
 from trainapp import cli
 from trainapp.snapshots.store import load_state, newest_valid
@@ -48,6 +50,7 @@ def train_here(capsys, tmp_path, *args) -> tuple[int, str]:
     ("usertasks_probe:DetachedLoss", [], "returned a tensor without grad"),
     ("usertasks_probe:NoCount", [], "returned keys ['mse']; it must return a dict of sums"),
     ("usertasks_probe:Ragged", [], "the default collate cannot batch the items"),
+    ("usertasks_probe:Ragged", ["data.num_workers=1"], "the default collate cannot batch the items"),
     ("no_such_module_xyz.tasks:Task", [], "cannot import no_such_module_xyz.tasks (ModuleNotFoundError"),
 ])
 def test_a_bad_task_is_one_line_naming_it_and_exit_2(on_path, capsys, tmp_path, name, args, expected):
@@ -119,3 +122,87 @@ def test_a_non_image_task_resumes_bitwise_after_a_sigkilled_rank_under_torchrun(
 def _torchrun(nproc: int, restarts: int = 0) -> list[str]:
     return [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={restarts}", "-m", "trainapp",
             "train"]
+
+
+# --- every fault feature on a task that is not images -----------------------------------------------
+
+LONG = [*TABULAR, "train.epochs=100", "train.max_steps=60", "snapshot.every_steps=10", "train.progress=false",
+        "train.log_every=5"]
+ON_PATH = {"PYTHONPATH": str(EXAMPLE)}
+
+
+def test_a_sigterm_preempted_user_task_resumes_with_zero_steps_redone_bitwise(tmp_path):
+    from test_preempt import Job
+
+    args = [*TABULAR, "train.epochs=100", "train.max_steps=200", "snapshot.every_steps=100", "train.progress=false",
+            "train.log_every=5", "task.args.dropout=0.2"]  # dropout: the model draws random numbers every step
+    straight = tmp_path / "straight"
+    assert run_cmd(_alone(straight, *args), env=ON_PATH).returncode == 0
+    run_dir = tmp_path / "run"
+    job = Job(["env", f"PYTHONPATH={EXAMPLE}", *_alone(run_dir, *args)], tmp_path, "alone")
+    rc = job.signal_after(run_dir, "train", 60, job.proc.pid)
+    assert rc == 143, job.output()[1][-3000:]
+    (rec,) = metrics(run_dir, "preempted")
+    assert rec["step"] % 100 and inspect(run_dir)["global_step"] == rec["step"]  # between periodic snapshots
+    r = run_cmd(_alone(run_dir, *args), env=ON_PATH)
+    assert r.returncode == 0, r.output[-3000:]
+    start = metrics(run_dir, "start")[-1]
+    assert start["resumed_step"] == rec["step"] == start["step"]  # zero steps redone
+    assert inspect(run_dir)["params_sha256"] == inspect(straight)["params_sha256"]
+
+
+@pytest.mark.e2e
+def test_a_hung_rank_of_a_user_task_is_found_and_the_restart_resumes_bitwise(tmp_path):
+    straight, run_dir = tmp_path / "straight", tmp_path / "run"
+    assert run_cmd([*_torchrun(2), f"run.dir={straight}", *LONG], env=ON_PATH).returncode == 0
+    r = run_cmd([*_torchrun(2, restarts=1), f"run.dir={run_dir}", *LONG, "drill.hang_at_step=25", "drill.rank=1",
+                 "fault.hang_timeout_s=5"], env=ON_PATH)
+    assert r.returncode == 0, r.output[-3000:]
+    failures = {f["rank"]: f for f in metrics(run_dir, "failure")}
+    assert failures[1]["cause"] == "hang" and failures[1]["step"] == 25, failures
+    assert [s["resumed_step"] for s in metrics(run_dir, "start")] == [None, 20]
+    assert inspect(run_dir)["params_sha256"] == inspect(straight)["params_sha256"]
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: needs root")
+def test_a_full_disk_under_a_user_task_stops_after_max_failures_with_exit_3(tmp_path):
+    run_dir = tmp_path / "run"
+    snaps = run_dir / "snapshots"
+    snaps.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(snaps)], check=True)
+    try:
+        r = run_cmd(_alone(run_dir, *LONG, "snapshot.every_steps=5"), env=ON_PATH)
+    finally:
+        subprocess.run(["umount", "-l", str(snaps)], check=False)
+    assert r.returncode == 3, r.output[-3000:]
+    assert "snapshot.max_failures=3: 3 snapshots in a row failed" in r.stderr
+    assert [f["errno"] for f in metrics(run_dir, "snapshot_failed")] == ["ENOSPC"] * 3
+    assert metrics(run_dir, "train")  # training went on between the failed snapshots
+
+
+@pytest.mark.e2e
+def test_a_slowed_rank_of_a_user_task_is_named_a_straggler(tmp_path):
+    r = run_cmd([*_torchrun(2), f"run.dir={tmp_path}", *LONG, "drill.slow_rank=1", "drill.slow_ms=60",
+                 "observe.straggler_intervals=3", "train.max_steps=30"], env=ON_PATH)
+    assert r.returncode == 0, r.output[-3000:]
+    (found,) = metrics(tmp_path, "straggler")
+    assert (found["rank"], found["phase"]) == (1, "compute") and found["intervals"] == 3, found
+
+
+def _alone(run_dir: Path, *args: str) -> list[str]:
+    return [PY, "-m", "trainapp", "train", f"run.dir={run_dir}", *args]
+
+
+def test_a_script_of_its_own_trains_its_task_object_under_torchrun(tmp_path):
+    """examples/tabular/train.py: `trainapp.main(Regression(hidden=64))`, its arguments trainapp's."""
+    script = [TORCHRUN, "--standalone", "--nproc_per_node=2", str(EXAMPLE / "train.py"),
+              "--config", str(EXAMPLE / "config.yaml"), f"run.dir={tmp_path}", "train.max_steps=12",
+              "train.progress=false", "train.eval_every=0"]
+    r = run_cmd(script, env=ON_PATH)
+    assert r.returncode == 0, r.output[-3000:]
+    assert "trainapp: done steps=12" in r.stdout and "val_mse=" in r.stdout and "world_size=2" in r.stdout
+    task = metrics(tmp_path, "start")[0]["config"]["task"]
+    assert task == {"name": "tabular_task.task:Regression", "args": {}}  # the object's class; its args are its own
+    r = run_cmd([*script, "task.args.hidden=8"], env=ON_PATH)
+    assert r.returncode != 0 and "task.args={'hidden': 8}: the task comes made by the script" in r.stderr

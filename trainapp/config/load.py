@@ -44,7 +44,8 @@ from trainapp.errors import ConfigError
 @dataclass(config=STRICT)
 class Config:
     seed: int = 0
-    """Seed of the model init, the data order and the synthetic dataset."""
+    """Seed of the model init, the data order, the synthetic dataset and the task's own randomness
+    (its `ctx.seed`)."""
     run: RunSection = dataclasses.field(default_factory=RunSection)
     task: TaskSection = dataclasses.field(default_factory=TaskSection)
     data: DataSection = dataclasses.field(default_factory=DataSection)

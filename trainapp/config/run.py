@@ -54,14 +54,14 @@ class TaskSection:
 @dataclass(config=STRICT)
 class DataSection:
     name: Literal["synthetic", "cifar10", "imagefolder"] = "synthetic"
-    """`synthetic` (built in, made from `seed`, no files), `cifar10` (torchvision's files under
+    """The image task's data (`task.name=image_classification`): `synthetic` (built in, made from `seed`, no files), `cifar10` (torchvision's files under
     `data.root`) or `imagefolder` (`data.root/train/<class>/*`, `data.root/val/<class>/*`)."""
     root: str = "data"
     """Dataset directory for `cifar10` and `imagefolder`."""
     image_size: int = Field(default=32, ge=8, le=1024)
     """Side of the square images fed to the model, in pixels."""
     num_workers: int = Field(default=0, ge=0, le=64)
-    """DataLoader worker processes per training process (0 loads in the training process)."""
+    """DataLoader worker processes per training process (0 loads in the training process), for every task."""
     download: bool = False
     """Allow `cifar10` to download into `data.root` when it is missing. Off by default: a missing
     dataset is an error, not a surprise 170 MB download on every node."""
@@ -79,7 +79,7 @@ class DataSection:
 @dataclass(config=STRICT)
 class ModelSection:
     name: str = "smallcnn"
-    """`smallcnn` (built in, trains in seconds on CPU) or a torchvision classification model by name
+    """The image task's model: `smallcnn` (built in, trains in seconds on CPU) or a torchvision classification model by name
     (`resnet18`, `resnet50`, ...), always built from random weights."""
     num_classes: Optional[int] = Field(default=None, ge=2)
     """Output classes; empty means: take it from the dataset. If set, it must match the dataset."""
@@ -188,7 +188,7 @@ class ObserveSection:
     """Log intervals in a row a rank must be over `observe.straggler_ratio` to be named a straggler:
     one warning line and a `straggler` record naming the rank, host, slow phase and by how much."""
     tensorboard: bool = False
-    """Rank 0 also writes loss, lr, samples/s, loss scale, val_acc, val_loss and every rank's step time as
+    """Rank 0 also writes loss, lr, samples/s, loss scale, the task's val_* metrics and every rank's step time as
     TensorBoard files under `run.dir/tb`, one timeline across restarts; needs `trainapp[tensorboard]`."""
 
 

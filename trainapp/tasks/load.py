@@ -89,15 +89,22 @@ def check(task: Any, name: str) -> Any:
 
 def given(task: Any, cfg: Config) -> Any:
     """A task object handed over from Python (trainapp/api.py), checked; None stays None (`task.name`'s)."""
-    return None if task is None else check(task, cfg.task.name)
+    if task is None:
+        return None
+    if cfg.task.args:
+        raise ConfigError(f"task.args={cfg.task.args}: the task comes made by the script ({type(task).__name__}); "
+                          "pass its arguments there, or name it with task.name instead of handing it over")
+    return check(task, cfg.task.name)
 
 
 def named(task: Any) -> list[str]:
-    """The override that records where a task object's class lives (`task.name=module:Class`), where it
-    can be written as one."""
+    """The overrides that record a task object in the config: where its class lives
+    (`task.name=module:Class`, where it can be written as one) and no `task.args` (the object is made)."""
+    if task is None:
+        return []
     cls = type(task)
     path = f"{cls.__module__}:{cls.__qualname__}"
-    return [f"task.name={path}"] if task is not None and IMPORT_PATH.fullmatch(path) else []
+    return [*([f"task.name={path}"] if IMPORT_PATH.fullmatch(path) else []), "task.args={}"]
 
 
 def resolve(cfg: Config) -> Any:

@@ -347,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("down", help="end exactly the processes `up` started")
     sub.add_parser("status", help="alive nodes and how to reach the cluster")
     sb = sub.add_parser("submit", help="ray job submit to this cluster (token passed along)")
+    sb.add_argument("--working-dir", metavar="DIR", help="ship DIR with the job (your task's package): Ray uploads "
+                                                          "it and every worker imports from it")
     sb.add_argument("entrypoint", nargs=argparse.REMAINDER, help="-- python -m trainapp ray ...")
     args = p.parse_args(argv)
 
@@ -371,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         entry = args.entrypoint[1:] if args.entrypoint[:1] == ["--"] else args.entrypoint
         if not entry:
             raise SystemExit("local ray cluster submit: give the entrypoint after --, e.g. -- python -m trainapp ray")
-        return subprocess.call([RAY, "job", "submit", "--address", c.dashboard_url, "--", *entry], env=c.env())
+        ship = ["--working-dir", args.working_dir] if args.working_dir else []
+        return subprocess.call([RAY, "job", "submit", "--address", c.dashboard_url, *ship, "--", *entry], env=c.env())
     return 0
 
 
