@@ -118,9 +118,9 @@ def worker(args) -> None:
     import torch
 
     from trainapp.core.amp import resolve_dtype
-    from trainapp.tasks.image import SyntheticImages
     from trainapp.launch import dist as tdist
     from trainapp.observe import logs
+    from trainapp.tasks.image import SyntheticImages
 
     ctx = tdist.setup(300)
     logs.setup(ctx.rank, ctx.world_size)

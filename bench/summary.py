@@ -67,6 +67,9 @@ ROWS = [
      "{:.1f}"),
     ("hang", "hang_detect_seconds_ray", "Ray: a rank hangs to the first watchdog firing (s)", None, "{:.1f}"),
     ("hang", "hang_recovery_seconds_ray", "Ray: a rank hangs to the first resumed step (s)", ("<=", 100), "{:.1f}"),
+    ("char_lm", "wall_seconds", "`make run ARGS=task.name=char_lm`, command to exit, torchrun x2 (s)", None, "{:.0f}"),
+    ("char_lm", "val_loss_vs_uniform", "char_lm's final val_loss / the uniform guess's log(vocab)", ("<=", 0.6),
+     "{:.3f}"),
 ]
 
 

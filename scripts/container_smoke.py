@@ -9,6 +9,9 @@ training jobs: one survives a killed worker container, the other a stopped one w
              iproute2, this machine's CA bundle) and `docker import`: no registry needed
     image    the CPU image from docker/Dockerfile (target cpu), pip reading this machine's local
              package folders (`pip config list`) served read-only on 127.0.0.1 for the build
+    task     a user's task added the documented way (examples/tabular/Dockerfile: FROM the image, the
+             task's package copied in, on PYTHONPATH) and trained 20 steps in a container with a read-only
+             root, no capabilities, the image's user and no network
     cluster  a bridge network, a volume for the runs at /mnt/runs, a Ray head and two Ray workers:
              read-only root, /tmp a tmpfs, all capabilities dropped, the image's user (uid 1000),
              token auth; no NCCL/Gloo interface pinned: network.interface=auto must pick eth0 (the
@@ -226,6 +229,7 @@ class Smoke:
         self.build: subprocess.Popen | None = None
         self.debootstrap: subprocess.Popen | None = None
         self.made: set[str] = set()
+        self.task_image: str | None = None
         self.servers: list[subprocess.Popen] = []
         self.submitted = False
         self.port = ""
@@ -536,6 +540,30 @@ class Smoke:
         size = self.d("image", "inspect", "-f", "{{.Size}}", self.image).stdout.strip()
         log(f"built {self.image} ({int(size) / 1e9:.1f} GB)")
 
+    def run_user_task(self) -> None:
+        """examples/tabular/Dockerfile on the image just built, as docs/your-own-model.md tells a user to
+        add a task: the task's package copied in, on PYTHONPATH; then 20 steps of it in a container
+        locked down as the cluster's (read-only root, no capabilities, the image's user, no network)."""
+        repo, _, tag = self.image.rpartition(":")
+        self.task_image = f"{repo}-tabular:{tag}"
+        build = self.build_cmd or [self.docker, "build"]
+        r = run([*build, "-f", "examples/tabular/Dockerfile", "--build-arg", f"BASE={self.image}", "-t",
+                 self.task_image, "examples/tabular"], cwd=REPO, check=False, timeout=300,
+                env={**os.environ, **self.build_env})
+        if r.returncode != 0:
+            tail(r.stdout + r.stderr, 30, "task build: ")
+            raise Failure(f"docker build of examples/tabular/Dockerfile on {self.image} failed (exit {r.returncode})")
+        r = self.d("run", "--rm", "--label", self.label, "--network", "none", "--read-only",
+                   "--tmpfs", "/tmp:rw,nosuid,nodev,noexec,size=1g", "--cap-drop=ALL", "--security-opt=no-new-privileges",
+                   self.task_image, "python", "-m", "trainapp", "train", "--config", "/home/trainapp/tasks/config.yaml",
+                   "train.max_steps=20", "train.progress=false", "run.dir=/tmp/run", check=False, timeout=300)
+        done = [line for line in r.stdout.splitlines() if line.startswith("trainapp: done steps=20")]
+        if r.returncode != 0 or not done or "val_mse=" not in done[0]:
+            tail(r.stdout + r.stderr, 30, "task: ")
+            raise Failure(f"the user's task in {self.task_image} did not train (exit {r.returncode})")
+        log(f"user task: {done[0]}")
+        self.summaries.append(f"a user's task added with FROM ({self.task_image}) trained 20 steps")
+
     # ---------------------------------------------------------------------------------- cluster
 
     def ray_container(self, name: str, command: list[str], publish: bool = False, stop_timeout: int = 0) -> None:
@@ -806,6 +834,8 @@ class Smoke:
                 gone.append(f"network {self.net}")
             if "volume" in self.made and self.d("volume", "rm", self.volume, check=False).returncode == 0:
                 gone.append(f"volume {self.volume}")
+            if self.task_image and self.d("rmi", self.task_image, check=False).returncode == 0:
+                gone.append(f"image {self.task_image}")
             if gone:
                 log(f"removed {', '.join(gone)}")
         self.stop_engine()
@@ -838,6 +868,8 @@ class Smoke:
                     base = self.base_image()
                 with self.timed("image"):
                     self.build_image(base)
+            with self.timed("user task"):
+                self.run_user_task()
             with self.timed("cluster"):
                 self.start_cluster()
             with self.timed("job"):

@@ -113,6 +113,13 @@ def test_preempt_benchmark_smoke(tmp_path):
     assert "preempt_seconds=" in r.stdout
 
 
+def test_char_lm_benchmark_smoke(tmp_path):
+    result, r = smoke("char_lm", tmp_path)
+    assert result["smoke"] is True and result["steps"] == 20 and result["vocab"] == 82
+    assert 0 < result["val_loss_vs_uniform"] and result["config"]["optim"]["name"] == "adamw"  # the task's defaults
+    assert "char_lm:" in r.stdout
+
+
 def test_hang_benchmark_smoke(tmp_path):
     # torchrun only: the Ray half starts a cluster of its own (a minute and a half), and the Ray hang
     # path is tested in test_ray.py.

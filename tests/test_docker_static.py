@@ -17,6 +17,7 @@ from helpers import PY, REPO
 
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
+EXAMPLE_DOCKERFILE = REPO / "examples" / "tabular" / "Dockerfile"  # a user's task added to the image
 TOOLS = REPO / ".venv-tools" / "bin"
 TARGETS = ("gpu", "cpu")
 # Checks skipped inline in docker/Dockerfile, each beside the instruction it concerns, with a reason.
@@ -144,10 +145,11 @@ def tool(name: str) -> Path:
     return path
 
 
-def test_hadolint_reports_nothing_at_warning_or_above():
+@pytest.mark.parametrize("path", [DOCKERFILE, EXAMPLE_DOCKERFILE], ids=["docker", "example"])
+def test_hadolint_reports_nothing_at_warning_or_above(path):
     hadolint = tool("hadolint")
     r = subprocess.run([str(hadolint), "--no-color", "--failure-threshold", "warning", "-f", "json",
-                        str(DOCKERFILE)], capture_output=True, text=True, timeout=120)
+                        str(path)], capture_output=True, text=True, timeout=120)
     findings = json.loads(r.stdout or "[]")
     bad = [f for f in findings if f["level"] in ("error", "warning")]
     assert r.returncode == 0 and not bad, f"rc={r.returncode} {bad or r.stderr}"
@@ -294,6 +296,17 @@ def test_final_stages_run_as_numeric_non_root_with_the_venv_first_on_path(docker
         assert workdir and workdir.args == "/home/trainapp/app"
         cmd = last(stages, target, "CMD")
         assert cmd and json.loads(cmd.args)[:3] == ["python", "-m", "trainapp"], "exec-form CMD"
+
+
+def test_the_example_adds_a_task_to_the_image_and_changes_nothing_else():
+    """examples/tabular/Dockerfile, the `FROM` docs/your-own-model.md documents: it copies what exists,
+    as the image's user, onto the PYTHONPATH it sets, and neither runs nor switches anything."""
+    _, (stage,) = parse(EXAMPLE_DOCKERFILE.read_text())
+    copies = [i.args.split() for i in stage.instrs if i.cmd == "COPY"]
+    assert copies and all(c[0] == "--chown=1000:1000" and (EXAMPLE_DOCKERFILE.parent / c[1]).exists() for c in copies)
+    env = [i.args for i in stage.instrs if i.cmd == "ENV"]
+    assert env == ["PYTHONPATH=/home/trainapp/tasks"] and all(c[2].startswith("/home/trainapp/tasks/") for c in copies)
+    assert {i.cmd for i in stage.instrs} <= {"COPY", "ENV"}
 
 
 def test_oci_labels(dockerfile):

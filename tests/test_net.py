@@ -96,8 +96,9 @@ def test_doctor_passes_on_a_healthy_config(tmp_path):
     r = trainapp("doctor", f"run.dir={tmp_path}/run", f"ray.storage_path={tmp_path}/ray", "--json", timeout=120)
     assert r.returncode == 0, r.output
     checks = {c["name"]: c for c in json.loads(r.stdout)}
-    assert {"torch", "ray", "gpus", "interfaces", "interface", "shm", "storage"} <= set(checks)
+    assert {"torch", "ray", "gpus", "task", "interfaces", "interface", "shm", "storage"} <= set(checks)
     assert all(c["status"] != "FAIL" for c in checks.values())
+    assert checks["task"]["detail"] == "image_classification (trainapp.tasks.image.ImageClassification)"
     assert "lo 127.0.0.1" in checks["interfaces"]["detail"]
 
 
@@ -106,6 +107,7 @@ def test_doctor_fails_with_a_summary(tmp_path):
     ro.mkdir()
     ro.chmod(0o500)
     r = trainapp("doctor", "network.interface=nosuch0", "data.num_workers=64", "train.batch_size=100000",
+                 "task.name=not_on_this_node.tasks:Task",
                  "data.image_size=1024", f"run.dir={ro}/run", timeout=120,
                  env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
     assert r.returncode == 1, r.output
@@ -114,6 +116,7 @@ def test_doctor_fails_with_a_summary(tmp_path):
     assert any(line.startswith("FAIL  interface") and "nosuch0" in line for line in lines), r.stdout
     assert any(line.startswith("FAIL  shm") and "data.num_workers=64" in line for line in lines), r.stdout
     assert any(line.startswith("warn  rendezvous") for line in lines), r.stdout
+    assert any(line.startswith("FAIL  task") and "cannot import not_on_this_node.tasks" in line for line in lines)
     if os.geteuid() != 0:  # root writes anywhere
         assert any(line.startswith("FAIL  storage") for line in lines), r.stdout
 

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from trainapp.config import ConfigError, OptimSection, SchedSection
-from trainapp.tasks.image import SmallCNN, build_model
 from trainapp.core.optim import (
     WarmupCosine,
     build_ema,
@@ -14,6 +13,7 @@ from trainapp.core.optim import (
     rescale,
     scaled_lr,
 )
+from trainapp.tasks.image import SmallCNN, build_model
 
 
 @pytest.mark.parametrize("mode, expected", [("none", 0.1), ("linear", 0.4), ("sqrt", 0.2)])

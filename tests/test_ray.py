@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import QUICK, REPO, inspect, metrics, run_cmd, torchrun, trainapp
+from helpers import PY, QUICK, REPO, inspect, metrics, run_cmd, torchrun, trainapp
 
 from trainapp.faults.preempt import StopVote
 from trainapp.launch.ray.cluster import RAY, LocalCluster, free_port, proc_stat
@@ -303,8 +303,10 @@ def test_a_user_task_shipped_with_working_dir_resumes_a_killed_worker_bitwise_as
     assert missing.returncode != 0
     assert "trainapp ray: error: task.name='tabular_task:Regression': cannot import tabular_task" in missing.output
     assert "Started training worker group" not in missing.output  # the driver's preflight, before any worker
-    r = run_cmd(_submit_cmd(cluster, "usertask", *task, "drill.kill_at_step=13", "drill.rank=1",
-                            ship="examples/tabular"), timeout=400, env=cluster.env())
+    # What `make ray-submit WORKING_DIR=examples/tabular` runs.
+    r = run_cmd([PY, "-m", "trainapp.launch.ray.cluster", "--dir", str(cluster.dir), "submit", "--working-dir",
+                 "examples/tabular", "--", "python", "-m", "trainapp", "ray", f"ray.storage_path={cluster.storage}",
+                 "ray.name=usertask", *task, "drill.kill_at_step=13", "drill.rank=1"], timeout=400, env=cluster.env())
     assert r.returncode == 0, r.output[-4000:]
     assert "trainapp ray: done steps=24" in r.output and "val_mse=" in r.output, r.output[-2000:]
     run_dir = cluster.storage / "usertask"
@@ -313,6 +315,33 @@ def test_a_user_task_shipped_with_working_dir_resumes_a_killed_worker_bitwise_as
                 env={"PYTHONPATH": str(REPO / "examples" / "tabular")})
     assert t.returncode == 0, t.output[-3000:]
     assert inspect(run_dir)["params_sha256"] == inspect(tmp_path / "tr")["params_sha256"]
+
+
+@pytest.mark.e2e
+def test_char_lm_resumes_a_killed_worker_to_torchruns_parameters_and_a_script_drives_ray_with_its_task(cluster,
+                                                                                                      tmp_path):
+    """The built-in language model under Ray (rank 1 SIGKILLed after step 13) ends where torchrun's
+    straight run does; and a script of the user's own, shipped with --working-dir, hands Ray its task
+    object (`trainapp.fit_ray`)."""
+    lm = ["task.name=char_lm", "task.args.n_embd=32", "task.args.n_layer=1", "task.args.block_size=32",
+          "task.args.stride=64", "train.batch_size=16", "train.max_steps=24", "train.epochs=20",
+          "snapshot.every_steps=5", "train.progress=false", "train.log_every=5"]
+    r = submit(cluster, "char-lm", *lm, "drill.kill_at_step=13", "drill.rank=1")
+    assert r.returncode == 0, r.output[-4000:]
+    assert "val_bpc=" in r.output and [s["resumed_step"] for s in metrics(cluster.storage / "char-lm", "start")] \
+        == [None, 10]
+    t = torchrun(2, f"run.dir={tmp_path / 'tr'}", *lm)
+    assert t.returncode == 0, t.output[-3000:]
+    assert inspect(cluster.storage / "char-lm")["params_sha256"] == inspect(tmp_path / "tr")["params_sha256"]
+    script = ("import trainapp; from tabular_task import Regression; "
+              f"s = trainapp.fit_ray(Regression(hidden=16), overrides=['ray.storage_path={cluster.storage}', "
+              "'ray.name=script', 'train.max_steps=10', 'train.progress=false']); print('steps', s['step'])")
+    cmd = [RAY, "job", "submit", "--address", cluster.dashboard_url, "--working-dir", "examples/tabular", "--",
+           "python", "-c", script]
+    r = run_cmd(cmd, timeout=400, env=cluster.env())
+    assert r.returncode == 0 and "steps 10" in r.output, r.output[-4000:]
+    (start,) = metrics(cluster.storage / "script", "start")
+    assert start["config"]["task"] == {"name": "tabular_task.task:Regression", "args": {}}
 
 
 def helpers_torchrun() -> list[str]:

@@ -234,3 +234,23 @@ def test_bad_input_ends_the_job_with_one_line_and_no_requeue(slurm, tmp_path, ca
     errors = [line for line in text.splitlines() if "slurm-preflight: error" in line]
     assert errors and all(want in line and "node" in line for line in errors), text
     assert "not requeued" in text and "Traceback" not in text and "[rank 0]" not in text, text
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_a_user_task_on_pythonpath_trains_across_two_nodes_to_torchruns_parameters(slurm, tmp_path):
+    """examples/tabular's task, not installed anywhere: on PYTHONPATH, which sbatch exports to the job."""
+    example = str(REPO / "examples" / "tabular")
+    task = ["task.name=tabular_task:Regression", "task.args.hidden=32", "task.args.train_rows=2048",
+            "optim.name=adamw", "optim.lr=0.003", "train.max_steps=20", "train.epochs=20", "train.progress=false",
+            "snapshot.every_steps=10", "train.log_every=5"]
+    run_dir = tmp_path / "run"
+    job, out = submit(slurm, tmp_path, "usertask", RUN_DIR=str(run_dir), ARGS=" ".join(task), PYTHONPATH=example)
+    info = slurm.wait_job(job, timeout=300)
+    text = out.read_text()
+    assert info["JobState"] == "COMPLETED", (info, text[-4000:])
+    assert "trainapp: done steps=20" in text and "val_mse=" in text, text[-3000:]
+    assert {p["host"] for p in metrics(run_dir, "start")[0]["placement"]} == {"node1", "node2"}
+    r = run_cmd(helpers.torchrun_cmd(2, f"run.dir={tmp_path / 'tr'}", *task), env={"PYTHONPATH": example})
+    assert r.returncode == 0, r.output[-3000:]
+    assert inspect(run_dir)["params_sha256"] == inspect(tmp_path / "tr")["params_sha256"]

@@ -21,6 +21,7 @@ from trainapp import config as config_mod
 from trainapp.errors import leave
 from trainapp.tasks.load import given, named
 
+
 def fit(task: Any = None, config: str | Path | Mapping | None = None, overrides: Iterable[str] = ()) -> dict:
     """Train `task` (default: the one `task.name` names) as one rank under the launcher this process
     finds itself in; this rank's summary. Raises trainapp's failures (`trainapp.errors.Failure`: each

@@ -6,8 +6,9 @@
 Arguments are trainapp's (`--config FILE`, `KEY=VALUE` overrides); so are the errors and exit codes.
 """
 
-import trainapp
 from tabular_task import Regression
+
+import trainapp
 
 if __name__ == "__main__":
     trainapp.main(Regression(hidden=64))

@@ -1,5 +1,5 @@
-"""Config sections of the run itself: where it lives, its task, the image task's data and model, training, optimizer, schedule,
-mixed precision, snapshots and per-rank timings."""
+"""Config sections of the run itself: where it lives, its task, the image task's data and model,
+training, optimizer, schedule, mixed precision, snapshots and per-rank timings."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ TASK_DEFAULTS = MappingProxyType({
     # A transformer wants AdamW and a warmup where the CNN is fine with SGD; two epochs are about a minute
     # on two CPU cores.
     "char_lm": MappingProxyType({"optim.name": "adamw", "optim.weight_decay": 0.01,
-                                 "optim.lr": 0.004, "sched.warmup_steps": 30, "train.epochs": 2}),
+                                 "optim.lr": 0.005, "sched.warmup_steps": 30, "train.epochs": 2}),
 })
 """A built-in task's defaults for other keys: under the YAML file and the command line, over trainapp's."""
 IMPORT_PATH = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")
@@ -54,8 +54,9 @@ class TaskSection:
 @dataclass(config=STRICT)
 class DataSection:
     name: Literal["synthetic", "cifar10", "imagefolder"] = "synthetic"
-    """The image task's data (`task.name=image_classification`): `synthetic` (built in, made from `seed`, no files), `cifar10` (torchvision's files under
-    `data.root`) or `imagefolder` (`data.root/train/<class>/*`, `data.root/val/<class>/*`)."""
+    """The image task's data (`task.name=image_classification`): `synthetic` (built in, made from
+    `seed`, no files), `cifar10` (torchvision's files under `data.root`) or `imagefolder`
+    (`data.root/train/<class>/*`, `data.root/val/<class>/*`)."""
     root: str = "data"
     """Dataset directory for `cifar10` and `imagefolder`."""
     image_size: int = Field(default=32, ge=8, le=1024)
@@ -79,7 +80,8 @@ class DataSection:
 @dataclass(config=STRICT)
 class ModelSection:
     name: str = "smallcnn"
-    """The image task's model: `smallcnn` (built in, trains in seconds on CPU) or a torchvision classification model by name
+    """The image task's model: `smallcnn` (built in, trains in seconds on CPU) or a torchvision
+    classification model by name
     (`resnet18`, `resnet50`, ...), always built from random weights."""
     num_classes: Optional[int] = Field(default=None, ge=2)
     """Output classes; empty means: take it from the dataset. If set, it must match the dataset."""

@@ -25,7 +25,8 @@ def read_text(path: str | None) -> str:
     try:
         return Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"task.args.text={path}: cannot read it as UTF-8 text ({e.__class__.__name__}: {e})") from None
+        raise ConfigError(f"task.args.text={path}: cannot read it as UTF-8 text "
+                          f"({e.__class__.__name__}: {e})") from None
 
 
 class Windows(torch.utils.data.Dataset):
@@ -85,7 +86,7 @@ class CharLM:
 
     random_items = False  # windows of a fixed text: nothing random in reading one
 
-    def __init__(self, text: str | None = None, block_size: int = 64, stride: int = 12, val_fraction: float = 0.1,
+    def __init__(self, text: str | None = None, block_size: int = 64, stride: int = 16, val_fraction: float = 0.1,
                  n_layer: int = 2, n_head: int = 4, n_embd: int = 96, dropout: float = 0.0):
         if n_embd % n_head:
             raise ValueError(f"n_embd={n_embd} is not a multiple of n_head={n_head}")

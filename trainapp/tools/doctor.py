@@ -143,9 +143,22 @@ def check_writable(key: str, path: str) -> Check:
     return Check("storage", OK, f"{key}={path}: will be created under writable {existing}")
 
 
+def check_task(cfg: Config) -> Check:
+    """The task `task.name` names, made here as a training process would make it (its module imported
+    on this node, its `task.args` taken, its methods there); nothing of it runs."""
+    from trainapp.errors import ConfigError
+    from trainapp.tasks.load import resolve
+
+    try:
+        task = resolve(cfg)
+    except ConfigError as e:
+        return Check("task", FAIL, str(e))
+    return Check("task", OK, f"{cfg.task.name} ({type(task).__module__}.{type(task).__qualname__})")
+
+
 def run(cfg: Config) -> list[Check]:
-    checks = [*check_versions(), *check_network(cfg), check_shm(cfg), check_writable("run.dir", cfg.run.dir),
-              check_writable("ray.storage_path", cfg.ray.storage_path)]
+    checks = [*check_versions(), check_task(cfg), *check_network(cfg), check_shm(cfg),
+              check_writable("run.dir", cfg.run.dir), check_writable("ray.storage_path", cfg.ray.storage_path)]
     return checks
 
 
