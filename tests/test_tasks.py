@@ -42,7 +42,9 @@ def train_here(capsys, tmp_path, *args) -> tuple[int, str]:
 @pytest.mark.parametrize("name,args,expected", [
     ("usertasks_probe:Nope", [], "usertasks_probe.py) has no attribute Nope"),
     ("usertasks_probe:NOT_CALLABLE", [], "NOT_CALLABLE is a int, not callable"),
-    ("usertasks_probe:make", ["task.args.hidden=64"], "does not take them"),
+    ("usertasks_probe:make", ["task.args.hidden=64"], "cannot be called with them (got an unexpected keyword "
+                                                      "argument 'hidden'); its parameters are (rows: int = 256)"),
+    ("usertasks_probe:Needy", [], "cannot be called with them (missing a required argument: 'width')"),
     ("usertasks_probe:Good", ["task.args.rows=4"], "rejected them (ValueError: rows=4: need at least 16)"),
     ("usertasks_probe:NoEvaluate", [], "has no evaluate method"),
     ("usertasks_probe:NoLen", [], "a train set without len()"),

@@ -114,14 +114,14 @@ def cmd_train(args, task=None) -> int:
 
 
 def cmd_ray(args, task=None) -> int:
-    from trainapp.tasks.load import named
+    from trainapp.tasks.load import given, named
 
     cfg = config.load(args.config, [*named(task), *args.overrides])
     from trainapp.launch.ray import driver
     from trainapp.observe import logs
 
     logs.setup(0, 1)
-    s = driver.run(cfg, task)
+    s = driver.run(cfg, given(task, cfg))
     print("trainapp ray: done " + " ".join([
         f"steps={s.get('step')}", f"final_loss={s.get('loss', float('nan')):.4f}", *_val_fields(s),
         f"samples_per_s={s.get('samples_per_s', 0.0):.1f}",

@@ -39,6 +39,12 @@ def make(rows: int = 256) -> Good:
     return Good(rows)
 
 
+class Needy(Good):
+    def __init__(self, width: int):
+        super().__init__()
+        self.width = width
+
+
 class NoEvaluate:
     datasets, model, loss = Good.datasets, Good.model, Good.loss
 

@@ -55,7 +55,7 @@ def make(factory: Callable, name: str, args: dict[str, Any], *leading) -> Any:
     try:
         inspect.signature(factory).bind(*leading, **args)
     except TypeError as e:
-        raise ConfigError(f"task.args={args}: {name} does not take them ({e}); its parameters are "
+        raise ConfigError(f"task.args={args}: {name} cannot be called with them ({e}); its parameters are "
                           f"{_parameters(factory, len(leading))}") from None
     except ValueError:  # no signature to check (a builtin): the call says
         pass
@@ -67,7 +67,10 @@ def make(factory: Callable, name: str, args: dict[str, Any], *leading) -> Any:
 
 def _parameters(factory: Callable, skip: int) -> str:
     try:
-        params = list(inspect.signature(factory).parameters.values())[skip:]
+        try:  # the annotations as written, also in a module with `from __future__ import annotations`
+            params = list(inspect.signature(factory, eval_str=True).parameters.values())[skip:]
+        except Exception:  # an annotation that does not evaluate: the strings
+            params = list(inspect.signature(factory).parameters.values())[skip:]
     except ValueError:
         return "unknown"
     return "(" + ", ".join(str(p) for p in params) + ")" if params else "none"
