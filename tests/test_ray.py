@@ -293,16 +293,24 @@ def test_ray_and_torchrun_end_with_the_same_parameters(ray_run_with_restart, tmp
     assert inspect(run_dir)["params_sha256"] == inspect(tmp_path / "tr")["params_sha256"]
 
 
-def test_a_user_task_shipped_with_working_dir_resumes_a_killed_worker_bitwise_as_under_torchrun(cluster, tmp_path):
-    """The user's package is on no node: `ray job submit --working-dir` ships it to the driver and the
-    workers. Rank 1 SIGKILLs itself after step 13; the run ends where torchrun's straight run does."""
-    task = ["task.name=tabular_task:Regression", "task.args.hidden=32", "task.args.train_rows=2048",
-            "optim.name=adamw", "optim.lr=0.003", "train.max_steps=24", "train.epochs=20", "snapshot.every_steps=5",
-            "train.progress=false", "train.log_every=5", "train.eval_every=10"]
-    missing = run_cmd(_submit_cmd(cluster, "usertask-unshipped", *task), timeout=120, env=cluster.env())
+USER_TASK = ["task.name=tabular_task:Regression", "task.args.hidden=32", "task.args.train_rows=2048",
+             "optim.name=adamw", "optim.lr=0.003", "train.max_steps=24", "train.epochs=20", "snapshot.every_steps=5",
+             "train.progress=false", "train.log_every=5", "train.eval_every=10"]
+
+
+def test_a_user_task_not_shipped_stops_in_the_driver_before_any_worker(cluster):
+    """The user's package is on no node and the job does not ship it: one line from the driver."""
+    missing = run_cmd(_submit_cmd(cluster, "usertask-unshipped", *USER_TASK), timeout=120, env=cluster.env())
     assert missing.returncode != 0
     assert "trainapp ray: error: task.name='tabular_task:Regression': cannot import tabular_task" in missing.output
     assert "Started training worker group" not in missing.output  # the driver's preflight, before any worker
+
+
+@pytest.mark.e2e
+def test_a_user_task_shipped_with_working_dir_resumes_a_killed_worker_bitwise_as_under_torchrun(cluster, tmp_path):
+    """`ray job submit --working-dir` ships the user's package to the driver and the workers. Rank 1
+    SIGKILLs itself after step 13; the run ends where torchrun's straight run does."""
+    task = USER_TASK
     # What `make ray-submit WORKING_DIR=examples/tabular` runs.
     r = run_cmd([PY, "-m", "trainapp.launch.ray.cluster", "--dir", str(cluster.dir), "submit", "--working-dir",
                  "examples/tabular", "--", "python", "-m", "trainapp", "ray", f"ray.storage_path={cluster.storage}",
@@ -435,6 +443,11 @@ def test_bad_ray_input_fails_fast_with_one_line(cluster, tmp_path):
                                "ray.storage_path=/proc/trainapp-store: not writable"),
         "interface on no node": ([f"ray.address={cluster.address}", f"ray.storage_path={tmp_path}",
                                   "network.interface=nosuch0"], "network.interface=nosuch0: host "),
+        # A built-in task is made in the workers (the driver imports no torch): the same one line comes back.
+        # (Ray Train retries a worker group's bad input like any failure, up to ray.max_failures times.)
+        "built-in task args": ([f"ray.address={cluster.address}", f"ray.storage_path={tmp_path}", "task.name=char_lm",
+                                "task.args.bogus=1", "ray.max_failures=0"],
+                               "task.args={'bogus': 1}: char_lm cannot be called with them"),
     }
     for name, (args, needle) in cases.items():
         t0 = time.monotonic()

@@ -104,7 +104,7 @@ def test_a_user_exception_in_loss_mid_run_is_a_failure_record_with_rank_step_and
     assert "user bug in loss" in fails[0]["error"]
 
 
-@pytest.mark.parametrize("which", ["example", "char_lm"])
+@pytest.mark.parametrize("which", ["example", pytest.param("char_lm", marks=pytest.mark.e2e)])
 def test_a_non_image_task_resumes_bitwise_after_a_sigkilled_rank_under_torchrun(tmp_path, which):
     args = TABULAR if which == "example" else CHAR_LM
     env = {"PYTHONPATH": str(EXAMPLE)}
@@ -133,6 +133,7 @@ LONG = [*TABULAR, "train.epochs=100", "train.max_steps=60", "snapshot.every_step
 ON_PATH = {"PYTHONPATH": str(EXAMPLE)}
 
 
+@pytest.mark.e2e
 def test_a_sigterm_preempted_user_task_resumes_with_zero_steps_redone_bitwise(tmp_path):
     from test_preempt import Job
 

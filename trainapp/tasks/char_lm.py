@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainapp.config import Config, ConfigError
+from trainapp.config import ConfigError
 
 
 def read_text(path: str | None) -> str:
@@ -82,7 +82,8 @@ class CharTransformer(nn.Module):
 
 class CharLM:
     """Next-character prediction on a text: the first `1 - val_fraction` of it trains (a window every
-    `stride` characters), the rest validates (windows side by side, each character scored once)."""
+    `stride` characters), the rest validates (windows side by side, each character scored once).
+    `task.name=char_lm` makes it with `task.args` as its arguments."""
 
     random_items = False  # windows of a fixed text: nothing random in reading one
 
@@ -122,8 +123,3 @@ class CharLM:
         nll = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten(), reduction="sum")
         return {"loss": nll, "bpc": nll / math.log(2), "count": y.numel()}
 
-
-def from_config(cfg: Config, **args) -> CharLM:
-    """`task.name=char_lm`: `task.args` are CharLM's (text, block_size, stride, val_fraction, n_layer, n_head,
-    n_embd, dropout)."""
-    return CharLM(**args)

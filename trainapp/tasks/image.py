@@ -238,9 +238,6 @@ class ImageClassification:
                 "count": y.numel()}
 
 
-def from_config(cfg: Config, **args) -> ImageClassification:
+def from_config(cfg: Config) -> ImageClassification:
     """`task.name=image_classification`: the task of the `data.*` and `model.*` sections (no `task.args`)."""
-    if args:
-        raise TypeError(f"image_classification takes no task.args (got {', '.join(sorted(args))}); "
-                        "configure it with the data.* and model.* keys")
     return ImageClassification(cfg.data, cfg.model)

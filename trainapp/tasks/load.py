@@ -17,10 +17,10 @@ from trainapp.config import IMPORT_PATH, Config, ConfigError
 from trainapp.tasks.api import REQUIRED
 
 BUILTIN = MappingProxyType({
-    "image_classification": "trainapp.tasks.image:from_config",
-    "char_lm": "trainapp.tasks.char_lm:from_config",
+    "image_classification": ("trainapp.tasks.image:from_config", True),
+    "char_lm": ("trainapp.tasks.char_lm:CharLM", False),
 })
-"""Built-in task name -> its factory, called as factory(cfg, **task.args)."""
+"""Built-in task name -> (its factory, whether the factory takes the config first: factory(cfg, **task.args))."""
 DOCS = "docs/your-own-model.md"
 
 
@@ -73,7 +73,7 @@ def _parameters(factory: Callable, skip: int) -> str:
             params = list(inspect.signature(factory).parameters.values())[skip:]
     except ValueError:
         return "unknown"
-    return "(" + ", ".join(str(p) for p in params) + ")" if params else "none"
+    return "(" + ", ".join(str(p) for p in params) + ")" if params else "none: it takes no task.args"
 
 
 def check(task: Any, name: str) -> Any:
@@ -114,5 +114,6 @@ def resolve(cfg: Config) -> Any:
     """The task `cfg.task` names, made and checked."""
     name, args = cfg.task.name, dict(cfg.task.args)
     if name in BUILTIN:
-        return check(make(find(BUILTIN[name]), name, args, cfg), name)
+        path, takes_config = BUILTIN[name]
+        return check(make(find(path), name, args, *([cfg] if takes_config else [])), name)
     return check(make(find(name), name, args), name)
