@@ -197,6 +197,7 @@ def _alone(run_dir: Path, *args: str) -> list[str]:
     return [PY, "-m", "trainapp", "train", f"run.dir={run_dir}", *args]
 
 
+@pytest.mark.e2e
 def test_a_script_of_its_own_trains_its_task_object_under_torchrun(tmp_path):
     """examples/tabular/train.py: `trainapp.main(Regression(hidden=64))`, its arguments trainapp's."""
     script = [TORCHRUN, "--standalone", "--nproc_per_node=2", str(EXAMPLE / "train.py"),
