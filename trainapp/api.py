@@ -17,30 +17,29 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Mapping, NoReturn
 
-from trainapp import config as config_mod
 from trainapp.errors import leave
-from trainapp.tasks.load import given, named
+from trainapp.tasks.load import configure
 
 
 def fit(task: Any = None, config: str | Path | Mapping | None = None, overrides: Iterable[str] = ()) -> dict:
     """Train `task` (default: the one `task.name` names) as one rank under the launcher this process
     finds itself in; this rank's summary. Raises trainapp's failures (`trainapp.errors.Failure`: each
     has its `exit_code`) and `Preempted` after a handled notice."""
-    cfg = config_mod.load(config, [*named(task), *overrides])
+    cfg, task = configure(config, list(overrides), task)
     from trainapp.launch.rank import run_rank
     from trainapp.launch.torchrun import Torchrun
 
-    return run_rank(Torchrun(), cfg, given(task, cfg))
+    return run_rank(Torchrun(), cfg, task)
 
 
 def fit_ray(task: Any = None, config: str | Path | Mapping | None = None, overrides: Iterable[str] = ()) -> dict:
     """Drive a Ray Train run of `task` on the Ray cluster `ray.address` names (or the one this
     process runs in); rank 0's last report and `storage`. The task object travels to the workers
     pickled (cloudpickle): its class must be importable there or defined in the script itself."""
-    cfg = config_mod.load(config, [*named(task), *overrides])
+    cfg, task = configure(config, list(overrides), task)
     from trainapp.launch.ray import driver
 
-    return driver.run(cfg, given(task, cfg))
+    return driver.run(cfg, task)
 
 
 def main(task: Any = None, argv: list[str] | None = None, command: str = "train") -> NoReturn:

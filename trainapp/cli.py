@@ -81,15 +81,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def _val_fields(summary: dict) -> list[str]:
     """The task's evaluation metrics (`val_acc=0.9123`, `val_loss=...`) for a done line."""
-    return [f"{k}={v:.4f}" for k, v in summary.items() if k.startswith("val_") and k != "val_count"
-            and isinstance(v, (int, float))]
+    from trainapp.observe.metrics import val_metrics
+
+    return [f"{k}={v:.4f}" for k, v in val_metrics(summary).items() if isinstance(v, (int, float))]
 
 
 def cmd_train(args, task=None) -> int:
-    from trainapp.tasks.load import given, named
+    from trainapp.tasks.load import configure
 
-    cfg = config.load(args.config, [*named(task), *args.overrides])
-    task = given(task, cfg)
+    cfg, task = configure(args.config, args.overrides, task)
     # torch is imported only once the config is known to be good
     from trainapp.faults.preempt import Preempted
     from trainapp.launch.rank import run_rank
@@ -114,14 +114,14 @@ def cmd_train(args, task=None) -> int:
 
 
 def cmd_ray(args, task=None) -> int:
-    from trainapp.tasks.load import given, named
+    from trainapp.tasks.load import configure
 
-    cfg = config.load(args.config, [*named(task), *args.overrides])
+    cfg, task = configure(args.config, args.overrides, task)
     from trainapp.launch.ray import driver
     from trainapp.observe import logs
 
     logs.setup(0, 1)
-    s = driver.run(cfg, given(task, cfg))
+    s = driver.run(cfg, task)
     print("trainapp ray: done " + " ".join([
         f"steps={s.get('step')}", f"final_loss={s.get('loss', float('nan')):.4f}", *_val_fields(s),
         f"samples_per_s={s.get('samples_per_s', 0.0):.1f}",

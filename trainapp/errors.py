@@ -46,6 +46,21 @@ class ConfigError(Failure, ValueError):
     cause = ""
     exit_code = 2
 
+    def __init__(self, *args):
+        # Raised in a DataLoader worker (a task's collate or dataset), it is re-raised in the training
+        # process as this class made from torch's message, which wraps the worker's traceback: the one
+        # line is that traceback's last, the message it was raised with.
+        if len(args) == 1 and isinstance(args[0], str) and "\nOriginal Traceback" in args[0]:
+            last = args[0].strip().splitlines()[-1]
+            args = (last.split(": ", 1)[1] if ": " in last else last,)
+        super().__init__(*args)
+
+
+def first_line(e: BaseException) -> str:
+    """`Type: the first line of its message`, for a one-line error that names what went wrong."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
 
 def exit_code(e: BaseException | None) -> int:
     """The process's exit code for how its work ended: `e` None when it finished."""

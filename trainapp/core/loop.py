@@ -22,7 +22,7 @@ from tqdm import tqdm
 from trainapp.config import Config
 from trainapp.core.build import Parts
 from trainapp.faults.preempt import Preempted
-from trainapp.observe.metrics import Throughput
+from trainapp.observe.metrics import Throughput, val_metrics
 from trainapp.observe.records import Records
 from trainapp.observe.timings import PhaseClock
 from trainapp.snapshots.store import params_sha256
@@ -170,10 +170,6 @@ class Trainer:
         self.records.eval(parts.progress.epoch, self.last_eval)
         return self.last_eval
 
-    def val_metrics(self) -> dict[str, float]:
-        """The last evaluation's `val_*` values, without the count, for summaries and reports."""
-        return {k: v for k, v in (self.last_eval or {}).items() if k.startswith("val_") and k != "val_count"}
-
     def _log_interval(self, samples_per_s: float, bar: tqdm) -> None:
         # The only host syncs of the loop: once per log interval. One all-gather carries every rank's
         # phase timings and loss sums.
@@ -206,7 +202,7 @@ class Trainer:
         report = {"step": p.global_step, "epoch": p.epoch, "loss": self.last_loss, "world_size": self.ctx.world_size,
                   "samples_per_s": samples_per_s}
         if self.last_eval is not None and self.last_eval["step"] == p.global_step:
-            report.update(self.val_metrics())
+            report.update(val_metrics(self.last_eval))
         if self.records.last_ranks:  # under Ray these go with ray.train.report
             keys = ("rank", "host", "step_ms", "busy_ms")
             report["ranks"] = [{k: r[k] for k in keys} for r in self.records.last_ranks]
@@ -242,7 +238,7 @@ class Trainer:
         if self.last_eval is None or self.last_eval["step"] != p.global_step:
             self.evaluate()
         summary = {"steps": p.global_step, "steps_this_run": p.global_step - start_step, "final_loss": self.last_loss,
-                   **self.val_metrics(), "world_size": self.ctx.world_size,
+                   **val_metrics(self.last_eval), "world_size": self.ctx.world_size,
                    "samples_per_s": samples_per_s, "skipped_steps": int(p.skipped.item()),
                    "snapshots": self.snapshots.publish.where}
         self._finish_snapshots()  # the final snapshot is on disk before the run says it ended

@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import default_collate
 
 from trainapp.config import Config, ConfigError
+from trainapp.errors import first_line
 from trainapp.tasks.api import TaskContext
 
 DOCS = "docs/your-own-model.md"
@@ -118,18 +119,6 @@ class BoundTask:
         return sums
 
 
-class CollateError(ConfigError):
-    """The default collate's failure. Raised in a DataLoader worker (`data.num_workers` > 0), torch
-    re-raises it in the training process as this class made from a message that wraps the worker's
-    traceback: the one line is the traceback's last."""
-
-    def __init__(self, message: str):
-        if "Original Traceback" in message:
-            last = [line for line in message.strip().splitlines() if line.strip()][-1]
-            message = last.split(": ", 1)[1] if ": " in last else last
-        super().__init__(message)
-
-
 class _DefaultCollate:
     """torch's default_collate, whose failures name the task and its `collate` method."""
 
@@ -140,9 +129,8 @@ class _DefaultCollate:
         try:
             return default_collate(items)
         except (TypeError, RuntimeError) as e:
-            first = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
-            raise CollateError(f"task.name={self.name!r}: the default collate cannot batch the items ({first}); give "
-                              f"the task a collate(items) method that makes one batch of a list of items "
+            raise ConfigError(f"task.name={self.name!r}: the default collate cannot batch the items ({first_line(e)}); "
+                              f"give the task a collate(items) method that makes one batch of a list of items "
                               f"({DOCS})") from None
 
 

@@ -33,7 +33,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from trainapp.errors import PEER_EXIT, Failure
+from trainapp.errors import PEER_EXIT, Failure, first_line
 from trainapp.faults.heartbeat import Heartbeat
 from trainapp.observe import metrics
 
@@ -48,11 +48,6 @@ PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 
 def host() -> str:
     return os.uname().nodename
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
 class FailureLog:

@@ -17,10 +17,9 @@ from typing import Any, Protocol
 from trainapp.config import Config
 from trainapp.core.build import build
 from trainapp.core.loop import Trainer
-from trainapp.errors import PEER_EXIT, Failure
+from trainapp.errors import PEER_EXIT, Failure, first_line
 from trainapp.faults.boundary import DrainNotices, StepBoundary
 from trainapp.faults.drills import Drills
-from trainapp.faults.failure import first_line
 from trainapp.faults.guard import RankGuard
 from trainapp.group import DistContext
 from trainapp.launch import dist, malloc

@@ -84,6 +84,12 @@ def read(run_dir: str | Path, kind: str | None = None, missing_ok: bool = False)
     return [r for r in records if kind is None or r.get("kind") == kind]
 
 
+def val_metrics(record: dict[str, Any]) -> dict[str, Any]:
+    """The task's evaluation metrics in a record or summary (`val_acc`, `val_loss`, ...; every
+    `val_<name>` of the `eval` record but `val_count`, the count they are divided by)."""
+    return {k: v for k, v in record.items() if k.startswith("val_") and k != "val_count"}
+
+
 class Throughput:
     """Samples per second of training alone: evaluation and snapshots run inside `paused()` and are
     not counted. `interval()` is the rate since its last call (a `train` record's), `overall()` the

@@ -19,7 +19,7 @@ import torch
 
 from trainapp.config import Config
 from trainapp.observe import logs, tboard, timings
-from trainapp.observe.metrics import METRICS, MetricsWriter
+from trainapp.observe.metrics import METRICS, MetricsWriter, val_metrics
 
 log = logging.getLogger("trainapp.core.loop")  # the loop's lines, as the loop names them
 
@@ -78,8 +78,7 @@ class Records:
     def eval(self, epoch: int, result: dict[str, Any]) -> None:
         self.metrics.write("eval", epoch=epoch, **result)
         if self.board is not None:
-            self.board.scalars("eval", result["step"], {k: v for k, v in result.items()
-                                                        if k.startswith("val_") and k != "val_count"})
+            self.board.scalars("eval", result["step"], val_metrics(result))
         log.info(logs.kv(**result))
 
     def snapshot(self, step: int, snapshots) -> None:

@@ -14,6 +14,8 @@ from types import MappingProxyType
 from typing import Any, Callable
 
 from trainapp.config import IMPORT_PATH, Config, ConfigError
+from trainapp.config import load as config_load
+from trainapp.errors import first_line
 from trainapp.tasks.api import REQUIRED
 
 BUILTIN = MappingProxyType({
@@ -24,18 +26,13 @@ BUILTIN = MappingProxyType({
 DOCS = "docs/your-own-model.md"
 
 
-def _first_line(e: BaseException) -> str:
-    text = (str(e).strip().splitlines() or [""])[0]
-    return f"{e.__class__.__name__}: {text}" if text else e.__class__.__name__
-
-
 def find(path: str) -> Callable:
     """The callable `package.module:attr` names; ConfigError naming `task.name` when it cannot be had."""
     module_name, _, attr = path.partition(":")
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # any import-time error of the user's module: its own message says what
-        raise ConfigError(f"task.name={path!r}: cannot import {module_name} ({_first_line(e)}); put its package "
+        raise ConfigError(f"task.name={path!r}: cannot import {module_name} ({first_line(e)}); put its package "
                           f"on PYTHONPATH, pip install it, or under Ray ship it with --working-dir ({DOCS})") from None
     target: Any = module
     for part in attr.split("."):
@@ -62,7 +59,7 @@ def make(factory: Callable, name: str, args: dict[str, Any], *leading) -> Any:
     try:
         return factory(*leading, **args)
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"task.args={args}: {name} rejected them ({_first_line(e)})") from None
+        raise ConfigError(f"task.args={args}: {name} rejected them ({first_line(e)})") from None
 
 
 def _parameters(factory: Callable, skip: int) -> str:
@@ -90,24 +87,21 @@ def check(task: Any, name: str) -> Any:
     return task
 
 
-def given(task: Any, cfg: Config) -> Any:
-    """A task object handed over from Python (trainapp/api.py), checked; None stays None (`task.name`'s)."""
+def configure(config: Any, overrides: list[str], task: Any = None) -> tuple[Config, Any]:
+    """The run's config (`config`: a YAML path, a mapping or None; then `overrides`) and `task`, a task
+    object handed over from Python (trainapp/api.py) or None for the one `task.name` names. A task
+    object is recorded in the config as where its class lives (`task.name=module:Class`, where it can
+    be written as one) with no `task.args` (the object is made), and checked."""
     if task is None:
-        return None
+        return config_load(config, overrides), None
+    cls = type(task)
+    path = f"{cls.__module__}:{cls.__qualname__}"
+    cfg = config_load(config, [*([f"task.name={path}"] if IMPORT_PATH.fullmatch(path) else []), "task.args={}",
+                               *overrides])
     if cfg.task.args:
         raise ConfigError(f"task.args={cfg.task.args}: the task comes made by the script ({type(task).__name__}); "
                           "pass its arguments there, or name it with task.name instead of handing it over")
-    return check(task, cfg.task.name)
-
-
-def named(task: Any) -> list[str]:
-    """The overrides that record a task object in the config: where its class lives
-    (`task.name=module:Class`, where it can be written as one) and no `task.args` (the object is made)."""
-    if task is None:
-        return []
-    cls = type(task)
-    path = f"{cls.__module__}:{cls.__qualname__}"
-    return [*([f"task.name={path}"] if IMPORT_PATH.fullmatch(path) else []), "task.args={}"]
+    return cfg, check(task, cfg.task.name)
 
 
 def resolve(cfg: Config) -> Any:

@@ -134,7 +134,7 @@ def val_keys(records: list[dict]) -> list[str]:
     keys: dict[str, None] = {}
     for r in records:
         if r.get("kind") == "eval":
-            keys.update((k, None) for k in r if k.startswith("val_") and k != "val_count")
+            keys.update(dict.fromkeys(metrics.val_metrics(r)))
     return list(keys)
 
 

@@ -139,24 +139,25 @@ def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, 
     )
 
 
-def preflight_task(cfg: Config, task: Any = None) -> None:
-    """The task a run would train, made once here so that a module that does not import, a missing
-    attribute or method, or `task.args` its factory rejects stop the run in one line before any worker
-    starts. A built-in task is not made here: that would import torch into the driver for nothing (its
-    `task.args` are checked in the workers, with the same line)."""
+def preflight_task(cfg: Config) -> None:
+    """The user's task `task.name` names, made once here so that a module that does not import, a
+    missing attribute or method, or `task.args` its factory rejects stop the run in one line before any
+    worker starts. A built-in task is not made here: that would import torch into the driver for
+    nothing (its `task.args` are checked in the workers, with the same line); a task object handed over
+    from Python was checked when it was (trainapp/tasks/load.py's `configure`)."""
     from trainapp.config import BUILTIN_TASKS
 
-    if task is None and cfg.task.name in BUILTIN_TASKS:
-        return
-    from trainapp.tasks.load import check, resolve
+    if cfg.task.name not in BUILTIN_TASKS:
+        from trainapp.tasks.load import resolve
 
-    check(task, cfg.task.name) if task is not None else resolve(cfg)
+        resolve(cfg)
 
 
 def run(cfg: Config, task: Any = None) -> dict[str, Any]:
     """Fit a TorchTrainer over the cluster on `task` (default: the one `task.name` names, imported by
     each worker, where Ray's runtime environment ships the user's code); returns the rank-0 summary."""
-    preflight_task(cfg, task)
+    if task is None:
+        preflight_task(cfg)
     result, storage = _fit(cfg, **({"task": task} if task is not None else {}))
     return {**(result.metrics or {}), "storage": f"{storage}/{cfg.ray.name}"}
 
