@@ -3,6 +3,7 @@ loopback, its own directory and HOME, torn down by PID. Jobs go in through real 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -596,11 +597,21 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
 
 @pytest.mark.e2e
 def test_stopped_job_resubmitted_with_the_same_name_resumes(cluster):
+    """A second submission of a name that runs stops in seconds naming the first (its driver holds the
+    run's lease: trainapp/snapshots/lease.py); after `ray job stop` the next one takes the lease of the
+    stopped driver, which is gone, at once, and resumes."""
     name, sid = "resubmit", f"resubmit-{uuid.uuid4().hex[:6]}"
     run_dir = cluster.storage / name
     steps = "train.max_steps=150"  # on a fast CPU 40 steps can be over before `ray job stop` lands
     r = run_cmd(_submit_cmd(cluster, name, *LONG, steps, sid=sid, wait=False), env=cluster.env())
     assert r.returncode == 0, r.output
+    wait_for_step(run_dir, 5)
+    holder = json.loads((run_dir / "lease" / "gen-000000001.json").read_text())["holder"]
+    second = submit(cluster, name, *LONG, steps)
+    assert second.returncode != 0, second.output[-3000:]
+    assert f"is in use by another run: ray pid {holder['pid']} on host" in second.output, second.output[-3000:]
+    assert "Traceback" not in second.output
+    assert len(metrics(run_dir, "start")) == 1 and not (run_dir / "lease" / "gen-000000002.json").exists()
     wait_for_step(run_dir, 12)
     stop = run_cmd([RAY, "job", "stop", "--address", cluster.dashboard_url, sid], env=cluster.env(), timeout=120)
     assert stop.returncode == 0, stop.output
@@ -612,6 +623,7 @@ def test_stopped_job_resubmitted_with_the_same_name_resumes(cluster):
     assert r.returncode == 0, r.output[-4000:]
     second = metrics(run_dir, "start")[-1]
     assert second["resumed_step"] >= stopped_at  # not a fresh start
+    assert second["lease"]["generation"] == 2 and second["lease"]["took_over"]["why"] == "its process is gone"
     assert inspect(run_dir)["global_step"] == 150
 
 

@@ -176,6 +176,10 @@ def test_a_preempted_job_requeues_itself_and_resumes_with_zero_steps_redone(slur
     assert f"snapshot {run_dir}/snapshots/step_{pre['step']:09d}" in text
     first, second = metrics(run_dir, "start")
     assert first["resumed_step"] is None and second["resumed_step"] == pre["step"] == second["step"]
+    # The requeued job takes the run's lease as the job it is, quietly (trainapp/snapshots/lease.py).
+    assert second["lease"]["generation"] == first["lease"]["generation"] + 1 and second["lease"]["took_over"] is None
+    assert first["lease"]["holder"]["job"] == second["lease"]["holder"]["job"] != ""
+    assert first["lease"]["holder"]["job"].startswith("slurm:")
     for start in (first, second):  # two nodes, one rank each, over the nodes' own link
         assert [(p["host"], p["node_rank"], p["local_rank"]) for p in start["placement"]] == [
             ("node1", 0, 0), ("node2", 1, 0)], start["placement"]

@@ -19,6 +19,23 @@ class RunSection:
     """Run directory: snapshots go to `DIR/snapshots/`, metrics to `DIR/metrics.jsonl`. Re-running with
     the same dir resumes from its newest valid snapshot; under multi-node torchrun it must be storage
     every node sees."""
+    lease_s: float = Field(default=30.0, ge=0)
+    """Term of the run's lease on its directory (docs/run-directory.md): while a run renews it (every
+    term/6, at most every 2 s), another run on the same directory stops in seconds; once the renewals
+    have stopped this long (a holder killed or frozen on another host) a new run takes it over. 0: no
+    lease (two runs on one directory then mix their snapshots)."""
+    take_over: bool = False
+    """Take the lease now from a holder that still looks alive (you know it is dead: its node is gone).
+    If it is alive after all, it stops at its next write and publishes nothing more."""
+    allow_changes: list[str] = Field(default_factory=list)
+    """Keys (or whole sections: `data`) a resume may change although they make the snapshot's state
+    meaningless (`seed`, `task.*`, the image task's model and dataset; trainapp/config/changes.py). Other
+    changes are listed in one line and the run goes on."""
+
+    @field_validator("allow_changes", mode="before")
+    @classmethod
+    def _one_key(cls, v):
+        return [v] if isinstance(v, str) else v
 
 
 BUILTIN_TASKS = ("image_classification", "char_lm")

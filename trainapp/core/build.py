@@ -19,7 +19,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from trainapp.config import Config, ConfigError
+from trainapp.config import Config, ConfigError, changes
 from trainapp.core import data, optim
 from trainapp.core.amp import Precision
 from trainapp.core.state import RngState, TrainState
@@ -47,6 +47,8 @@ class Parts:
     total_steps: int
     peak_lr: float
     resumed_from: str | None
+    config_changes: dict[str, list[Any]]
+    """Each key whose value differs from the resumed snapshot's config: [there, here]."""
 
 
 def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | None] = lambda ctx: None,
@@ -88,12 +90,21 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
                        records={"config": cfg.to_dict()})
     mark("built")
     found = load(ctx)
-    if found is not None:
-        state.resume(found, cfg.run.dir)
+    diff = _resume(cfg, ctx, state, found) if found is not None else {}
     mark("loaded")
     ddp = None
     if ctx.distributed:  # wrap last: the snapshot went into the plain module
         ddp = DDP(model, device_ids=[ctx.device.index] if cuda else None, gradient_as_bucket_view=True)
     return Parts(task, batches, val_loader, model, ddp or model, ddp, precision, opt.optimizer, opt.schedule, opt.ema,
-                 progress, state, opt.schedule.total_steps, opt.peak_lr, found[0] if found else None)
+                 progress, state, opt.schedule.total_steps, opt.peak_lr, found[0] if found else None, diff)
 
+
+
+def _resume(cfg: Config, ctx, state: TrainState, found: tuple[str, dict[str, Any]]) -> dict[str, list[Any]]:
+    """Load the snapshot `found` into `state`, after its config is compared with this run's: the keys
+    that differ (one line on rank 0), or ConfigError for a change that makes its state meaningless."""
+    diff = changes.check_resume(found[1].get("config"), cfg.to_dict(), cfg.run.allow_changes, found[0])
+    if diff and ctx.is_main:
+        log.warning("resuming %s with config changes: %s", found[0], changes.line(diff))
+    state.resume(found, cfg.run.dir)
+    return diff

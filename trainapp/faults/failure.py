@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator
 from trainapp.errors import PEER_EXIT, Failure, first_line
 from trainapp.faults.heartbeat import Heartbeat
 from trainapp.observe import metrics
+from trainapp.snapshots.lease import Fence
 
 POLL_S = 1.0
 """How often each rank asks the store whether a peer failed."""
@@ -61,6 +62,9 @@ class FailureLog:
         self.rank, self.device, self.store, self.attempt = 0, None, None, 0
         self.done = False  # this process's failure is recorded: nothing more to say
         self.lock = threading.Lock()
+        self.fence: Fence = Fence.none()
+        """The run's lease: a rank of a run whose lease was taken over records nothing in the directory
+        that is no longer its run's (it still prints its line)."""
 
     def what(self, cause: str, error: str) -> str:
         """'rank R on HOST failed after step S in phase P: CAUSE: ERROR' (what peers are told)."""
@@ -81,7 +85,7 @@ class FailureLog:
         line = self.line_for(cause, error, exit_code)
         fields = {"rank": self.rank, "host": host(), "step": self.heartbeat.step, "phase": self.heartbeat.phase,
                   "cause": cause, "error": error, "exit_code": exit_code, "attempt": self.attempt, **extra}
-        if self.run_dir is not None:
+        if self.run_dir is not None and not self._fenced():
             try:
                 metrics.append(self.run_dir, "failure", **fields)
             except OSError as e:  # the storage may be what failed: the line still says it
@@ -91,6 +95,12 @@ class FailureLog:
             with contextlib.suppress(Exception):  # a store that is gone has no one left to tell
                 self.store.set(KEY, self.what(cause, error))
         return line
+
+    def _fenced(self) -> bool:
+        try:
+            return self.fence.lost()
+        except OSError:  # storage that cannot answer: the record's own write says how it fares
+            return False
 
     def end(self, cause: str, error: str, exit_code: int, **extra: Any) -> None:
         """Record a failure found outside the training thread (a hang, a grace period run out) and end the

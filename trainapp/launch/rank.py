@@ -25,6 +25,7 @@ from trainapp.group import DistContext
 from trainapp.launch import dist, malloc
 from trainapp.observe import logs, metrics
 from trainapp.observe.records import Records
+from trainapp.snapshots.lease import RunLease
 from trainapp.snapshots.manager import SnapshotManager
 from trainapp.snapshots.publish import Publish
 
@@ -44,6 +45,9 @@ class Launcher(Protocol):
     def drains(self, cfg: Config) -> DrainNotices | None:
         """Notices of a node going away, besides signals (None: signals only)."""
 
+    def lease(self, cfg: Config, ctx: DistContext) -> RunLease:
+        """The run's lease on its directory: taken (rank 0 holds it) or the driver's (under Ray)."""
+
     def restart(self) -> int:
         """How many times the launcher restarted this rank's group (for the start record)."""
 
@@ -56,15 +60,18 @@ def run_rank(launcher: Launcher, cfg: Config, task: Any = None) -> dict[str, Any
     """This rank's whole run of `task` (default: the one `task.name` names) under `launcher`: set up,
     build and resume, train; the summary. Whatever ends it early is recorded and raised
     (trainapp/faults/failure.py)."""
-    guard, ctx = launcher.guard(cfg), None
+    guard, ctx, held = launcher.guard(cfg), None, RunLease.none()
     try:
         ctx = launcher.context(cfg, guard)
         guard.timeline.mark("process_group")
         logs.setup(ctx.rank, ctx.world_size)
+        held = launcher.lease(cfg, ctx)  # before anything is written to the run directory
+        guard.failures.fence = held.fence
         attempt = len(metrics.read(cfg.run.dir, "start", missing_ok=True))
         with guard.watching(cfg, ctx, lambda: _side_store(ctx), attempt):
-            return {**trainer(launcher, cfg, ctx, guard, task).train(), "rank": ctx.rank}
+            return {**trainer(launcher, cfg, ctx, guard, task, held).train(), "rank": ctx.rank}
     finally:
+        held.release()
         launcher.close(ctx)
 
 
@@ -84,14 +91,17 @@ class StoreGone(Failure):
     everywhere = True  # no store to tell the peers through
 
 
-def trainer(launcher: Launcher, cfg: Config, ctx: DistContext, guard: RankGuard, task: Any = None) -> Trainer:
-    """The rank's parts, built and resumed, and the Trainer over them, its start on record."""
+def trainer(launcher: Launcher, cfg: Config, ctx: DistContext, guard: RankGuard, task: Any = None,
+            held: RunLease | None = None) -> Trainer:
+    """The rank's parts, built and resumed, and the Trainer over them, its start on record; `held`: the
+    run's lease, whose fence every write checks."""
     malloc.keep_freed_memory()  # before the parts and the first step allocate what every step reuses
+    held = held or RunLease.none()
     publish = launcher.publish(cfg, ctx)
     guard.notices.snapshots = publish.where
-    snapshots = SnapshotManager.from_config(cfg, publish, guard.heartbeat)
+    snapshots = SnapshotManager.from_config(cfg, publish, guard.heartbeat, held.fence)
     drills = Drills(cfg.drill, ctx.rank, ctx.world_size, cfg.run.dir, guard.heartbeat)
-    records = Records(cfg, ctx)
+    records = Records(cfg, ctx, held.fence.check, held.summary)
     parts = build(cfg, ctx, snapshots.load, guard.timeline.mark, task)
     drills.attach(parts)
     boundary = StepBoundary(ctx, guard.notices, snapshots.due, launcher.drains(cfg), cfg.preempt.ray_poll_s,

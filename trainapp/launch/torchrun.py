@@ -15,6 +15,7 @@ from trainapp.faults.guard import RankGuard
 from trainapp.group import DistContext
 from trainapp.launch import dist
 from trainapp.observe import logs
+from trainapp.snapshots.lease import RunLease, take_for_group
 from trainapp.snapshots.publish import LocalPublish
 
 
@@ -40,6 +41,11 @@ class Torchrun:
 
     def drains(self, cfg: Config) -> None:
         return None
+
+    def lease(self, cfg: Config, ctx: DistContext) -> RunLease:
+        kind = "slurm" if os.environ.get("SLURM_JOB_ID") else "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ \
+            else "alone"
+        return take_for_group(ctx, cfg.run.dir, kind, cfg.run.lease_s, cfg.run.take_over)
 
     def restart(self) -> int:
         return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -12,20 +12,23 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 METRICS = "metrics.jsonl"
 
 
 class MetricsWriter:
     """Appends one JSON object per line to metrics.jsonl (rank 0 only, `path` None elsewhere; restarts
-    append). The file opens at the first record and writes nothing once closed."""
+    append). The file opens at the first record and writes nothing once closed. `fence` is called
+    before every record and raises when this run may not write any more (its lease was taken over)."""
 
-    def __init__(self, path: Path | None):
-        self.path = path
+    def __init__(self, path: Path | None, fence: Callable[[str], None] | None = None):
+        self.path, self.fence = path, fence
         self._f = None
 
     def write(self, kind: str, **fields: Any) -> None:
+        if self.fence is not None and self.path is not None:
+            self.fence("record")
         if self._f is None and self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._f = open(self.path, "a", buffering=1)

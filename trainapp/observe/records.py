@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -28,11 +28,14 @@ class Records:
     """Rank 0 writes; the other ranks only log warnings. Made before the parts: a missing TensorBoard
     package is said before anything is built."""
 
-    def __init__(self, cfg: Config, ctx) -> None:
-        self.cfg, self.ctx = cfg, ctx
+    def __init__(self, cfg: Config, ctx, fence: Callable[[str], None] | None = None,
+                 lease: dict[str, Any] | None = None) -> None:
+        """`fence`: raises when the run's lease was taken over (before every record); `lease`: what the
+        start record says of it."""
+        self.cfg, self.ctx, self.lease = cfg, ctx, lease
         if cfg.observe.tensorboard:
             tboard.check()
-        self.metrics = MetricsWriter(Path(cfg.run.dir) / METRICS if ctx.is_main else None)
+        self.metrics = MetricsWriter(Path(cfg.run.dir) / METRICS if ctx.is_main else None, fence)
         self.board: tboard.Board | None = None
         self.stragglers = timings.Stragglers(cfg.observe.straggler_ratio, cfg.observe.straggler_intervals)
         self.hosts: list[str] = []  # by rank, from the start record's placement
@@ -53,7 +56,8 @@ class Records:
                            threads=torch.get_num_threads(), interop_threads=torch.get_num_interop_threads(),
                            restart=restart, resumed_from=parts.resumed_from, resumed_step=resumed.get("global_step"),
                            resumed_world_size=resumed.get("world_size"), network=network, placement=placed,
-                           startup=startup, config=cfg.to_dict())
+                           startup=startup, lease=self.lease, config_changes=parts.config_changes,
+                           config=cfg.to_dict())
         log.info("config %s", json.dumps(cfg.to_dict(), separators=(",", ":")))
         log.info(logs.kv(world_size=ctx.world_size, backend=ctx.backend, device=ctx.device, amp=parts.precision.name,
                          global_batch=p.global_batch, total_steps=parts.total_steps, start_step=p.global_step))

@@ -26,6 +26,7 @@ from typing import Any
 
 from trainapp.errors import ConfigError, Failure
 from trainapp.snapshots.files import Buffers, cpu_copy, is_storage_error, storage_hint
+from trainapp.snapshots.lease import Fence
 from trainapp.snapshots.publish import Publish
 from trainapp.snapshots.store import newest_valid, step_name, write_dir
 
@@ -56,8 +57,10 @@ class SnapshotManager:
     rank; rank 0 does the file work. `heartbeat` (the rank guard's) hears of every chunk written."""
 
     def __init__(self, publish: Publish, every_steps: int = 50, async_write: bool = False, max_failures: int = 3,
-                 write_delay_s: float = 0.0, heartbeat: Any = None) -> None:
+                 write_delay_s: float = 0.0, heartbeat: Any = None, fence: Fence | None = None) -> None:
         self.publish, self.root = publish, publish.root
+        self.fence = fence or Fence.none()
+        """The run's lease: checked before a snapshot is published (trainapp/snapshots/lease.py)."""
         self.every_steps, self.async_write, self.max_failures = every_steps, async_write, max_failures
         self.write_delay_s = write_delay_s
         """Failure drill (`drill.snapshot_write_delay_s`): a pause inside every write, before the meta
@@ -78,10 +81,11 @@ class SnapshotManager:
         self._buffers = Buffers()
 
     @classmethod
-    def from_config(cls, cfg, publish: Publish, heartbeat: Any = None) -> SnapshotManager:
+    def from_config(cls, cfg, publish: Publish, heartbeat: Any = None, fence: Fence | None = None) -> SnapshotManager:
         """The one place a run's snapshot manager is made from its config (`publish`: the launcher's)."""
         s = cfg.snapshot
-        return cls(publish, s.every_steps, s.async_, s.max_failures, cfg.drill.snapshot_write_delay_s, heartbeat)
+        return cls(publish, s.every_steps, s.async_, s.max_failures, cfg.drill.snapshot_write_delay_s, heartbeat,
+                   fence)
 
     def due(self, step: int, last: bool) -> bool:
         return last or (self.every_steps > 0 and step % self.every_steps == 0)
@@ -197,7 +201,10 @@ class SnapshotManager:
     def write(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path | str:
         """Rank 0 only: write the snapshot of `step` under the root, then commit it where it goes."""
         t0 = time.perf_counter()
-        path = write_dir(self.path_for(step), state, meta, self.write_delay_s, self.heartbeat.progress, self._buffers)
+        meta = {**meta, "lease_generation": self.fence.generation}
+        path = write_dir(self.path_for(step), state, meta, self.write_delay_s, self.heartbeat.progress, self._buffers,
+                         before_publish=lambda: self.fence.check("snapshot"))
+        self.fence.check("snapshot")  # a URI's upload publishes: after the local write, before that
         where = self.publish.commit(step, path)
         log.info("snapshot step=%d path=%s seconds=%.2f%s", step, where, time.perf_counter() - t0,
                  " (background)" if self._pending is not None else "")

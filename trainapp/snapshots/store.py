@@ -67,10 +67,12 @@ def params_sha256(module: torch.nn.Module) -> str:
 
 
 def write_dir(final: Path, state: dict[str, Any], meta: dict[str, Any], delay_s: float = 0.0,
-              progress: Callable[[], None] = lambda: None, buffers: Buffers | None = None) -> Path:
+              progress: Callable[[], None] = lambda: None, buffers: Buffers | None = None,
+              before_publish: Callable[[], None] = lambda: None) -> Path:
     """Write `state` and `meta` as the snapshot directory `final`, atomically (`delay_s`: a drill's
     pause between the state file and the meta file that completes it; `progress`: called as the
-    write goes, for the hang watchdog)."""
+    write goes, for the hang watchdog; `before_publish`: the last word before the rename, which may
+    raise to publish nothing: the lease's fence)."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -84,6 +86,7 @@ def write_dir(final: Path, state: dict[str, Any], meta: dict[str, Any], delay_s:
         meta = {**meta, "format": FORMAT, "xxh3_128": digest, "bytes": size}
         write_bytes(tmp / META, lambda f: f.write(json.dumps(meta, indent=2).encode()))
         fsync_dir(tmp)
+        before_publish()
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

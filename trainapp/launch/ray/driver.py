@@ -204,13 +204,30 @@ def _fit(cfg: Config, worker=None, **extra):
         log.info("%s: %s workers, %s per worker, storage %s/%s", where, cfg.ray.num_workers, needs, storage,
                  cfg.ray.name)
         timeline.mark("driver_checked")
+        lease = _take_lease(cfg, storage) if worker is None else None
         try:
+            if lease is not None:
+                extra["lease"] = {"fence": lease.fence.to_dict(), "summary": lease.summary()}
             result = _trainer(cfg, storage, needs, use_gpu, timeline, worker, **extra).fit()
         except Exception as e:
             plain = _error_in(e)
             if plain is not None:
                 raise plain from None
             raise
+        finally:
+            if lease is not None:
+                lease.release()
         return result, storage
     finally:
         ray.shutdown()
+
+
+def _take_lease(cfg: Config, storage: str):
+    """The run STORAGE/NAME's lease, held by this driver for the whole fit: Ray Train's retries of the
+    worker group are this run; another submission of the same name is another (trainapp/snapshots/lease.py).
+    None with `run.lease_s=0`."""
+    if cfg.run.lease_s <= 0:
+        return None
+    from trainapp.snapshots.lease import Lease
+
+    return Lease.take(f"{storage}/{cfg.ray.name}", "ray", cfg.run.lease_s, cfg.run.take_over).start()

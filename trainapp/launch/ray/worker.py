@@ -23,6 +23,7 @@ from trainapp.launch import dist
 from trainapp.launch.rank import run_rank
 from trainapp.launch.ray.checks import is_uri
 from trainapp.launch.ray.publish import RayDrainNotice, RayPublish
+from trainapp.snapshots.lease import Fence, RunLease
 
 
 class RayWorker:
@@ -47,6 +48,10 @@ class RayWorker:
 
     def drains(self, cfg: config.Config) -> RayDrainNotice | None:
         return RayDrainNotice() if cfg.preempt.ray_poll_s else None
+
+    def lease(self, cfg: config.Config, ctx: DistContext) -> RunLease:
+        given = self.payload.get("lease") or {}  # the driver holds it: a retry of the group is the same run
+        return RunLease(Fence.from_dict(given.get("fence")), given.get("summary"))
 
     def restart(self) -> int:
         return 0  # Ray Train's restarts show as attempts in metrics.jsonl

@@ -1,0 +1,313 @@
+"""One run per run directory: the lease and its fence (trainapp/snapshots/lease.py), and a resume that
+says what changed (trainapp/config/changes.py). Real processes: a second run on a held directory, a
+SIGKILLed holder in another pid namespace (a host this one cannot look into), a SIGSTOPped holder
+resumed after the take-over (the zombie), the lease across torchrun's restarts; the config a resume
+changes, listed or refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from helpers import PY, QUICK, REPO, inspect, run_cmd, trainapp
+
+from trainapp.config import changes
+from trainapp.errors import ConfigError
+from trainapp.observe import metrics
+from trainapp.snapshots.lease import Fence, Fenced, Lease, LeaseHeld
+from trainapp.snapshots.lease_store import DirStore
+
+slow = pytest.mark.slow
+# Long enough for a second run to start while it trains (a few seconds), snapshots every 50 steps.
+RUN = [*QUICK, "train.log_every=25", "train.epochs=100", "train.max_steps=500", "snapshot.every_steps=50"]
+
+
+class Background:
+    """A process in its own session, output to a file, killed by process group at the end."""
+
+    def __init__(self, cmd: list[str], log: Path):
+        self.log = log
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def wait(self, timeout: float = 180) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def train_cmd(run_dir: Path, *args: str) -> list[str]:
+    return [PY, "-m", "trainapp", "train", f"run.dir={run_dir}", *RUN, *args]
+
+
+def wait_until(what, timeout: float = 120, job: Background | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = what()
+        if got:
+            return got
+        assert job is None or job.proc.poll() is None, job.output()[-3000:]
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting{': ' + job.output()[-2000:] if job else ''}")
+
+
+def snapshot_at(run_dir: Path, step: int):
+    return lambda: any(r.get("step", 0) >= step for r in metrics.read(run_dir, "snapshot", missing_ok=True))
+
+
+def final_sha(run_dir: Path) -> str:
+    return inspect(run_dir)["params_sha256"]
+
+
+@pytest.fixture(scope="module")
+def lone_sha(tmp_path_factory) -> str:
+    """The final parameters of RUN trained alone, never disturbed."""
+    run_dir = tmp_path_factory.mktemp("lone") / "run"
+    r = run_cmd(train_cmd(run_dir))
+    assert r.returncode == 0, r.output[-3000:]
+    return final_sha(run_dir)
+
+
+# ----------------------------------------------------------------------------------------------
+# The lease between processes, without training
+
+HOLD = textwrap.dedent("""
+    import sys, time
+    from trainapp.snapshots.lease import Lease
+    held = Lease.take(sys.argv[1], "alone", float(sys.argv[2])).start()
+    print("held", held.generation, flush=True)
+    time.sleep(600)
+""")
+
+
+def hold(run_dir: Path, term_s: float, log: Path) -> Background:
+    job = Background([PY, "-c", HOLD, str(run_dir), str(term_s)], log)
+    wait_until(lambda: "held" in job.output(), job=job)
+    return job
+
+
+def test_only_one_of_many_processes_creates_a_generation(tmp_path):
+    """Eight processes race to create generation 1 of one folder: exactly one wins."""
+    code = ("import sys; from trainapp.snapshots.lease_store import DirStore; "
+            "print(DirStore(sys.argv[1]).create('gen-000000001.json', sys.argv[2].encode()))")
+    procs = [subprocess.Popen([PY, "-c", code, str(tmp_path / "lease"), f"writer {i}"], stdout=subprocess.PIPE,
+                              text=True) for i in range(8)]
+    won = [i for i, p in enumerate(procs) if p.communicate(timeout=60)[0].strip() == "True"]
+    assert len(won) == 1, won
+    assert (tmp_path / "lease" / "gen-000000001.json").read_text() == f"writer {won[0]}"
+    assert sorted(os.listdir(tmp_path / "lease")) == ["gen-000000001.json"]  # no temporary file left
+
+
+def test_a_live_holder_stops_a_second_taker_in_seconds_naming_it(tmp_path):
+    job = hold(tmp_path, 30, tmp_path / "holder.log")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(LeaseHeld) as e:
+            Lease.take(str(tmp_path), "alone", 30)
+        assert time.monotonic() - t0 < 6
+        assert f"pid {job.proc.pid} on host" in str(e.value) and "run.take_over=true" in str(e.value)
+    finally:
+        job.kill()
+
+
+def test_a_dead_holder_on_this_host_is_taken_over_at_once_and_fenced(tmp_path, caplog):
+    job = hold(tmp_path, 30, tmp_path / "holder.log")
+    job.kill()
+    job.proc.wait()
+    t0 = time.monotonic()
+    took = Lease.take(str(tmp_path), "alone", 30)
+    assert time.monotonic() - t0 < 2
+    assert took.generation == 2 and took.took_over["why"] == "its process is gone"
+    assert took.took_over["holder"]["pid"] == job.proc.pid
+    assert f"took over the lease of alone pid {job.proc.pid}" in caplog.text
+    stale = Fence(DirStore(tmp_path / "lease"), 1, str(tmp_path))
+    with pytest.raises(Fenced, match="taken over by alone pid"):
+        stale.check("snapshot")
+    took.fence.check()  # the new holder's own fence holds
+
+
+def test_take_over_true_takes_a_live_holders_lease_which_then_finds_itself_fenced(tmp_path):
+    job = hold(tmp_path, 30, tmp_path / "holder.log")
+    try:
+        took = Lease.take(str(tmp_path), "alone", 30, take_over=True)
+        assert took.took_over["why"] == "run.take_over=true"
+        # The old holder's renewal thread sees generation 2 and stops renewing its own.
+        before = json.loads((tmp_path / "lease" / "gen-000000001.json").read_text())["renewals"]
+        time.sleep(5)
+        after = json.loads((tmp_path / "lease" / "gen-000000001.json").read_text())["renewals"]
+        assert after <= before + 1, (before, after)
+        assert "run lease lost" in job.output()
+    finally:
+        job.kill()
+
+
+def test_a_released_lease_and_the_same_jobs_restart_are_taken_quietly(tmp_path, monkeypatch):
+    first = Lease.take(str(tmp_path), "alone", 30).start()
+    first.release()
+    second = Lease.take(str(tmp_path), "torchrun", 30)
+    assert second.generation == 2 and second.took_over is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    a = Lease.take(str(tmp_path / "b"), "torchrun", 30).start()  # not released: its "restart" comes next
+    restart = Lease.take(str(tmp_path / "b"), "torchrun", 30)
+    assert restart.generation == 2 and restart.took_over is None
+    assert a.fence.lost()
+    a.release()  # a fenced lease is not released: the restart's stays
+    assert not json.loads((tmp_path / "b" / "lease" / "gen-000000002.json").read_text())["released"]
+
+
+# ----------------------------------------------------------------------------------------------
+# What a resume changes
+
+
+def test_config_changes_are_listed_and_the_meaningless_ones_refused():
+    old = {"seed": 1, "optim": {"lr": 0.05}, "task": {"name": "x:y", "args": {"hidden": 8}}, "run": {"dir": "a"}}
+    new = {"seed": 1, "optim": {"lr": 0.5}, "task": {"name": "x:y", "args": {"hidden": 8}}, "run": {"dir": "a"}}
+    diff = changes.check_resume(old, new, [], "snap")
+    assert diff == {"optim.lr": [0.05, 0.5]} and changes.line(diff) == "optim.lr 0.05 -> 0.5"
+    for key, value in (("seed", 2), ("task.args.hidden", 16)):
+        changed = json.loads(json.dumps(new))
+        node = changed
+        *path, leaf = key.split(".")
+        for part in path:
+            node = node[part]
+        node[leaf] = value
+        with pytest.raises(ConfigError, match=rf"^{key}={value}: the snapshot snap was trained with"):
+            changes.check_resume(old, changed, [], "snap")
+        assert key in changes.check_resume(old, changed, [key.split(".")[0]], "snap")  # a section allows its keys
+    assert changes.check_resume(None, new, [], "snap") == {}
+
+
+@slow
+def test_a_resume_lists_what_changed_and_refuses_another_seed_unless_allowed(tmp_path):
+    run_dir = tmp_path / "run"
+    short = [f"run.dir={run_dir}", *QUICK, "train.max_steps=20"]
+    assert trainapp("train", *short).returncode == 0
+    r = trainapp("train", *short, "seed=5")
+    assert r.returncode == 2, r.output
+    errors = [ln for ln in r.stderr.splitlines() if "error" in ln]
+    assert len(errors) == 1 and "seed=5: the snapshot" in errors[0] and "run.allow_changes=[seed]" in errors[0]
+    assert "Traceback" not in r.output
+    assert len(metrics.read(run_dir, "start")) == 1  # refused before it wrote anything
+
+    r = trainapp("train", *short, "optim.lr=0.5", "train.max_steps=40")
+    assert r.returncode == 0, r.output[-2000:]
+    assert "with config changes: optim.lr 0.05 -> 0.5, train.max_steps 20 -> 40" in r.stderr
+    start = metrics.read(run_dir, "start")[-1]
+    assert start["config_changes"] == {"optim.lr": [0.05, 0.5], "train.max_steps": [20, 40]}
+    r = trainapp("train", *short, "optim.lr=0.5", "train.max_steps=45", "seed=5", "run.allow_changes=seed")
+    assert r.returncode == 0, r.output[-2000:]
+    assert metrics.read(run_dir, "start")[-1]["config_changes"]["seed"] == [0, 5]
+
+
+# ----------------------------------------------------------------------------------------------
+# Runs on one directory
+
+
+@slow
+def test_a_second_run_on_a_held_dir_exits_2_in_seconds_and_the_first_is_unharmed(tmp_path):
+    run_dir = tmp_path / "run"
+    first = Background(train_cmd(run_dir), tmp_path / "first.log")
+    lone = Background(train_cmd(tmp_path / "lone"), tmp_path / "lone.log")  # the control, beside it
+    try:
+        wait_until(lambda: (run_dir / "lease" / "gen-000000001.json").exists(), job=first)
+        t0 = time.monotonic()
+        r = run_cmd(train_cmd(run_dir, "seed=2"))
+        took = time.monotonic() - t0
+        assert first.proc.poll() is None, "the first run ended before the second was refused: make RUN longer"
+        assert first.wait() == 0, first.output()[-3000:]
+        assert lone.wait() == 0, lone.output()[-3000:]
+    finally:
+        first.kill()
+        lone.kill()
+    assert r.returncode == 2, r.output[-3000:]
+    assert took < 15, took  # python and torch imports, then at most a few renewal intervals
+    errors = [ln for ln in r.stderr.splitlines() if "error" in ln]
+    assert len(errors) == 1 and f"is in use by another run: alone pid {first.proc.pid} on host" in errors[0], errors
+    assert "Traceback" not in r.output
+    starts = metrics.read(run_dir, "start")
+    assert len(starts) == 1 and {r["pid"] for r in metrics.read(run_dir)} == {first.proc.pid}
+    assert final_sha(run_dir) == final_sha(tmp_path / "lone")  # bitwise the run it would have been alone
+
+
+@pytest.mark.e2e
+def test_a_sigkilled_holder_on_another_host_is_taken_over_after_its_term(tmp_path, lone_sha):
+    """The holder runs in a pid namespace of its own: to the next run it is a process it cannot look
+    into, as on another host, so only the lease's term can say it is dead."""
+    run_dir = tmp_path / "run"
+    holder = Background(["unshare", "--pid", "--fork", "--kill-child", *train_cmd(run_dir, "run.lease_s=4")],
+                        tmp_path / "holder.log")
+    try:
+        wait_until(snapshot_at(run_dir, 50), job=holder)
+    finally:
+        holder.kill()
+    holder.proc.wait()
+    t0 = time.monotonic()
+    r = run_cmd(train_cmd(run_dir, "run.lease_s=4"))
+    assert r.returncode == 0, r.output[-3000:]
+    assert time.monotonic() - t0 > 4  # it waited out the term, renewals never came
+    took = metrics.read(run_dir, "start")[-1]["lease"]["took_over"]
+    assert took["why"].startswith("its heartbeat stopped") and took["generation"] == 1, took
+    assert "took over the lease of alone pid" in r.stderr
+    assert final_sha(run_dir) == lone_sha
+
+
+@pytest.mark.e2e
+def test_a_sigstopped_holder_resumed_after_the_take_over_publishes_nothing_and_exits(tmp_path, lone_sha):
+    run_dir = tmp_path / "run"
+    zombie = Background(train_cmd(run_dir, "run.lease_s=3"), tmp_path / "zombie.log")
+    heir = None
+    try:
+        wait_until(snapshot_at(run_dir, 50), job=zombie)
+        os.kill(zombie.proc.pid, signal.SIGSTOP)
+        stopped_at = max(r["step"] for r in metrics.read(run_dir, "snapshot"))
+        heir = Background(train_cmd(run_dir, "run.lease_s=3"), tmp_path / "heir.log")
+        wait_until(lambda: "took over the lease" in heir.output(), job=heir)
+        wait_until(lambda: len(metrics.read(run_dir, "train", missing_ok=True)) and
+                   metrics.read(run_dir)[-1]["pid"] == heir.proc.pid, job=heir)
+        os.kill(zombie.proc.pid, signal.SIGCONT)
+        assert zombie.wait(60) == 2, zombie.output()[-3000:]
+        assert heir.wait() == 0, heir.output()[-3000:]
+    finally:
+        zombie.kill()
+        if heir is not None:
+            heir.kill()
+    said = [ln for ln in zombie.output().splitlines() if "fenced" in ln]
+    assert said and "was taken over by alone pid" in said[0] and "publishes nothing more" in said[0], said
+    records = metrics.read(run_dir)
+    heir_start = next(i for i, r in enumerate(records) if r["kind"] == "start" and r["pid"] == heir.proc.pid)
+    assert all(r["pid"] == heir.proc.pid for r in records[heir_start:]), "the zombie wrote into the heir's run"
+    for snap in (run_dir / "snapshots").iterdir():
+        meta = json.loads((snap / "meta.json").read_text())
+        assert meta["lease_generation"] == 2 or meta["global_step"] <= stopped_at + 50, meta
+    assert final_sha(run_dir) == lone_sha
+
+
+@slow
+def test_torchruns_restart_takes_the_lease_of_its_own_job_quietly(torchrun_restarted):
+    """conftest's run: rank 1 SIGKILLed at step 13, the group restarted by torchrun."""
+    starts = metrics.read(torchrun_restarted, "start")
+    assert [s["lease"]["generation"] for s in starts] == [1, 2]
+    assert starts[1]["lease"]["took_over"] is None  # the same job: no take-over, no warning
+    assert starts[0]["lease"]["holder"]["job"] == starts[1]["lease"]["holder"]["job"]
+    assert starts[0]["lease"]["holder"]["job"].startswith("torchrun:")
+    meta = json.loads(sorted((torchrun_restarted / "snapshots").iterdir())[-1].joinpath("meta.json").read_text())
+    assert meta["lease_generation"] == 2
+
