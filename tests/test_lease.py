@@ -22,6 +22,7 @@ from trainapp.errors import ConfigError
 from trainapp.observe import metrics
 from trainapp.snapshots.lease import Fence, Fenced, Lease, LeaseHeld
 from trainapp.snapshots.lease_store import DirStore
+from trainapp.tools import report
 
 slow = pytest.mark.slow
 # Long enough for a second run to start while it trains (a few seconds), snapshots every 50 steps.
@@ -77,13 +78,26 @@ def final_sha(run_dir: Path) -> str:
     return inspect(run_dir)["params_sha256"]
 
 
-@pytest.fixture(scope="module")
-def lone_sha(tmp_path_factory) -> str:
-    """The final parameters of RUN trained alone, never disturbed."""
-    run_dir = tmp_path_factory.mktemp("lone") / "run"
-    r = run_cmd(train_cmd(run_dir))
-    assert r.returncode == 0, r.output[-3000:]
-    return final_sha(run_dir)
+class Control:
+    """RUN trained alone in a directory of its own, beside the run under test (two cores: side by side
+    costs less wall time than one after the other); `sha()` its final parameters."""
+
+    def __init__(self, tmp_path: Path):
+        self.run_dir = tmp_path / "lone"
+        self.job = Background(train_cmd(self.run_dir), tmp_path / "lone.log")
+
+    def sha(self) -> str:
+        assert self.job.wait() == 0, self.job.output()[-3000:]
+        return final_sha(self.run_dir)
+
+
+@pytest.fixture
+def control(tmp_path):
+    c = Control(tmp_path)
+    try:
+        yield c
+    finally:
+        c.job.kill()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,6 +229,8 @@ def test_a_resume_lists_what_changed_and_refuses_another_seed_unless_allowed(tmp
     r = trainapp("train", *short, "optim.lr=0.5", "train.max_steps=45", "seed=5", "run.allow_changes=seed")
     assert r.returncode == 0, r.output[-2000:]
     assert metrics.read(run_dir, "start")[-1]["config_changes"]["seed"] == [0, 5]
+    text = report.summarize(run_dir, report.read(run_dir))
+    assert "config         attempt 1 resumed with optim.lr 0.05 -> 0.5, train.max_steps 20 -> 40" in text, text
 
 
 # ----------------------------------------------------------------------------------------------
@@ -222,10 +238,9 @@ def test_a_resume_lists_what_changed_and_refuses_another_seed_unless_allowed(tmp
 
 
 @slow
-def test_a_second_run_on_a_held_dir_exits_2_in_seconds_and_the_first_is_unharmed(tmp_path):
+def test_a_second_run_on_a_held_dir_exits_2_in_seconds_and_the_first_is_unharmed(tmp_path, control):
     run_dir = tmp_path / "run"
     first = Background(train_cmd(run_dir), tmp_path / "first.log")
-    lone = Background(train_cmd(tmp_path / "lone"), tmp_path / "lone.log")  # the control, beside it
     try:
         wait_until(lambda: (run_dir / "lease" / "gen-000000001.json").exists(), job=first)
         t0 = time.monotonic()
@@ -233,10 +248,9 @@ def test_a_second_run_on_a_held_dir_exits_2_in_seconds_and_the_first_is_unharmed
         took = time.monotonic() - t0
         assert first.proc.poll() is None, "the first run ended before the second was refused: make RUN longer"
         assert first.wait() == 0, first.output()[-3000:]
-        assert lone.wait() == 0, lone.output()[-3000:]
+        lone_sha = control.sha()
     finally:
         first.kill()
-        lone.kill()
     assert r.returncode == 2, r.output[-3000:]
     assert took < 15, took  # python and torch imports, then at most a few renewal intervals
     errors = [ln for ln in r.stderr.splitlines() if "error" in ln]
@@ -244,11 +258,11 @@ def test_a_second_run_on_a_held_dir_exits_2_in_seconds_and_the_first_is_unharmed
     assert "Traceback" not in r.output
     starts = metrics.read(run_dir, "start")
     assert len(starts) == 1 and {r["pid"] for r in metrics.read(run_dir)} == {first.proc.pid}
-    assert final_sha(run_dir) == final_sha(tmp_path / "lone")  # bitwise the run it would have been alone
+    assert final_sha(run_dir) == lone_sha  # bitwise the run it would have been alone
 
 
 @pytest.mark.e2e
-def test_a_sigkilled_holder_on_another_host_is_taken_over_after_its_term(tmp_path, lone_sha):
+def test_a_sigkilled_holder_on_another_host_is_taken_over_after_its_term(tmp_path, control):
     """The holder runs in a pid namespace of its own: to the next run it is a process it cannot look
     into, as on another host, so only the lease's term can say it is dead."""
     run_dir = tmp_path / "run"
@@ -266,11 +280,13 @@ def test_a_sigkilled_holder_on_another_host_is_taken_over_after_its_term(tmp_pat
     took = metrics.read(run_dir, "start")[-1]["lease"]["took_over"]
     assert took["why"].startswith("its heartbeat stopped") and took["generation"] == 1, took
     assert "took over the lease of alone pid" in r.stderr
-    assert final_sha(run_dir) == lone_sha
+    assert final_sha(run_dir) == control.sha()
+    text = report.summarize(run_dir, report.read(run_dir))
+    assert "take-over      attempt 1 took the run directory over from alone pid" in text, text
 
 
 @pytest.mark.e2e
-def test_a_sigstopped_holder_resumed_after_the_take_over_publishes_nothing_and_exits(tmp_path, lone_sha):
+def test_a_sigstopped_holder_resumed_after_the_take_over_publishes_nothing_and_exits(tmp_path, control):
     run_dir = tmp_path / "run"
     zombie = Background(train_cmd(run_dir, "run.lease_s=3"), tmp_path / "zombie.log")
     heir = None
@@ -297,7 +313,7 @@ def test_a_sigstopped_holder_resumed_after_the_take_over_publishes_nothing_and_e
     for snap in (run_dir / "snapshots").iterdir():
         meta = json.loads((snap / "meta.json").read_text())
         assert meta["lease_generation"] == 2 or meta["global_step"] <= stopped_at + 50, meta
-    assert final_sha(run_dir) == lone_sha
+    assert final_sha(run_dir) == control.sha()
 
 
 @slow

@@ -277,6 +277,10 @@ def test_fault_drill_inside_a_ray_worker_resumes_and_reaches_the_planned_step(ra
     starts = metrics(run_dir, "start")
     assert len(starts) == 2 and starts[1]["resumed_step"] == 10
     assert inspect(run_dir)["global_step"] == 24
+    # Ray Train's retry is the same run: the driver's lease, one generation, never taken over.
+    assert [s["lease"]["generation"] for s in starts] == [1, 1]
+    assert starts[0]["lease"]["holder"]["launcher"] == "ray" and starts[1]["lease"]["took_over"] is None
+    assert json.loads((run_dir / "lease" / "gen-000000001.json").read_text())["released"]
 
 
 def test_the_snapshot_write_delay_drill_slows_every_ray_snapshot(ray_run_with_restart):
@@ -603,11 +607,13 @@ def test_stopped_job_resubmitted_with_the_same_name_resumes(cluster):
     name, sid = "resubmit", f"resubmit-{uuid.uuid4().hex[:6]}"
     run_dir = cluster.storage / name
     steps = "train.max_steps=150"  # on a fast CPU 40 steps can be over before `ray job stop` lands
-    r = run_cmd(_submit_cmd(cluster, name, *LONG, steps, sid=sid, wait=False), env=cluster.env())
+    # Steps of 250 ms (a sleep: the numbers do not change) while a second driver starts on a busy machine.
+    slow = ("drill.slow_rank=0", "drill.slow_ms=250")
+    r = run_cmd(_submit_cmd(cluster, name, *LONG, steps, *slow, sid=sid, wait=False), env=cluster.env())
     assert r.returncode == 0, r.output
     wait_for_step(run_dir, 5)
     holder = json.loads((run_dir / "lease" / "gen-000000001.json").read_text())["holder"]
-    second = submit(cluster, name, *LONG, steps)
+    second = submit(cluster, name, *LONG, steps, *slow)
     assert second.returncode != 0, second.output[-3000:]
     assert f"is in use by another run: ray pid {holder['pid']} on host" in second.output, second.output[-3000:]
     assert "Traceback" not in second.output
@@ -623,7 +629,12 @@ def test_stopped_job_resubmitted_with_the_same_name_resumes(cluster):
     assert r.returncode == 0, r.output[-4000:]
     second = metrics(run_dir, "start")[-1]
     assert second["resumed_step"] >= stopped_at  # not a fresh start
-    assert second["lease"]["generation"] == 2 and second["lease"]["took_over"]["why"] == "its process is gone"
+    # The stopped driver released its lease on Ray's SIGTERM (or, killed before it could, is gone): either
+    # way the resubmission takes it at once.
+    released = json.loads((run_dir / "lease" / "gen-000000001.json").read_text())["released"]
+    took = second["lease"]["took_over"]
+    assert second["lease"]["generation"] == 2 and (took is None if released else took["why"] == "its process is gone")
+    assert second["config_changes"] == {"drill.slow_ms": [250.0, 100.0], "drill.slow_rank": [0, None]}
     assert inspect(run_dir)["global_step"] == 150
 
 

@@ -14,8 +14,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from trainapp.config import ConfigError
+from trainapp.config import ConfigError, changes
 from trainapp.observe import metrics
+from trainapp.snapshots.lease import describe
 
 
 def read(run_dir: Path) -> list[dict[str, Any]]:
@@ -138,6 +139,20 @@ def val_keys(records: list[dict]) -> list[str]:
     return list(keys)
 
 
+def _start_lines(starts: list[dict]) -> list[str]:
+    """A line for each attempt that took the run's lease over from another run, or resumed under a
+    changed config (docs/run-directory.md)."""
+    lines = []
+    for i, start in enumerate(starts):
+        took = (start.get("lease") or {}).get("took_over")
+        if took:
+            lines.append(f"take-over      attempt {i} took the run directory over from {describe(took['holder'] or {})}: "
+                         f"{took['why']}")
+        if start.get("config_changes"):
+            lines.append(f"config         attempt {i} resumed with {changes.line(start['config_changes'])}")
+    return lines
+
+
 def summarize(run_dir: Path, records: list[dict]) -> str:
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
@@ -159,6 +174,7 @@ def summarize(run_dir: Path, records: list[dict]) -> str:
         lines.append(f"restarts       {len(rs)}: {what}")
     else:
         lines.append("restarts       none")
+    lines.extend(_start_lines(starts))
     fails = failures(records)
     lines.append(f"failures       {len(fails) or 'none'}")
     lines.extend(f"  {f}" for f in fails)
