@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 from helpers import PY, QUICK, REPO, inspect, run_cmd, trainapp
 
+from trainapp import config
 from trainapp.config import changes
 from trainapp.errors import ConfigError
 from trainapp.observe import metrics
 from trainapp.snapshots.lease import Fence, Fenced, Lease, LeaseHeld
 from trainapp.snapshots.lease_store import DirStore
-from trainapp.tools import report
+from trainapp.tools import doctor, report
 
 slow = pytest.mark.slow
 # Long enough for a second run to start while it trains (a few seconds), snapshots every 50 steps.
@@ -158,6 +159,20 @@ def test_a_dead_holder_on_this_host_is_taken_over_at_once_and_fenced(tmp_path, c
     took.fence.check()  # the new holder's own fence holds
 
 
+def test_doctor_says_who_holds_the_run_dir_and_whether_a_new_run_would_stop(tmp_path):
+    cfg = config.load(None, [f"run.dir={tmp_path}"])
+    assert doctor.check_lease(cfg).detail.endswith("free: no run has held it yet")
+    job = hold(tmp_path, 30, tmp_path / "holder.log")
+    try:
+        check = doctor.check_lease(cfg)
+        assert check.status == "warn" and f"in use by alone pid {job.proc.pid}" in check.detail, check
+    finally:
+        job.kill()
+    job.proc.wait()
+    check = doctor.check_lease(cfg)
+    assert check.status == "ok" and "whose process is gone" in check.detail, check
+
+
 def test_take_over_true_takes_a_live_holders_lease_which_then_finds_itself_fenced(tmp_path):
     job = hold(tmp_path, 30, tmp_path / "holder.log")
     try:
@@ -171,6 +186,21 @@ def test_take_over_true_takes_a_live_holders_lease_which_then_finds_itself_fence
         assert "run lease lost" in job.output()
     finally:
         job.kill()
+
+
+def test_a_fenced_snapshot_write_publishes_nothing_and_leaves_nothing(tmp_path):
+    """The fence is the write's last word before the rename: a lease lost by then leaves no snapshot,
+    whole or half (the background writer of snapshot.async goes through the same write)."""
+    import torch
+
+    from trainapp.snapshots.store import write_dir
+
+    stale = Lease.take(str(tmp_path), "alone", 30)
+    Lease.take(str(tmp_path), "alone", 30, take_over=True)
+    with pytest.raises(Fenced, match="before its next snapshot"):
+        write_dir(tmp_path / "snapshots" / "step_000000010", {"model": {"w": torch.ones(3)}}, {"global_step": 10},
+                  before_publish=lambda: stale.fence.check("snapshot"))
+    assert os.listdir(tmp_path / "snapshots") == []
 
 
 def test_a_released_lease_and_the_same_jobs_restart_are_taken_quietly(tmp_path, monkeypatch):

@@ -243,6 +243,33 @@ class Lease:
                 self._write(released=True)
 
 
+def current(store) -> tuple[int, dict[str, Any] | None]:
+    """(generation, record) of the lease in `store`: (0, None) when there is none yet, the record None
+    while it is unreadable (being written where there are no hard links)."""
+    gens = sorted(int(m.group(1)) for n in store.names() if (m := _GEN.match(n)))
+    if not gens:
+        return 0, None
+    return gens[-1], _parse(store.read(gen_name(gens[-1])))
+
+
+def status(run_dir: str) -> str:
+    """What the lease of `run_dir` says now, for `trainapp doctor` (no waiting, nothing written)."""
+    gen, lease = current(store_at(run_dir))
+    if not gen:
+        return "free: no run has held it yet"
+    if lease is None:
+        return f"generation {gen} is being written"
+    holder, age = lease.get("holder", {}), time.time() - float(lease.get("renewed_at", 0))
+    if lease.get("released"):
+        return f"free: released by {describe(holder)}"
+    if gone(holder):
+        return f"held by {describe(holder)}, whose process is gone: the next run takes it over at once"
+    if age > float(lease.get("term_s", 0)):
+        return f"held by {describe(holder)}, silent for {age:.0f} s (term {lease.get('term_s')} s): the next run " \
+               "takes it over"
+    return f"in use by {describe(holder)}, renewed {age:.1f} s ago: another run started on it now stops (exit 2)"
+
+
 class _Taking:
     """One contender's way to the lease (`Lease.take`)."""
 
@@ -266,10 +293,7 @@ class _Taking:
                 return took
 
     def _current(self) -> tuple[int, dict[str, Any] | None]:
-        gens = sorted(int(m.group(1)) for n in self.store.names() if (m := _GEN.match(n)))
-        if not gens:
-            return 0, None
-        return gens[-1], _parse(self.store.read(gen_name(gens[-1])))
+        return current(self.store)
 
     def _why(self, gen: int, lease: dict[str, Any] | None) -> tuple[str, dict | None] | None:
         """('' to take it quietly, or why it is taken over, the old holder); None to wait and look again.

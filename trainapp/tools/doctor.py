@@ -156,9 +156,23 @@ def check_task(cfg: Config) -> Check:
     return Check("task", OK, f"{cfg.task.name} ({type(task).__module__}.{type(task).__qualname__})")
 
 
+def check_lease(cfg: Config) -> Check:
+    """Who holds run.dir's lease (docs/run-directory.md): a warning when a run is using it now."""
+    from trainapp.snapshots import lease
+
+    if cfg.run.lease_s <= 0:
+        return Check("lease", WARN, "run.lease_s=0: no lease; two runs on one run.dir would mix their snapshots")
+    try:
+        said = lease.status(cfg.run.dir)
+    except OSError as e:
+        return Check("lease", WARN, f"run.dir={cfg.run.dir}: cannot read its lease ({e.strerror or e})")
+    return Check("lease", WARN if said.startswith("in use") else OK, f"run.dir={cfg.run.dir}: {said}")
+
+
 def run(cfg: Config) -> list[Check]:
     checks = [*check_versions(), check_task(cfg), *check_network(cfg), check_shm(cfg),
-              check_writable("run.dir", cfg.run.dir), check_writable("ray.storage_path", cfg.ray.storage_path)]
+              check_writable("run.dir", cfg.run.dir), check_lease(cfg),
+              check_writable("ray.storage_path", cfg.ray.storage_path)]
     return checks
 
 
