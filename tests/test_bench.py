@@ -127,3 +127,9 @@ def test_hang_benchmark_smoke(tmp_path):
     assert result["smoke"] is True and result["fault.hang_timeout_s"] == 5.0
     assert result["hang_recovery_seconds_torchrun"] > result["hang_detect_seconds_torchrun"] >= 5.0
     assert set(result["breakdown_seconds"]["torchrun"]) == {"detect", "restart", "resume"}
+
+
+def test_ray_stop_benchmark_smoke(tmp_path):
+    result, _ = smoke("ray_stop", tmp_path, timeout=600)
+    assert result["smoke"] is True and result["redone_after_stop"] == 0
+    assert result["fresh_s"] > 0 and result["after_stop_s"] > 0 and result["stop_to_end_s"] > 0

@@ -698,6 +698,10 @@ def test_rayjob_cleans_up_retries_and_leaves_the_interface_to_network_interface_
     for var in IFNAME_VARS:
         assert var not in env, f"the RayJob's runtime env pins {var}: it would win over network.interface"
         assert var not in data, f"ConfigMap trainapp-nccl pins {var}: it would win over network.interface"
+    # The stop wait is the job's, not the pods' (docs/ray.md, "Stopping a run"): `ray job stop` reads it.
+    from trainapp.launch.ray.stop import STOP_WAIT_S
+
+    assert env.pop("RAY_JOB_STOP_WAIT_TIME_S") == str(STOP_WAIT_S)
     assert env and env == data, "runtime env and ConfigMap trainapp-nccl differ"
     assert {"NCCL_IB_DISABLE", "NCCL_DEBUG"} <= set(data)
     # The override stays documented: commented out in the ConfigMap, ready to uncomment.

@@ -21,6 +21,7 @@ from trainapp import config
 from trainapp.config import changes
 from trainapp.errors import ConfigError
 from trainapp.observe import metrics
+from trainapp.snapshots import lease
 from trainapp.snapshots.lease import Fence, Fenced, Lease, LeaseHeld
 from trainapp.snapshots.lease_store import DirStore
 from trainapp.tools import doctor, report
@@ -215,6 +216,27 @@ def test_a_released_lease_and_the_same_jobs_restart_are_taken_quietly(tmp_path, 
     assert a.fence.lost()
     a.release()  # a fenced lease is not released: the restart's stays
     assert not json.loads((tmp_path / "b" / "lease" / "gen-000000002.json").read_text())["released"]
+
+
+def test_a_stop_request_in_the_lease_reaches_a_writers_notices(tmp_path):
+    """The Ray driver's stop (trainapp/launch/ray/stop.py): written into its lease, read by rank 0's
+    watch, handled as a notice that records who asked."""
+    from trainapp.faults.heartbeat import Heartbeat
+    from trainapp.faults.preempt import Notices
+    from trainapp.launch.ray.worker import StopWatch
+
+    held = Lease.take(str(tmp_path), "ray", 30)
+    writer = Fence.from_dict(held.fence.to_dict())  # as the driver hands it to the workers
+    assert lease.stop_request(writer) is None
+    ended = []
+    notices = Notices(Heartbeat(), lambda *a: ended.append(a))
+    notices.heartbeat.phase = "compute"  # a step is under way: the stop comes after it
+    watch = StopWatch(writer, notices, poll_s=0.05)
+    held.request_stop("SIGTERM", "ray job stop (SIGTERM to the job's driver)")
+    wait_until(lambda: notices.signum)
+    watch.stop.set()
+    assert notices.signum == signal.SIGTERM and notices.stop_by.startswith("ray job stop") and not ended
+    assert lease.stop_request(writer)["signal"] == "SIGTERM"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -43,9 +43,11 @@ def cluster(tmp_path_factory):
 
 
 def _submit_cmd(cluster, name: str, *args: str, sid: str | None = None, wait: bool = True,
-                ship: str | None = None) -> list[str]:
+                ship: str | None = None, stop_wait_s: int | None = None) -> list[str]:
+    env = ["--runtime-env-json", json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(stop_wait_s)}})] \
+        if stop_wait_s else []
     return [RAY, "job", "submit", "--address", cluster.dashboard_url, *(["--working-dir", ship] if ship else []),
-            *(["--submission-id", sid] if sid else []), *([] if wait else ["--no-wait"]), "--",
+            *(["--submission-id", sid] if sid else []), *([] if wait else ["--no-wait"]), *env, "--",
             "python", "-m", "trainapp", "ray", f"ray.storage_path={cluster.storage}", f"ray.name={name}", *args]
 
 
@@ -600,42 +602,52 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
 
 
 @pytest.mark.e2e
-def test_stopped_job_resubmitted_with_the_same_name_resumes(cluster):
-    """A second submission of a name that runs stops in seconds naming the first (its driver holds the
-    run's lease: trainapp/snapshots/lease.py); after `ray job stop` the next one takes the lease of the
-    stopped driver, which is gone, at once, and resumes."""
-    name, sid = "resubmit", f"resubmit-{uuid.uuid4().hex[:6]}"
+def test_ray_job_stop_snapshots_the_step_reached_and_the_resubmission_redoes_none(cluster, tmp_path):
+    """An elastic run: a second submission of its name while it runs stops in seconds naming the first
+    (the driver holds the run's lease: trainapp/snapshots/lease.py). Then `ray job stop` between two
+    periodic snapshots: the driver asks the workers through the lease, they stop at one step with a
+    snapshot registered with Ray and a `stopped` record, and the job ends well before Ray's wait runs
+    out. The resubmission takes the released lease, resumes at that step, redoes none, and ends bitwise
+    equal to a run never stopped (torchrun's, the same math)."""
+    name, sid = "graceful", f"graceful-{uuid.uuid4().hex[:6]}"
     run_dir = cluster.storage / name
-    steps = "train.max_steps=150"  # on a fast CPU 40 steps can be over before `ray job stop` lands
+    args = (*LONG, "train.epochs=100", "train.max_steps=300", "snapshot.every_steps=100", "ray.num_workers=[1,2]")
     # Steps of 250 ms (a sleep: the numbers do not change) while a second driver starts on a busy machine.
     slow = ("drill.slow_rank=0", "drill.slow_ms=250")
-    r = run_cmd(_submit_cmd(cluster, name, *LONG, steps, *slow, sid=sid, wait=False), env=cluster.env())
+    r = run_cmd(_submit_cmd(cluster, name, *args, *slow, sid=sid, wait=False, stop_wait_s=60), env=cluster.env())
     assert r.returncode == 0, r.output
     wait_for_step(run_dir, 5)
     holder = json.loads((run_dir / "lease" / "gen-000000001.json").read_text())["holder"]
-    second = submit(cluster, name, *LONG, steps, *slow)
+    second = submit(cluster, name, *args, *slow)
     assert second.returncode != 0, second.output[-3000:]
     assert f"is in use by another run: ray pid {holder['pid']} on host" in second.output, second.output[-3000:]
     assert "Traceback" not in second.output
     assert len(metrics(run_dir, "start")) == 1 and not (run_dir / "lease" / "gen-000000002.json").exists()
-    wait_for_step(run_dir, 12)
+
+    t0 = time.monotonic()
     stop = run_cmd([RAY, "job", "stop", "--address", cluster.dashboard_url, sid], env=cluster.env(), timeout=120)
+    took = time.monotonic() - t0
     assert stop.returncode == 0, stop.output
-    status = run_cmd([RAY, "job", "status", "--address", cluster.dashboard_url, sid], env=cluster.env()).output
-    assert "stopped" in status.lower()
-    stopped_at = inspect(run_dir)["global_step"]
-    assert stopped_at >= 10
-    r = submit(cluster, name, *LONG, steps)
+    logs = run_cmd([RAY, "job", "logs", "--address", cluster.dashboard_url, sid], env=cluster.env()).output
+    assert took < 50, (took, logs[-3000:])  # it ended by itself, not at Ray's SIGKILL 60 s after the stop
+    stopped = metrics(run_dir, "stopped")
+    assert len(stopped) == 1 and "ray job stop" in stopped[0]["by"], (stopped, logs[-3000:])
+    at = stopped[0]["step"]
+    assert 5 <= at < 300 and inspect(run_dir)["global_step"] == at  # the snapshot of the step it stopped at
+    assert not metrics(run_dir, "failure") and not metrics(run_dir, "preempted")
+    assert f"stopped (ray job stop (SIGTERM to the job's driver)) at step {at}" in logs, logs[-3000:]
+
+    r = submit(cluster, name, *args)
     assert r.returncode == 0, r.output[-4000:]
-    second = metrics(run_dir, "start")[-1]
-    assert second["resumed_step"] >= stopped_at  # not a fresh start
-    # The stopped driver released its lease on Ray's SIGTERM (or, killed before it could, is gone): either
-    # way the resubmission takes it at once.
-    released = json.loads((run_dir / "lease" / "gen-000000001.json").read_text())["released"]
-    took = second["lease"]["took_over"]
-    assert second["lease"]["generation"] == 2 and (took is None if released else took["why"] == "its process is gone")
-    assert second["config_changes"] == {"drill.slow_ms": [250.0, 100.0], "drill.slow_rank": [0, None]}
-    assert inspect(run_dir)["global_step"] == 150
+    start = metrics(run_dir, "start")[-1]
+    assert start["resumed_step"] == at and start["lease"]["generation"] == 2
+    assert start["lease"]["took_over"] is None  # released at the stop
+    assert start["config_changes"] == {"drill.slow_ms": [250.0, 100.0], "drill.slow_rank": [0, None]}
+    steps = [m["step"] for m in metrics(run_dir, "train")]
+    assert len(steps) == len(set(steps)) and max(steps) == 300  # zero steps redone
+    control = tmp_path / "control"
+    assert torchrun(2, f"run.dir={control}", *args).returncode == 0
+    assert inspect(run_dir)["params_sha256"] == inspect(control)["params_sha256"]
 
 
 @pytest.mark.e2e

@@ -154,3 +154,16 @@ def test_the_trainer_drops_ray_datas_callback_only_for_a_run_without_datasets():
     lean = names(compat.TorchTrainer(lambda config: None))
     assert DatasetsCallback not in lean and len(lean) >= 3  # the backend, PG cleaner, ... are kept
     assert DatasetsCallback in names(compat.TorchTrainer(lambda config: None, datasets={"train": lambda: None}))
+
+
+def test_the_private_hooks_of_a_stop_are_where_compat_expects_them():
+    """trainapp/launch/ray/stop.py: the driver's Ctrl-C goes through Ray Train's own SIGINT hook, and a
+    killed run's resource request is found by Ray Train's requester id."""
+    import inspect
+
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import _AutoscalingCoordinatorActor
+    from ray.train.v2._internal.execution.scaling_policy.scaling_policy import ScalingPolicy
+
+    assert callable(getattr(compat.DataParallelTrainer, "_register_sigint_handler", None))
+    assert 'f"train-{train_run_context.run_id}"' in inspect.getsource(ScalingPolicy.after_controller_start)
+    assert "requester_id" in inspect.signature(_AutoscalingCoordinatorActor.cancel_request).parameters

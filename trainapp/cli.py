@@ -122,6 +122,10 @@ def cmd_ray(args, task=None) -> int:
 
     logs.setup(0, 1)
     s = driver.run(cfg, task)
+    if s.get("stopped_by"):  # a notice, handled: the snapshot of the step reached is registered with Ray
+        print(f"trainapp ray: stopped ({s['stopped_by']}) at step {s.get('step')}; storage={s['storage']}; submit "
+              "again with the same ray.name to resume there", flush=True)
+        return s["exit_code"]
     print("trainapp ray: done " + " ".join([
         f"steps={s.get('step')}", f"final_loss={s.get('loss', float('nan')):.4f}", *_val_fields(s),
         f"samples_per_s={s.get('samples_per_s', 0.0):.1f}",

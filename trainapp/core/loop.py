@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from trainapp.config import Config
 from trainapp.core.build import Parts
-from trainapp.faults.preempt import Preempted
+from trainapp.faults.preempt import Preempted, Stopped
 from trainapp.observe.metrics import Throughput, val_metrics
 from trainapp.observe.records import Records
 from trainapp.observe.timings import PhaseClock
@@ -229,8 +229,12 @@ class Trainer:
             self._finish_snapshots()
         self.boundary.close()
         seconds, where = notices.seconds_since(), str(self.snapshots.path_for(p.global_step))
-        self.records.preempted(step=p.global_step, signal=signal.Signals(signum).name, seconds=round(seconds, 3),
-                               phase=notices.phase_at_signal, snapshot=where)
+        fields = {"step": p.global_step, "signal": signal.Signals(signum).name, "seconds": round(seconds, 3),
+                  "phase": notices.phase_at_signal, "snapshot": where}
+        if notices.stop_by:  # asked for by the run's holder: the run ends here, nobody restarts it
+            self.records.stopped(by=notices.stop_by, **fields)
+            raise Stopped(signum, p.global_step, seconds, where, self.ctx.rank, notices.stop_by)
+        self.records.preempted(**fields)
         raise Preempted(signum, p.global_step, seconds, where, self.ctx.rank)
 
     def _finish(self, start_step: int, samples_per_s: float) -> dict[str, Any]:

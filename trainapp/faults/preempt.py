@@ -57,6 +57,28 @@ class Preempted(Failure):
                 f"{self.seconds:.1f} s; snapshot {self.snapshot}; rerun the same command to resume")
 
 
+class Stopped(Preempted):
+    """A stop the run's holder asked for (`ray job stop` to the driver, Ctrl-C of a driver in the
+    foreground): the same agreed step and snapshot as a preemption, on record as `stopped`; the workers
+    then end normally, so Ray Train ends the run instead of restarting it."""
+
+    def __init__(self, signum: int, step: int, seconds: float, snapshot: str | None, rank: int = 0, by: str = ""):
+        self.by = by
+        super().__init__(signum, step, seconds, snapshot, rank)
+
+    def line(self) -> str:
+        return (f"trainapp: stopped ({self.by}) at step {self.step} after {self.seconds:.1f} s; snapshot "
+                f"{self.snapshot}; submit again with the same ray.name to resume there")
+
+
+class StoppedBeforeStart(Failure):
+    """A stop the run's holder asked for before this attempt trained a step: nothing new to save; the
+    workers end normally."""
+
+    cause = ""
+    exit_code = 0
+
+
 class Notices:
     """This process's preemption notices: the first signal, when it came, and the deadline armed on it.
     `expire(cause, error, code)` ends the process when the deadline runs out or a notice comes before
@@ -75,6 +97,8 @@ class Notices:
         """What the deadline's message names as the snapshots left intact."""
         self.phase_at_signal = ""  # the heartbeat's phase when the first signal came
         self.done = False  # this process's training is over (a Ray worker lives on): signals are not notices
+        self.stop_by = ""
+        """Who asked for a stop that came as no signal to this process (`request`): '' for a signal."""
 
     def seconds_since(self) -> float:
         return time.monotonic() - self.at if self.signum else 0.0
@@ -128,6 +152,15 @@ class Notices:
         if not self.watching:
             self._arm(signum)
 
+    def request(self, signum: int, by: str) -> None:
+        """A stop asked for through the run's lease (`by`: who asked, e.g. `ray job stop`), handled as the
+        signal `signum` would be, from any thread: every rank stops after the same step, with a snapshot."""
+        if self.done or self.signum:
+            return
+        self.stop_by = by
+        self._record(signum)
+        self._arm(signum)
+
     def _arm(self, signum: int) -> None:
         """First notice: log it and start the deadline; later ones: say they change nothing."""
         if self.done:
@@ -144,8 +177,8 @@ class Notices:
             log.warning("preemption: %s again; already stopping (the snapshot is on its way; exit at the latest %.0f "
                         "s after the first notice)", name, self.grace_s)
             return
-        log.warning("preemption: %s received; stopping after the next step with a snapshot (preempt.grace_s=%g)",
-                    name, self.grace_s)
+        what = f"stop asked for by {self.stop_by}" if self.stop_by else f"preemption: {name} received"
+        log.warning("%s; stopping after the next step with a snapshot (preempt.grace_s=%g)", what, self.grace_s)
         timer = threading.Timer(max(0.0, self.grace_s - self.seconds_since()), self._deadline)
         timer.daemon = True
         timer.start()

@@ -5,7 +5,8 @@ happened; this module says how it is written down.
 Records (trainapp/observe/metrics.py reads them): `start` (one per attempt: the world, the
 placement and network of every rank, the start-up marks, the config), `train` (every
 `train.log_every` steps), `ranks` and `straggler` (trainapp/observe/timings.py), `eval`, `snapshot`
-and `snapshot_failed`, `drain_notice`, `preempted`, `end`.
+and `snapshot_failed`, `drain_notice`, `preempted`, `stopped` (a stop the run's holder asked for:
+`ray job stop`), `end`.
 """
 
 from __future__ import annotations
@@ -106,6 +107,10 @@ class Records:
 
     def preempted(self, **fields: Any) -> None:
         self.metrics.write("preempted", **fields)
+        self.metrics.close()
+
+    def stopped(self, **fields: Any) -> None:
+        self.metrics.write("stopped", **fields)
         self.metrics.close()
 
     def end(self, summary: dict[str, Any]) -> None:

@@ -189,6 +189,7 @@ class Lease:
         """The holder this run took the lease over from, and why (None: it was free or this job's)."""
         self.fence = Fence(store, generation, run_dir=run_dir)
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     def summary(self) -> dict[str, Any]:
@@ -220,7 +221,7 @@ class Lease:
                 if self.fence.lost():
                     log.warning("run lease lost: %s", self.fence.line())
                     return
-                self._write(renewals=self.record["renewals"] + 1)
+                self._write(renew=True)
                 warned = False
             except OSError as e:  # a full disk: training goes on; the term may run out, and fencing stops it then
                 if not warned:
@@ -228,9 +229,17 @@ class Lease:
                                 self.store.where, e, self.record["term_s"])
                 warned = True
 
-    def _write(self, **changes: Any) -> None:
-        self.record = {**self.record, **changes, "renewed_at": round(time.time(), 3)}
-        self.store.replace(gen_name(self.generation), json.dumps(self.record).encode())
+    def _write(self, renew: bool = False, **changes: Any) -> None:
+        with self._lock:  # the renewal thread and a stop request (a signal handler) both write
+            renewals = self.record["renewals"] + renew
+            self.record = {**self.record, **changes, "renewals": renewals, "renewed_at": round(time.time(), 3)}
+            self.store.replace(gen_name(self.generation), json.dumps(self.record).encode())
+
+    def request_stop(self, signal_name: str, by: str) -> None:
+        """Ask the run's writers to stop (the holder was told to: `ray job stop`, Ctrl-C): the lease's
+        record says so at once, and rank 0 of the run, which reads it (`stop_request`), stops the run at
+        the next step with a snapshot. A storage error is raised to the caller."""
+        self._write(stop={"signal": signal_name, "by": by, "at": round(time.time(), 3)})
 
     def release(self) -> None:
         """At the run's end, whatever ended it: the next run takes the lease without waiting. A lease
@@ -241,6 +250,13 @@ class Lease:
         with contextlib.suppress(OSError):
             if not self.fence.lost():
                 self._write(released=True)
+
+
+def stop_request(fence: Fence) -> dict[str, Any] | None:
+    """The stop the lease of `fence` asks for ({signal, by, at}), None while there is none."""
+    if fence.store is None:
+        return None
+    return (_parse(fence.store.read(gen_name(fence.generation))) or {}).get("stop")
 
 
 def current(store) -> tuple[int, dict[str, Any] | None]:

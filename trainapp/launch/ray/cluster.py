@@ -37,6 +37,8 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from trainapp.launch.ray.stop import STOP_WAIT_S
+
 DEFAULT_DIR = Path(os.environ.get("TMPDIR", "/tmp")) / f"trainapp-ray-{os.getuid()}"
 STATE = "cluster.json"
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -374,7 +376,10 @@ def main(argv: list[str] | None = None) -> int:
         if not entry:
             raise SystemExit("local ray cluster submit: give the entrypoint after --, e.g. -- python -m trainapp ray")
         ship = ["--working-dir", args.working_dir] if args.working_dir else []
-        return subprocess.call([RAY, "job", "submit", "--address", c.dashboard_url, *ship, "--", *entry], env=c.env())
+        # `ray job stop` waits this long for the stop snapshot before it kills the job (trainapp/launch/ray/stop.py).
+        wait = json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S)}})
+        return subprocess.call([RAY, "job", "submit", "--address", c.dashboard_url, *ship, "--runtime-env-json", wait,
+                                "--", *entry], env=c.env())
     return 0
 
 

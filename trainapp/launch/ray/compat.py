@@ -55,6 +55,7 @@ import importlib
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -399,8 +400,60 @@ class TorchTrainer(DataParallelTrainer):
             torch_config.backend = "nccl" if scaling is not None and scaling.use_gpu else "gloo"
         super().__init__(train_loop_per_worker, backend_config=torch_config, **kwargs)
 
+    on_sigint: Callable[[], bool] | None = None
+    """The driver's stop (trainapp/launch/ray/stop.py): called on Ctrl-C first; True when it handled it.
+    Ray Train's own handler (abort the run, no snapshot) takes the next one."""
+
     def _create_default_callbacks(self):
         callbacks = super()._create_default_callbacks()
         if self.datasets:
             return callbacks
         return [cb for cb in callbacks if not isinstance(cb, DatasetsCallback)]
+
+    def _register_sigint_handler(self, controller) -> None:
+        super()._register_sigint_handler(controller)  # Ray Train's: it aborts the controller
+        if self.on_sigint is None:
+            return
+        ray_handler, first = signal.getsignal(signal.SIGINT), self.on_sigint
+
+        def handler(signum, frame):
+            if not first():
+                ray_handler(signum, frame)
+
+        signal.signal(signal.SIGINT, handler)
+
+
+class RequesterLog(ControllerCallback):
+    """Records, in the run's metrics.jsonl, the id under which this run's controller asks Ray Data's
+    autoscaling coordinator for the workers' resources (Ray Train's scaling policy names it
+    `train-<run id>`): a controller killed with its job cancels nothing, and the next driver of the run
+    cancels it (trainapp/launch/ray/stop.py's `release_left_behind`)."""
+
+    def __init__(self, run_dir: str, kind: str) -> None:
+        self.run_dir, self.kind = run_dir, kind
+
+    def after_controller_start(self, train_run_context) -> None:
+        try:
+            from trainapp.observe import metrics
+
+            metrics.append(self.run_dir, self.kind, requester=f"train-{train_run_context.run_id}")
+        except OSError as e:  # information only: a full disk must not fail the controller
+            _say(f"could not record the run's resource request in {self.run_dir}: {e}")
+
+
+def cancel_resource_requests(ids: list[str]) -> list[str]:
+    """Cancel the coordinator's requests `ids` (those it still holds); the ids it was asked to cancel.
+    Nothing, with one warning line, when the coordinator cannot be reached: the requests then expire."""
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+        get_or_create_autoscaling_coordinator,
+    )
+
+    try:
+        coordinator = get_or_create_autoscaling_coordinator()
+        ray.get([coordinator.cancel_request.remote(requester_id=i) for i in ids], timeout=10)
+    except Exception as e:
+        logging.getLogger("trainapp.ray").warning(
+            "could not cancel the resource requests earlier attempts left (%s: %s): an elastic run may wait up to "
+            "180 s for them to expire", e.__class__.__name__, e)
+        return []
+    return ids

@@ -23,6 +23,7 @@ from typing import Any
 from trainapp.config import Config, ConfigError
 from trainapp.errors import Failure
 from trainapp.launch.ray.checks import Preflight, check_capacity, check_version, is_uri, ray_address, worker_needs
+from trainapp.launch.ray.stop import DriverStop, release_left_behind
 from trainapp.observe.timeline import Timeline
 
 log = logging.getLogger("trainapp.ray")
@@ -103,7 +104,11 @@ def _group_failure_log(run_dir: str):
 
 
 def _callbacks(cfg: Config, storage: str) -> list:
-    callbacks = [] if is_uri(storage) else [_group_failure_log(f"{storage}/{cfg.ray.name}")]
+    from trainapp.launch.ray.compat import RequesterLog
+    from trainapp.launch.ray.stop import REQUESTER
+
+    run_dir = f"{storage}/{cfg.ray.name}"
+    callbacks = [] if is_uri(storage) else [_group_failure_log(run_dir), RequesterLog(run_dir, REQUESTER)]
     if cfg.ray.min_workers == cfg.ray.max_workers:
         return callbacks
     from trainapp.launch.ray.compat import NodeLossWatch
@@ -155,11 +160,12 @@ def preflight_task(cfg: Config) -> None:
 
 def run(cfg: Config, task: Any = None) -> dict[str, Any]:
     """Fit a TorchTrainer over the cluster on `task` (default: the one `task.name` names, imported by
-    each worker, where Ray's runtime environment ships the user's code); returns the rank-0 summary."""
+    each worker, where Ray's runtime environment ships the user's code); returns the rank-0 summary
+    (with `stopped_by` and `exit_code` when the driver was told to stop: trainapp/launch/ray/stop.py)."""
     if task is None:
         preflight_task(cfg)
-    result, storage = _fit(cfg, **({"task": task} if task is not None else {}))
-    return {**(result.metrics or {}), "storage": f"{storage}/{cfg.ray.name}"}
+    result, storage, stopped = _fit(cfg, **({"task": task} if task is not None else {}))
+    return {**(result.metrics or {}), "storage": f"{storage}/{cfg.ray.name}", **stopped}
 
 
 def run_comm(cfg: Config, size_mb: float, iters: int, min_bandwidth: float) -> int:
@@ -171,7 +177,7 @@ def run_comm(cfg: Config, size_mb: float, iters: int, min_bandwidth: float) -> i
     comm.check_args(size_mb, iters, min_bandwidth)
     # A run of its own (NAME-comm), not retried: a failure is the answer.
     cfg = dataclasses.replace(cfg, ray=dataclasses.replace(cfg.ray, name=f"{cfg.ray.name}-comm", max_failures=0))
-    result, _ = _fit(cfg, worker=comm_worker, nbytes=int(size_mb * 2**20), iters=iters)
+    result, _, _ = _fit(cfg, worker=comm_worker, nbytes=int(size_mb * 2**20), iters=iters)
     m = result.return_value  # rank 0's
     pairs = [comm.Pair(**p) for p in m["comm_pairs"]]
     return comm.show(m["comm_backend"], m["comm_processes"], m["comm_via"], m["comm_nodes"], pairs, min_bandwidth)
@@ -205,21 +211,40 @@ def _fit(cfg: Config, worker=None, **extra):
                  cfg.ray.name)
         timeline.mark("driver_checked")
         lease = _take_lease(cfg, storage) if worker is None else None
+        stop = None
         try:
+            trainer = _trainer(cfg, storage, needs, use_gpu, timeline, worker, **_lease_payload(lease), **extra)
             if lease is not None:
-                extra["lease"] = {"fence": lease.fence.to_dict(), "summary": lease.summary()}
-            result = _trainer(cfg, storage, needs, use_gpu, timeline, worker, **extra).fit()
+                _release_left_behind(cfg, storage)
+                stop = DriverStop(lease)
+                trainer.on_sigint = stop.on_sigint
+            result = trainer.fit()
         except Exception as e:
             plain = _error_in(e)
             if plain is not None:
                 raise plain from None
             raise
         finally:
+            if stop is not None:
+                stop.close()
             if lease is not None:
                 lease.release()
-        return result, storage
+        return result, storage, stop.summary(result.metrics or {}) if stop is not None and stop.signum else {}
     finally:
         ray.shutdown()
+
+
+def _lease_payload(lease) -> dict[str, Any]:
+    return {"lease": {"fence": lease.fence.to_dict(), "summary": lease.summary()}} if lease is not None else {}
+
+
+def _release_left_behind(cfg: Config, storage: str) -> None:
+    if is_uri(storage):
+        return
+    released = release_left_behind(f"{storage}/{cfg.ray.name}")
+    if released:
+        log.info("released the resource request(s) %s that a killed earlier attempt of this run left with Ray's "
+                 "autoscaling coordinator", ", ".join(released))
 
 
 def _take_lease(cfg: Config, storage: str):

@@ -10,20 +10,22 @@ the workers import this module (it imports torch), through setup.py's `train_wor
 from __future__ import annotations
 
 import dataclasses
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 from trainapp import config
 from trainapp.errors import leave
 from trainapp.faults.guard import RankGuard
-from trainapp.faults.preempt import Preempted
+from trainapp.faults.preempt import Preempted, Stopped, StoppedBeforeStart
 from trainapp.group import DistContext
 from trainapp.launch import dist
 from trainapp.launch.rank import run_rank
 from trainapp.launch.ray.checks import is_uri
 from trainapp.launch.ray.publish import RayDrainNotice, RayPublish
-from trainapp.snapshots.lease import Fence, RunLease
+from trainapp.snapshots.lease import Fence, RunLease, stop_request
 
 
 class RayWorker:
@@ -32,6 +34,7 @@ class RayWorker:
     def __init__(self, payload: dict[str, Any]) -> None:
         self.payload = payload
         self._guard: RankGuard | None = None
+        self._watch: StopWatch | None = None
 
     def guard(self, cfg: config.Config) -> RankGuard:
         guard = self._guard = RankGuard.installed() or RankGuard()  # made by prepare_worker, before the group
@@ -51,7 +54,17 @@ class RayWorker:
 
     def lease(self, cfg: config.Config, ctx: DistContext) -> RunLease:
         given = self.payload.get("lease") or {}  # the driver holds it: a retry of the group is the same run
-        return RunLease(Fence.from_dict(given.get("fence")), given.get("summary"))
+        held = RunLease(Fence.from_dict(given.get("fence")), given.get("summary"))
+        if held.fence.store is None:
+            return held
+        # A stop asked for before this attempt started (during a restart of the group): every rank ends.
+        asked = ctx.broadcast_object(stop_request(held.fence) if ctx.rank == 0 else None)
+        if asked:
+            raise StoppedBeforeStart(f"trainapp: stopped ({asked['by']}) before this attempt trained a step; the "
+                                     "newest snapshot is where the run resumes")
+        if ctx.rank == 0:  # the others hear of a stop through the stop vote
+            self._watch = StopWatch(held.fence, self._guard.notices)
+        return held
 
     def restart(self) -> int:
         return 0  # Ray Train's restarts show as attempts in metrics.jsonl
@@ -59,16 +72,44 @@ class RayWorker:
     def close(self, ctx: DistContext | None) -> None:
         # The worker process lives on after training (Ray stops a finished group with SIGTERM): from now on
         # a signal is no notice, it ends the process as it would without trainapp.
+        if self._watch is not None:
+            self._watch.stop.set()
         if self._guard is not None:
             self._guard.training_over()
         if ctx is not None:
             dist.teardown(ctx)
 
 
+class StopWatch:
+    """Rank 0's watch on the driver's stop request (`ray job stop` signals the driver, which the workers
+    cannot hear): the lease's record is read every `poll_s`, and a request becomes this rank's notice,
+    which the stop vote carries to every rank at the next step boundary."""
+
+    def __init__(self, fence: Fence, notices, poll_s: float = 0.5) -> None:
+        self.fence, self.notices, self.poll_s = fence, notices, poll_s
+        self.stop = threading.Event()
+        threading.Thread(target=self._run, name="stop-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.poll_s):
+            try:
+                asked = stop_request(self.fence)
+            except OSError:  # storage that does not answer now: the next poll asks again
+                continue
+            if asked:
+                self.notices.request(int(signal.Signals[asked["signal"]]), asked["by"])
+                return
+
+
 def train_worker(payload: dict[str, Any]) -> None:
     """The per-worker function: the same rank as torchrun's, with snapshots published to Ray."""
     try:
         run_rank(RayWorker(payload), config.from_dict(payload["config"]), payload.get("task"))
+    except Stopped as e:  # the driver was told to stop: the run ends here, a normal end to Ray Train
+        if e.rank == 0:
+            print(e.line(), file=sys.stderr, flush=True)
+    except StoppedBeforeStart as e:
+        print(e, file=sys.stderr, flush=True)
     except Preempted as e:
         # The snapshot is reported; the process ends as under torchrun, and Ray Train restarts the group
         # from it (on the nodes that are left when a node is going away).

@@ -1,0 +1,168 @@
+"""`ray job stop`, then a resubmission: how soon the next run trains (docs/ray.md, "Stopping a run").
+
+On a local multi-node Ray cluster (head + 2 worker nodes, 1 CPU each, on loopback), an elastic run
+(`ray.num_workers=[1,2]`) per submission, each measured from `ray job submit` to the first optimizer
+step (from the run's own metrics.jsonl), in rounds of three, side by side:
+
+- fresh: a new `ray.name`, nothing stopped before it (the control);
+- after a stop: `ray job stop` of that run mid-interval (with RAY_JOB_STOP_WAIT_TIME_S=60, as `make
+  ray-submit` sets), then at once the same name again: it resumes at the stopped step;
+- after a kill: the next run's driver SIGKILLed mid-run (a stop that ran out of Ray's wait, a crashed
+  driver: its controller dies with the job and cancels nothing), then at once the same name again:
+  the new driver cancels the request the killed controller left with Ray Data's autoscaling
+  coordinator (without that, an elastic run waits up to 180 s for it to expire).
+
+Also: seconds from `ray job stop` to the job's end, and the steps the resubmission redid (0 expected).
+
+    python bench/ray_stop.py            # writes bench/results/ray_stop.json
+    python bench/ray_stop.py --smoke    # one round, no kill case
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO))
+
+from launchers import first_step_start, overrides, records, wait_for  # noqa: E402
+from machine import describe  # noqa: E402
+from scratch import scratch  # noqa: E402
+
+from trainapp.launch.ray.cluster import RAY, LocalCluster, free_port  # noqa: E402
+
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+
+
+class Stops:
+    def __init__(self, args, storage: Path):
+        self.args, self.storage = args, storage
+        self.cluster = LocalCluster(Path(f"/tmp/ta-bench-{uuid.uuid4().hex[:6]}"), workers=2, cpus=1,
+                                    gcs_port=free_port(), dashboard_port=free_port())
+
+    def submit(self, name: str, sid: str, *extra: str) -> float:
+        """`ray job submit --no-wait` of the elastic run NAME; the wall time it was submitted at."""
+        wait = json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "60"}})
+        cmd = [RAY, "job", "submit", "--address", self.cluster.dashboard_url, "--submission-id", sid, "--no-wait",
+               "--runtime-env-json", wait, "--", "python", "-m", "trainapp", "ray", f"ray.storage_path={self.storage}",
+               f"ray.name={name}", "ray.num_workers=[1,2]",
+               *overrides(self.args.steps, self.args.snapshot_every, "train.log_every=1", *extra)]
+        t0 = time.time()
+        subprocess.run(cmd, cwd=REPO, env=self.cluster.env(), check=True, capture_output=True, timeout=120)
+        return t0
+
+    def first_step(self, name: str, t0: float, attempt: int) -> float:
+        """Seconds from `t0` to the first step of the run's `attempt`-th start (1: the first)."""
+        run_dir = self.storage / name
+
+        def started() -> bool:
+            recs = records(run_dir)
+            starts = [i for i, r in enumerate(recs) if r["kind"] == "start"]
+            return len(starts) >= attempt and any(r["kind"] == "train" for r in recs[starts[attempt - 1]:])
+
+        wait_for(started, 600, f"{name}'s first step")
+        recs = records(run_dir)
+        at = [i for i, r in enumerate(recs) if r["kind"] == "start"][attempt - 1]
+        return first_step_start(recs[at:]) - t0
+
+    def ray(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([RAY, "job", *args, "--address", self.cluster.dashboard_url], cwd=REPO,
+                              env=self.cluster.env(), capture_output=True, text=True, timeout=300)
+
+    def stop(self, name: str, sid: str) -> float:
+        """`ray job stop` once the run passed the kill step; seconds until the job ended."""
+        wait_for(lambda: any(r["kind"] == "train" and r["step"] >= self.args.kill_step
+                             for r in records(self.storage / name)), 300, f"{name} at step {self.args.kill_step}")
+        t = time.monotonic()
+        self.ray("stop", sid)
+        return time.monotonic() - t
+
+    def kill_driver(self, name: str) -> None:
+        """SIGKILL the run's driver (the holder of its lease) once it passed the kill step."""
+        run_dir = self.storage / name
+        wait_for(lambda: any(r["kind"] == "train" and r["step"] >= self.args.kill_step for r in records(run_dir)),
+                 300, f"{name} at step {self.args.kill_step}")
+        gens = sorted((run_dir / "lease").glob("gen-*.json"))
+        os.kill(json.loads(gens[-1].read_text())["holder"]["pid"], signal.SIGKILL)
+
+    def finish(self, name: str) -> int:
+        """The steps the run redid over all its attempts, once its job has finished."""
+        wait_for(lambda: any(r["kind"] == "end" for r in records(self.storage / name)), 600, f"{name}'s end")
+        steps = [r["step"] for r in records(self.storage / name) if r["kind"] == "train"]
+        return len(steps) - len(set(steps))
+
+    def round(self, i: int, kill: bool) -> dict:
+        out = {}
+        name = f"fresh-{i}"
+        t0 = self.submit(name, f"{name}-a", "drill.slow_rank=0", "drill.slow_ms=50")
+        out["fresh_s"] = self.first_step(name, t0, 1)
+        out["stop_to_end_s"] = self.stop(name, f"{name}-a")
+        t0 = self.submit(name, f"{name}-b")
+        out["after_stop_s"] = self.first_step(name, t0, 2)
+        out["redone_after_stop"] = self.finish(name)
+        if kill:
+            name = f"killed-{i}"
+            t0 = self.submit(name, f"{name}-a", "drill.slow_rank=0", "drill.slow_ms=50")
+            out["fresh_2_s"] = self.first_step(name, t0, 1)
+            self.kill_driver(name)
+            time.sleep(1)  # Ray ends the dead driver's job
+            t0 = self.submit(name, f"{name}-b")
+            out["after_kill_s"] = self.first_step(name, t0, 2)
+            self.finish(name)
+        print(json.dumps({"round": i, **{k: round(v, 2) for k, v in out.items()}}), flush=True)
+        return out
+
+
+def summarize(rounds: list[dict]) -> dict:
+    def med(key: str) -> float | None:
+        vals = [r[key] for r in rounds if key in r]
+        return statistics.median(vals) if vals else None
+
+    out = {k: med(k) for k in ("fresh_s", "after_stop_s", "stop_to_end_s", "fresh_2_s", "after_kill_s")}
+    out["after_stop_minus_fresh_s"] = statistics.median(r["after_stop_s"] - r["fresh_s"] for r in rounds)
+    if out["after_kill_s"] is not None:
+        out["after_kill_minus_fresh_s"] = statistics.median(r["after_kill_s"] - r["fresh_2_s"] for r in rounds)
+    out["redone_after_stop"] = max(r["redone_after_stop"] for r in rounds)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="one round, no kill case")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--snapshot-every", type=int, default=50)
+    p.add_argument("--kill-step", type=int, default=20)
+    p.add_argument("--out", help="result file (default bench/results/ray_stop.json)")
+    args = p.parse_args()
+    if args.smoke:
+        args.rounds, args.steps = 1, 120
+    out = Path(args.out or HERE / "results" / ("smoke" if args.smoke else "") / "ray_stop.json")
+    with scratch("ta-bench-") as tmp:
+        s = Stops(args, Path(tmp) / "storage")
+        try:
+            s.cluster.up(cwd=REPO)
+            rounds = [s.round(i, kill=not args.smoke) for i in range(args.rounds)]
+        finally:
+            s.cluster.down(grace=5)
+            subprocess.run(["rm", "-rf", str(s.cluster.dir)], check=False)
+    result = {**summarize(rounds), "rounds": rounds, "smoke": args.smoke, "machine": describe(),
+              "date": time.strftime("%Y-%m-%d")}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(" ".join(f"{k}={v:.2f}" for k, v in result.items() if isinstance(v, float)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

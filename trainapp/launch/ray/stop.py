@@ -1,0 +1,119 @@
+"""A stop of a Ray run is a notice (docs/ray.md, "Stopping a run"): `ray job stop`, a KubeRay `RayJob`
+deleted or suspended, and Ctrl-C of a driver in the foreground all reach only the driver, as a signal.
+The driver asks the workers through the run's lease (trainapp/snapshots/lease.py): its record says
+`stop`, rank 0 of the workers reads it within half a second (trainapp/launch/ray/worker.py's
+`StopWatch`), and the workers agree on a step, snapshot it, register it with Ray, write a `stopped`
+record and end normally, so Ray Train ends the run (and cancels its resource request) instead of
+restarting it.
+
+`ray job stop` kills the job `RAY_JOB_STOP_WAIT_TIME_S` after its signal (Ray's default: 3 s), read from
+the job's runtime environment: `make ray-submit` and the KubeRay `RayJob` set it to `STOP_WAIT_S`. What
+a run killed before its stop snapshot leaves behind that would delay the next one (Ray Data's
+autoscaling coordinator keeps a killed controller's resource request for 180 s) is released by the
+next driver of the same run before it asks for workers (`release_left_behind`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+from trainapp.observe import metrics
+
+log = logging.getLogger("trainapp.ray")
+
+STOP_WAIT_S = 60
+"""The RAY_JOB_STOP_WAIT_TIME_S that `make ray-submit` and the KubeRay RayJob give a job: an upper
+bound; the job ends as soon as the stop snapshot is registered."""
+RAY_DEFAULT_STOP_WAIT_S = 3
+"""Ray's own RAY_JOB_STOP_WAIT_TIME_S (ray.dashboard.modules.job.job_supervisor)."""
+REQUESTER = "ray_requester"
+"""The record a run's controller leaves with its resource request's id (`RequesterLog`)."""
+
+
+class DriverStop:
+    """The driver's stop: SIGTERM in this process (and SIGINT, through `on_sigint`, from Ray Train's own
+    handler) asks the workers to stop through `lease`. The handler only records; a thread writes the
+    request and says what happens, so nothing in a signal handler takes a lock the main thread may
+    hold. A second signal ends the driver at once."""
+
+    def __init__(self, lease) -> None:
+        self.lease, self.signum = lease, 0
+        self._asked = threading.Event()
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():  # Python takes signals there only
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        threading.Thread(target=self._ask, name="driver-stop", daemon=True).start()
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum:
+            raise KeyboardInterrupt  # a second notice: stop waiting for the snapshot
+        self.signum = signum
+        self._asked.set()
+
+    def on_sigint(self) -> bool:
+        """Ctrl-C of the driver: True when this is the first, handled as a stop request."""
+        if self.signum:
+            return False
+        self._handle(signal.SIGINT, None)
+        return True
+
+    def by(self) -> str:
+        if self.signum == signal.SIGINT:
+            return "Ctrl-C (SIGINT to the driver)"
+        return "ray job stop (SIGTERM to the job's driver)" if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ \
+            else "SIGTERM to the driver"
+
+    def _ask(self) -> None:
+        self._asked.wait()
+        name = signal.Signals(self.signum).name
+        try:
+            self.lease.request_stop(name, self.by())
+        except OSError as e:
+            log.warning("%s: could not ask the workers to stop through the run's lease in %s (%s): the job ends "
+                        "without a stop snapshot; the resubmission resumes from the newest one", self.by(),
+                        self.lease.store.where, e)
+            return
+        log.warning("%s", self.line())
+
+    def line(self) -> str:
+        """What happens now, and what happens if Ray does not wait for it."""
+        line = f"{self.by()}: the workers snapshot the step they reach, register it with Ray and end"
+        if "RAY_JOB_CONFIG_JSON_ENV_VAR" not in os.environ:
+            return line
+        wait = os.environ.get("RAY_JOB_STOP_WAIT_TIME_S", str(RAY_DEFAULT_STOP_WAIT_S))
+        line += f"; Ray kills the job {wait} s after its stop (RAY_JOB_STOP_WAIT_TIME_S)"
+        if float(wait) < STOP_WAIT_S:
+            line += (f": if the snapshot is not registered by then, the resubmission resumes from the one before; "
+                     f"set RAY_JOB_STOP_WAIT_TIME_S={STOP_WAIT_S} in the job's runtime_env env_vars (make ray-submit "
+                     f"and k8s/kuberay/rayjob.train.yaml do)")
+        return line
+
+    def close(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+    def summary(self, result_metrics: dict[str, Any]) -> dict[str, Any]:
+        """The driver's summary of a stopped run: who asked, the step and the exit code (128 + signal)."""
+        return {"stopped_by": self.by(), "exit_code": 128 + self.signum, "step": result_metrics.get("step")}
+
+
+def release_left_behind(run_dir: str) -> list[str]:
+    """Before the driver asks for workers: cancel the resource requests that earlier attempts of this run
+    left with Ray Data's autoscaling coordinator (a controller killed with its job cancels nothing, and
+    the request holds the cluster's workers for an elastic run until it expires, 180 s). Safe because
+    this driver holds the run's lease: no earlier attempt of it is alive. Returns the ids released."""
+    ids: list[str] = []
+    for record in metrics.read(run_dir, missing_ok=True):
+        if record.get("kind") in ("end", "stopped"):  # that controller shut down and cancelled its own
+            ids = []
+        elif record.get("kind") == REQUESTER:
+            ids.append(record["requester"])
+    if not ids:
+        return []
+    from trainapp.launch.ray import compat
+
+    return compat.cancel_resource_requests(ids)
