@@ -10,7 +10,10 @@ step (from the run's own metrics.jsonl), in rounds of three, side by side:
 - after a kill: the next run's driver SIGKILLed mid-run (a stop that ran out of Ray's wait, a crashed
   driver: its controller dies with the job and cancels nothing), then at once the same name again:
   the new driver cancels the request the killed controller left with Ray Data's autoscaling
-  coordinator (without that, an elastic run waits up to 180 s for it to expire).
+  coordinator;
+- the control of that (first round only, not in --smoke): the same kill, then a new name with the
+  controller's note of its request removed first, as a driver without that release would find it: it
+  waits for the request to expire (up to 180 s).
 
 Also: seconds from `ray job stop` to the job's end, and the steps the resubmission redid (0 expected).
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -40,6 +44,7 @@ from machine import describe  # noqa: E402
 from scratch import scratch  # noqa: E402
 
 from trainapp.launch.ray.cluster import RAY, LocalCluster, free_port  # noqa: E402
+from trainapp.launch.ray.stop import REQUESTS  # noqa: E402
 
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
 
@@ -119,6 +124,14 @@ class Stops:
             t0 = self.submit(name, f"{name}-b")
             out["after_kill_s"] = self.first_step(name, t0, 2)
             self.finish(name)
+        if kill and i == 0 and self.args.control:
+            self.submit("ctl-a", "ctl-a", "drill.slow_rank=0", "drill.slow_ms=50")
+            self.kill_driver("ctl-a")
+            time.sleep(1)
+            shutil.rmtree(self.storage / REQUESTS)  # what a driver without the release finds: nothing to cancel
+            t0 = self.submit("ctl-b", "ctl-b")
+            out["control_after_kill_no_release_s"] = self.first_step("ctl-b", t0, 1)
+            self.finish("ctl-b")
         print(json.dumps({"round": i, **{k: round(v, 2) for k, v in out.items()}}), flush=True)
         return out
 
@@ -128,7 +141,8 @@ def summarize(rounds: list[dict]) -> dict:
         vals = [r[key] for r in rounds if key in r]
         return statistics.median(vals) if vals else None
 
-    out = {k: med(k) for k in ("fresh_s", "after_stop_s", "stop_to_end_s", "fresh_2_s", "after_kill_s")}
+    out = {k: med(k) for k in ("fresh_s", "after_stop_s", "stop_to_end_s", "fresh_2_s", "after_kill_s",
+                               "control_after_kill_no_release_s")}
     out["after_stop_minus_fresh_s"] = statistics.median(r["after_stop_s"] - r["fresh_s"] for r in rounds)
     if out["after_kill_s"] is not None:
         out["after_kill_minus_fresh_s"] = statistics.median(r["after_kill_s"] - r["fresh_2_s"] for r in rounds)
@@ -143,6 +157,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--snapshot-every", type=int, default=50)
     p.add_argument("--kill-step", type=int, default=20)
+    p.add_argument("--no-control", dest="control", action="store_false",
+                   help="leave out the control without the release (it waits up to 180 s)")
     p.add_argument("--out", help="result file (default bench/results/ray_stop.json)")
     args = p.parse_args()
     if args.smoke:

@@ -636,6 +636,9 @@ def test_ray_job_stop_snapshots_the_step_reached_and_the_resubmission_redoes_non
     assert 5 <= at < 300 and inspect(run_dir)["global_step"] == at  # the snapshot of the step it stopped at
     assert not metrics(run_dir, "failure") and not metrics(run_dir, "preempted")
     assert f"stopped (ray job stop (SIGTERM to the job's driver)) at step {at}" in logs, logs[-3000:]
+    assert f"trainapp ray: stopped (ray job stop (SIGTERM to the job's driver)) at step {at};" in logs
+    # Every worker ended normally: no worker died, so Ray Train did not start the group again.
+    assert "Training failed due to worker errors" not in logs and "before this attempt" not in logs, logs[-4000:]
 
     r = submit(cluster, name, *args)
     assert r.returncode == 0, r.output[-4000:]

@@ -123,8 +123,9 @@ def cmd_ray(args, task=None) -> int:
     logs.setup(0, 1)
     s = driver.run(cfg, task)
     if s.get("stopped_by"):  # a notice, handled: the snapshot of the step reached is registered with Ray
-        print(f"trainapp ray: stopped ({s['stopped_by']}) at step {s.get('step')}; storage={s['storage']}; submit "
-              "again with the same ray.name to resume there", flush=True)
+        at = f" at step {s['step']}" if s.get("step") is not None else ""
+        print(f"trainapp ray: stopped ({s['stopped_by']}){at}; storage={s['storage']}; submit again with the same "
+              "ray.name to resume there", flush=True)
         return s["exit_code"]
     print("trainapp ray: done " + " ".join([
         f"steps={s.get('step')}", f"final_loss={s.get('loss', float('nan')):.4f}", *_val_fields(s),

@@ -224,6 +224,8 @@ class Trainer:
         `preempted` record, then `Preempted` out of train()."""
         p, notices = self.parts.progress, self.guard.notices
         bar.close()
+        # Only rank 0 reads a stop the holder asked for; the vote told the others a signal number only.
+        by = self.ctx.broadcast_object(notices.stop_by)
         with meter.paused(), self.clock.phase("snapshot"):
             self._save(meter.overall(), final=True)
             self._finish_snapshots()
@@ -231,9 +233,9 @@ class Trainer:
         seconds, where = notices.seconds_since(), str(self.snapshots.path_for(p.global_step))
         fields = {"step": p.global_step, "signal": signal.Signals(signum).name, "seconds": round(seconds, 3),
                   "phase": notices.phase_at_signal, "snapshot": where}
-        if notices.stop_by:  # asked for by the run's holder: the run ends here, nobody restarts it
-            self.records.stopped(by=notices.stop_by, **fields)
-            raise Stopped(signum, p.global_step, seconds, where, self.ctx.rank, notices.stop_by)
+        if by:  # asked for by the run's holder: the run ends here, nobody restarts it
+            self.records.stopped(by=by, **fields)
+            raise Stopped(signum, p.global_step, seconds, where, self.ctx.rank, by)
         self.records.preempted(**fields)
         raise Preempted(signum, p.global_step, seconds, where, self.ctx.rank)
 

@@ -424,21 +424,19 @@ class TorchTrainer(DataParallelTrainer):
 
 
 class RequesterLog(ControllerCallback):
-    """Records, in the run's metrics.jsonl, the id under which this run's controller asks Ray Data's
-    autoscaling coordinator for the workers' resources (Ray Train's scaling policy names it
-    `train-<run id>`): a controller killed with its job cancels nothing, and the next driver of the run
-    cancels it (trainapp/launch/ray/stop.py's `release_left_behind`)."""
+    """Notes the id under which this run's controller asks Ray Data's autoscaling coordinator for the
+    workers' resources (Ray Train's scaling policy names it `train-<run id>`) with `note(requester)`: a
+    controller killed with its job cancels nothing, and the next driver cancels it
+    (trainapp/launch/ray/stop.py's `release_left_behind`)."""
 
-    def __init__(self, run_dir: str, kind: str) -> None:
-        self.run_dir, self.kind = run_dir, kind
+    def __init__(self, note: Callable[[str], None]) -> None:
+        self.note = note
 
     def after_controller_start(self, train_run_context) -> None:
         try:
-            from trainapp.observe import metrics
-
-            metrics.append(self.run_dir, self.kind, requester=f"train-{train_run_context.run_id}")
+            self.note(f"train-{train_run_context.run_id}")
         except OSError as e:  # information only: a full disk must not fail the controller
-            _say(f"could not record the run's resource request in {self.run_dir}: {e}")
+            _say(f"could not note the run's resource request: {e}")
 
 
 def cancel_resource_requests(ids: list[str]) -> list[str]:

@@ -15,6 +15,7 @@ Train (seconds of CPU), so the two overlap; it never imports torch, which only t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any
 from trainapp.config import Config, ConfigError
 from trainapp.errors import Failure
 from trainapp.launch.ray.checks import Preflight, check_capacity, check_version, is_uri, ray_address, worker_needs
-from trainapp.launch.ray.stop import DriverStop, release_left_behind
+from trainapp.launch.ray.stop import DriverStop, note_request, release_left_behind
 from trainapp.observe.timeline import Timeline
 
 log = logging.getLogger("trainapp.ray")
@@ -103,12 +104,13 @@ def _group_failure_log(run_dir: str):
     return GroupFailureLog()
 
 
-def _callbacks(cfg: Config, storage: str) -> list:
+def _callbacks(cfg: Config, storage: str, generation: int) -> list:
     from trainapp.launch.ray.compat import RequesterLog
-    from trainapp.launch.ray.stop import REQUESTER
 
     run_dir = f"{storage}/{cfg.ray.name}"
-    callbacks = [] if is_uri(storage) else [_group_failure_log(run_dir), RequesterLog(run_dir, REQUESTER)]
+    callbacks = [] if is_uri(storage) else [_group_failure_log(run_dir)]
+    if generation and not is_uri(storage):
+        callbacks.append(RequesterLog(functools.partial(note_request, storage, run_dir=run_dir, generation=generation)))
     if cfg.ray.min_workers == cfg.ray.max_workers:
         return callbacks
     from trainapp.launch.ray.compat import NodeLossWatch
@@ -139,7 +141,7 @@ def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, 
             name=cfg.ray.name, storage_path=storage,
             failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.snapshot.keep),
-            callbacks=_callbacks(cfg, storage),
+            callbacks=_callbacks(cfg, storage, extra.get("lease", {}).get("fence", {}).get("generation", 0)),
         ),
     )
 
@@ -215,7 +217,7 @@ def _fit(cfg: Config, worker=None, **extra):
         try:
             trainer = _trainer(cfg, storage, needs, use_gpu, timeline, worker, **_lease_payload(lease), **extra)
             if lease is not None:
-                _release_left_behind(cfg, storage)
+                _release_left_behind(storage)
                 stop = DriverStop(lease)
                 trainer.on_sigint = stop.on_sigint
             result = trainer.fit()
@@ -238,13 +240,13 @@ def _lease_payload(lease) -> dict[str, Any]:
     return {"lease": {"fence": lease.fence.to_dict(), "summary": lease.summary()}} if lease is not None else {}
 
 
-def _release_left_behind(cfg: Config, storage: str) -> None:
+def _release_left_behind(storage: str) -> None:
     if is_uri(storage):
         return
-    released = release_left_behind(f"{storage}/{cfg.ray.name}")
+    released = release_left_behind(storage)
     if released:
-        log.info("released the resource request(s) %s that a killed earlier attempt of this run left with Ray's "
-                 "autoscaling coordinator", ", ".join(released))
+        log.info("released the resource request(s) %s that runs killed before they ended left with Ray's autoscaling "
+                 "coordinator", ", ".join(released))
 
 
 def _take_lease(cfg: Config, storage: str):

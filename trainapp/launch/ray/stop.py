@@ -10,18 +10,21 @@ restarting it.
 the job's runtime environment: `make ray-submit` and the KubeRay `RayJob` set it to `STOP_WAIT_S`. What
 a run killed before its stop snapshot leaves behind that would delay the next one (Ray Data's
 autoscaling coordinator keeps a killed controller's resource request for 180 s) is released by the
-next driver of the same run before it asks for workers (`release_left_behind`).
+next driver on the same storage, of this run or another, before it asks for workers
+(`release_left_behind`): every controller notes its request, and the run's lease says when it is over.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import threading
+from pathlib import Path
 from typing import Any
 
-from trainapp.observe import metrics
+from trainapp.snapshots import lease
 
 log = logging.getLogger("trainapp.ray")
 
@@ -30,8 +33,9 @@ STOP_WAIT_S = 60
 bound; the job ends as soon as the stop snapshot is registered."""
 RAY_DEFAULT_STOP_WAIT_S = 3
 """Ray's own RAY_JOB_STOP_WAIT_TIME_S (ray.dashboard.modules.job.job_supervisor)."""
-REQUESTER = "ray_requester"
-"""The record a run's controller leaves with its resource request's id (`RequesterLog`)."""
+REQUESTS = ".trainapp-requests"
+"""The folder under `ray.storage_path` where each run's controller notes its resource request
+(`note_request`)."""
 
 
 class DriverStop:
@@ -101,19 +105,49 @@ class DriverStop:
         return {"stopped_by": self.by(), "exit_code": 128 + self.signum, "step": result_metrics.get("step")}
 
 
-def release_left_behind(run_dir: str) -> list[str]:
-    """Before the driver asks for workers: cancel the resource requests that earlier attempts of this run
-    left with Ray Data's autoscaling coordinator (a controller killed with its job cancels nothing, and
-    the request holds the cluster's workers for an elastic run until it expires, 180 s). Safe because
-    this driver holds the run's lease: no earlier attempt of it is alive. Returns the ids released."""
-    ids: list[str] = []
-    for record in metrics.read(run_dir, missing_ok=True):
-        if record.get("kind") in ("end", "stopped"):  # that controller shut down and cancelled its own
-            ids = []
-        elif record.get("kind") == REQUESTER:
-            ids.append(record["requester"])
-    if not ids:
+def note_request(storage: str, requester: str, run_dir: str, generation: int) -> None:
+    """The controller of the run `run_dir` (lease `generation`) asks Ray Data's autoscaling coordinator
+    for its workers as `requester`: one small file in STORAGE/.trainapp-requests/ says so, for whichever
+    driver comes next to cancel it once that run is over (`release_left_behind`)."""
+    folder = Path(storage) / REQUESTS
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{requester}.tmp"
+    tmp.write_text(json.dumps({"requester": requester, "run_dir": run_dir, "generation": generation}))
+    tmp.replace(folder / f"{requester}.json")
+
+
+def _over(note: dict[str, Any]) -> bool:
+    """The run attempt that made the request `note` is over: its lease generation was taken over or
+    released, or its driver (on this host) is gone. A driver on another host that still renews it is
+    not over, and neither is one whose lease cannot be read now."""
+    try:
+        gen, record = lease.current(lease.store_at(note["run_dir"]))
+    except OSError:
+        return False
+    if gen != note["generation"]:  # taken over since, or the run directory (and its lease) deleted
+        return gen > note["generation"] or gen == 0
+    return record is not None and (bool(record.get("released")) or lease.gone(record.get("holder", {})))
+
+
+def release_left_behind(storage: str) -> list[str]:
+    """Before this driver asks for workers: cancel the resource requests that runs under `storage` which
+    are over left with the coordinator (a controller killed with its job cancels nothing, and the
+    request holds the cluster for an elastic run until it expires, 180 s); forget the ones whose runs
+    ended. Returns the ids cancelled."""
+    folder = Path(storage) / REQUESTS
+    stale = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            note = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if _over(note):
+            stale.append((path, note["requester"]))
+    if not stale:
         return []
     from trainapp.launch.ray import compat
 
-    return compat.cancel_resource_requests(ids)
+    cancelled = compat.cancel_resource_requests([r for _, r in stale])
+    for path, _ in stale if cancelled else []:
+        path.unlink(missing_ok=True)
+    return cancelled
