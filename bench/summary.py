@@ -48,14 +48,16 @@ ROWS = [
     ("launchers", "startup_seconds_torchrun", "torchrun: launch to first step (s)", None, "{:.1f}"),
     ("launchers", "startup_seconds_ray", "Ray: `ray job submit` to first step (s)", ("<=", 15), "{:.1f}"),
     ("launchers", "recovery_seconds", "Ray: worker SIGKILL to first resumed step (s)", ("<=", 8), "{:.1f}"),
+    ("launchers", "recovery_seconds_torchrun", "torchrun: worker SIGKILL to first resumed step (s)", None, "{:.1f}"),
+    ("launchers", "node_loss_recovery_seconds", "Ray elastic: node lost to first step on the rest (s)", ("<=", 10),
+     "{:.1f}"),
     ("ray_stop", "after_stop_minus_fresh_s", "Ray: submit to first step of an elastic resubmission after `ray job "
      "stop`, minus a fresh submit's (s)", ("<=", 5), "{:.1f}"),
     ("ray_stop", "after_kill_minus_fresh_s", "the same after the driver was SIGKILLed (its resource request left "
      "behind) (s)", ("<=", 5), "{:.1f}"),
+    ("ray_stop", "control_after_kill_no_release_s", "control: a new elastic run after that kill, the request not "
+     "released, submit to first step (s)", None, "{:.1f}"),
     ("ray_stop", "stop_to_end_s", "Ray: `ray job stop` to the job's end, the stop snapshot registered (s)", None,
-     "{:.1f}"),
-    ("launchers", "recovery_seconds_torchrun", "torchrun: worker SIGKILL to first resumed step (s)", None, "{:.1f}"),
-    ("launchers", "node_loss_recovery_seconds", "Ray elastic: node lost to first step on the rest (s)", ("<=", 10),
      "{:.1f}"),
     ("snapshot_cost", "async_vs_sync_blocking_ratio", "snapshot blocking time, async / sync (worse model)",
      ("<=", 0.25), "{:.3f}"),
