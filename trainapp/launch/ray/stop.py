@@ -1,5 +1,5 @@
-"""A stop of a Ray run is a notice (docs/ray.md, "Stopping a run"): `ray job stop`, a KubeRay `RayJob`
-deleted or suspended, and Ctrl-C of a driver in the foreground all reach only the driver, as a signal.
+"""A stop of a Ray run is a notice (docs/ray.md, "Stopping a run"): `ray job stop` and Ctrl-C of a driver
+in the foreground reach only the driver, as a signal.
 The driver asks the workers through the run's lease (trainapp/snapshots/lease.py): its record says
 `stop`, rank 0 of the workers reads it within half a second (trainapp/launch/ray/worker.py's
 `StopWatch`), and the workers agree on a step, snapshot it, register it with Ray, write a `stopped`
@@ -7,7 +7,9 @@ record and end normally, so Ray Train ends the run (and cancels its resource req
 restarting it.
 
 `ray job stop` kills the job `RAY_JOB_STOP_WAIT_TIME_S` after its signal (Ray's default: 3 s), read from
-the job's runtime environment: `make ray-submit` and the KubeRay `RayJob` set it to `STOP_WAIT_S`. What
+the job's runtime environment: `make ray-submit` and the KubeRay `RayJob` set it to `STOP_WAIT_S` (a
+deleted or suspended `RayJob` is no job stop: KubeRay terminates its pods, and the worker pods' preStop
+drain handles that). What
 a run killed before its stop snapshot leaves behind that would delay the next one (Ray Data's
 autoscaling coordinator keeps a killed controller's resource request for 180 s) is released by the
 next driver on the same storage, of this run or another, before it asks for workers
