@@ -698,6 +698,11 @@ def test_rayjob_cleans_up_retries_and_leaves_the_interface_to_network_interface_
     for var in IFNAME_VARS:
         assert var not in env, f"the RayJob's runtime env pins {var}: it would win over network.interface"
         assert var not in data, f"ConfigMap trainapp-nccl pins {var}: it would win over network.interface"
+    # A deleted or suspended RayJob: the head's preStop stops the jobs (within the grace period) first.
+    head = spec["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    stop = head["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert stop[:4] == ["python", "-m", "trainapp", "stop-jobs"], stop
+    assert head["terminationGracePeriodSeconds"] > float(stop[stop.index("--wait-s") + 1])
     # The stop wait is the job's, not the pods' (docs/ray.md, "Stopping a run"): `ray job stop` reads it.
     from trainapp.launch.ray.stop import STOP_WAIT_S
 

@@ -666,3 +666,23 @@ def test_doctor_comm_as_a_ray_job_measures_the_pair_of_worker_nodes(cluster):
     pair = next(line for line in r.output.splitlines() if line.startswith("pair  "))
     assert float(pair.split()[4]) > 0 and "below --min-bandwidth 1000 GB/s" in pair, pair
     assert "FAIL  comm  pair " in r.output and "doctor --comm: 1 problem(s)" in r.output, r.output[-4000:]
+
+
+@pytest.mark.e2e
+def test_stop_jobs_a_head_pods_prestop_stops_a_running_job_with_its_snapshot(cluster):
+    """`trainapp stop-jobs`, the RayJob head pod's preStop (KubeRay terminates a deleted or suspended
+    RayJob's pods without stopping its Ray job): the running job is stopped as by `ray job stop`, its
+    workers snapshot the step they reached, and the command returns once the job has ended."""
+    name, sid = "prestop", f"prestop-{uuid.uuid4().hex[:6]}"
+    run_dir = cluster.storage / name
+    args = (*LONG, "train.epochs=100", "train.max_steps=300", "drill.slow_rank=0", "drill.slow_ms=250")
+    r = run_cmd(_submit_cmd(cluster, name, *args, sid=sid, wait=False, stop_wait_s=60), env=cluster.env())
+    assert r.returncode == 0, r.output
+    wait_for_step(run_dir, 5)
+    r = trainapp("stop-jobs", "--address", cluster.dashboard_url, "--wait-s", "60", env=cluster.env())
+    assert r.returncode == 0, r.output
+    assert f"asked 1 job(s) to stop: {sid}" in r.stdout, r.output
+    stopped = metrics(run_dir, "stopped")
+    assert len(stopped) == 1 and inspect(run_dir)["global_step"] == stopped[0]["step"], stopped
+    status = run_cmd([RAY, "job", "status", "--address", cluster.dashboard_url, sid], env=cluster.env()).output
+    assert "stopped" in status.lower()

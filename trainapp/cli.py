@@ -54,6 +54,10 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("drain", help="this node is going away (a pod's preStop, a container's stop): SIGTERM every "
                                      "trainapp training process on it and wait for their snapshots")
     _add_drain_args(p)
+    p = sub.add_parser("stop-jobs", help="a Ray head pod's preStop: stop every running Ray job as `ray job stop` "
+                                         "does (each trainapp run snapshots the step it reached) and wait for them")
+    p.add_argument("--address", default="http://127.0.0.1:8265", help="the Ray dashboard (default: this head's)")
+    p.add_argument("--wait-s", type=float, default=60.0, help="seconds to wait for the jobs to end (default 60)")
     p = sub.add_parser("node", help="run a node's command (`ray start --block`, torchrun) as a container's main process; "
                                     "on SIGTERM drain the node first (see drain), then stop the command")
     _add_drain_args(p)
@@ -201,6 +205,14 @@ def cmd_drain(args) -> int:
     return 1 if left else 0
 
 
+def cmd_stop_jobs(args) -> int:
+    from trainapp.launch.ray.stop import stop_jobs
+
+    if args.wait_s < 0:
+        raise config.ConfigError(f"--wait-s={args.wait_s:g}: give the seconds to wait for the jobs, 0 or more")
+    return stop_jobs(args.address, args.wait_s)
+
+
 def cmd_node(args) -> int:
     from trainapp.faults import drain
 
@@ -252,7 +264,8 @@ def main(argv: list[str] | None = None, task=None) -> int:
         if args.command in ("train", "ray"):
             return {"train": cmd_train, "ray": cmd_ray}[args.command](args, task)
         return {"inspect": cmd_inspect, "config": cmd_config, "doctor": cmd_doctor, "report": cmd_report,
-                "drain": cmd_drain, "node": cmd_node, "slurm-preflight": cmd_slurm_preflight}[args.command](args)
+                "drain": cmd_drain, "node": cmd_node, "slurm-preflight": cmd_slurm_preflight,
+                "stop-jobs": cmd_stop_jobs}[args.command](args)
     except Failure as e:  # an ending trainapp explains: one line, its own exit code (trainapp.errors)
         print(f"trainapp {args.command}: error: {e}", file=sys.stderr, flush=True)
         return e.exit_code

@@ -1,5 +1,5 @@
-"""A stop of a Ray run is a notice (docs/ray.md, "Stopping a run"): `ray job stop` and Ctrl-C of a driver
-in the foreground reach only the driver, as a signal.
+"""A stop of a Ray run is a notice (docs/ray.md, "Stopping a run"): `ray job stop` (also from a Ray head pod's
+preStop, `trainapp stop-jobs`) and Ctrl-C of a driver in the foreground reach only the driver, as a signal.
 The driver asks the workers through the run's lease (trainapp/snapshots/lease.py): its record says
 `stop`, rank 0 of the workers reads it within half a second (trainapp/launch/ray/worker.py's
 `StopWatch`), and the workers agree on a step, snapshot it, register it with Ray, write a `stopped`
@@ -8,8 +8,8 @@ restarting it.
 
 `ray job stop` kills the job `RAY_JOB_STOP_WAIT_TIME_S` after its signal (Ray's default: 3 s), read from
 the job's runtime environment: `make ray-submit` and the KubeRay `RayJob` set it to `STOP_WAIT_S` (a
-deleted or suspended `RayJob` is no job stop: KubeRay terminates its pods, and the worker pods' preStop
-drain handles that). What
+deleted or suspended `RayJob` is no job stop: KubeRay terminates its pods; the head pod's preStop,
+`trainapp stop-jobs`, stops the running jobs first). What
 a run killed before its stop snapshot leaves behind that would delay the next one (Ray Data's
 autoscaling coordinator keeps a killed controller's resource request for 180 s) is released by the
 next driver on the same storage, of this run or another, before it asks for workers
@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -153,3 +154,28 @@ def release_left_behind(storage: str) -> list[str]:
     for path, _ in stale if cancelled else []:
         path.unlink(missing_ok=True)
     return cancelled
+
+
+def stop_jobs(address: str, wait_s: float, poll_s: float = 1.0) -> int:
+    """`trainapp stop-jobs`, a head pod's preStop (k8s/kuberay/rayjob.train.yaml): stop every job of the
+    cluster at `address` (the dashboard's URL) that is pending or running, as `ray job stop` does, so
+    each trainapp driver asks its workers for the snapshot of the step they reached; wait up to `wait_s`
+    for them to end. KubeRay terminates a deleted or suspended RayJob's pods without stopping its Ray
+    job: this hook is where Kubernetes lets it happen first. The exit code: 0 when all ended, 1 else."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    client = JobSubmissionClient(address)
+    live = (JobStatus.PENDING, JobStatus.RUNNING)
+    ids = [j.submission_id for j in client.list_jobs() if j.status in live and j.submission_id]
+    for sid in ids:
+        client.stop_job(sid)
+    print(f"trainapp stop-jobs: asked {len(ids)} job(s) to stop: {', '.join(ids) or 'none running'}", flush=True)
+    deadline = time.monotonic() + wait_s
+    left = list(ids)
+    while left and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        left = [sid for sid in left if client.get_job_status(sid) in live]
+    if left:
+        print(f"trainapp stop-jobs: {', '.join(left)} still running after {wait_s:g} s", flush=True)
+        return 1
+    return 0
