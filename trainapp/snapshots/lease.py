@@ -259,6 +259,11 @@ def stop_request(fence: Fence) -> dict[str, Any] | None:
     return (_parse(fence.store.read(gen_name(fence.generation))) or {}).get("stop")
 
 
+def _age(record: dict[str, Any]) -> float:
+    """Seconds since the lease `record` was last renewed, by this host's clock."""
+    return time.time() - float(record.get("renewed_at", 0))
+
+
 def current(store) -> tuple[int, dict[str, Any] | None]:
     """(generation, record) of the lease in `store`: (0, None) when there is none yet, the record None
     while it is unreadable (being written where there are no hard links)."""
@@ -275,7 +280,7 @@ def status(run_dir: str) -> str:
         return "free: no run has held it yet"
     if lease is None:
         return f"generation {gen} is being written"
-    holder, age = lease.get("holder", {}), time.time() - float(lease.get("renewed_at", 0))
+    holder, age = lease.get("holder", {}), _age(lease)
     if lease.get("released"):
         return f"free: released by {describe(holder)}"
     if gone(holder):
@@ -299,56 +304,47 @@ class _Taking:
 
     def run(self) -> Lease:
         while True:
-            gen, lease = self._current()
-            why = self._why(gen, lease) if gen else ("", None)
+            gen, record = current(self.store)
+            why = self._why(gen, record or {}) if gen else ("", None)
             if why is None:
                 self.sleep(self.POLL_S)
                 continue
-            took = self._create(gen + 1, why, lease)
+            took = self._create(gen + 1, why)
             if took is not None:
                 return took
 
-    def _current(self) -> tuple[int, dict[str, Any] | None]:
-        return current(self.store)
-
-    def _why(self, gen: int, lease: dict[str, Any] | None) -> tuple[str, dict | None] | None:
+    def _why(self, gen: int, record: dict[str, Any]) -> tuple[str, dict | None] | None:
         """('' to take it quietly, or why it is taken over, the old holder); None to wait and look again.
-        LeaseHeld when its holder renews it."""
-        now = time.monotonic()
-        old = (lease or {}).get("holder", {})
-        key = (gen, (lease or {}).get("renewals"), (lease or {}).get("released"))
+        LeaseHeld when its holder renews it. `record` is {} while the generation is unreadable."""
+        now, old = time.monotonic(), record.get("holder", {})
+        key = (gen, record.get("renewals"), record.get("released"))
         first_seen = self.seen.setdefault(key, now)
-        if lease is not None and lease.get("released"):
+        if record.get("released"):
             return "", None
-        if lease is not None and old.get("job") == self.holder["job"]:
+        if record and old.get("job") == self.holder["job"]:
             log.info("run lease %s: generation %d was this job's (%s): a restart takes it", self.store.where, gen,
                      old.get("job"))
             return "", None
-        if lease is not None and gone(old):
+        if record and gone(old):
             return "its process is gone", old
         if self.take_over:
             return "run.take_over=true", old
         if any(k[0] == gen and k != key for k in self.seen):
-            raise LeaseHeld(self._held_line(old, lease))
-        term = float((lease or {}).get("term_s", self.term_s))
-        watched = now - first_seen
-        age = time.time() - float((lease or {}).get("renewed_at", 0))
-        if watched > term or (watched >= 2 * float((lease or {}).get("renew_s", 1.0)) and age > term):
+            raise LeaseHeld(f"run.dir={self.run_dir} is in use by another run: {describe(old)}, lease renewed "
+                            f"{_age(record):.1f} s ago; wait for it to end, use another run.dir, or, if that run is "
+                            f"dead, rerun with run.take_over=true (a live holder then stops at its next write)")
+        term, age, watched = float(record.get("term_s", self.term_s)), _age(record), now - first_seen
+        long_enough = watched >= 2 * float(record.get("renew_s", 1.0))  # a live holder renewed meanwhile
+        if watched > term or (long_enough and age > term):
             return f"its heartbeat stopped {max(age, watched):.0f} s ago (term {term:g} s)", old
-        if not self.said and watched >= 2 * float((lease or {}).get("renew_s", 1.0)):
+        if long_enough and not self.said:
             self.said = True
             log.warning("run.dir=%s is held by %s, last renewed %.0f s ago; waiting up to %.0f s for it to renew "
                         "(another run: this one stops) or to expire (it is taken over)", self.run_dir,
                         describe(old), age, term)
         return None
 
-    def _held_line(self, old: dict[str, Any], lease: dict[str, Any]) -> str:
-        age = time.time() - float(lease.get("renewed_at", 0))
-        return (f"run.dir={self.run_dir} is in use by another run: {describe(old)}, lease renewed {age:.1f} s ago; "
-                f"wait for it to end, use another run.dir, or, if that run is dead, rerun with run.take_over=true "
-                f"(a live holder then stops at its next write)")
-
-    def _create(self, gen: int, why: tuple[str, dict | None], lease: dict | None) -> Lease | None:
+    def _create(self, gen: int, why: tuple[str, dict | None]) -> Lease | None:
         reason, old = why
         term = self.term_s
         record = {"generation": gen, "holder": self.holder, "term_s": term, "renew_s": renew_interval(term),

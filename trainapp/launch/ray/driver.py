@@ -119,9 +119,9 @@ def _callbacks(cfg: Config, storage: str, generation: int) -> list:
 
 
 def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, timeline: Timeline, worker=None,
-             **extra):
+             lease=None, **extra):
     """Ray Train's TorchTrainer over `worker` (`train_worker`), with the run directory at STORAGE/NAME;
-    the driver's `timeline` and `extra` go into each worker's payload."""
+    the driver's `timeline`, its `lease` (the workers' fence) and `extra` go into each worker's payload."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
     from trainapp.launch.ray import compat
@@ -134,14 +134,15 @@ def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, 
     os.environ.update(compat.controller_env(cfg.ray.worker_group_start_timeout_s, cfg.ray.health_check_interval_s))
     return compat.TorchTrainer(
         worker,
-        train_loop_config={"config": worker_cfg.to_dict(), "launch": timeline.marks(), **extra},
+        train_loop_config={"config": worker_cfg.to_dict(), "launch": timeline.marks(), **extra,
+                           **({"lease": {"fence": lease.fence.to_dict(), "summary": lease.summary()}} if lease else {})},
         torch_config=_torch_config(cfg, threads, worker),
         scaling_config=ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=use_gpu, resources_per_worker=needs),
         run_config=RunConfig(
             name=cfg.ray.name, storage_path=storage,
             failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.snapshot.keep),
-            callbacks=_callbacks(cfg, storage, extra.get("lease", {}).get("fence", {}).get("generation", 0)),
+            callbacks=_callbacks(cfg, storage, lease.generation if lease else 0),
         ),
     )
 
@@ -215,7 +216,7 @@ def _fit(cfg: Config, worker=None, **extra):
         lease = _take_lease(cfg, storage) if worker is None else None
         stop = None
         try:
-            trainer = _trainer(cfg, storage, needs, use_gpu, timeline, worker, **_lease_payload(lease), **extra)
+            trainer = _trainer(cfg, storage, needs, use_gpu, timeline, worker, lease, **extra)
             if lease is not None:
                 _release_left_behind(storage)
                 stop = DriverStop(lease)
@@ -234,10 +235,6 @@ def _fit(cfg: Config, worker=None, **extra):
         return result, storage, stop.summary(result.metrics or {}) if stop is not None and stop.signum else {}
     finally:
         ray.shutdown()
-
-
-def _lease_payload(lease) -> dict[str, Any]:
-    return {"lease": {"fence": lease.fence.to_dict(), "summary": lease.summary()}} if lease is not None else {}
 
 
 def _release_left_behind(storage: str) -> None:
