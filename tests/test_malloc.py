@@ -65,5 +65,6 @@ def test_training_steps_keep_their_freed_memory_instead_of_faulting_it_back_ever
     assert kept < 100 and kept < default / 10 and kept_steps == 0, (kept, default)
     # The main thread (torchrun's workers) keeps them too; with the defaults it depends on how glibc's
     # adaptive thresholds settled (from none to thousands of faults per step between runs). Its heap
-    # may still grow once in the window.
-    assert faults_per_step("keep", "main")[1] <= 1
+    # may still grow in the window (by 8 MiB, seen at 0 to 2 of 20 steps on a busy machine); memory
+    # given back every step would fault at every step.
+    assert faults_per_step("keep", "main")[1] <= COUNTED // 4
