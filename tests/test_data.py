@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from trainapp.config import ConfigError, DataSection
+from trainapp.config import TrainSection
 from trainapp.core.data import ResumableDistributedSampler, SeededItems, set_epoch
+from trainapp.core.layout import Layout
 from trainapp.tasks.image import SyntheticImages, build_datasets
 
 CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -65,11 +67,16 @@ def test_synthetic_classes_are_separable_by_their_prototypes():
 
 # --- sampler --------------------------------------------------------------------------------------
 
-def _epoch_indices(n, world, batch, epoch=0, start=0, seed=0):
+def _layout(world, rank, batch, global_batch=None, samples=10_000):
+    return Layout(TrainSection(batch_size=batch, global_batch=global_batch or batch * world), world, rank, samples)
+
+
+def _epoch_indices(n, world, batch, epoch=0, start=0, seed=0, global_batch=None):
     ds = list(range(n))
     per_rank = []
     for r in range(world):
-        s = ResumableDistributedSampler(ds, world, r, shuffle=True, seed=seed, global_batch=batch * world)
+        s = ResumableDistributedSampler(ds, world, r, shuffle=True, seed=seed,
+                                        layout=_layout(world, r, batch, global_batch, n))
         s.set_epoch(epoch, start)
         per_rank.append(list(s))
         assert len(s) == len(per_rank[-1])
@@ -105,6 +112,58 @@ def test_same_world_size_resume_yields_exactly_the_uninterrupted_order():
     resumed = _epoch_indices(96, 2, 4, epoch=5, start=2 * 4 * 2)
     for r in range(2):
         assert resumed[r] == full[r][2 * 4:]
+
+
+def _micro_batches(per_rank, world, batch, global_batch):
+    """{(step, slot): the samples of that micro-batch}, from each rank's sampler output."""
+    out = {}
+    for r, indices in enumerate(per_rank):
+        chunks = [tuple(indices[i:i + batch]) for i in range(0, len(indices), batch)]
+        mine = len(range(r, global_batch // batch, world))
+        for c, chunk in enumerate(chunks):
+            out[(c // mine, (c % mine) * world + r)] = chunk
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 6])
+def test_a_global_batch_is_cut_into_the_same_micro_batches_at_every_world_size(world):
+    n, batch, global_batch = 150, 4, 24  # 6 slots: even over 1, 2, 3 and 6 ranks, uneven over 4
+    straight = _micro_batches(_epoch_indices(n, 1, batch, global_batch=global_batch), 1, batch, global_batch)
+    resized = _micro_batches(_epoch_indices(n, world, batch, global_batch=global_batch), world, batch, global_batch)
+    assert resized == straight and len(straight) == (n // global_batch) * 6
+
+
+def test_uneven_slots_give_the_first_ranks_one_micro_batch_more_and_lose_none():
+    layout = [_layout(4, r, 4, 24) for r in range(4)]
+    assert [x.micro_steps() for x in layout] == [2, 2, 1, 1] and not layout[0].even
+    assert [x.slot(m) for x in layout for m in range(x.micro_steps())] == [0, 4, 1, 5, 2, 3]
+    assert layout[0].loss_weight == 4 / 6
+    per_rank = _epoch_indices(96, 4, 4, global_batch=24)
+    assert sorted(i for r in per_rank for i in r) == sorted(set(i for r in per_rank for i in r))
+    assert [len(r) for r in per_rank] == [4 * 2 * 4, 4 * 2 * 4, 4 * 4, 4 * 4]
+
+
+def test_a_resumed_layout_keeps_the_snapshots_global_batch_or_rescales_as_told():
+    keep = Layout(TrainSection(batch_size=8, grad_accum=1), 1, 0, 1000)  # started on 2: 16 samples a step
+    keep.resume(16, 2)
+    assert (keep.global_batch, keep.micro_steps(), keep.resized_from) == (16, 2, {"world_size": 2, "global_batch": 16})
+    assert "world size 2 -> 1: global batch kept: 2 micro-batch(es) of 8 per rank" == keep.line()
+    rescale = Layout(TrainSection(batch_size=8, on_resize="rescale"), 1, 0, 1000)
+    rescale.resume(16, 2)
+    assert rescale.global_batch == 8 and "rescaled" in rescale.line()
+    told = Layout(TrainSection(batch_size=8, global_batch=32), 2, 0, 1000)
+    told.resume(16, 2)
+    assert told.global_batch == 32 and told.line() is None  # the config's explicit size wins
+
+
+@pytest.mark.parametrize("train, world, key", [
+    (dict(batch_size=8, global_batch=12), 1, "train.global_batch"),  # not whole micro-batches
+    (dict(batch_size=8, global_batch=16), 3, "train.global_batch"),  # 2 slots, 3 ranks
+    (dict(batch_size=64), 1, "train.batch_size"),                    # more than the data
+])
+def test_a_layout_that_cannot_train_names_the_key(train, world, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        Layout(TrainSection(**train), world, 0, 50)
 
 
 def test_every_rank_gets_whole_global_batches_only():
@@ -173,7 +232,7 @@ def test_augmentation_depends_only_on_seed_epoch_and_index(tmp_path):
     write_tiny_imagefolder(tmp_path, size=(32, 32))
     raw, _, _ = build_datasets(DataSection(name="imagefolder", root=str(tmp_path), image_size=32), seed=0)
     train = SeededItems(raw, seed=0)
-    sampler = ResumableDistributedSampler(train, 1, 0, shuffle=True, seed=0, global_batch=4)
+    sampler = ResumableDistributedSampler(train, 1, 0, shuffle=True, seed=0, layout=_layout(1, 0, 4))
     set_epoch(train, sampler, 3)
     a = train[2][0]
     torch.manual_seed(12345)  # the global RNG must not matter

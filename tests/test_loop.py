@@ -1,5 +1,6 @@
 """Real training processes: learning under DDP, exact resume after SIGKILL, resume at another world size."""
 
+import shutil
 import subprocess
 
 import pytest
@@ -79,19 +80,37 @@ def test_resume_at_another_world_size_continues_at_the_same_global_sample(tmp_pa
     r = torchrun(2, *args, "drill.kill_at_step=7", "drill.rank=0")
     assert r.returncode != 0  # no restarts allowed: the job fails, the snapshot of step 5 remains
     assert inspect(run)["global_step"] == 5
-    r = trainapp("train", *args)  # the same run, now on one process
+    rescaled = tmp_path / "rescaled"
+    shutil.copytree(run, rescaled)
+
+    # train.on_resize=keep (the default): the global batch of 128 stays, two micro-batches of 64 on the one
+    # rank, the same peak LR and the same number of steps.
+    r = trainapp("train", *args)
     assert r.returncode == 0, r.output
     first, second = metrics(run, "start")
     assert second["resumed_step"] == 5 and second["resumed_world_size"] == 2 and second["world_size"] == 1
-    # Global batch 128 -> 64: the epoch continues at sample 5*128 and the peak LR halves (linear scaling).
+    assert second["epoch_sample"] == 640 and second["global_batch"] == 128
+    assert second["layout"]["micro_steps"] == [2] and second["layout"]["resized_from"]["world_size"] == 2
+    assert second["peak_lr"] == first["peak_lr"] and second["total_steps"] == first["total_steps"] == 24
+    assert "world size 2 -> 1: global batch kept: 2 micro-batch(es) of 64 per rank" in r.stderr
+    after = [m for m in metrics(run, "train") if m["world_size"] == 1]
+    assert after[0]["step"] == 10 and (after[0]["epoch"], after[0]["epoch_sample"]) == (1, 2 * 128)  # 8 steps an epoch
+    assert inspect(run)["global_step"] == 24
+
+    # train.on_resize=rescale: global batch 128 -> 64, the epoch continues at sample 5*128 and the peak LR
+    # halves (linear scaling).
+    args = [f"run.dir={rescaled}", "snapshot.every_steps=5", *QUICK, "train.on_resize=rescale"]
+    r = trainapp("train", *args)
+    assert r.returncode == 0, r.output
+    first, second = metrics(rescaled, "start")
     assert second["epoch_sample"] == 640 and second["global_batch"] == 64
     assert second["peak_lr"] == pytest.approx(first["peak_lr"] / 2)
     assert "peak lr rescaled" in r.stderr
     # Rest of epoch 0: (1024-640)/64 = 6 steps; epochs 1 and 2: 16 each.
     assert second["total_steps"] == 5 + 6 + 16 + 16
-    after = [m for m in metrics(run, "train") if m["world_size"] == 1]
+    after = [m for m in metrics(rescaled, "train") if m["world_size"] == 1]
     assert after[0]["step"] == 10 and after[0]["epoch_sample"] == 640 + 5 * 64
-    assert inspect(run)["global_step"] == 43
+    assert inspect(rescaled)["global_step"] == 43
 
 
 @pytest.mark.e2e

@@ -116,9 +116,20 @@ class TrainSection:
     max_steps: Optional[int] = Field(default=None, ge=1)
     """Optional cap on optimizer steps (stops earlier than `train.epochs` would)."""
     batch_size: int = Field(default=64, ge=1)
-    """Micro-batch size per worker process. Global batch = batch_size * grad_accum * world size."""
+    """Micro-batch size per worker process. Global batch = batch_size * grad_accum * world size, unless
+    `train.global_batch` is set."""
     grad_accum: int = Field(default=1, ge=1)
     """Micro-batches per optimizer step; the gradient all-reduce runs on the last one only."""
+    global_batch: Optional[int] = Field(default=None, ge=1)
+    """Samples per optimizer step at every world size (a multiple of `train.batch_size`): each rank runs
+    global_batch / (batch_size * world size) micro-batches. Empty: batch_size * grad_accum * the world
+    size of the run's first start. Set it for elastic runs that may start small (Ray's elastic runs
+    set it from the largest `ray.num_workers` when empty)."""
+    on_resize: Literal["keep", "rescale"] = "keep"
+    """When a run resumes at another world size: `keep` its global batch (gradient accumulation takes
+    up the difference, micro-batches and their randomness are the same at every world size: the same
+    run, slower per step on fewer workers), or `rescale` (the global batch follows the world size and
+    the peak LR is rescaled by `optim.lr_scaling`)."""
     eval_every: int = Field(default=0, ge=0)
     """Evaluate every N optimizer steps (0: only at the end)."""
     log_every: int = Field(default=10, ge=1)

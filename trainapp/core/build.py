@@ -19,9 +19,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from trainapp.config import Config, ConfigError, changes
+from trainapp.config import Config, changes
 from trainapp.core import data, optim
 from trainapp.core.amp import Precision
+from trainapp.core.layout import Layout
 from trainapp.core.state import RngState, TrainState
 from trainapp.core.task import BoundTask, bind
 
@@ -59,24 +60,23 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
     cuda = ctx.device.type == "cuda"
     if cuda:
         torch.backends.cudnn.benchmark = True
-    task = bind(task, cfg, ctx)
+    made: list[data.Progress] = []  # made once the data are known; the task may ask for its steps before
+    task = bind(task, cfg, ctx, steps_done=lambda: made[0].global_step if made else 0)
     train_ds, val_ds = task.datasets()
     model = task.model()  # after the datasets: a task may size its model by its data (classes, vocabulary)
     groups = task.param_groups(model)
     if task.random_items:
         train_ds = data.SeededItems(train_ds, cfg.seed)
-    global_batch = cfg.train.batch_size * cfg.train.grad_accum * ctx.world_size
-    if global_batch > len(train_ds):
-        raise ConfigError(f"train.batch_size={cfg.train.batch_size}: the global batch (batch_size*grad_accum*"
-                          f"world_size={global_batch}) exceeds the {len(train_ds)} training samples")
+    layout = Layout(cfg.train, ctx.world_size, ctx.rank, len(train_ds))
     sampler = data.ResumableDistributedSampler(train_ds, ctx.world_size, ctx.rank, shuffle=True, seed=cfg.seed,
-                                               global_batch=global_batch)
+                                               layout=layout)
     val_sampler = data.ResumableDistributedSampler(val_ds, ctx.world_size, ctx.rank, shuffle=False, seed=cfg.seed)
     val_loader = data.make_loader(val_ds, val_sampler, cfg.train.batch_size, cfg.data.num_workers, cuda, cfg.seed,
                                   task.collate)
     batches = data.EpochBatches(train_ds, sampler, cfg.train.batch_size, cfg.data.num_workers, cuda, cfg.seed,
                                 task.collate)
-    progress = data.Progress(ctx.world_size, global_batch, ctx.device)
+    progress = data.Progress(layout, ctx.device)
+    made.append(progress)
     horizon = functools.partial(data.plan_total, sampler, progress, cfg.train)  # steps done plus steps left
 
     precision = Precision(cfg.amp, ctx.device)
@@ -92,11 +92,14 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
     found = load(ctx)
     diff = _resume(cfg, ctx, state, found) if found is not None else {}
     mark("loaded")
+    if ctx.is_main and layout.line():
+        log.warning("%s", layout.line())
     ddp = None
     if ctx.distributed:  # wrap last: the snapshot went into the plain module
         ddp = DDP(model, device_ids=[ctx.device.index] if cuda else None, gradient_as_bucket_view=True)
     return Parts(task, batches, val_loader, model, ddp or model, ddp, precision, opt.optimizer, opt.schedule, opt.ema,
-                 progress, state, opt.schedule.total_steps, opt.peak_lr, found[0] if found else None, diff)
+                 progress, state, opt.schedule.total_steps, optim.scaled_lr(cfg.optim, layout.global_batch),
+                 found[0] if found else None, diff)
 
 
 

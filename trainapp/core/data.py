@@ -60,21 +60,25 @@ class SeededItems(Dataset):
 
 
 class ResumableDistributedSampler(DistributedSampler):
-    """DistributedSampler that can start an epoch at a global sample offset.
+    """DistributedSampler that can start an epoch at a global sample offset, and hands each rank the
+    micro-batches (slots) of every global batch that `layout` (trainapp/core/layout.py) gives it.
 
-    The epoch's permutation is DistributedSampler's (seeded by seed + epoch). Rank r takes every
-    world_size-th index of the permutation from `start` on, so after k batches on every rank exactly
-    the first start + k*batch*world_size indices of the permutation are consumed, whatever the world
-    size: a run resumed at another world size continues at the same global sample position.
+    The epoch's permutation is DistributedSampler's (seeded by seed + epoch). A global batch is the next
+    `layout.global_batch` indices of the permutation from `start`, cut into slots of
+    `layout.micro_batch`; rank r takes slots r, r + W, ... of each, in that order, so a loader batching
+    by `micro_batch` yields exactly its micro-batches. After k optimizer steps exactly the first
+    start + k * global_batch indices are consumed, whatever the world size: a run resumed at another
+    world size continues at the same global sample, and the same samples form the same micro-batches.
+    Only whole global batches are handed out (the epoch's tail is dropped, as with drop_last).
 
-    With `global_batch`, each rank gets only whole global batches (the epoch's tail is dropped, as
-    with drop_last); without it (evaluation) every index is visited exactly once, unpadded.
+    Without `layout` (evaluation) rank r takes every W-th index, so every index is visited exactly once,
+    unpadded.
     """
 
     def __init__(self, dataset: Dataset, num_replicas: int, rank: int, shuffle: bool, seed: int,
-                 global_batch: int | None = None):
+                 layout: Any = None):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
-        self.global_batch, self.start = global_batch, 0
+        self.layout, self.start = layout, 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         super().set_epoch(epoch)
@@ -83,9 +87,9 @@ class ResumableDistributedSampler(DistributedSampler):
     def steps_from(self, start: int) -> int:
         """Whole global batches (optimizer steps) in an epoch from global sample `start` on: the one
         place that says an epoch ends when less than a global batch is left."""
-        if not self.global_batch:
-            raise ValueError("steps_from() is for training samplers (made with global_batch)")
-        return max(0, len(self.dataset) - start) // self.global_batch
+        if self.layout is None:
+            raise ValueError("steps_from() is for training samplers (made with a layout)")
+        return max(0, len(self.dataset) - start) // self.layout.global_batch
 
     def steps_left(self) -> int:
         """Whole global batches left in this epoch from `start`."""
@@ -101,12 +105,16 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def __iter__(self):
         order = self._order()
-        end = self.start + self.steps_left() * self.global_batch if self.global_batch else len(order)
-        return iter(order[self.start:end][self.rank::self.num_replicas])
+        if self.layout is None:
+            return iter(order[self.rank::self.num_replicas])
+        G, b, slots = self.layout.global_batch, self.layout.micro_batch, self.layout.slots
+        mine = range(self.rank, slots, self.num_replicas)
+        return (i for base in range(self.start, self.start + self.steps_left() * G, G)
+                for k in mine for i in order[base + k * b: base + (k + 1) * b])
 
     def __len__(self) -> int:
-        if self.global_batch:
-            return self.steps_left() * self.global_batch // self.num_replicas
+        if self.layout is not None:
+            return self.steps_left() * self.layout.micro_steps(self.rank) * self.layout.micro_batch
         return len(range(self.rank, len(self.dataset), self.num_replicas))
 
 
@@ -149,12 +157,16 @@ class Progress:
     """Where training is: optimizer steps done, the epoch and the global sample position in it, and
     the fp16 steps the GradScaler skipped (a device counter, so counting costs no host sync)."""
 
-    def __init__(self, world_size: int, global_batch: int, device: torch.device):
+    def __init__(self, layout, device: torch.device):
         self.global_step, self.epoch, self.epoch_sample = 0, 0, 0
-        self.world_size, self.global_batch = world_size, global_batch
+        self.layout, self.world_size = layout, layout.world_size
         self.skipped = torch.zeros((), dtype=torch.int64, device=device)
         self.resumed: dict[str, Any] | None = None
         """The progress of the snapshot this run resumed from (its world size and global batch too)."""
+
+    @property
+    def global_batch(self) -> int:
+        return self.layout.global_batch
 
     def state_dict(self) -> dict[str, Any]:
         return {"global_step": self.global_step, "epoch": self.epoch, "epoch_sample": self.epoch_sample,
@@ -165,6 +177,7 @@ class Progress:
         self.global_step, self.epoch, self.epoch_sample = state["global_step"], state["epoch"], state["epoch_sample"]
         self.skipped.fill_(state.get("skipped_steps", 0))
         self.resumed = dict(state)
+        self.layout.resume(state["global_batch"], state["world_size"])  # before the schedule reads the horizon
 
     def advance(self, steps_from: Callable[[int], int]) -> bool:
         """Count the step just taken; True when it was the epoch's last (`steps_from`: the sampler's)."""

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from trainapp.config import Config
 from trainapp.core.build import Parts
+from trainapp.core.layout import seed_slot
 from trainapp.faults.preempt import Preempted, Stopped
 from trainapp.observe.metrics import Throughput, val_metrics
 from trainapp.observe.records import Records
@@ -98,20 +99,22 @@ class Trainer:
                     self._save(meter.overall(), final=last, urgent=decision.urgent)
 
     def _step(self, batches: Iterator) -> torch.Tensor:
-        """One optimizer step over `train.grad_accum` micro-batches; the mean loss, on the device."""
-        parts, accum, clock = self.parts, self.cfg.train.grad_accum, self.clock
-        scaler = parts.precision.scaler
+        """One optimizer step over this rank's micro-batches of the global batch (trainapp/core/layout.py);
+        this rank's share of the step's mean loss, on the device."""
+        parts, clock, layout = self.parts, self.clock, self.parts.progress.layout
+        scaler, micro_steps, weight = parts.precision.scaler, layout.micro_steps(), layout.loss_weight
         loss_sum = torch.zeros((), device=self.ctx.device)
-        for micro in range(accum):
+        for micro in range(micro_steps):
             clock.enter("data")
             batch = parts.task.to_device(next(batches))
             clock.enter("compute")
+            seed_slot(self.cfg.seed, parts.progress.global_step, layout.slot(micro))
             # All-reduce only on the last micro-step; the others just accumulate local gradients.
-            sync = parts.ddp is None or micro == accum - 1
+            sync = parts.ddp is None or micro == micro_steps - 1
             with contextlib.nullcontext() if sync else parts.ddp.no_sync():
                 with parts.precision.autocast():
                     loss = parts.task.loss(parts.train_model, batch)
-                scaler.scale(loss / accum).backward()
+                scaler.scale(loss * weight).backward()
             loss_sum += loss.detach()
         clock.enter("optim")
         if self.cfg.train.grad_clip > 0:
@@ -129,7 +132,7 @@ class Trainer:
             parts.ema.update_parameters(parts.model)
         clock.enter("other")
         clock.step_done()
-        return loss_sum / accum
+        return loss_sum * weight
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float] | None:

@@ -158,8 +158,6 @@ class Optimization:
     optimizer: torch.optim.Optimizer
     schedule: Schedule
     ema: AveragedModel | None
-    peak_lr: float
-    """The LR of the groups without a multiplier at the schedule's peak, for the start record."""
 
 
 def build(model: nn.Module, optim: OptimSection, sched: SchedSection, ema_decay: float, horizon: Callable[[], int],
@@ -167,5 +165,4 @@ def build(model: nn.Module, optim: OptimSection, sched: SchedSection, ema_decay:
     """The optimizer over `model`'s parameter groups (or the task's `groups`), its schedule to
     `horizon()` and the EMA weights."""
     optimizer = build_optimizer(model, optim, progress.global_batch, fused=fused, groups=groups)
-    return Optimization(optimizer, Schedule(optimizer, optim, sched, horizon, progress), build_ema(model, ema_decay),
-                        scaled_lr(optim, progress.global_batch))
+    return Optimization(optimizer, Schedule(optimizer, optim, sched, horizon, progress), build_ema(model, ema_decay))

@@ -140,12 +140,13 @@ def _what(value: Any) -> str:
         f"a tensor of shape {tuple(value.shape)}"
 
 
-def bind(task: Any, cfg: Config, ctx) -> BoundTask:
+def bind(task: Any, cfg: Config, ctx, steps_done: Callable[[], int] = lambda: 0) -> BoundTask:
     """`task` (None: the one `task.name` names) bound to the rank of `ctx` (a DistContext)."""
     if task is None:
         from trainapp.tasks.load import resolve  # a built-in task's module (torchvision...) only when named
 
         task = resolve(cfg)
     tctx = TaskContext(seed=cfg.seed, rank=ctx.rank, world_size=ctx.world_size, device=ctx.device,
-                       run_dir=Path(cfg.run.dir), local_rank=ctx.local_rank, barrier=ctx.barrier)
+                       run_dir=Path(cfg.run.dir), local_rank=ctx.local_rank, barrier=ctx.barrier,
+                       steps_done=steps_done)
     return BoundTask(task, cfg.task.name, tctx)

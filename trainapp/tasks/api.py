@@ -42,6 +42,9 @@ class TaskContext:
     """This process's rank on its node."""
     barrier: Callable[[], None] = field(default=lambda: None, repr=False)
     """Wait for every rank (a no-op alone): rank 0 prepares a file, the others wait, then read it."""
+    steps_done: Callable[[], int] = field(default=lambda: 0, repr=False)
+    """Optimizer steps done so far (in `loss`: the step being trained is steps_done() + 1), across
+    restarts: for a curriculum, a loss schedule, or a record of what each step saw."""
 
     @property
     def is_main(self) -> bool:
