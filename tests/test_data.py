@@ -157,9 +157,9 @@ def test_a_resumed_layout_keeps_the_snapshots_global_batch_or_rescales_as_told()
 
 
 @pytest.mark.parametrize("train, world, key", [
-    (dict(batch_size=8, global_batch=12), 1, "train.global_batch"),  # not whole micro-batches
-    (dict(batch_size=8, global_batch=16), 3, "train.global_batch"),  # 2 slots, 3 ranks
-    (dict(batch_size=64), 1, "train.batch_size"),                    # more than the data
+    (dict(batch_size=8, global_batch=12), 1, "train.global_batch=12"),  # not whole micro-batches
+    (dict(batch_size=8, global_batch=16), 3, "train.global_batch=16"),  # 2 slots, 3 ranks
+    (dict(batch_size=64), 1, "train.batch_size=64"),                    # more than the data
 ])
 def test_a_layout_that_cannot_train_names_the_key(train, world, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

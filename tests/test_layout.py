@@ -141,12 +141,12 @@ def test_failure_metadata_is_typed_not_looked_up_with_getattr():
 
 def test_build_makes_the_parts_in_order_visiting_each_core_module_once():
     """`build` (trainapp/core/build.py) calls into the core modules in build order (the task: its
-    datasets and model; the data loaders, precision, optimizer, state), each in one stretch: no part
-    goes back to a module it has left."""
+    datasets and model; the layout of the global batch, the data loaders, precision, optimizer, state),
+    each in one stretch: no part goes back to a module it has left."""
     build = next(n for n in ast.walk(_tree(PACKAGE / "core" / "build.py"))
                  if isinstance(n, ast.FunctionDef) and n.name == "build")
     by_name = {"resolve": "task", "bind": "task", "task": "task", "data": "data", "Precision": "amp",
-               "optim": "optim", "TrainState": "state", "RngState": "state", "state": "state"}
+               "Layout": "layout", "optim": "optim", "TrainState": "state", "RngState": "state", "state": "state"}
     seen = []
     for n in sorted((n for n in ast.walk(build) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset)):
         f = n.func
@@ -154,4 +154,4 @@ def test_build_makes_the_parts_in_order_visiting_each_core_module_once():
         module = by_name.get(head)
         if module and (not seen or seen[-1] != module):
             seen.append(module)
-    assert seen == ["task", "data", "amp", "optim", "state"], seen
+    assert seen == ["task", "layout", "data", "amp", "optim", "state"], seen

@@ -65,9 +65,9 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
     train_ds, val_ds = task.datasets()
     model = task.model()  # after the datasets: a task may size its model by its data (classes, vocabulary)
     groups = task.param_groups(model)
+    layout = Layout(cfg.train, ctx.world_size, ctx.rank, len(train_ds))
     if task.random_items:
         train_ds = data.SeededItems(train_ds, cfg.seed)
-    layout = Layout(cfg.train, ctx.world_size, ctx.rank, len(train_ds))
     sampler = data.ResumableDistributedSampler(train_ds, ctx.world_size, ctx.rank, shuffle=True, seed=cfg.seed,
                                                layout=layout)
     val_sampler = data.ResumableDistributedSampler(val_ds, ctx.world_size, ctx.rank, shuffle=False, seed=cfg.seed)
@@ -98,7 +98,7 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
     if ctx.distributed:  # wrap last: the snapshot went into the plain module
         ddp = DDP(model, device_ids=[ctx.device.index] if cuda else None, gradient_as_bucket_view=True)
     return Parts(task, batches, val_loader, model, ddp or model, ddp, precision, opt.optimizer, opt.schedule, opt.ema,
-                 progress, state, opt.schedule.total_steps, optim.scaled_lr(cfg.optim, layout.global_batch),
+                 progress, state, opt.schedule.total_steps, opt.schedule.peak_lr,
                  found[0] if found else None, diff)
 
 

@@ -38,7 +38,8 @@ class Layout:
         self.global_batch = train.global_batch or train.batch_size * train.grad_accum * world_size
         self.resized_from: dict[str, int] | None = None
         """The snapshot's world size and global batch, when this run resumed at another world size."""
-        self._check("train.global_batch" if train.global_batch else "train.batch_size")
+        self._check(f"train.global_batch={train.global_batch}" if train.global_batch else
+                    f"train.batch_size={train.batch_size}")
 
     @property
     def slots(self) -> int:

@@ -138,6 +138,12 @@ class Schedule:
     def step(self) -> None:
         self.scheduler.step()
 
+    @property
+    def peak_lr(self) -> float:
+        """The LR of the groups without a multiplier at the schedule's peak (for the start record), at
+        the global batch the run has once a snapshot is loaded."""
+        return scaled_lr(self.optim, self.progress.global_batch)
+
     def state_dict(self) -> dict[str, Any]:
         return self.scheduler.state_dict()
 
