@@ -13,6 +13,9 @@ from pathlib import Path
 from trainapp.observe.metrics import read as metrics  # noqa: F401  (the tests' name for the one reader)
 
 REPO = Path(__file__).resolve().parents[1]
+USERTASKS = REPO / "tests" / "usertasks"
+"""Tasks a user might write (trainapp's tests import them: the sample ledger's checker)."""
+sys.path.insert(0, str(USERTASKS))
 PY = sys.executable
 TORCHRUN = str(Path(PY).with_name("torchrun"))
 

@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import usertasks_ledger
 from helpers import PY, QUICK, REPO, inspect, metrics, run_cmd, torchrun, trainapp
 
 from trainapp.faults.preempt import StopVote
@@ -467,40 +468,54 @@ def test_bad_ray_input_fails_fast_with_one_line(cluster, tmp_path):
 
 
 @pytest.mark.e2e
-def test_losing_a_worker_node_continues_elastically_on_the_other(cluster):
-    """Kills a node (its raylet), then starts a replacement and waits for it, so the tests after it
-    have two worker nodes again. It runs before the job-stop test: a run stopped with `ray job stop`
-    leaves its resource request in Ray's autoscaling coordinator until it expires, and an elastic run
-    started meanwhile waits for it."""
-    run_dir = cluster.storage / "elastic"
-    # 100 steps: on a fast CPU 40 are over before the killed raylet's worker notices.
-    proc = submit_background(cluster, "elastic", *LONG, "train.max_steps=100", "ray.num_workers=[1,2]",
-                             "ray.worker_group_start_timeout_s=15")
+def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back_with_every_sample_once(cluster):
+    """An elastic run of a user's task (its items carry their index, its loss writes down what each rank
+    trained at each step) loses a worker node (its raylet SIGKILLed): the run goes on on the other
+    node with the same global batch; then a node comes back and Ray Train grows the group to two
+    again: the workers snapshot the step reached first, so the grow-back redoes nothing. Over the
+    whole run every sample of every epoch is trained exactly once (redone steps after the lost node
+    count once: the attempt that went on). Leaves the cluster with two worker nodes for the tests after."""
+    name, rows, gb = "elastic", 1024, 32
+    run_dir = cluster.storage / name
+    proc = subprocess.Popen(
+        _submit_cmd(cluster, name, "task.name=usertasks_ledger:Ledger", f"task.args.rows={rows}", "task.args.step_s=0.1",
+                    "train.batch_size=16", "train.epochs=10", "train.max_steps=300", "snapshot.every_steps=20",
+                    "train.progress=false", "train.log_every=1", "amp.dtype=off", "ray.num_workers=[1,2]",
+                    "ray.worker_group_start_timeout_s=15", "ray.resize_check_s=5", ship="tests/usertasks"),
+        cwd=REPO, env=cluster.env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True)
     try:
         wait_for_step(run_dir, 12)
-        raylet = cluster.node_pids("worker2")["raylet"]
-        os.kill(raylet, signal.SIGKILL)
-    finally:
-        rc, out = finish(proc)
+        os.kill(cluster.node_pids("worker2")["raylet"], signal.SIGKILL)
+        _wait_for_record(run_dir, "train", lambda r: r["world_size"] == 1)
+        time.sleep(5)  # some steps on one worker
+        returned = time.time()
         cluster.add_worker("worker3", REPO)
+        grown = _wait_for_record(run_dir, "train", lambda r: r["world_size"] == 2 and r["time"] > returned)
+        print(f"node returned to training on 2 workers: {grown['time'] - returned:.1f} s")
+    finally:
+        rc, out = finish(proc, timeout=600)
         cluster.wait_for_nodes(3, 120)  # the head, worker1 and worker3
     assert rc == 0, out[-4000:]
-    before, resumed = _redone(run_dir)
-    assert before - resumed <= 5
-    # The new group was sized for the one node left, without waiting out the start timeout: before the
-    # restart NodeLossWatch found the raylet silent and waited for Ray to declare the node dead, or
-    # (when the failure surfaced after Ray's health checks) found it dead already; either way it had
-    # the cluster view re-read.
-    said = "\n".join(line[-300:] for line in out.splitlines() if "trainapp: node" in line or "timed out" in line)
-    assert "startup timed out" not in out, said
+    # The lost node: the new group was sized for the one node left, without waiting out the start
+    # timeout (NodeLossWatch found the raylet silent and waited for Ray to declare the node dead, or found
+    # it dead already; either way it had the cluster view re-read).
+    assert "startup timed out" not in out
     watched = ("stopped answering" in out and "declared dead after" in out) or "already declared dead" in out
-    assert watched, said or out[-4000:]
+    assert watched, out[-4000:]
     starts = metrics(run_dir, "start")
-    assert starts[0]["world_size"] == 2 and starts[-1]["world_size"] == 1
-    assert starts[-1]["resumed_world_size"] == 2
-    assert inspect(run_dir)["world_size"] == 1
-    end = metrics(run_dir, "end")[-1]
-    assert end["world_size"] == 1 and end["steps"] == inspect(run_dir)["global_step"]
+    assert [s["world_size"] for s in starts] == [2, 1, 2], [(s["world_size"], s["resumed_step"]) for s in starts]
+    assert {s["global_batch"] for s in starts} == {gb} and starts[1]["layout"]["micro_steps"] == [2]
+    # The grow-back: the resize snapshot is the step the bigger group resumed from.
+    (resized,) = metrics(run_dir, "resized")
+    assert resized["by"] == "resize from 1 to 2 workers", resized
+    assert starts[2]["resumed_step"] == resized["step"], (resized, starts[2])
+    assert f"step {resized['step']} snapshotted" in out, out[-4000:]
+    ledger = usertasks_ledger.check(run_dir, rows, gb)
+    assert ledger["world_sizes"] == [1, 2] and ledger["steps"] == 300 and not ledger["bad_steps"], ledger
+    for epoch, counts in ledger["epochs"].items():
+        assert counts["duplicates"] == counts["missing"] == counts["foreign"] == 0, (epoch, counts)
+    assert inspect(run_dir)["world_size"] == 2 and inspect(run_dir)["global_step"] == 300
 
 
 @pytest.mark.e2e

@@ -10,12 +10,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import PY, REPO, TORCHRUN, inspect, metrics, run_cmd, trainapp
+from helpers import PY, REPO, TORCHRUN, USERTASKS, inspect, metrics, run_cmd, trainapp
 
 from trainapp import cli
 from trainapp.snapshots.store import load_state, newest_valid
 
-USERTASKS = Path(__file__).resolve().parent / "usertasks"
 EXAMPLE = REPO / "examples" / "tabular"
 SHORT = ["train.progress=false", "train.max_steps=6", "train.batch_size=8", "train.log_every=2",
          "snapshot.every_steps=3"]

@@ -93,6 +93,10 @@ class RaySection:
     """Elastic runs: when a node that hosted workers stops answering, the restart waits up to this long
     for Ray to declare it dead (its GCS health checks; about 15 s by Ray's defaults), so the new group
     fits the nodes left instead of waiting out `worker_group_start_timeout_s`. 0: do not wait."""
+    resize_check_s: float = Field(default=10.0, gt=0)
+    """Elastic runs: how often Ray Train checks whether the group can grow (a lost node back, room
+    freed). A resize snapshots the step reached and the new group resumes from it, with the same global
+    batch (`train.on_resize`). Ray's default: 60 s."""
     report_interval_s: float = Field(default=5.0, ge=0)
     """Seconds between registering snapshots with Ray (`ray.train.report`, a barrier); a restart resumes
     from the newest snapshot on storage, registered or not. 0: every snapshot (docs/ray.md)."""

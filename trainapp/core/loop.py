@@ -22,7 +22,7 @@ from tqdm import tqdm
 from trainapp.config import Config
 from trainapp.core.build import Parts
 from trainapp.core.layout import seed_slot
-from trainapp.faults.preempt import Preempted, Stopped
+from trainapp.faults.preempt import Preempted, Resized, Stopped
 from trainapp.observe.metrics import Throughput, val_metrics
 from trainapp.observe.records import Records
 from trainapp.observe.timings import PhaseClock
@@ -228,7 +228,7 @@ class Trainer:
         p, notices = self.parts.progress, self.guard.notices
         bar.close()
         # Only rank 0 reads a stop the holder asked for; the vote told the others a signal number only.
-        by = self.ctx.broadcast_object(notices.stop_by)
+        by, kind = self.ctx.broadcast_object((notices.stop_by, notices.stop_kind))
         with meter.paused(), self.clock.phase("snapshot"):
             self._save(meter.overall(), final=True)
             self._finish_snapshots()
@@ -236,6 +236,9 @@ class Trainer:
         seconds, where = notices.seconds_since(), str(self.snapshots.path_for(p.global_step))
         fields = {"step": p.global_step, "signal": signal.Signals(signum).name, "seconds": round(seconds, 3),
                   "phase": notices.phase_at_signal, "snapshot": where}
+        if kind == "resize":  # Ray Train replaces the group, which resumes from this snapshot
+            self.records.resized(by=by, **fields)
+            raise Resized(signum, p.global_step, seconds, where, self.ctx.rank, by)
         if by:  # asked for by the run's holder: the run ends here, nobody restarts it
             self.records.stopped(by=by, **fields)
             raise Stopped(signum, p.global_step, seconds, where, self.ctx.rank, by)

@@ -71,6 +71,20 @@ class Stopped(Preempted):
                 f"{self.snapshot}; submit again with the same ray.name to resume there")
 
 
+class Resized(Preempted):
+    """A live resize of the worker group (Ray Train's elastic policy, trainapp/launch/ray/resize.py): the
+    same agreed step and snapshot as a preemption, on record as `resized`; the workers then wait for Ray
+    Train to replace the group, which resumes from that snapshot."""
+
+    def __init__(self, signum: int, step: int, seconds: float, snapshot: str | None, rank: int = 0, by: str = ""):
+        self.by = by
+        super().__init__(signum, step, seconds, snapshot, rank)
+
+    def line(self) -> str:
+        return (f"trainapp: {self.by}: snapshot of step {self.step} after {self.seconds:.1f} s ({self.snapshot}); "
+                "the new worker group resumes there")
+
+
 class StoppedBeforeStart(Failure):
     """A stop the run's holder asked for before this attempt trained a step: nothing new to save; the
     workers end normally."""
@@ -99,6 +113,8 @@ class Notices:
         self.done = False  # this process's training is over (a Ray worker lives on): signals are not notices
         self.stop_by = ""
         """Who asked for a stop that came as no signal to this process (`request`): '' for a signal."""
+        self.stop_kind = ""
+        """What such a stop is for: `stop` (the run ends) or `resize` (the group is replaced)."""
 
     def seconds_since(self) -> float:
         return time.monotonic() - self.at if self.signum else 0.0
@@ -152,12 +168,13 @@ class Notices:
         if not self.watching:
             self._arm(signum)
 
-    def request(self, signum: int, by: str) -> None:
-        """A stop asked for through the run's lease (`by`: who asked, e.g. `ray job stop`), handled as the
-        signal `signum` would be, from any thread: every rank stops after the same step, with a snapshot."""
+    def request(self, signum: int, by: str, kind: str = "stop") -> None:
+        """A stop asked for through the run's lease (`by`: who asked, e.g. `ray job stop`; `kind`: `stop`
+        or `resize`), handled as the signal `signum` would be, from any thread: every rank stops after
+        the same step, with a snapshot."""
         if self.done or self.signum:
             return
-        self.stop_by = by
+        self.stop_by, self.stop_kind = by, kind
         self._record(signum)
         self._arm(signum)
 

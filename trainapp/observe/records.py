@@ -6,7 +6,7 @@ Records (trainapp/observe/metrics.py reads them): `start` (one per attempt: the 
 placement and network of every rank, the start-up marks, the config), `train` (every
 `train.log_every` steps), `ranks` and `straggler` (trainapp/observe/timings.py), `eval`, `snapshot`
 and `snapshot_failed`, `drain_notice`, `preempted`, `stopped` (a stop the run's holder asked for:
-`ray job stop`), `end`.
+`ray job stop`), `resized` (a live resize of a Ray worker group), `end`.
 """
 
 from __future__ import annotations
@@ -111,6 +111,9 @@ class Records:
 
     def stopped(self, **fields: Any) -> None:
         self.metrics.write("stopped", **fields)
+
+    def resized(self, **fields: Any) -> None:
+        self.metrics.write("resized", **fields)
         self.metrics.close()
 
     def end(self, summary: dict[str, Any]) -> None:

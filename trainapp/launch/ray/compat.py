@@ -191,7 +191,7 @@ class _TorchBackendWithSetup(Backend):
         try:
             ray.get(futures, timeout=timeout_s)
         except GetTimeoutError:
-            _say(f"the torch process group did not shut down within {timeout_s:g}s")
+            say(f"the torch process group did not shut down within {timeout_s:g}s")
 
 
 class _TorchContext:
@@ -259,7 +259,7 @@ def drain_pending() -> bool:
 # A lost node seen before an elastic restart
 
 
-def _say(msg: str) -> None:
+def say(msg: str) -> None:
     # The controller's stdout reaches the job's log (`ray job logs`) prefixed with its actor name.
     print(f"trainapp: {msg}", file=sys.stderr, flush=True)
 
@@ -302,7 +302,7 @@ class NodeLossWatch(ControllerCallback, WorkerGroupCallback):
         try:  # an error raised here would count as a training failure: report it and carry on
             self._settle()
         except Exception as e:
-            _say(f"could not check the workers' nodes before the restart ({e.__class__.__name__}: {e})")
+            say(f"could not check the workers' nodes before the restart ({e.__class__.__name__}: {e})")
 
     def _lost_nodes(self, hosts: list[dict]) -> dict[str, str]:
         """{node id: address} of the alive-to-Ray `hosts` whose raylet does not answer."""
@@ -333,19 +333,19 @@ class NodeLossWatch(ControllerCallback, WorkerGroupCallback):
         # The elastic policy caches the coordinator's answer briefly, and last asked before t0.
         time.sleep(max(0.0, ElasticScalingPolicy.GET_RESERVED_RESOURCES_INTERVAL_S - (time.monotonic() - t0)))
         when = f"declared dead after {time.monotonic() - t0:.1f}s" if lost else "already declared dead"
-        _say(f"node {names} {when}; restarting on the nodes that are left")
+        say(f"node {names} {when}; restarting on the nodes that are left")
 
     def _wait_until_dead(self, lost: dict[str, str]) -> bool:
         """Until Ray has declared every node of `lost` dead (True), or `wait_s` has passed (False)."""
         names = ", ".join(f"{ip} ({nid[:8]})" for nid, ip in lost.items())
-        _say(f"node {names} stopped answering; waiting up to {self.wait_s:.0f}s (ray.node_loss_wait_s) for Ray "
+        say(f"node {names} stopped answering; waiting up to {self.wait_s:.0f}s (ray.node_loss_wait_s) for Ray "
              "to declare it dead, so the restart is sized for the nodes that are left")
         t0 = time.monotonic()
         while time.monotonic() - t0 < self.wait_s:
             if not any(n.get("Alive") for n in ray.nodes() if n["NodeID"] in lost):
                 return True
             time.sleep(self.poll_s)
-        _say(f"node {names} is still alive to Ray after {self.wait_s:.0f}s; restarting anyway")
+        say(f"node {names} is still alive to Ray after {self.wait_s:.0f}s; restarting anyway")
         return False
 
 
@@ -436,7 +436,7 @@ class RequesterLog(ControllerCallback):
         try:
             self.note(f"train-{train_run_context.run_id}")
         except OSError as e:  # information only: a full disk must not fail the controller
-            _say(f"could not note the run's resource request: {e}")
+            say(f"could not note the run's resource request: {e}")
 
 
 def cancel_resource_requests(ids: list[str]) -> list[str]:

@@ -114,8 +114,20 @@ def _callbacks(cfg: Config, storage: str, generation: int) -> list:
     if cfg.ray.min_workers == cfg.ray.max_workers:
         return callbacks
     from trainapp.launch.ray.compat import NodeLossWatch
+    from trainapp.launch.ray.resize import ResizeSnapshot
 
-    return [*callbacks, NodeLossWatch(cfg.ray.node_loss_wait_s)]
+    # The workers' agreed stop and snapshot take at most preempt.grace_s; the margin is the polls'.
+    return [*callbacks, NodeLossWatch(cfg.ray.node_loss_wait_s), ResizeSnapshot(run_dir, cfg.preempt.grace_s + 5)]
+
+
+def _elastic_batch(cfg: Config):
+    """The train section the workers get: an elastic run that keeps its global batch across resizes
+    (`train.on_resize=keep`) and names none has the global batch of its largest group, whatever size
+    it starts at, so every size it may run at splits it (trainapp/core/layout.py)."""
+    t = cfg.train
+    if cfg.ray.min_workers == cfg.ray.max_workers or t.global_batch or t.on_resize != "keep":
+        return t
+    return dataclasses.replace(t, global_batch=t.batch_size * t.grad_accum * cfg.ray.max_workers)
 
 
 def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, timeline: Timeline, worker=None,
@@ -129,7 +141,7 @@ def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, 
 
     worker = worker or train_worker
     run_dir = f"{storage}/{cfg.ray.name}" if not is_uri(storage) else cfg.run.dir
-    worker_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir))
+    worker_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir), train=_elastic_batch(cfg))
     threads = cfg.ray.threads_per_worker or max(1, int(needs.get("CPU", 1)))
     os.environ.update(compat.controller_env(cfg.ray.worker_group_start_timeout_s, cfg.ray.health_check_interval_s))
     return compat.TorchTrainer(
@@ -137,7 +149,9 @@ def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, 
         train_loop_config={"config": worker_cfg.to_dict(), "launch": timeline.marks(), **extra,
                            **({"lease": {"fence": lease.fence.to_dict(), "summary": lease.summary()}} if lease else {})},
         torch_config=_torch_config(cfg, threads, worker),
-        scaling_config=ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=use_gpu, resources_per_worker=needs),
+        scaling_config=ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=use_gpu, resources_per_worker=needs,
+                                     **({"elastic_resize_monitor_interval_s": cfg.ray.resize_check_s}
+                                        if cfg.ray.min_workers != cfg.ray.max_workers else {})),
         run_config=RunConfig(
             name=cfg.ray.name, storage_path=storage,
             failure_config=FailureConfig(max_failures=cfg.ray.max_failures),

@@ -7,7 +7,8 @@ step, snapshot it, write a `resized` record and answer; then Ray Train replaces 
 one resumes from that snapshot, at the same global sample and with the same global batch
 (trainapp/core/layout.py): no step redone, the same math.
 
-Imports neither torch nor Ray: the controller and the workers both use it.
+The workers use the request functions; the controller the callback (built on Ray Train's private
+callback classes, through trainapp/launch/ray/compat.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import json
 import time
 import uuid
 from typing import Any
+
+from trainapp.launch.ray.compat import ControllerCallback, WorkerGroupCallback, say
+from trainapp.snapshots.lease_store import store_at
 
 REQUEST = "resize-request.json"
 DONE = "resize-done.json"
@@ -66,3 +70,49 @@ def clear(store, rid: str) -> None:
     standing = asked(store)
     if standing and standing.get("id") == rid:
         store.delete(REQUEST)
+
+
+class ResizeSnapshot(ControllerCallback, WorkerGroupCallback):
+    """In Ray Train's controller, for elastic runs: before a running group of `was` workers is resized
+    to `to`, ask its workers for a snapshot of the step reached and wait for it (at most `wait_s`), so
+    the new group resumes from it. A group that is not running (a restart after a failure) has
+    nothing to save: the callback does nothing then."""
+
+    def __init__(self, run_dir: str, wait_s: float) -> None:
+        self.run_dir, self.wait_s = run_dir, wait_s
+        self._workers = 0  # of the running group; 0 while none runs
+
+    def after_worker_group_start(self, worker_group) -> None:
+        self._workers = len(worker_group.get_workers())
+
+    def before_worker_group_shutdown(self, worker_group) -> None:
+        self._workers = 0
+
+    def before_worker_group_abort(self, worker_group_context) -> None:
+        self._workers = 0
+
+    def before_controller_execute_resize_decision(self, resize_decision) -> None:
+        was, to = self._workers, resize_decision.num_workers
+        if not was or to == was:
+            return
+        try:  # an error raised here would fail the run: say it, and let Ray Train resize as it would
+            self._snapshot(was, to)
+        except Exception as e:
+            say(f"resizing {was} -> {to} workers: could not ask the workers for a snapshot first "
+                f"({e.__class__.__name__}: {e}); the new group resumes from the newest snapshot")
+
+    def _snapshot(self, was: int, to: int) -> None:
+        store, t0 = store_at(self.run_dir), time.monotonic()
+        rid = ask(store, was, to)
+        try:
+            done = wait(store, rid, self.wait_s)
+        finally:
+            clear(store, rid)
+        if done is None:
+            say(f"resizing {was} -> {to} workers: no snapshot within {self.wait_s:.0f}s; the new group resumes "
+                "from the newest snapshot")
+        elif done["step"] is None:
+            say(f"resizing {was} -> {to} workers: the group had trained no step yet")
+        else:
+            say(f"resizing {was} -> {to} workers: step {done['step']} snapshotted in {time.monotonic() - t0:.1f}s; "
+                "the new group resumes there")

@@ -13,19 +13,25 @@ import dataclasses
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from trainapp import config
 from trainapp.errors import leave
 from trainapp.faults.guard import RankGuard
-from trainapp.faults.preempt import Preempted, Stopped, StoppedBeforeStart
+from trainapp.faults.preempt import Preempted, Resized, Stopped, StoppedBeforeStart
 from trainapp.group import DistContext
 from trainapp.launch import dist
 from trainapp.launch.rank import run_rank
+from trainapp.launch.ray import resize
 from trainapp.launch.ray.checks import is_uri
 from trainapp.launch.ray.publish import RayDrainNotice, RayPublish
 from trainapp.snapshots.lease import Fence, RunLease, stop_request
+from trainapp.snapshots.lease_store import store_at
+
+REPLACED_WITHIN_S = 120.0
+"""How long workers that snapshotted for a resize wait for Ray Train to replace their group."""
 
 
 class RayWorker:
@@ -55,19 +61,20 @@ class RayWorker:
     def lease(self, cfg: config.Config, ctx: DistContext) -> RunLease:
         given = self.payload.get("lease") or {}  # the driver holds it: a retry of the group is the same run
         held = RunLease(Fence.from_dict(given.get("fence")), given.get("summary"))
-        if held.fence.store is None:
-            return held
         # A stop asked for before this attempt started (during a restart of the group): every rank ends.
         asked = ctx.broadcast_object(stop_request(held.fence) if ctx.rank == 0 else None)
         if asked:
             raise StoppedBeforeStart(f"trainapp: stopped ({asked['by']}) before this attempt trained a step; the "
                                      "newest snapshot is where the run resumes")
-        if ctx.rank == 0:  # the others hear of a stop through the stop vote
-            self._watch = StopWatch(held.fence, self._guard.notices)
+        if ctx.rank == 0:  # the others hear of a stop or a resize through the stop vote
+            self._watch = StopWatch(held.fence, store_at(cfg.run.dir), self._guard.notices)
         return held
 
     def restart(self) -> int:
         return 0  # Ray Train's restarts show as attempts in metrics.jsonl
+
+    def resize_id(self) -> str | None:
+        return self._watch.resize_id if self._watch is not None else None
 
     def close(self, ctx: DistContext | None) -> None:
         # The worker process lives on after training (Ray stops a finished group with SIGTERM): from now on
@@ -81,30 +88,55 @@ class RayWorker:
 
 
 class StopWatch:
-    """Rank 0's watch on the driver's stop request (`ray job stop` signals the driver, which the workers
-    cannot hear): the lease's record is read every `poll_s`, and a request becomes this rank's notice,
-    which the stop vote carries to every rank at the next step boundary."""
+    """Rank 0's watch on the requests the workers cannot hear as a signal, read every `poll_s`: the
+    driver's stop in the lease's record (`ray job stop` signals the driver), and the controller's resize
+    in `store` (trainapp/launch/ray/resize.py). A request becomes this rank's notice, which the stop
+    vote carries to every rank at the next step boundary."""
 
-    def __init__(self, fence: Fence, notices, poll_s: float = 0.5) -> None:
-        self.fence, self.notices, self.poll_s = fence, notices, poll_s
+    def __init__(self, fence: Fence, store, notices, poll_s: float = 0.5) -> None:
+        self.fence, self.store, self.notices, self.poll_s = fence, store, notices, poll_s
+        self.started = time.time()
+        self.resize_id: str | None = None
+        """The resize request this attempt stops for, once it is a notice."""
         self.stop = threading.Event()
         threading.Thread(target=self._run, name="stop-watch", daemon=True).start()
 
     def _run(self) -> None:
         while not self.stop.wait(self.poll_s):
             try:
-                asked = stop_request(self.fence)
+                asked, resizing = stop_request(self.fence), resize.asked(self.store)
             except OSError:  # storage that does not answer now: the next poll asks again
                 continue
             if asked:
                 self.notices.request(int(signal.Signals[asked["signal"]]), asked["by"])
                 return
+            if resizing and self._resize(resizing):
+                return
+
+    def _resize(self, req: dict[str, Any]) -> bool:
+        """Act on the resize request `req`: True once it is this rank's notice. One made before this
+        watch started, or before this attempt's first step, is answered at once: nothing trained here
+        is lost when the group is replaced (and a request left by a controller that died is harmless)."""
+        if req["at"] < self.started or self.notices.heartbeat.phase == "start":
+            resize.answer(self.store, req["id"], None, None)
+            return False
+        self.resize_id = req["id"]
+        self.notices.request(signal.SIGTERM, f"resize from {req['from']} to {req['to']} workers", kind="resize")
+        return True
 
 
 def train_worker(payload: dict[str, Any]) -> None:
     """The per-worker function: the same rank as torchrun's, with snapshots published to Ray."""
+    worker = RayWorker(payload)
+    cfg = config.from_dict(payload["config"])
     try:
-        run_rank(RayWorker(payload), config.from_dict(payload["config"]), payload.get("task"))
+        run_rank(worker, cfg, payload.get("task"))
+    except Resized as e:  # the snapshot is written: say so to the controller, and wait to be replaced
+        if e.rank == 0:
+            resize.answer(store_at(cfg.run.dir), worker.resize_id(), e.step, e.snapshot)
+            print(e.line(), file=sys.stderr, flush=True)
+        time.sleep(REPLACED_WITHIN_S)
+        leave(e.exit_code)  # never replaced: end as a preempted worker, and Ray Train restarts the group
     except Stopped as e:  # the driver was told to stop: the run ends here, a normal end to Ray Train
         if e.rank == 0:
             print(e.line(), file=sys.stderr, flush=True)
