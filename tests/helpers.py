@@ -67,8 +67,8 @@ def torchrun_cmd(nproc: int, *args: str, max_restarts: int = 0) -> list[str]:
             "-m", "trainapp", "train", *args]
 
 
-def torchrun(nproc: int, *args: str, max_restarts: int = 0, timeout: float = 300) -> Result:
-    return run_cmd(torchrun_cmd(nproc, *args, max_restarts=max_restarts), timeout=timeout)
+def torchrun(nproc: int, *args: str, max_restarts: int = 0, timeout: float = 300, env: dict | None = None) -> Result:
+    return run_cmd(torchrun_cmd(nproc, *args, max_restarts=max_restarts), timeout=timeout, env=env)
 
 
 def inspect(path: Path) -> dict:

@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainapp.config import ConfigError, DataSection
-from trainapp.config import TrainSection
+from trainapp.config import ConfigError, DataSection, TrainSection
 from trainapp.core.data import ResumableDistributedSampler, SeededItems, set_epoch
 from trainapp.core.layout import Layout
 from trainapp.tasks.image import SyntheticImages, build_datasets
