@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
                                       "and print a short summary")
     p.add_argument("run_dir", metavar="RUN_DIR", help="run.dir of a run (or STORAGE/NAME of a Ray run)")
     p.add_argument("--out", metavar="PNG", help="where the plot goes (default RUN_DIR/report.png)")
+    p.add_argument("--compare", metavar="RUN_DIR", nargs="+", default=[],
+                   help="other runs whose loss, validation, samples/s and lr are drawn over this run's")
     p = sub.add_parser("drain", help="this node is going away (a pod's preStop, a container's stop): SIGTERM every "
                                      "trainapp training process on it and wait for their snapshots")
     _add_drain_args(p)
@@ -183,7 +185,7 @@ def reference_markdown() -> str:
 def cmd_report(args) -> int:
     from trainapp.tools import report
 
-    png, text = report.run(args.run_dir, args.out)
+    png, text = report.run(args.run_dir, args.out, args.compare)
     print(text)
     print(f"report: {png} and {png.with_suffix('.txt')}")
     return 0

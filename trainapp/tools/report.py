@@ -150,6 +150,12 @@ def _start_lines(starts: list[dict]) -> list[str]:
                          f"{took['why']}")
         if start.get("config_changes"):
             lines.append(f"config         attempt {i} resumed with {changes.line(start['config_changes'])}")
+        layout, was = start.get("layout") or {}, (start.get("layout") or {}).get("resized_from")
+        if was:
+            kept = "kept" if was["global_batch"] == layout["global_batch"] else \
+                f"{was['global_batch']} -> {layout['global_batch']} (rescaled)"
+            lines.append(f"resize         attempt {i} at step {start['step']}: world size {was['world_size']} -> "
+                         f"{start['world_size']}, global batch {kept}, micro-batches per rank {layout['micro_steps']}")
     return lines
 
 
@@ -269,7 +275,8 @@ def _plot_phases(ax, records: list[dict]) -> None:
     ax.grid(alpha=0.3, axis="x")
 
 
-def plot(records: list[dict], out: Path, title: str) -> Path:
+def plot(records: list[dict], out: Path, title: str, compare: dict[str, list[dict]] | None = None) -> Path:
+    """The run's panels; each run of `compare` (name: its records) is drawn over the step panels."""
     try:
         import matplotlib
 
@@ -290,8 +297,12 @@ def plot(records: list[dict], out: Path, title: str) -> Path:
     fails = [r for r in records if r.get("kind") == "failure" and r.get("cause") != "peer"]
     for ax, (name, kind, key, log_scale) in zip(axes, panels):
         segs = _segments(records, kind, key)
-        for xs, ys in segs:
-            ax.plot(xs, ys, color="tab:blue", marker="." if len(xs) < 50 else None, linewidth=1.2)
+        for i, (xs, ys) in enumerate(segs):
+            ax.plot(xs, ys, color="tab:blue", marker="." if len(xs) < 50 else None, linewidth=1.2,
+                    label="this run" if compare and i == 0 else None)
+        for n, (other, other_records) in enumerate((compare or {}).items()):
+            for i, (xs, ys) in enumerate(_segments(other_records, kind, key)):
+                ax.plot(xs, ys, color=f"C{n + 1}", linestyle="--", linewidth=1, label=other if i == 0 else None)
         if segs:
             if log_scale:
                 ax.set_yscale("log", base=2)
@@ -308,8 +319,8 @@ def plot(records: list[dict], out: Path, title: str) -> Path:
         ax.grid(alpha=0.3)
     _plot_rank_work(rank_ax, records, rs)
     _plot_phases(phase_ax, records)
-    if rs or fails:
-        axes[0].legend(loc="upper right")
+    if rs or fails or compare:
+        axes[0].legend(loc="upper right", fontsize="small")
     fig.suptitle(title)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -318,11 +329,14 @@ def plot(records: list[dict], out: Path, title: str) -> Path:
     return out
 
 
-def run(run_dir: str, out: str | None = None) -> tuple[Path, str]:
+def run(run_dir: str, out: str | None = None, compare: list[str] = ()) -> tuple[Path, str]:
+    """`run_dir`'s report.png and report.txt; the runs of `compare` drawn over its step panels (another
+    run of the same config: a resized one against a straight one, another policy)."""
     root = Path(run_dir)
     records = read(root)
     png = Path(out) if out else root / "report.png"
     text = summarize(root, records)
-    plot(records, png, f"trainapp run {root.name}")
+    others = {str(Path(c).name): read(Path(c)) for c in compare}
+    plot(records, png, f"trainapp run {root.name}", others)
     png.with_suffix(".txt").write_text(text + "\n")
     return png, text
