@@ -59,6 +59,12 @@ ROWS = [
      "released, submit to first step (s)", None, "{:.1f}"),
     ("ray_stop", "stop_to_end_s", "Ray: `ray job stop` to the job's end, the stop snapshot registered (s)", None,
      "{:.1f}"),
+    ("resize", "resize_param_rel_distance", "elastic: a run resized 2 -> 1 -> 2 (global batch kept), final parameters' "
+     "relative distance to a straight run's, SmallCNN fp32, 100 steps", ("<=", 1e-4), "{:.2g}"),
+    ("resize", "resize_param_rel_distance_rescale", "control: the same resizes with the LR rescaled instead (the rule "
+     "before)", None, "{:.2g}"),
+    ("resize", "grow_back_seconds", "Ray elastic: a lost node back (`ray start`) to the first step on two workers (s)",
+     ("<=", 30), "{:.1f}"),
     ("snapshot_cost", "async_vs_sync_blocking_ratio", "snapshot blocking time, async / sync (worse model)",
      ("<=", 0.25), "{:.3f}"),
     ("snapshot_cost", "throughput_loss_at_100_steps", "throughput lost to one async snapshot per 100 steps",

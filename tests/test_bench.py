@@ -133,3 +133,15 @@ def test_ray_stop_benchmark_smoke(tmp_path):
     result, _ = smoke("ray_stop", tmp_path, timeout=600)
     assert result["smoke"] is True and result["redone_after_stop"] == 0
     assert result["fresh_s"] > 0 and result["after_stop_s"] > 0 and result["stop_to_end_s"] > 0
+
+
+def test_resize_benchmark_smoke(tmp_path):
+    """The math of a run resized 2 -> 1 -> 2 against a straight run, and the rescaling control: the
+    figures are there and the control really rescaled (its global batch followed the world size)."""
+    result, r = smoke("resize", tmp_path)
+    assert result["smoke"] is True and result["cycles"] == []
+    assert result["math_runs"]["keep"]["global_batches"] == [64, 64, 64]
+    assert result["math_runs"]["rescale"]["global_batches"] == [64, 32, 64]
+    assert result["resize_param_rel_distance"] < result["resize_param_rel_distance_rescale"]
+    assert (tmp_path / "resize.png").stat().st_size > 10_000
+    assert "resize_param_rel_distance=" in r.stdout

@@ -80,7 +80,7 @@ class ResizeSnapshot(ControllerCallback, WorkerGroupCallback):
 
     def __init__(self, run_dir: str, wait_s: float) -> None:
         self.run_dir, self.wait_s = run_dir, wait_s
-        self._workers = 0  # of the running group; 0 while none runs
+        self._workers = 0  # of the running, healthy group; 0 while none runs
 
     def after_worker_group_start(self, worker_group) -> None:
         self._workers = len(worker_group.get_workers())
@@ -89,6 +89,11 @@ class ResizeSnapshot(ControllerCallback, WorkerGroupCallback):
         self._workers = 0
 
     def before_worker_group_abort(self, worker_group_context) -> None:
+        self._workers = 0
+
+    def before_controller_execute_failure_decision(self, failure_decision) -> None:
+        # The group failed: Ray Train shuts it down only when it executes the restart's resize, after
+        # this callback's resize hook, and a failed group has no step to snapshot.
         self._workers = 0
 
     def before_controller_execute_resize_decision(self, resize_decision) -> None:
