@@ -2,18 +2,23 @@
 returning node trains again.
 
 The math, side by side in one run of this script (the built-in SmallCNN with BatchNorm, fp32, CPU,
-2048 synthetic images, global batch 64 in 4 micro-batches of 16, 100 steps, a snapshot every 33):
+2048 synthetic images, 100 steps, a snapshot every 33), for two splits of the global batch: the
+default (`train.batch_size=64`, 2 slots of a global batch of 128) and 4 slots (batch 16, grad_accum 2,
+global batch 64; not in --smoke):
 
 - straight: torchrun with 2 processes, never resized (the reference);
 - keep: the same config, resized 2 -> 1 -> 2 with `train.on_resize=keep` (the default): a rank is
   SIGKILLed after step 34 (the run resumes from step 33 on one process), that process is SIGKILLed after
   step 67 (resumed from 66 on two), then it runs to the end;
 - rescale (the control): the same resizes with `train.on_resize=rescale`, the rule before: the global
-  batch follows the world size and the peak LR is rescaled.
+  batch follows the world size and the peak LR is rescaled;
+- one (4 slots only): a straight run on one process with the same global batch: the same math with the
+  float sums in another order, which is all a resize changes. Training is chaotic: such a difference of
+  1e-9 after one step grows to about 1e-3 after 100.
 
 For each: the relative L2 distance of the final parameters (buffers left out) to the straight run's, and
-the final loss. The loss curves of the three are drawn over each other by `trainapp report --compare`
-(bench/results/resize.png).
+the relative difference of the final loss. The loss curves of the default split's three runs are drawn
+over each other by `trainapp report --compare` (bench/results/resize.png).
 
 The grow-back, on a local multi-node Ray cluster (head + 2 worker nodes, 1 CPU each, on loopback): an
 elastic run (`ray.num_workers=[1,2]`, `ray.resize_check_s=10`) loses a worker node (its raylet
@@ -92,33 +97,58 @@ def rel_distance(a: dict, b: dict) -> float:
     return float(sum(((a[k] - b[k]) ** 2).sum() for k in a) ** 0.5 / sum((a[k] ** 2).sum() for k in a) ** 0.5)
 
 
-def math(tmp: Path, steps: int, every: int, png: Path) -> dict:
-    # 4 slots of 16 (global batch 64): two micro-batches per rank on 2, four on 1, so the float sums are
-    # added in another order after a resize (with 2 slots the resized run is bitwise equal).
-    args = [f"train.max_steps={steps}", "train.epochs=100", f"snapshot.every_steps={every}", "train.batch_size=16",
-            "train.grad_accum=2",
-            "amp.dtype=off", "train.progress=false", "train.log_every=1", "data.train_size=2048", "data.val_size=256"]
-    runs = {name: tmp / name for name in ("straight", "keep", "rescale")}
+def variant(tmp: Path, steps: int, every: int, split: list[str], floor: bool) -> tuple[dict, dict[str, Path]]:
+    """A straight run, the same resized 2 -> 1 -> 2 keeping its global batch, and the control resized with
+    the LR rescaled, of one `split` of the global batch; with `floor`, also a straight run on one process
+    with the same global batch: what only the order of the float sums changes."""
+    args = [f"train.max_steps={steps}", "train.epochs=100", f"snapshot.every_steps={every}", *split, "amp.dtype=off",
+            "train.progress=false", "train.log_every=1", "data.train_size=2048", "data.val_size=256"]
+    runs = {name: tmp / name for name in ("straight", "keep", "rescale", "one")}
     _train(2, runs["straight"], args)
     resized(runs["keep"], args, steps, every)
     resized(runs["rescale"], [*args, "train.on_resize=rescale"], steps, every)
-    (ref, ref_loss), out = final(runs["straight"]), {}
-    for name in ("keep", "rescale"):
+    ref, ref_loss = final(runs["straight"])
+    out: dict = {"final_loss_straight": ref_loss}
+    if floor:
+        gb = next(r["global_batch"] for r in records(runs["straight"]) if r["kind"] == "start")
+        _train(1, runs["one"], [*args, f"train.global_batch={gb}"])
+    for name in ("keep", "rescale", "one") if floor else ("keep", "rescale"):
         params, loss = final(runs[name])
         out[name] = {"param_rel_distance": rel_distance(params, ref), "final_loss": loss,
+                     "final_loss_rel_diff": abs(loss - ref_loss) / ref_loss,
                      "global_batches": [r["global_batch"] for r in records(runs[name]) if r["kind"] == "start"]}
-        print(f"{name}: parameters {out[name]['param_rel_distance']:.3g} from the straight run's, final loss "
-              f"{loss:.5f} (straight {ref_loss:.5f}), global batch by attempt {out[name]['global_batches']}", flush=True)
+        print(f"{' '.join(split)} {name}: parameters {out[name]['param_rel_distance']:.3g} from the straight run's, "
+              f"final loss {loss:.5f} (straight {ref_loss:.5f}), global batch by attempt {out[name]['global_batches']}",
+              flush=True)
+    return out, runs
+
+
+def math(tmp: Path, steps: int, every: int, png: Path, smoke: bool) -> dict:
+    """The default split (train.batch_size=64: a global batch of 2 slots, one per rank on two, both on one:
+    a + b is b + a, so the resized run is bitwise equal), and, not in --smoke, 4 slots (batch 16,
+    grad_accum 2), where the sums are added in another order, with that order's own effect beside it."""
+    two, runs = variant(tmp / "two", steps, every, ["train.batch_size=64"], floor=False)
     _run([str(BIN / "python"), "-m", "trainapp", "report", str(runs["keep"]), "--compare", str(runs["straight"]),
           str(runs["rescale"]), "--out", str(png)])
-    return {"resize_param_rel_distance": out["keep"]["param_rel_distance"],
-            "resize_param_rel_distance_rescale": out["rescale"]["param_rel_distance"],
-            # None when keep is bitwise equal to the straight run (two slots: a + b is b + a in floats too)
-            "rescale_over_keep": out["rescale"]["param_rel_distance"] / out["keep"]["param_rel_distance"]
-            if out["keep"]["param_rel_distance"] else None,
-            "resize_bitwise_equal": out["keep"]["param_rel_distance"] == 0.0,
-            "final_loss_straight": ref_loss, "final_loss_keep": out["keep"]["final_loss"],
-            "final_loss_rescale": out["rescale"]["final_loss"], "math_runs": out, "math_steps": steps}
+    keep, rescale = two["keep"], two["rescale"]
+    out = {"resize_param_rel_distance": keep["param_rel_distance"],
+           "resize_param_rel_distance_rescale": rescale["param_rel_distance"],
+           "resize_bitwise_equal": keep["param_rel_distance"] == 0.0,
+           # None when the resized run is bitwise equal: no ratio to take
+           "rescale_over_keep": rescale["param_rel_distance"] / keep["param_rel_distance"]
+           if keep["param_rel_distance"] else None,
+           "resize_final_loss_rel_diff": keep["final_loss_rel_diff"],
+           "resize_final_loss_rel_diff_rescale": rescale["final_loss_rel_diff"], "math_two_slots": two,
+           "math_steps": steps}
+    if not smoke:
+        four, _ = variant(tmp / "four", steps, every, ["train.batch_size=16", "train.grad_accum=2"], floor=True)
+        out.update({"resize_param_rel_distance_4slots": four["keep"]["param_rel_distance"],
+                    "resize_param_rel_distance_4slots_rescale": four["rescale"]["param_rel_distance"],
+                    "float_order_floor_4slots": four["one"]["param_rel_distance"],
+                    "resize_final_loss_rel_diff_4slots": four["keep"]["final_loss_rel_diff"],
+                    "resize_final_loss_rel_diff_4slots_rescale": four["rescale"]["final_loss_rel_diff"],
+                    "math_four_slots": four})
+    return out
 
 
 class GrowBack:
@@ -155,7 +185,7 @@ class GrowBack:
         lost = self.cluster.nodes[-1].name
         t_kill = time.time()
         os.kill(self.cluster.node_pids(lost)["raylet"], signal.SIGKILL)
-        self._train_at(1, t_kill)
+        shrunk = self._train_at(1, t_kill)
         time.sleep(5)
         alive = self.cluster.alive_nodes()
         t0 = time.time()
@@ -164,7 +194,8 @@ class GrowBack:
         t_node = time.time()
         first = self._train_at(2, t0)
         resize = [r for r in records(self.run_dir) if r["kind"] == "resized" and r["time"] > t0]
-        out = {"grow_back_seconds": first["time"] - t0, "node_registered_s": t_node - t0,
+        out = {"grow_back_seconds": first["time"] - t0, "node_lost_to_one_worker_s": shrunk["time"] - t_kill,
+               "node_registered_s": t_node - t0,
                "resized_s": resize[0]["time"] - t0 if resize else None,
                "redone_steps": None}
         starts = [r for r in records(self.run_dir) if r["kind"] == "start" and r["time"] > t0]
@@ -200,17 +231,17 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     steps, every = (30, 10) if args.smoke else (100, 33)
     with scratch("ta-bench-resize-") as tmp:
-        result = math(Path(tmp), steps, every, out.with_suffix(".png"))
+        result = math(Path(tmp), steps, every, out.with_suffix(".png"), args.smoke)
         cycles = [] if args.smoke else GrowBack(Path(tmp) / "storage").measure(args.cycles)
     if cycles:
-        for key in ("grow_back_seconds", "node_registered_s", "resized_s"):
+        for key in ("grow_back_seconds", "node_lost_to_one_worker_s", "node_registered_s", "resized_s"):
             result[key] = statistics.median(c[key] for c in cycles if c[key] is not None)
         result["grow_back_redone_steps"] = max((c["redone_steps"] or 0) for c in cycles)
     result.update({"cycles": cycles, "smoke": args.smoke, "machine": describe(), "date": time.strftime("%Y-%m-%d"),
                    "targets": {"resize_param_rel_distance": "<= 1e-4", "rescale_over_keep": ">= 100",
                                "grow_back_seconds": "<= 30"}})
     out.write_text(json.dumps(result, indent=2) + "\n")
-    ratio = f"{result['rescale_over_keep']:.0f}x" if result["rescale_over_keep"] else "keep is bitwise equal"
+    ratio = f"{result['rescale_over_keep']:.0f}x" if result["rescale_over_keep"] else "bitwise equal"
     print(f"resize_param_rel_distance={result['resize_param_rel_distance']:.3g} (rescale control "
           f"{result['resize_param_rel_distance_rescale']:.3g}, {ratio})"
           + (f"; grow_back_seconds={result['grow_back_seconds']:.1f}" if cycles else "") + f" -> {out}")

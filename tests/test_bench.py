@@ -140,8 +140,8 @@ def test_resize_benchmark_smoke(tmp_path):
     figures are there and the control really rescaled (its global batch followed the world size)."""
     result, r = smoke("resize", tmp_path)
     assert result["smoke"] is True and result["cycles"] == []
-    assert result["math_runs"]["keep"]["global_batches"] == [64, 64, 64]
-    assert result["math_runs"]["rescale"]["global_batches"] == [64, 32, 64]
+    assert result["math_two_slots"]["keep"]["global_batches"] == [128, 128, 128]
+    assert result["math_two_slots"]["rescale"]["global_batches"] == [128, 64, 128]
     assert result["resize_param_rel_distance"] < result["resize_param_rel_distance_rescale"]
     assert (tmp_path / "resize.png").stat().st_size > 10_000
     assert "resize_param_rel_distance=" in r.stdout

@@ -445,6 +445,8 @@ def test_bad_ray_input_fails_fast_with_one_line(cluster, tmp_path):
     cases = {
         "no cluster": (["ray.address=127.0.0.1:1"], "ray.address=127.0.0.1:1: no Ray cluster answers"),
         "min > max": (["ray.num_workers=[3,1]"], "ray.num_workers=[3, 1]"),
+        "global batch under the workers": (["ray.num_workers=[1,4]", "train.batch_size=32", "train.global_batch=64"],
+                                           "train.global_batch=64: 2 micro-batch(es)"),
         "too many workers": ([f"ray.address={cluster.address}", "ray.num_workers=5",
                               f"ray.storage_path={tmp_path}"], "can hold at most 2 workers"),
         "unwritable storage": ([f"ray.address={cluster.address}", "ray.storage_path=/proc/trainapp-store"],

@@ -77,6 +77,21 @@ def ray_address(cfg: Config) -> str:
     return address
 
 
+def check_global_batch(cfg: Config) -> None:
+    """ConfigError, before any worker starts, when `train.global_batch` is no whole number of micro-batches
+    or has fewer of them than the largest group has workers (trainapp/core/layout.py says the same in
+    each worker)."""
+    t, most = cfg.train, cfg.ray.max_workers
+    if not t.global_batch:
+        return
+    if t.global_batch % t.batch_size:
+        raise ConfigError(f"train.global_batch={t.global_batch}: not a multiple of train.batch_size={t.batch_size}")
+    if t.global_batch // t.batch_size < most:
+        raise ConfigError(f"train.global_batch={t.global_batch}: {t.global_batch // t.batch_size} micro-batch(es) of "
+                          f"train.batch_size={t.batch_size}, fewer than the {most} workers ray.num_workers allows; "
+                          f"set it to at least {t.batch_size * most}, or lower train.batch_size")
+
+
 def worker_needs(cfg: Config, use_gpu: bool) -> dict[str, float]:
     needs = dict(cfg.ray.resources_per_worker) or {"CPU": 1.0}
     if use_gpu:

@@ -272,6 +272,18 @@ def raylet_answers(ip: str, port: int, timeout_s: float) -> bool:
         return False
 
 
+def reread_cluster(requester: str) -> None:
+    """Have Ray Data's autoscaling coordinator, whose cluster view sizes elastic groups, re-read the nodes
+    now (it does every 20 s by itself): a recompute re-reads them and re-reserves for every requester;
+    `requester` is the caller's own id."""
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+        get_or_create_autoscaling_coordinator,
+    )
+
+    coordinator = get_or_create_autoscaling_coordinator()
+    ray.get(coordinator.get_reserved_resources.remote(requester, recompute=True), timeout=10)
+
+
 class NodeLossWatch(ControllerCallback, WorkerGroupCallback):
     """A callback in Ray Train's controller, for elastic runs (a fixed-size group needs its lost node
     back either way).
@@ -323,13 +335,7 @@ class NodeLossWatch(ControllerCallback, WorkerGroupCallback):
         if lost and not self._wait_until_dead(lost):
             return
         names = ", ".join(f"{ip} ({nid[:8]})" for nid, ip in {**dead, **lost}.items())
-        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-            get_or_create_autoscaling_coordinator,
-        )
-
-        # A recompute re-reads the nodes and re-reserves for every requester; the requester id is ours.
-        coordinator = get_or_create_autoscaling_coordinator()
-        ray.get(coordinator.get_reserved_resources.remote("trainapp-node-loss-watch", recompute=True), timeout=10)
+        reread_cluster("trainapp-node-loss-watch")
         # The elastic policy caches the coordinator's answer briefly, and last asked before t0.
         time.sleep(max(0.0, ElasticScalingPolicy.GET_RESERVED_RESOURCES_INTERVAL_S - (time.monotonic() - t0)))
         when = f"declared dead after {time.monotonic() - t0:.1f}s" if lost else "already declared dead"

@@ -23,7 +23,15 @@ from typing import Any
 
 from trainapp.config import Config, ConfigError
 from trainapp.errors import Failure
-from trainapp.launch.ray.checks import Preflight, check_capacity, check_version, is_uri, ray_address, worker_needs
+from trainapp.launch.ray.checks import (
+    Preflight,
+    check_capacity,
+    check_global_batch,
+    check_version,
+    is_uri,
+    ray_address,
+    worker_needs,
+)
 from trainapp.launch.ray.stop import DriverStop, note_request, release_left_behind
 from trainapp.observe.timeline import Timeline
 
@@ -117,7 +125,7 @@ def _callbacks(cfg: Config, storage: str, generation: int) -> list:
     from trainapp.launch.ray.resize import ResizeSnapshot
 
     # The workers' agreed stop and snapshot take at most preempt.grace_s; the margin is the polls'.
-    return [*callbacks, NodeLossWatch(cfg.ray.node_loss_wait_s), ResizeSnapshot(run_dir, cfg.preempt.grace_s + 5)]
+    return [*callbacks, NodeLossWatch(cfg.ray.node_loss_wait_s), ResizeSnapshot(run_dir, cfg.preempt.grace_s + 5, cfg.ray.resize_check_s / 2)]
 
 
 def _elastic_batch(cfg: Config):
@@ -179,6 +187,7 @@ def run(cfg: Config, task: Any = None) -> dict[str, Any]:
     """Fit a TorchTrainer over the cluster on `task` (default: the one `task.name` names, imported by
     each worker, where Ray's runtime environment ships the user's code); returns the rank-0 summary
     (with `stopped_by` and `exit_code` when the driver was told to stop: trainapp/launch/ray/stop.py)."""
+    check_global_batch(cfg)
     if task is None:
         preflight_task(cfg)
     result, storage, stopped = _fit(cfg, **({"task": task} if task is not None else {}))

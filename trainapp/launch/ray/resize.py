@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import Any
 
-from trainapp.launch.ray.compat import ControllerCallback, WorkerGroupCallback, say
+from trainapp.launch.ray.compat import ControllerCallback, WorkerGroupCallback, reread_cluster, say
 from trainapp.snapshots.lease_store import store_at
 
 REQUEST = "resize-request.json"
@@ -78,9 +78,27 @@ class ResizeSnapshot(ControllerCallback, WorkerGroupCallback):
     the new group resumes from it. A group that is not running (a restart after a failure) has
     nothing to save: the callback does nothing then."""
 
-    def __init__(self, run_dir: str, wait_s: float) -> None:
-        self.run_dir, self.wait_s = run_dir, wait_s
+    def __init__(self, run_dir: str, wait_s: float, check_s: float) -> None:
+        self.run_dir, self.wait_s, self.check_s = run_dir, wait_s, check_s
         self._workers = 0  # of the running, healthy group; 0 while none runs
+        self._nodes, self._looked = 0, 0.0  # alive nodes when last looked, and when
+
+    def after_worker_group_poll_status(self, worker_group_status) -> None:
+        """Every `check_s` while a group runs: when nodes joined the cluster, have the coordinator re-read
+        it, so Ray Train's next resize check sees them (its view is otherwise up to 20 s old)."""
+        now = time.monotonic()
+        if not self._workers or now - self._looked < self.check_s:
+            return
+        self._looked = now
+        try:
+            import ray
+
+            alive = sum(1 for n in ray.nodes() if n.get("Alive"))
+            if self._nodes and alive > self._nodes:
+                reread_cluster("trainapp-resize-snapshot")
+            self._nodes = alive
+        except Exception as e:  # information only: Ray Train's own view catches up by itself
+            say(f"could not look for nodes that joined ({e.__class__.__name__}: {e})")
 
     def after_worker_group_start(self, worker_group) -> None:
         self._workers = len(worker_group.get_workers())
