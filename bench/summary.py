@@ -63,6 +63,12 @@ ROWS = [
      "relative distance to a straight run's, SmallCNN fp32, 100 steps", ("<=", 1e-4), "{:.2g}"),
     ("resize", "resize_param_rel_distance_rescale", "control: the same resizes with the LR rescaled instead (the rule "
      "before)", None, "{:.2g}"),
+    ("resize", "resize_param_rel_distance_4slots", "the same with the global batch in 4 micro-batches (the float sums "
+     "added in another order after a resize)", None, "{:.2g}"),
+    ("resize", "float_order_floor_4slots", "its floor: a straight run on one process, the same math, the sums in "
+     "another order", None, "{:.2g}"),
+    ("resize", "resize_param_rel_distance_4slots_rescale", "its control: the resizes with the LR rescaled", None,
+     "{:.2g}"),
     ("resize", "grow_back_seconds", "Ray elastic: a lost node back (`ray start`) to the first step on two workers (s)",
      ("<=", 30), "{:.1f}"),
     ("snapshot_cost", "async_vs_sync_blocking_ratio", "snapshot blocking time, async / sync (worse model)",

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +70,17 @@ def torchrun_cmd(nproc: int, *args: str, max_restarts: int = 0) -> list[str]:
 
 def torchrun(nproc: int, *args: str, max_restarts: int = 0, timeout: float = 300, env: dict | None = None) -> Result:
     return run_cmd(torchrun_cmd(nproc, *args, max_restarts=max_restarts), timeout=timeout, env=env)
+
+
+def wait_for_record(run_dir: Path, kind: str, match, timeout: float = 240) -> dict:
+    """The first `kind` record of RUN_DIR/metrics.jsonl that `match`es, once there is one."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [r for r in metrics(run_dir, kind, missing_ok=True) if match(r)]
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    raise AssertionError(f"{run_dir}: no matching {kind} record in {timeout}s")
 
 
 def inspect(path: Path) -> dict:

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 import usertasks_ledger
-from helpers import REPO, TORCHRUN, USERTASKS, inspect, metrics, torchrun, trainapp
+from helpers import REPO, TORCHRUN, USERTASKS, inspect, metrics, torchrun, trainapp, wait_for_record
 
 from trainapp.launch.ray.cluster import free_port
 from trainapp.snapshots.store import list_snapshots
@@ -74,16 +74,6 @@ def _agent(port: int, run_dir, *args: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def _wait(run_dir, kind: str, match, timeout: float = 180) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = [r for r in metrics(run_dir, kind, missing_ok=True) if match(r)]
-        if found:
-            return found[0]
-        time.sleep(0.1)
-    raise AssertionError(f"no {kind} record in {timeout}s in {run_dir}")
-
-
 @pytest.mark.e2e
 def test_torchrun_agents_leaving_and_returning_resize_2_1_2_and_train_every_sample_once(tmp_path):
     """Two torchrun agents (`--nnodes=1:2`, c10d rendezvous): the second is preempted (SIGTERM: its
@@ -98,13 +88,13 @@ def test_torchrun_agents_leaving_and_returning_resize_2_1_2_and_train_every_samp
     try:
         time.sleep(1)  # the first agent hosts the rendezvous store
         agents.append(_agent(port, run_dir, *args))
-        _wait(run_dir, "train", lambda r: r["world_size"] == 2 and r["step"] >= 10)
+        wait_for_record(run_dir, "train", lambda r: r["world_size"] == 2 and r["step"] >= 10)
         agents[1].send_signal(signal.SIGTERM)  # the node is preempted
         agents[1].communicate(timeout=60)
-        _wait(run_dir, "train", lambda r: r["world_size"] == 1)
+        wait_for_record(run_dir, "train", lambda r: r["world_size"] == 1)
         time.sleep(4)
         agents[1] = _agent(port, run_dir, *args)  # back
-        _wait(run_dir, "train", lambda r: r["world_size"] == 2 and r["step"] > 40)
+        wait_for_record(run_dir, "train", lambda r: r["world_size"] == 2 and r["step"] > 40)
         outs = [a.communicate(timeout=300)[0] for a in agents]
         assert [a.returncode for a in agents] == [0, 0], "\n".join(o[-3000:] for o in outs)
     finally:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import usertasks_ledger
-from helpers import PY, QUICK, REPO, inspect, metrics, run_cmd, torchrun, trainapp
+from helpers import PY, QUICK, REPO, inspect, metrics, run_cmd, torchrun, trainapp, wait_for_record
 
 from trainapp.faults.preempt import StopVote
 from trainapp.launch.ray.cluster import RAY, LocalCluster, free_port, proc_stat
@@ -71,16 +71,6 @@ def finish(proc: subprocess.Popen, timeout: float = 400) -> tuple[int, str]:
     return proc.returncode, out
 
 
-def _wait_for_record(run_dir: Path, kind: str, match, timeout: float = 240) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = [r for r in metrics(run_dir, kind, missing_ok=True) if match(r)]
-        if found:
-            return found[0]
-        time.sleep(0.05)
-    raise AssertionError(f"{run_dir}: no matching {kind} record in {timeout}s")
-
-
 def _alive(pid: int) -> bool:
     """Running, not a zombie waiting for its parent."""
     stat = proc_stat(pid)
@@ -89,7 +79,7 @@ def _alive(pid: int) -> bool:
 
 def wait_for_step(run_dir: Path, step: int, timeout: float = 240) -> float:
     """Block until metrics.jsonl shows a train record at `step` or later; returns the time seen."""
-    _wait_for_record(run_dir, "train", lambda r: r["step"] >= step, timeout)
+    wait_for_record(run_dir, "train", lambda r: r["step"] >= step, timeout)
     return time.time()
 
 
@@ -173,7 +163,7 @@ def test_snapshots_ray_never_registered_resume_a_killed_run_and_are_deleted_once
     run_dir = cluster.storage / name
     proc = submit_background(cluster, name, *LONG, "ray.report_interval_s=1000")
     try:
-        _wait_for_record(run_dir, "snapshot", lambda r: r["step"] >= 15)
+        wait_for_record(run_dir, "snapshot", lambda r: r["step"] >= 15)
         pids = ray_worker_pids(cluster)
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
@@ -218,7 +208,7 @@ def test_uri_storage_resumes_from_the_newest_uploaded_snapshot_ray_never_registe
     try:
         # A background write starts only once the one before it is complete: with the record of
         # snapshot 20 (written as its write starts), 15 is on the store.
-        _wait_for_record(run_dir, "snapshot", lambda r: r["step"] >= 20)
+        wait_for_record(run_dir, "snapshot", lambda r: r["step"] >= 20)
         os.kill(ray_worker_pids(cluster)[-1], signal.SIGKILL)
     finally:
         rc, out = finish(proc)
@@ -382,7 +372,7 @@ def test_an_out_of_memory_rank_then_a_hung_rank_are_explained_and_the_ray_run_en
     try:
         gone = []  # per attempt: seconds from rank 1's failure record until rank 0's process was gone
         for attempt in (0, 1):
-            failed = _wait_for_record(run_dir, "failure", lambda f: f["rank"] == 1 and f["attempt"] == attempt)
+            failed = wait_for_record(run_dir, "failure", lambda f: f["rank"] == 1 and f["attempt"] == attempt)
             rank0 = metrics(run_dir, "start")[attempt]["pid"]  # rank 0 writes each attempt's start record
             while _alive(rank0) and time.time() - failed["time"] < 30:
                 time.sleep(0.05)
@@ -489,11 +479,11 @@ def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back_with_ever
     try:
         wait_for_step(run_dir, 12)
         os.kill(cluster.node_pids("worker2")["raylet"], signal.SIGKILL)
-        _wait_for_record(run_dir, "train", lambda r: r["world_size"] == 1)
+        wait_for_record(run_dir, "train", lambda r: r["world_size"] == 1)
         time.sleep(5)  # some steps on one worker
         returned = time.time()
         cluster.add_worker("worker3", REPO)
-        grown = _wait_for_record(run_dir, "train", lambda r: r["world_size"] == 2 and r["time"] > returned)
+        grown = wait_for_record(run_dir, "train", lambda r: r["world_size"] == 2 and r["time"] > returned)
         print(f"node returned to training on 2 workers: {grown['time'] - returned:.1f} s")
     finally:
         rc, out = finish(proc, timeout=600)

@@ -72,6 +72,16 @@ def test_report_of_a_directory_without_metrics_is_bad_input(tmp_path):
     assert r.returncode == 2 and "no metrics.jsonl here" in r.stderr
 
 
+@pytest.mark.slow
+def test_report_draws_other_runs_over_a_runs_curves_and_names_a_bad_one(restarted_run, tmp_path):
+    out = tmp_path / "compare.png"
+    alone = report.run(str(restarted_run), str(tmp_path / "alone.png"))[0].stat().st_size
+    report.run(str(restarted_run), str(out), compare=[str(restarted_run)])
+    assert out.read_bytes().startswith(PNG_MAGIC) and out.stat().st_size > alone  # more curves, a bigger legend
+    r = trainapp("report", str(restarted_run), "--out", str(out), "--compare", str(tmp_path / "nothing"), timeout=60)
+    assert r.returncode == 2 and f"{tmp_path / 'nothing'}: no metrics.jsonl here" in r.stderr
+
+
 def test_a_rank_that_died_silently_is_named_from_ray_trains_view():
     start = {"kind": "start", "time": 1.0}
     peer = {"kind": "failure", "time": 3.0, "attempt": 0, "rank": 1, "host": "b", "step": 13, "phase": "step",

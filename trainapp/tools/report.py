@@ -275,6 +275,18 @@ def _plot_phases(ax, records: list[dict]) -> None:
     ax.grid(alpha=0.3, axis="x")
 
 
+def _draw_runs(ax, records: list[dict], compare: dict[str, list[dict]], kind: str, key: str) -> list:
+    """The run's `key` of its `kind` records, and each compared run's dashed over it; the run's segments."""
+    segs = _segments(records, kind, key)
+    for i, (xs, ys) in enumerate(segs):
+        ax.plot(xs, ys, color="tab:blue", marker="." if len(xs) < 50 else None, linewidth=1.2,
+                label="this run" if compare and i == 0 else None)
+    for n, (other, other_records) in enumerate(compare.items()):
+        for i, (xs, ys) in enumerate(_segments(other_records, kind, key)):
+            ax.plot(xs, ys, color=f"C{n + 1}", linestyle="--", linewidth=1, label=other if i == 0 else None)
+    return segs
+
+
 def plot(records: list[dict], out: Path, title: str, compare: dict[str, list[dict]] | None = None) -> Path:
     """The run's panels; each run of `compare` (name: its records) is drawn over the step panels."""
     try:
@@ -296,13 +308,7 @@ def plot(records: list[dict], out: Path, title: str, compare: dict[str, list[dic
     rs = restarts(records)
     fails = [r for r in records if r.get("kind") == "failure" and r.get("cause") != "peer"]
     for ax, (name, kind, key, log_scale) in zip(axes, panels):
-        segs = _segments(records, kind, key)
-        for i, (xs, ys) in enumerate(segs):
-            ax.plot(xs, ys, color="tab:blue", marker="." if len(xs) < 50 else None, linewidth=1.2,
-                    label="this run" if compare and i == 0 else None)
-        for n, (other, other_records) in enumerate((compare or {}).items()):
-            for i, (xs, ys) in enumerate(_segments(other_records, kind, key)):
-                ax.plot(xs, ys, color=f"C{n + 1}", linestyle="--", linewidth=1, label=other if i == 0 else None)
+        segs = _draw_runs(ax, records, compare or {}, kind, key)
         if segs:
             if log_scale:
                 ax.set_yscale("log", base=2)
