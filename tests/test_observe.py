@@ -56,6 +56,18 @@ def test_an_interval_back_under_the_line_resets_the_count():
     assert watch.update(0, slow)[0]["phase"] == "data"
 
 
+def test_a_rank_with_one_more_micro_batch_by_design_is_no_straggler_but_a_slow_one_still_is():
+    """A global batch of 3 micro-batches over 2 ranks: rank 0 runs two, rank 1 one (trainapp/core/layout.py)."""
+    uneven = timings.rank_rows([_row(5, compute=0.2, optim=0.02), _row(5, compute=0.1, optim=0.02, comm=0.1)],
+                               ["a", "b"])
+    assert timings.Stragglers(ratio=1.2, intervals=1).update(0, uneven)  # without the layout: a false alarm
+    watch = timings.Stragglers(ratio=1.2, intervals=1)
+    watch.work = [2, 1]
+    assert watch.update(0, uneven) == []
+    slow = timings.rank_rows([_row(5, compute=0.2, optim=0.02), _row(5, compute=0.3, optim=0.02)], ["a", "b"])
+    assert [f["rank"] for f in watch.update(5, slow)] == [1]
+
+
 def test_ranks_within_the_ratio_and_a_single_rank_are_never_stragglers():
     watch = timings.Stragglers(ratio=1.2, intervals=1)
     close = timings.rank_rows([_row(5, compute=0.10), _row(5, compute=0.11), _row(5, compute=0.12)], ["a"] * 3)

@@ -48,6 +48,7 @@ class Records:
         gathered = ctx.gather_objects((ctx.network.to_dict() if ctx.network else None, placement))
         network, placed = ([g[0] for g in gathered], [g[1] for g in gathered]) if gathered else (None, None)
         self.hosts = [pl["host"] for pl in placed or []]
+        self.stragglers.work = [p.layout.micro_steps(r) for r in range(ctx.world_size)]
         resumed = p.resumed or {}
         if cfg.observe.tensorboard and ctx.is_main:  # from where this attempt starts: one timeline across restarts
             self.board = tboard.Board(cfg.run.dir, resumed.get("global_step"))

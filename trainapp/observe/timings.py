@@ -193,11 +193,18 @@ class Stragglers:
         self.ratio, self.intervals = ratio, intervals
         self.streak: dict[int, int] = {}
         self.reported: set[int] = set()
+        self.work: list[int] | None = None
+        """Micro-batches each rank runs per step, when they differ (a global batch split unevenly over the
+        ranks, trainapp/core/layout.py): ranks are compared per micro-batch then, so the rank with one
+        more by design is no straggler."""
 
     def update(self, step: int, ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The `straggler` records this interval gives (usually none)."""
         if len(ranks) < 2:
             return []
+        if self.work and len(set(self.work)) > 1 and len(self.work) == len(ranks):
+            ranks = [{**r, "busy_ms": r["busy_ms"] / self.work[r["rank"]],
+                      "phase_ms": {p: v / self.work[r["rank"]] for p, v in r["phase_ms"].items()}} for r in ranks]
         median = statistics.median(r["busy_ms"] for r in ranks)
         found = []
         for r in ranks:
