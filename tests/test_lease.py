@@ -231,12 +231,37 @@ def test_a_stop_request_in_the_lease_reaches_a_writers_notices(tmp_path):
     ended = []
     notices = Notices(Heartbeat(), lambda *a: ended.append(a))
     notices.heartbeat.phase = "compute"  # a step is under way: the stop comes after it
-    watch = StopWatch(writer, notices, poll_s=0.05)
+    watch = StopWatch(writer, None, notices, poll_s=0.05)
     held.request_stop("SIGTERM", "ray job stop (SIGTERM to the job's driver)")
     wait_until(lambda: notices.signum)
     watch.stop.set()
     assert notices.signum == signal.SIGTERM and notices.stop_by.startswith("ray job stop") and not ended
-    assert lease.stop_request(writer)["signal"] == "SIGTERM"
+    assert notices.stop_kind == "stop" and lease.stop_request(writer)["signal"] == "SIGTERM"
+
+
+def test_a_resize_request_becomes_a_notice_once_training_and_is_answered_at_once_before(tmp_path):
+    """The Ray controller's resize (trainapp/launch/ray/resize.py): a request made while this attempt trains
+    is a `resize` notice; one older than the watch (a dead controller's) or made before the first step is
+    answered at once without a snapshot, once."""
+    from trainapp.faults.heartbeat import Heartbeat
+    from trainapp.faults.preempt import Notices
+    from trainapp.launch.ray import resize
+    from trainapp.launch.ray.worker import StopWatch
+
+    store = lease.store_at(str(tmp_path))
+    store.path.mkdir(parents=True)
+    old = resize.ask(store, 2, 1)  # left by a controller that died before this attempt
+    time.sleep(0.01)  # its time is rounded to the millisecond
+    notices = Notices(Heartbeat(), lambda *a: None)
+    notices.heartbeat.phase = "compute"
+    watch = StopWatch(Fence.none(), store, notices, poll_s=0.02)
+    wait_until(lambda: resize.wait(store, old, 0.05) is not None)
+    assert resize.wait(store, old, 0.05)["step"] is None and not notices.signum
+    resize.clear(store, old)
+    rid = resize.ask(store, 1, 2)
+    wait_until(lambda: notices.signum)
+    watch.stop.set()
+    assert (notices.stop_kind, notices.stop_by, watch.resize_id) == ("resize", "resize from 1 to 2 workers", rid)
 
 
 # ----------------------------------------------------------------------------------------------

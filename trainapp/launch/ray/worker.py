@@ -67,7 +67,8 @@ class RayWorker:
             raise StoppedBeforeStart(f"trainapp: stopped ({asked['by']}) before this attempt trained a step; the "
                                      "newest snapshot is where the run resumes")
         if ctx.rank == 0:  # the others hear of a stop or a resize through the stop vote
-            self._watch = StopWatch(held.fence, store_at(cfg.run.dir), self._guard.notices)
+            elastic = cfg.ray.min_workers != cfg.ray.max_workers  # only an elastic group is resized live
+            self._watch = StopWatch(held.fence, store_at(cfg.run.dir) if elastic else None, self._guard.notices)
         return held
 
     def restart(self) -> int:
@@ -94,17 +95,21 @@ class StopWatch:
     vote carries to every rank at the next step boundary."""
 
     def __init__(self, fence: Fence, store, notices, poll_s: float = 0.5) -> None:
+        """`store`: where the resize requests come (the run's lease folder), None where none can (a group
+        of a fixed size)."""
         self.fence, self.store, self.notices, self.poll_s = fence, store, notices, poll_s
         self.started = time.time()
         self.resize_id: str | None = None
         """The resize request this attempt stops for, once it is a notice."""
+        self._answered: set[str] = set()  # requests answered without a snapshot: once each
         self.stop = threading.Event()
         threading.Thread(target=self._run, name="stop-watch", daemon=True).start()
 
     def _run(self) -> None:
         while not self.stop.wait(self.poll_s):
             try:
-                asked, resizing = stop_request(self.fence), resize.asked(self.store)
+                asked = stop_request(self.fence)
+                resizing = resize.asked(self.store) if self.store is not None else None
             except OSError:  # storage that does not answer now: the next poll asks again
                 continue
             if asked:
@@ -117,8 +122,11 @@ class StopWatch:
         """Act on the resize request `req`: True once it is this rank's notice. One made before this
         watch started, or before this attempt's first step, is answered at once: nothing trained here
         is lost when the group is replaced (and a request left by a controller that died is harmless)."""
+        if req["id"] in self._answered:
+            return False
         if req["at"] < self.started or self.notices.heartbeat.phase == "start":
             resize.answer(self.store, req["id"], None, None)
+            self._answered.add(req["id"])
             return False
         self.resize_id = req["id"]
         self.notices.request(signal.SIGTERM, f"resize from {req['from']} to {req['to']} workers", kind="resize")
