@@ -67,6 +67,21 @@ def test_report_without_matplotlib_says_how_to_get_it(restarted_run, tmp_path):
         "trainapp report: error: matplotlib is not installed (the report extra): pip install 'trainapp[report]'"
 
 
+@pytest.mark.slow
+def test_the_account_of_a_restarted_run_adds_up_and_counts_the_steps_redone(restarted_run):
+    """The shared run: rank 1 SIGKILLed after step 13, the group restarted from the step-10 snapshot."""
+    from trainapp.observe import goodput
+
+    acc = goodput.account(report.read(restarted_run))
+    bad = acc["badput_s"]
+    assert acc["steps_redone"] == 3 and bad["redone"] > 0 and bad["restart"] > 0 and bad["startup"] > 0
+    assert [a["ended_by"] for a in acc["attempts"]] == ["failure", "end"]
+    total = acc["goodput_s"] + sum(bad.values())
+    assert abs(total - acc["wall_s"]) <= 1e-6 * acc["wall_s"] + 1e-3  # by construction, `other` included
+    assert abs(bad["other"]) < 0.02 * acc["wall_s"], acc  # what the causes do not explain
+    assert 0 < acc["goodput"] < 1
+
+
 def test_report_of_a_directory_without_metrics_is_bad_input(tmp_path):
     r = trainapp("report", str(tmp_path), timeout=60)
     assert r.returncode == 2 and "no metrics.jsonl here" in r.stderr

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from trainapp.config import ConfigError, changes
-from trainapp.observe import metrics
+from trainapp.observe import goodput, metrics
 from trainapp.snapshots.lease import describe
 
 
@@ -181,6 +181,9 @@ def summarize(run_dir: Path, records: list[dict]) -> str:
     else:
         lines.append("restarts       none")
     lines.extend(_start_lines(starts))
+    acc = goodput.account(records)
+    if acc is not None:
+        lines.extend(goodput.table(acc))
     fails = failures(records)
     lines.append(f"failures       {len(fails) or 'none'}")
     lines.extend(f"  {f}" for f in fails)
