@@ -21,7 +21,7 @@ def test_make_run_trains_two_ddp_processes_that_learn(tmp_path):
     assert r.returncode == 0, r.output
     summary = [line for line in r.stdout.splitlines() if line.startswith("trainapp: done")]
     assert len(summary) == 1, r.stdout
-    for key in ("steps=", "final_loss=", "val_acc=", "samples_per_s=", f"snapshots={run_dir}/snapshots"):
+    for key in ("steps=", "final_loss=", "val_acc=", "samples_per_s=", "goodput=", f"snapshots={run_dir}/snapshots"):
         assert key in summary[0]
     train, evals = metrics(run_dir, "train"), metrics(run_dir, "eval")
     assert all(TRAIN_KEYS <= rec.keys() and rec["world_size"] == 2 for rec in train)

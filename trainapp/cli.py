@@ -114,6 +114,7 @@ def cmd_train(args, task=None) -> int:
             f"steps={summary['steps']}", f"final_loss={summary['final_loss']:.4f}", *_val_fields(summary),
             f"samples_per_s={summary['samples_per_s']:.1f}",
             f"world_size={summary['world_size']}", f"skipped_steps={summary['skipped_steps']}",
+            *([f"goodput={summary['goodput']:.3f}"] if "goodput" in summary else []),
             f"snapshots={summary['snapshots']}",
         ]), flush=True)
     return 0

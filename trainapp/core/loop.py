@@ -254,6 +254,6 @@ class Trainer:
                    "samples_per_s": samples_per_s, "skipped_steps": int(p.skipped.item()),
                    "snapshots": self.snapshots.publish.where}
         self._finish_snapshots()  # the final snapshot is on disk before the run says it ended
-        self.records.end(summary)
+        summary.update(self.records.end(summary))  # rank 0: the account of the run's wall time
         return summary
 

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from trainapp.config import Config
-from trainapp.observe import logs, tboard, timings
-from trainapp.observe.metrics import METRICS, MetricsWriter, val_metrics
+from trainapp.observe import goodput, logs, tboard, timings
+from trainapp.observe.metrics import METRICS, MetricsWriter, read, val_metrics
 
 log = logging.getLogger("trainapp.core.loop")  # the loop's lines, as the loop names them
 
@@ -117,9 +118,23 @@ class Records:
         self.metrics.write("resized", **fields)
         self.metrics.close()
 
-    def end(self, summary: dict[str, Any]) -> None:
-        self.metrics.write("end", **summary)
+    def end(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """The `end` record: `summary` and, on rank 0, the account of the run's wall time over every
+        attempt (trainapp/observe/goodput.py): `wall_s`, `goodput`, `badput_s`, `steps_redone`, which it
+        returns for the done line."""
+        added: dict[str, Any] = {}
+        if self.ctx.is_main:
+            try:  # information: an account that cannot be made must not fail a finished run
+                acc = goodput.account(read(self.cfg.run.dir, missing_ok=True) + [{"kind": "end", "time": time.time()}])
+            except Exception as e:
+                log.warning("no goodput account for %s: %s: %s", self.cfg.run.dir, e.__class__.__name__, e)
+                acc = None
+            if acc is not None:
+                added = {"wall_s": round(acc["wall_s"], 3), "goodput": round(acc["goodput"], 4),
+                         "badput_s": acc["badput_s"], "steps_redone": acc["steps_redone"]}
+        self.metrics.write("end", **summary, **added)
         self.metrics.close()
+        return added
 
     def close(self) -> None:
         if self.board is not None:
