@@ -198,7 +198,7 @@ class Trainer:
         groups = self.parts.optimizer.param_groups
         return next((g["lr"] for g in groups if g["lr_mult"] == 1.0), groups[0]["lr"])
 
-    def _save(self, samples_per_s: float, final: bool = False, urgent: bool = False) -> None:
+    def _save(self, samples_per_s: float, final: bool = False, urgent: bool = False, announce: bool = True) -> None:
         p = self.parts.progress
         state = self.parts.state.state_dict(self.ctx.is_main)  # every rank: the RNG part gathers all ranks'
         meta = {**state["progress"], "params_sha256": params_sha256(self.parts.model)} if state is not None else None
@@ -210,15 +210,16 @@ class Trainer:
             keys = ("rank", "host", "step_ms", "busy_ms")
             report["ranks"] = [{k: r[k] for k in keys} for r in self.records.last_ranks]
         try:
-            self.snapshots.save(self.ctx, p.global_step, state, meta, report, final=final, urgent=urgent)
+            self.snapshots.save(self.ctx, p.global_step, state, meta, report, final=final, urgent=urgent,
+                                announce=announce)
         except BaseException:
             self.records.snapshot_failures(self.snapshots.failed)
             raise
         self.records.snapshot(p.global_step, self.snapshots)
 
-    def _finish_snapshots(self) -> None:
+    def _finish_snapshots(self, announce: bool = True) -> None:
         try:
-            self.snapshots.finish(self.ctx)
+            self.snapshots.finish(self.ctx, announce)
         finally:
             self.records.snapshot_failures(self.snapshots.failed)
 
@@ -230,8 +231,10 @@ class Trainer:
         # Only rank 0 reads a stop the holder asked for; the vote told the others a signal number only.
         by, kind = self.ctx.broadcast_object((notices.stop_by, notices.stop_kind))
         with meter.paused(), self.clock.phase("snapshot"):
-            self._save(meter.overall(), final=True)
-            self._finish_snapshots()
+            # A resize's snapshot is not reported to Ray: its controller waits for it and cannot take a
+            # report meanwhile (a report would wait for the controller); the next group finds it on storage.
+            self._save(meter.overall(), final=True, announce=kind != "resize")
+            self._finish_snapshots(announce=kind != "resize")
         self.boundary.close()
         seconds, where = notices.seconds_since(), str(self.snapshots.path_for(p.global_step))
         fields = {"step": p.global_step, "signal": signal.Signals(signum).name, "seconds": round(seconds, 3),

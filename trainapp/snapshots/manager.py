@@ -98,9 +98,11 @@ class SnapshotManager:
         return self.publish.find(ctx)
 
     def save(self, ctx, step: int, state: dict[str, Any] | None, meta: dict[str, Any] | None,
-             report: dict[str, Any], final: bool = False, urgent: bool = False) -> None:
+             report: dict[str, Any], final: bool = False, urgent: bool = False, announce: bool = True) -> None:
         """Every rank calls this; rank 0 passes the state and writes it; then the publish step announces it
-        (at once when `final` or `urgent`, a drain notice's).
+        (at once when `final` or `urgent`, a drain notice's; not at all without `announce`: a Ray resize's
+        snapshot, which the next group finds on storage, while Ray Train's controller, waiting for it,
+        could not take the report).
 
         A storage error drops this snapshot and training goes on; StorageError on every rank after
         `max_failures` in a row, or when the `final` snapshot fails (the run's last, or a preemption's)."""
@@ -118,15 +120,17 @@ class SnapshotManager:
             if ctx.is_main:
                 self._attempt(step, state, meta)
             self.agree(ctx, final=final)
-        self.publish.announce(ctx, report, final or urgent)
+        if announce:
+            self.publish.announce(ctx, report, final or urgent)
         self.last_blocking_s = time.perf_counter() - t0
 
-    def finish(self, ctx) -> None:
+    def finish(self, ctx, announce: bool = True) -> None:
         """Every rank, at the end of a run or a stop: the write in flight is on disk, or StorageError."""
         if ctx.is_main:
             self.wait()
         self.agree(ctx, final=True)
-        self.publish.flush(ctx)
+        if announce:
+            self.publish.flush(ctx)
 
     def _attempt(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
         """Rank 0: write; on ENOSPC make room once and retry; a storage error is counted, not raised."""
