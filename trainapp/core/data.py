@@ -8,7 +8,6 @@ are seeded per (seed, epoch, sample), so a run restarted mid-epoch sees what the
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import random
 from typing import Any, Callable, Iterator
@@ -18,13 +17,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from trainapp.config import TrainSection
+from trainapp.core.state import derived_seed
 
 log = logging.getLogger(__name__)
-
-def _sample_seed(seed: int, epoch: int, index: int) -> int:
-    digest = hashlib.blake2b(f"{seed}/{epoch}/{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
 
 class SeededItems(Dataset):
     """The task's training items, each read with the generators seeded from (seed, epoch, index).
@@ -47,7 +42,7 @@ class SeededItems(Dataset):
         return len(self.base)
 
     def __getitem__(self, i: int):
-        seed = _sample_seed(self.seed, self.epoch, i)
+        seed = derived_seed(self.seed, self.epoch, i)
         gen = torch.default_generator
         saved = gen.get_state()
         gen.manual_seed(seed)
@@ -159,7 +154,7 @@ class Progress:
 
     def __init__(self, layout, device: torch.device):
         self.global_step, self.epoch, self.epoch_sample = 0, 0, 0
-        self.layout, self.world_size = layout, layout.world_size
+        self.layout = layout
         self.skipped = torch.zeros((), dtype=torch.int64, device=device)
         self.resumed: dict[str, Any] | None = None
         """The progress of the snapshot this run resumed from (its world size and global batch too)."""
@@ -167,6 +162,10 @@ class Progress:
     @property
     def global_batch(self) -> int:
         return self.layout.global_batch
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
 
     def state_dict(self) -> dict[str, Any]:
         return {"global_step": self.global_step, "epoch": self.epoch, "epoch_sample": self.epoch_sample,

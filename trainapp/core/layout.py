@@ -18,12 +18,11 @@ learning rate rescaled by `optim.lr_scaling`: the rule before this module existe
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from typing import Any
 
 from trainapp.config import ConfigError, TrainSection
-from trainapp.core.state import seed_all
+from trainapp.core.state import derived_seed, seed_all
 
 log = logging.getLogger(__name__)
 
@@ -114,5 +113,4 @@ class Layout:
 def seed_slot(seed: int, step: int, slot: int) -> None:
     """Seed torch's (CPU and CUDA), numpy's and Python's generators for micro-batch `slot` of optimizer
     step `step`: what the model and loss draw (dropout, masks) follows the slot, not the rank."""
-    digest = hashlib.blake2b(f"{seed}/step/{step}/{slot}".encode(), digest_size=8).digest()
-    seed_all(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+    seed_all(derived_seed(seed, "step", step, slot))

@@ -12,6 +12,7 @@ may shift the generators the uninterrupted run would have had.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 from typing import Any, Protocol
@@ -69,6 +70,13 @@ class TrainState:
             if state.get(name) is None:
                 raise ValueError(f"the snapshot has no {name} state")
             part.load_state_dict(state[name])
+
+
+def derived_seed(*keys: object) -> int:
+    """A 63-bit seed made from `keys` (the run's seed, then what the draws belong to): the same keys give
+    the same seed in every process, whatever ran before."""
+    digest = hashlib.blake2b("/".join(map(str, keys)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 def seed_all(seed: int) -> None:

@@ -154,7 +154,7 @@ class Fence:
     def lost(self) -> bool:
         """True once another run took the lease over (then for good)."""
         if self.lost_to is None and self.store is not None and self.store.exists(gen_name(self.generation + 1)):
-            self.lost_to = _parse(self.store.read(gen_name(self.generation + 1))) or {}
+            self.lost_to = parse_record(self.store.read(gen_name(self.generation + 1))) or {}
         return self.lost_to is not None
 
     def check(self, what: str = "write") -> None:
@@ -168,7 +168,8 @@ class Fence:
                 f"this run's was {self.generation}): this run stops before its next {what} and publishes nothing more")
 
 
-def _parse(raw: bytes | None) -> dict[str, Any] | None:
+def parse_record(raw: bytes | None) -> dict[str, Any] | None:
+    """A JSON object read from the lease folder, None when absent or not (yet) whole."""
     try:
         lease = json.loads(raw) if raw else None
     except ValueError:
@@ -256,7 +257,7 @@ def stop_request(fence: Fence) -> dict[str, Any] | None:
     """The stop the lease of `fence` asks for ({signal, by, at}), None while there is none."""
     if fence.store is None:
         return None
-    return (_parse(fence.store.read(gen_name(fence.generation))) or {}).get("stop")
+    return (parse_record(fence.store.read(gen_name(fence.generation))) or {}).get("stop")
 
 
 def _age(record: dict[str, Any]) -> float:
@@ -270,7 +271,7 @@ def current(store) -> tuple[int, dict[str, Any] | None]:
     gens = sorted(int(m.group(1)) for n in store.names() if (m := _GEN.match(n)))
     if not gens:
         return 0, None
-    return gens[-1], _parse(store.read(gen_name(gens[-1])))
+    return gens[-1], parse_record(store.read(gen_name(gens[-1])))
 
 
 def status(run_dir: str) -> str:

@@ -19,21 +19,11 @@ import uuid
 from typing import Any
 
 from trainapp.launch.ray.compat import ControllerCallback, WorkerGroupCallback, reread_cluster, say
+from trainapp.snapshots.lease import parse_record
 from trainapp.snapshots.lease_store import store_at
 
 REQUEST = "resize-request.json"
 DONE = "resize-done.json"
-
-
-def _read(store, name: str) -> dict[str, Any] | None:
-    raw = store.read(name)
-    if not raw:
-        return None
-    try:
-        out = json.loads(raw)
-    except ValueError:  # being replaced where there is no atomic rename: the next poll reads it
-        return None
-    return out if isinstance(out, dict) else None
 
 
 def ask(store, was: int, to: int) -> str:
@@ -45,7 +35,7 @@ def ask(store, was: int, to: int) -> str:
 
 def asked(store) -> dict[str, Any] | None:
     """The resize request standing now ({id, from, to, at}), or None."""
-    return _read(store, REQUEST)
+    return parse_record(store.read(REQUEST))
 
 
 def answer(store, rid: str, step: int | None, snapshot: str | None) -> None:
@@ -58,7 +48,7 @@ def wait(store, rid: str, timeout_s: float, poll_s: float = 0.2) -> dict[str, An
     """The answer to request `rid`, or None after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        done = _read(store, DONE)
+        done = parse_record(store.read(DONE))
         if done and done.get("id") == rid:
             return done
         time.sleep(poll_s)
