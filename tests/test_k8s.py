@@ -46,7 +46,7 @@ CPU_IMAGE = f"trainapp:{VERSION}-cpu"  # the kind overlay's, loaded with `kind l
 # The Kubernetes version the manifests target (kubernetes-validate wants major.minor.patch).
 K8S_VERSION = "1.32.0"
 # API groups that are not core Kubernetes: kubernetes-validate has no schema for them.
-NOT_CORE = {"ray.io", "kind.x-k8s.io", "kustomize.config.k8s.io"}
+NOT_CORE = {"ray.io", "kind.x-k8s.io", "kustomize.config.k8s.io", "monitoring.coreos.com"}
 TOKEN_SECRET = {"name": "ray-auth-token", "key": "token"}
 RUNS_CLAIM, RUNS_MOUNT = "trainapp-runs", "/mnt/runs"
 # checkov checks skipped by `checkov.io/skipN: ID=reason` annotations on a resource. A new skip must be
@@ -625,14 +625,29 @@ def test_service_reaches_the_heads_gcs_dashboard_and_client_ports():
     assert selected(head["metadata"]["labels"]) and not selected(workers["metadata"]["labels"])
 
 
-def test_network_policy_admits_only_pods_of_the_same_namespace():
+def test_network_policy_admits_only_pods_of_the_same_namespace_and_prometheus_to_the_metrics_port():
     spec = load(K8S / "networkpolicy.ray.yaml")["spec"]
     assert spec["podSelector"] == {} and spec["policyTypes"] == ["Ingress"]
     assert spec["ingress"], "an empty ingress list denies everything, including the workers"
     for rule in spec["ingress"]:
         assert rule.get("from"), "a rule without `from` admits every source"
         for peer in rule["from"]:
-            assert set(peer) == {"podSelector"}, f"{peer}: namespaceSelector/ipBlock admit other namespaces"
+            if set(peer) != {"podSelector"}:  # another namespace: the metrics port only, nothing else
+                assert set(peer) == {"namespaceSelector"} and rule.get("ports") == [{"port": 8080, "protocol": "TCP"}], \
+                    f"{peer}: namespaceSelector/ipBlock admit other namespaces"
+
+
+@pytest.mark.parametrize("path", [K8S / "deployment.ray-head.yaml", K8S / "deployment.ray-gpu-workers.yaml",
+                                  K8S / "kuberay" / "raycluster.gpu.yaml"])
+def test_every_ray_pod_is_scraped_at_the_metrics_export_port_where_trainapps_live_metrics_are(path):
+    text = path.read_text()
+    templates = re.findall(r"prometheus.io/port: \"(\d+)\"", text)
+    assert templates and set(templates) == {"8080"}, rel(path)
+    assert "prometheus.io/scrape: \"true\"" in text
+    if "kuberay" not in path.parts:  # KubeRay sets --metrics-export-port=8080 and the port itself
+        assert "--metrics-export-port=8080" in text and "name: metrics" in text, rel(path)
+    monitor = load(K8S / "monitoring" / "podmonitor.trainapp.yaml")
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
 
 
 def test_the_config_map_resolves_and_its_worker_range_fits_the_worker_replicas(tmp_path):

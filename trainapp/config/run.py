@@ -220,5 +220,13 @@ class ObserveSection:
     tensorboard: bool = False
     """Rank 0 also writes loss, lr, samples/s, loss scale, the task's val_* metrics and every rank's step time as
     TensorBoard files under `run.dir/tb`, one timeline across restarts; needs `trainapp[tensorboard]`."""
+    prometheus_port: int = Field(default=0, ge=0, le=65535)
+    """Serve live metrics in Prometheus' format on this port of every node (0: off) under torchrun, Slurm
+    or alone: the node's lowest rank serves `http://NODE:PORT/metrics`; rank 0's node adds the run's
+    figures (step, loss, samples/s, snapshot, goodput so far, restarts). Under Ray this key is unused:
+    `observe.ray_metrics` sends them through Ray's own metrics export (docs/observability.md)."""
+    ray_metrics: bool = True
+    """Under Ray, each worker records the same figures with `ray.util.metrics`; each node's Ray metrics
+    agent serves them (as `ray_trainapp_*`) where Ray's Prometheus scrape already looks."""
 
 

@@ -182,7 +182,7 @@ class Trainer:
                                       torch.tensor(float(self._loss_steps), dtype=torch.float64, device=ctx.device)])])
         rows = ctx.all_gather(row).cpu()
         self.last_loss = (rows[:, -2].sum() / rows[:, -1].sum()).item()
-        if self.clock.enabled and ctx.is_main:
+        if self.clock.enabled:
             self.records.ranks(p.global_step, rows[:, :-2].tolist())
         record = {"step": p.global_step, "epoch": p.epoch, "loss": self.last_loss, "lr": self._current_lr(),
                   "samples_per_s": samples_per_s, "world_size": ctx.world_size, "epoch_sample": p.epoch_sample,

@@ -24,6 +24,7 @@ from trainapp.faults.guard import RankGuard
 from trainapp.group import DistContext
 from trainapp.launch import dist, malloc
 from trainapp.observe import logs, metrics
+from trainapp.observe.live import LiveMetrics
 from trainapp.observe.records import Records
 from trainapp.snapshots.lease import RunLease
 from trainapp.snapshots.manager import SnapshotManager
@@ -50,6 +51,9 @@ class Launcher(Protocol):
 
     def restart(self) -> int:
         """How many times the launcher restarted this rank's group (for the start record)."""
+
+    def live(self, cfg: Config, ctx: DistContext) -> LiveMetrics | None:
+        """Where this rank's live metrics go (trainapp/observe/live.py), if anywhere; every rank calls it."""
 
     def close(self, ctx: DistContext | None) -> None:
         """After training, whatever ended it: tear down what `guard` and `context` set up (a process that
@@ -101,7 +105,7 @@ def trainer(launcher: Launcher, cfg: Config, ctx: DistContext, guard: RankGuard,
     guard.notices.snapshots = publish.where
     snapshots = SnapshotManager.from_config(cfg, publish, guard.heartbeat, held.fence)
     drills = Drills(cfg.drill, ctx.rank, ctx.world_size, cfg.run.dir, guard.heartbeat)
-    records = Records(cfg, ctx, held.fence.check, held.summary)
+    records = Records(cfg, ctx, held.fence.check, held.summary, launcher.live(cfg, ctx))
     parts = build(cfg, ctx, snapshots.load, guard.timeline.mark, task)
     drills.attach(parts)
     boundary = StepBoundary(ctx, guard.notices, snapshots.due, launcher.drains(cfg), cfg.preempt.ray_poll_s,

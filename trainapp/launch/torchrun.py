@@ -15,6 +15,7 @@ from trainapp.faults.guard import RankGuard
 from trainapp.group import DistContext
 from trainapp.launch import dist
 from trainapp.observe import logs
+from trainapp.observe.live import LiveMetrics, serve
 from trainapp.snapshots.lease import RunLease, take_for_group
 from trainapp.snapshots.publish import LocalPublish
 
@@ -49,6 +50,9 @@ class Torchrun:
 
     def restart(self) -> int:
         return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    def live(self, cfg: Config, ctx: DistContext) -> LiveMetrics | None:
+        return serve(cfg.observe.prometheus_port, Path(cfg.run.dir).name, ctx)
 
     def close(self, ctx: DistContext | None) -> None:
         if ctx is not None:

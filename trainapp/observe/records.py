@@ -21,6 +21,7 @@ import torch
 
 from trainapp.config import Config
 from trainapp.observe import goodput, logs, tboard, timings
+from trainapp.observe.live import LiveMetrics
 from trainapp.observe.metrics import METRICS, MetricsWriter, read, val_metrics
 
 log = logging.getLogger("trainapp.core.loop")  # the loop's lines, as the loop names them
@@ -31,10 +32,10 @@ class Records:
     package is said before anything is built."""
 
     def __init__(self, cfg: Config, ctx, fence: Callable[[str], None] | None = None,
-                 lease: dict[str, Any] | None = None) -> None:
+                 lease: dict[str, Any] | None = None, live: LiveMetrics | None = None) -> None:
         """`fence`: raises when the run's lease was taken over (before every record); `lease`: what the
-        start record says of it."""
-        self.cfg, self.ctx, self.lease = cfg, ctx, lease
+        start record says of it; `live`: where this rank's live metrics go (trainapp/observe/live.py)."""
+        self.cfg, self.ctx, self.lease, self.live = cfg, ctx, lease, live
         if cfg.observe.tensorboard:
             tboard.check()
         self.metrics = MetricsWriter(Path(cfg.run.dir) / METRICS if ctx.is_main else None, fence)
@@ -61,26 +62,38 @@ class Records:
                            resumed_world_size=resumed.get("world_size"), network=network, placement=placed,
                            startup=startup, lease=self.lease, config_changes=parts.config_changes,
                            config=cfg.to_dict())
+        if self.live is not None:
+            self.live.started(p.global_step, parts.total_steps, ctx.world_size)
+            self._account_live()
         log.info("config %s", json.dumps(cfg.to_dict(), separators=(",", ":")))
         log.info(logs.kv(world_size=ctx.world_size, backend=ctx.backend, device=ctx.device, amp=parts.precision.name,
                          global_batch=p.global_batch, total_steps=parts.total_steps, start_step=p.global_step))
 
     def train(self, record: dict[str, Any]) -> None:
         self.metrics.write("train", **record)
+        if self.live is not None:
+            self.live.interval(record)
+            self._account_live()
         if self.board is not None:
             keys = ("loss", "lr", "samples_per_s", "loss_scale", "skipped_steps")
             self.board.scalars("train", record["step"], {k: record.get(k) for k in keys})
         log.info(logs.kv(**record))
 
     def ranks(self, step: int, rows: list[list[float]]) -> None:
-        """Rank 0: the `ranks` record of this interval, and any straggler it reveals."""
+        """Every rank: rank 0 writes the `ranks` record of this interval and any straggler it reveals; a
+        rank serving live metrics runs the same straggler watch on the same rows for its node's ranks."""
+        if not (self.ctx.is_main or self.live is not None):
+            return
         self.last_ranks = timings.rank_rows(rows, self.hosts)
         self.metrics.write("ranks", step=step, ranks=self.last_ranks)
         if self.board is not None:
             self.board.ranks(step, self.last_ranks)
         for found in self.stragglers.update(step, self.last_ranks):
             self.metrics.write("straggler", **found)
-            log.warning("%s", timings.straggler_line(found, self.cfg.observe.straggler_ratio))
+            if self.ctx.is_main:
+                log.warning("%s", timings.straggler_line(found, self.cfg.observe.straggler_ratio))
+        if self.live is not None:
+            self.live.rank_timings(self.last_ranks, self.stragglers.reported)
 
     def eval(self, epoch: int, result: dict[str, Any]) -> None:
         self.metrics.write("eval", epoch=epoch, **result)
@@ -97,6 +110,8 @@ class Records:
         if snapshots.failures == 0 or snapshots.async_write:
             self.metrics.write("snapshot", step=step, blocking_s=round(snapshots.last_blocking_s, 4),
                                background=snapshots.async_write)
+            if self.live is not None:
+                self.live.snapshot(step)
 
     def snapshot_failures(self, failed: list[dict[str, Any]]) -> None:
         while failed:
@@ -118,17 +133,27 @@ class Records:
         self.metrics.write("resized", **fields)
         self.metrics.close()
 
+    def _account(self) -> dict[str, Any] | None:
+        """Rank 0: the goodput account of the run so far, as if it ended now."""
+        try:  # information: an account that cannot be made must not fail the run
+            return goodput.account(read(self.cfg.run.dir, missing_ok=True) + [{"kind": "end", "time": time.time()}])
+        except Exception as e:
+            log.warning("no goodput account for %s: %s: %s", self.cfg.run.dir, e.__class__.__name__, e)
+            return None
+
+    def _account_live(self) -> None:
+        if self.live.account_due():
+            self.live.account(self._account())
+
     def end(self, summary: dict[str, Any]) -> dict[str, Any]:
         """The `end` record: `summary` and, on rank 0, the account of the run's wall time over every
         attempt (trainapp/observe/goodput.py): `wall_s`, `goodput`, `badput_s`, `steps_redone`, which it
         returns for the done line."""
         added: dict[str, Any] = {}
         if self.ctx.is_main:
-            try:  # information: an account that cannot be made must not fail a finished run
-                acc = goodput.account(read(self.cfg.run.dir, missing_ok=True) + [{"kind": "end", "time": time.time()}])
-            except Exception as e:
-                log.warning("no goodput account for %s: %s: %s", self.cfg.run.dir, e.__class__.__name__, e)
-                acc = None
+            acc = self._account()
+            if self.live is not None:
+                self.live.account(acc)
             if acc is not None:
                 added = {"wall_s": round(acc["wall_s"], 3), "goodput": round(acc["goodput"], 4),
                          "badput_s": acc["badput_s"], "steps_redone": acc["steps_redone"]}
@@ -140,4 +165,7 @@ class Records:
         if self.board is not None:
             self.board.close()
         self.metrics.close()
+        if self.live is not None:
+            self.live.close()
+            self.live = None
 

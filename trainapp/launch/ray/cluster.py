@@ -92,11 +92,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _own_ports() -> list[str]:
-    """Per-node ports for what Ray otherwise puts on fixed defaults (52365, 10001, ...), so that
+def _own_ports(metrics_port: int) -> list[str]:
+    """Per-node ports for what Ray otherwise puts on fixed defaults (52365, 10001, 8080, ...), so that
     several nodes, and several such clusters, share one machine."""
     return [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-            f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"]
+            f"--metrics-export-port={metrics_port}", f"--runtime-env-agent-port={free_port()}"]
 
 
 def _wait_port(port: int, timeout: float, host: str = "127.0.0.1") -> bool:
@@ -115,6 +115,8 @@ class Node:
     name: str
     pid: int  # the `ray start --block` session leader
     log: str
+    metrics_port: int = 0
+    """Where the node's Ray metrics agent serves Prometheus' format (with `LocalCluster.metrics`)."""
 
 
 @dataclass
@@ -191,15 +193,16 @@ class LocalCluster:
         ip = self.node_ip if not self.nodes else self._address_of(len(self.nodes))
         # A short per-node temp directory: Ray's socket paths under it must stay under 108 bytes.
         temp = self.dir / ("r" if not self.nodes else f"n{len(self.nodes)}")
+        metrics_port = free_port()
         with open(log, "ab") as out:
             proc = subprocess.Popen([RAY, "start", "--block", f"--node-ip-address={ip}", f"--temp-dir={temp}",
-                                     "--disable-usage-stats", *_own_ports(), *args],
+                                     "--disable-usage-stats", *_own_ports(metrics_port), *args],
                                     env=self.env(), cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
                                     preexec_fn=(lambda: os.nice(nice)) if nice else None)
         if nice:
             _session_nice(proc.pid, nice)
-        node = Node(name, proc.pid, str(log))
+        node = Node(name, proc.pid, str(log), metrics_port)
         self.nodes.append(node)
         self._save()
         return node

@@ -24,9 +24,11 @@ from trainapp.faults.preempt import Preempted, Resized, Stopped, StoppedBeforeSt
 from trainapp.group import DistContext
 from trainapp.launch import dist
 from trainapp.launch.rank import run_rank
+from trainapp.launch.ray import metrics as ray_metrics
 from trainapp.launch.ray import resize
 from trainapp.launch.ray.checks import is_uri
 from trainapp.launch.ray.publish import RayDrainNotice, RayPublish
+from trainapp.observe.live import LiveMetrics
 from trainapp.snapshots.lease import Fence, RunLease, stop_request
 from trainapp.snapshots.lease_store import store_at
 
@@ -73,6 +75,9 @@ class RayWorker:
 
     def restart(self) -> int:
         return 0  # Ray Train's restarts show as attempts in metrics.jsonl
+
+    def live(self, cfg: config.Config, ctx: DistContext) -> LiveMetrics | None:
+        return ray_metrics.live(cfg, ctx, cfg.ray.name)
 
     def resize_id(self) -> str | None:
         return self._watch.resize_id if self._watch is not None else None

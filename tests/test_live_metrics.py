@@ -1,0 +1,113 @@
+"""Live metrics (trainapp/observe/live.py): the Prometheus endpoint of a real torchrun run scraped over
+real HTTP on loopback while it trains, who serves which figure, and a taken port."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pytest
+from helpers import QUICK, REPO, metrics, torchrun_cmd, trainapp
+from prometheus_client.parser import text_string_to_metric_families
+
+from trainapp.launch.ray.cluster import free_port
+from trainapp.observe.live import LiveMetrics
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float] | None:
+    """{(name, sorted labels): value} of the endpoint's samples; None while nothing answers."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: dict, name: str, **labels: str) -> float | None:
+    return samples.get((name, tuple(sorted(labels.items()))))
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.values: dict[tuple[str, tuple], float] = {}
+
+    def set(self, name, value, labels):
+        self.values[(name, tuple(sorted(labels.items())))] = value
+
+    def close(self):
+        pass
+
+
+def test_rank_0_alone_gives_the_runs_figures_and_each_server_only_its_own_ranks():
+    entries = [{"rank": r, "step_ms": 30.0 + r, "busy_ms": 20.0, "phase_ms": {"data": 1.0}} for r in range(4)]
+    record = {"step": 10, "loss": 1.5, "lr": 0.1, "samples_per_s": 900.0, "world_size": 4}
+    node0, node1 = Recorder(), Recorder()
+    for sink, is_main, ranks in ((node0, True, {0, 1}), (node1, False, {2, 3})):
+        live = LiveMetrics(sink, "r", is_main, ranks)
+        live.interval(record)
+        live.rank_timings(entries, flagged={3})
+        live.snapshot(10)
+    assert value(node0.values, "trainapp_step", run="r") == 10 and value(node1.values, "trainapp_step", run="r") is None
+    assert value(node0.values, "trainapp_snapshot_step", run="r") == 10
+    assert not any(k[0] == "trainapp_snapshot_step" for k in node1.values)
+    ranks_of = lambda sink: sorted({dict(k[1])["rank"] for k in sink.values if k[0].startswith("trainapp_rank_")})  # noqa: E731
+    assert ranks_of(node0) == ["0", "1"] and ranks_of(node1) == ["2", "3"]
+    assert value(node1.values, "trainapp_straggler", run="r", rank="3") == 1.0
+    assert value(node1.values, "trainapp_straggler", run="r", rank="2") == 0.0
+    assert value(node0.values, "trainapp_rank_step_seconds", run="r", rank="1") == pytest.approx(0.031)
+
+
+@pytest.mark.slow
+def test_a_torchrun_runs_endpoint_is_scraped_over_http_while_it_trains_and_names_the_slowed_rank(tmp_path):
+    port = free_port()
+    cmd = torchrun_cmd(2, f"run.dir={tmp_path}", "train.max_steps=120", "train.epochs=100", "snapshot.every_steps=20",
+                       "drill.slow_rank=1", "drill.slow_ms=40", f"observe.prometheus_port={port}", *QUICK)
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    scrapes, deadline = [], time.monotonic() + 120
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            s = scrape(port)
+            if s and value(s, "trainapp_step", run=tmp_path.name):
+                scrapes.append(s)
+            if len(scrapes) >= 2 and all(value(scrapes[-1], n, run=tmp_path.name, **labels) for n, labels in (
+                    ("trainapp_goodput_ratio", {}), ("trainapp_snapshot_step", {}), ("trainapp_straggler", {"rank": "1"}))):
+                break
+            time.sleep(0.5)
+    finally:
+        out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert len(scrapes) >= 2, out[-3000:]
+    run = tmp_path.name
+    first, last = scrapes[0], scrapes[-1]
+    assert value(last, "trainapp_step", run=run) > value(first, "trainapp_step", run=run)  # values move
+    assert value(last, "trainapp_total_steps", run=run) == 120
+    assert value(last, "trainapp_samples_per_second", run=run) > 0 and value(last, "trainapp_loss", run=run) > 0
+    assert 0 < value(last, "trainapp_goodput_ratio", run=run) < 1
+    assert value(last, "trainapp_snapshot_step", run=run) % 20 == 0 and value(last, "trainapp_snapshot_step", run=run)
+    assert value(last, "trainapp_restarts", run=run) == 0
+    # One server for the node's two ranks; rank 1 (slowed 40 ms a step) is flagged, rank 0 is not.
+    assert value(last, "trainapp_straggler", run=run, rank="1") == 1.0
+    assert value(last, "trainapp_straggler", run=run, rank="0") == 0.0
+    assert value(last, "trainapp_rank_busy_seconds", run=run, rank="1") > \
+        value(last, "trainapp_rank_busy_seconds", run=run, rank="0") + 0.02
+    assert "metrics: http://" in out and f":{port}/metrics serves rank(s) 0,1 and the run's figures" in out
+    assert scrape(port) is None  # the server went with the run
+
+
+@pytest.mark.slow
+def test_a_taken_port_is_one_warning_line_and_the_run_trains_on(tmp_path):
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = trainapp("train", f"run.dir={tmp_path}", "train.max_steps=5", f"observe.prometheus_port={port}", *QUICK)
+    assert r.returncode == 0, r.output[-3000:]
+    lines = [ln for ln in r.output.splitlines() if f"observe.prometheus_port={port}" in ln]
+    assert len(lines) == 1 and "this node's metrics are not served, training goes on" in lines[0], r.output[-3000:]
+    assert "Traceback" not in r.output and metrics(tmp_path, "end")
