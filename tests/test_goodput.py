@@ -1,10 +1,19 @@
-"""The goodput account (trainapp/observe/goodput.py) over records made by hand: each cause where it belongs."""
+"""The goodput account (trainapp/observe/goodput.py) over records made by hand: each cause where it belongs;
+and end to end, one torchrun run through a killed rank, a hang and a SIGTERM preemption, resumed."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
 import pytest
+from helpers import QUICK, REPO, kill_registered, metrics, run_cmd, torchrun_cmd
 
 from trainapp.observe import goodput
+from trainapp.tools import report
 
 
 def _start(t, step, job, restart=0, resumed=None, launch=None):
@@ -54,3 +63,101 @@ def test_the_same_jobs_restart_is_a_restart_and_a_notice_is_no_failure():
     assert bad["notice"] == pytest.approx(0.2) and bad["detection"] == 0
     assert [a["ended_by"] for a in acc["attempts"]] == ["notice", "end"]
     assert acc["goodput_s"] == pytest.approx(1.2 + 1.0)
+
+
+HANG_TIMEOUT_S = 8.0
+KILL_AT, HANG_AT, PREEMPT_AFTER, SNAPSHOT_EVERY = 13, 27, 35, 5
+# Rank 1 is SIGKILLed after step 13 and hangs after step 27 (each drill fires once per run.dir: a marker
+# file), both between two snapshots and two records (every 5 steps), so each restart redoes steps that
+# only the failure record's step shows. 100 steps leave time to send the SIGTERM after step 35.
+E2E_RUN = [*QUICK, "train.epochs=100", "train.max_steps=100", f"snapshot.every_steps={SNAPSHOT_EVERY}",
+           f"fault.hang_timeout_s={HANG_TIMEOUT_S}", "drill.rank=1", f"drill.kill_at_step={KILL_AT}",
+           f"drill.hang_at_step={HANG_AT}"]
+
+
+def _preempt_after(cmd: list[str], run_dir: Path, env: dict, tmp: Path, step: int) -> None:
+    """Run `cmd` (torchrun, restarting on its own) until it has trained past `step`, then SIGTERM its
+    whole process group, as a container runtime does."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
+    with open(tmp / "first.err", "w+") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not any(r["step"] >= step for r in metrics(run_dir, "train", missing_ok=True)):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    err.seek(0)
+                    raise AssertionError(f"exit {proc.returncode} before step {step}: {err.read()[-3000:]}")
+                time.sleep(0.05)
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+        finally:
+            kill_registered(Path(env["TRAINAPP_RUNTIME_DIR"]))
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _attempts(records: list[dict]) -> list[list[dict]]:
+    out: list[list[dict]] = []
+    for r in records:
+        if r["kind"] == "start":
+            out.append([])
+        out[-1].append(r)
+    return out
+
+
+def _reached(attempt: list[dict]) -> int:
+    """The last step an attempt trained: a killed rank writes nothing, but its peer's `peer` failure record,
+    a hang's and a preemption's record carry the step, which the last `train` record (every
+    train.log_every steps) may be short of."""
+    return max(r["step"] for r in attempt if r["kind"] in ("train", "failure", "preempted"))
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_killed_rank_a_hang_and_a_preemption_in_one_run_are_each_accounted_and_add_up_to_its_wall_time(tmp_path):
+    run_dir, t0 = tmp_path / "run", time.monotonic()
+    cmd = torchrun_cmd(2, f"run.dir={run_dir}", *E2E_RUN, max_restarts=2)
+    env = {"TRAINAPP_RUNTIME_DIR": str(tmp_path / "rt")}
+    _preempt_after(cmd, run_dir, env, tmp_path, PREEMPT_AFTER)
+    r = run_cmd(cmd, timeout=120, env=env)  # the same command again: resumed where the SIGTERM stopped it
+    assert r.returncode == 0, r.output[-3000:]
+    elapsed, records = time.monotonic() - t0, metrics(run_dir)
+    acc = goodput.account(records)
+    bad = acc["badput_s"]
+    print(*goodput.table(acc), bad, f"test's elapsed {elapsed:.1f} s", sep="\n")  # pytest shows it on a failure
+
+    attempts = _attempts(records)
+    starts = [a[0] for a in attempts]
+    assert [s["restart"] for s in starts] == [0, 1, 2, 0]  # two torchrun restarts, then a new torchrun
+    assert [a["ended_by"] for a in acc["attempts"]] == ["failure", "failure", "notice", "end"]
+    reached = [_reached(a) for a in attempts]
+    assert reached[:2] == [KILL_AT, HANG_AT], reached
+    redone = [reached[i] - starts[i + 1]["resumed_step"] for i in range(3)]
+    # Each restart resumes from the periodic snapshot before its drill; the preemption's own snapshot loses nothing.
+    assert redone == [KILL_AT % SNAPSHOT_EVERY, HANG_AT % SNAPSHOT_EVERY, 0], (redone, starts)
+    assert acc["steps_redone"] == sum(redone) and bad["redone"] > 0
+
+    total = acc["goodput_s"] + sum(bad.values())
+    assert abs(total - acc["wall_s"]) <= 0.02  # by construction (each cause rounded to 1 ms)
+    assert abs(bad["other"]) <= 0.02 * acc["wall_s"], acc
+    launch = min(starts[0]["startup"].values())
+    assert acc["wall_s"] == pytest.approx(records[-1]["time"] - launch, abs=1e-3) and acc["wall_s"] < elapsed
+    assert bad["restart"] > 0 and bad["between_attempts"] > 0
+
+    # Detection is summed over both failed attempts: the kill's share, from the drill's own timestamp to
+    # the peer's record, is small; what is left is the hang's, its watchdog timeout.
+    killed = float((run_dir / f"fault-fired-step{KILL_AT}-rank1").read_text())
+    hung = float((run_dir / f"fault-fired-hang-step{HANG_AT}-rank1").read_text())
+    kill_share = min(r["time"] for r in attempts[0] if r["kind"] == "failure") - killed
+    hang_share = min(r["time"] for r in attempts[1] if r["kind"] == "failure") - hung
+    assert 0 <= kill_share < 2, kill_share
+    assert HANG_TIMEOUT_S - 1 <= hang_share <= HANG_TIMEOUT_S + 3, hang_share
+    assert bad["detection"] == pytest.approx(kill_share + hang_share, abs=0.5), (bad, kill_share, hang_share)
+
+    assert 0 < acc["goodput"] < 1
+    end = records[-1]
+    assert end["kind"] == "end" and end["goodput"] == pytest.approx(acc["goodput"], abs=0.005), (end, acc)
+    assert end["steps_redone"] == acc["steps_redone"] and end["wall_s"] == pytest.approx(acc["wall_s"], abs=0.5)
+    assert all(line in report.summarize(run_dir, records) for line in goodput.table(acc))
