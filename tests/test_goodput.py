@@ -161,3 +161,19 @@ def test_a_killed_rank_a_hang_and_a_preemption_in_one_run_are_each_accounted_and
     assert end["kind"] == "end" and end["goodput"] == pytest.approx(acc["goodput"], abs=0.005), (end, acc)
     assert end["steps_redone"] == acc["steps_redone"] and end["wall_s"] == pytest.approx(acc["wall_s"], abs=0.5)
     assert all(line in report.summarize(run_dir, records) for line in goodput.table(acc))
+
+
+def test_an_uneven_split_is_no_straggler_but_a_slow_rank_still_is():
+    def ranks(busy):
+        return {"kind": "ranks", "time": 0.0, "step": 10,
+                "ranks": [{"rank": r, "steps": 10, "busy_ms": b, "phase_ms": {"data": 0.0}} for r, b in enumerate(busy)]}
+
+    uneven = {"kind": "start", "layout": {"micro_steps": [2, 1]}}
+    # Rank 0 runs two micro-batches of 50 ms, rank 1 one: the 50 ms rank 1 waits is the split's.
+    assert goodput._waits(uneven, [ranks([100.0, 50.0])])[1] == pytest.approx(0.0)
+    # Rank 1 takes 80 ms for its one: rank 0's pace (50 ms a micro-batch) sets the floor, 100 ms a step.
+    assert goodput._waits(uneven, [ranks([100.0, 80.0])])[1] == pytest.approx(0.0)
+    # Rank 0 at 70 ms a micro-batch against rank 1's 50: 140 - 2 * 50 = 40 ms a step, 10 steps.
+    assert goodput._waits(uneven, [ranks([140.0, 50.0])])[1] == pytest.approx(0.4)
+    # An even split (no layout in the record: older runs) is the slowest's own work beyond the fastest's.
+    assert goodput._waits({"kind": "start"}, [ranks([100.0, 60.0])])[1] == pytest.approx(0.4)

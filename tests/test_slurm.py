@@ -9,6 +9,7 @@ it after `make test`. The checks of the script itself and of `trainapp slurm-pre
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import time
@@ -240,20 +241,54 @@ def test_bad_input_ends_the_job_with_one_line_and_no_requeue(slurm, tmp_path, ca
     assert "not requeued" in text and "Traceback" not in text and "[rank 0]" not in text, text
 
 
+# Polls each node's live metrics endpoint from the controller's namespace until both served a rank's
+# figures and the step moved on node1 (rank 0's); prints what it saw as JSON.
+SCRAPER = """
+import json, sys, time, urllib.request
+port, hosts, seen = int(sys.argv[1]), sys.argv[2:], {}
+deadline = time.monotonic() + 240
+while time.monotonic() < deadline:
+    for h in hosts:
+        try:
+            text = urllib.request.urlopen(f"http://{h}:{port}/metrics", timeout=1).read().decode()
+        except OSError:
+            continue
+        lines = [ln for ln in text.splitlines() if ln.startswith("trainapp_")]
+        seen.setdefault(h, [])
+        if lines and lines != (seen[h] or [[]])[-1]:
+            seen[h].append(lines)
+    steps = {ln for s in seen.get(hosts[0], []) for ln in s if ln.startswith("trainapp_step{")}
+    if len(steps) >= 2 and all(any("rank_step_seconds" in ln for s in seen.get(h, []) for ln in s) for h in hosts):
+        break
+    time.sleep(0.05)
+print(json.dumps(seen))
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.slurm
 def test_a_user_task_on_pythonpath_trains_across_two_nodes_to_torchruns_parameters(slurm, tmp_path):
-    """examples/tabular's task, not installed anywhere: on PYTHONPATH, which sbatch exports to the job."""
+    """examples/tabular's task, not installed anywhere: on PYTHONPATH, which sbatch exports to the job.
+    Each node serves its rank's live metrics (observe.prometheus_port), scraped over the nodes' network."""
     example = str(REPO / "examples" / "tabular")
     task = ["task.name=tabular_task:Regression", "task.args.hidden=32", "task.args.train_rows=2048",
-            "optim.name=adamw", "optim.lr=0.003", "train.max_steps=20", "train.epochs=20", "train.progress=false",
+            "optim.name=adamw", "optim.lr=0.003", "train.max_steps=60", "train.epochs=60", "train.progress=false",
             "snapshot.every_steps=10", "train.log_every=5"]
-    run_dir = tmp_path / "run"
-    job, out = submit(slurm, tmp_path, "usertask", RUN_DIR=str(run_dir), ARGS=" ".join(task), PYTHONPATH=example)
+    run_dir, port = tmp_path / "run", 19463
+    scraper = subprocess.Popen([*slurm.prefix(slurm.ctl), PY, "-c", SCRAPER, str(port),
+                                *(n.train_ip for n in slurm.nodes)], stdout=subprocess.PIPE, text=True)
+    job, out = submit(slurm, tmp_path, "usertask", RUN_DIR=str(run_dir),
+                      ARGS=" ".join([*task, f"observe.prometheus_port={port}"]), PYTHONPATH=example)
     info = slurm.wait_job(job, timeout=300)
     text = out.read_text()
     assert info["JobState"] == "COMPLETED", (info, text[-4000:])
-    assert "trainapp: done steps=20" in text and "val_mse=" in text, text[-3000:]
+    seen = json.loads(scraper.communicate(timeout=240)[0])
+    node1, node2 = (seen.get(n.train_ip, []) for n in slurm.nodes)
+    assert len({ln for s in node1 for ln in s if ln.startswith("trainapp_step{")}) >= 2, seen  # moving
+    assert any('rank="0"' in ln for s in node1 for ln in s) and not any('rank="1"' in ln for s in node1 for ln in s)
+    assert any('rank="1"' in ln for s in node2 for ln in s), seen  # node2 serves its own rank
+    assert not any(ln.startswith("trainapp_step{") for s in node2 for ln in s)  # the run's figures: rank 0's
+    assert "trainapp: done steps=60" in text and "val_mse=" in text, text[-3000:]
     assert {p["host"] for p in metrics(run_dir, "start")[0]["placement"]} == {"node1", "node2"}
     r = run_cmd(helpers.torchrun_cmd(2, f"run.dir={tmp_path / 'tr'}", *task), env={"PYTHONPATH": example})
     assert r.returncode == 0, r.output[-3000:]

@@ -8,7 +8,8 @@ Each attempt's span, from its launch to its last record, is cut into:
 - the steps: every interval of `train` records, its steps times the seconds a step took
   (global batch / samples per second: the meter leaves snapshots and evaluations out); of them,
   `data` (waiting for batches, the median rank's) and `stragglers` (the slowest rank's own work beyond
-  the fastest's: what the others waited in the all-reduce) are badput, and so are `redone`: the steps
+  the fastest's pace: what the others waited in the all-reduce, less what an uneven split of the
+  global batch makes them wait by design) are badput, and so are `redone`: the steps
   trained after the snapshot the next attempt resumed from; the rest is goodput;
 - `snapshot` (training blocked by snapshot writes) and `eval`;
 - the tail after the last progress: `detection` when the attempt ended in a failure (the last step to
@@ -80,9 +81,21 @@ def _steps(start: dict[str, Any], recs: list[dict[str, Any]]) -> tuple[float, fl
     return total, first, prev, last_t
 
 
-def _waits(recs: list[dict[str, Any]]) -> tuple[float, float, float]:
+def _straggling_ms(ranks: list[dict[str, Any]], work: list[int] | None) -> float:
+    """Per step, how much longer the slowest rank's own work took than if every rank worked at the
+    fastest one's pace per micro-batch. A global batch split unevenly (trainapp/core/layout.py) gives
+    some ranks a micro-batch more by design: that wait is the split's, not a straggler's."""
+    if not work or len(work) != len(ranks):
+        work = [1] * len(ranks)
+    busy = [x["busy_ms"] for x in ranks]
+    pace = min(b / max(w, 1) for b, w in zip(busy, work))
+    return max(0.0, max(busy) - pace * max(work))
+
+
+def _waits(start: dict[str, Any], recs: list[dict[str, Any]]) -> tuple[float, float, float]:
     """(data, stragglers, eval) seconds from the `ranks` records."""
     data = stragglers = evals = 0.0
+    work = (start.get("layout") or {}).get("micro_steps")
     for r in recs:
         ranks = r.get("ranks") if r.get("kind") == "ranks" else None
         if not ranks:
@@ -90,8 +103,7 @@ def _waits(recs: list[dict[str, Any]]) -> tuple[float, float, float]:
         n = ranks[0].get("steps", 0)
         data += statistics.median(x["phase_ms"].get("data", 0.0) for x in ranks) * n / 1000
         evals += statistics.median(x["phase_ms"].get("eval", 0.0) for x in ranks) * n / 1000
-        busy = [x["busy_ms"] for x in ranks]
-        stragglers += (max(busy) - min(busy)) * n / 1000
+        stragglers += _straggling_ms(ranks, work) * n / 1000
     return data, stragglers, evals
 
 
@@ -110,7 +122,7 @@ def _attempt(i: int, recs: list[dict[str, Any]], not_before: float) -> Attempt:
     steps_s += (reached - last_step) * a.step_s
     last_t += (reached - last_step) * a.step_s
     a.last_step = reached
-    data, stragglers, evals = _waits(recs)
+    data, stragglers, evals = _waits(start, recs)
     snap = sum(r.get("blocking_s", 0.0) for r in recs if r.get("kind") == "snapshot")
     a.parts = {"startup": (first if first is not None else a.end) - launch, "steps": steps_s, "data": data,
                "stragglers": stragglers, "snapshot": snap, "eval": evals}
