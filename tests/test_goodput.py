@@ -177,3 +177,18 @@ def test_an_uneven_split_is_no_straggler_but_a_slow_rank_still_is():
     assert goodput._waits(uneven, [ranks([140.0, 50.0])])[1] == pytest.approx(0.4)
     # An even split (no layout in the record: older runs) is the slowest's own work beyond the fastest's.
     assert goodput._waits({"kind": "start"}, [ranks([100.0, 60.0])])[1] == pytest.approx(0.4)
+
+
+def test_a_slurm_requeue_keeps_its_job_id_but_its_queue_wait_is_time_between_attempts():
+    def start(t, step, requeue, restart=0):
+        r = _start(t, step, "slurm:42", restart=restart, resumed=step or None)
+        r["lease"]["holder"]["requeue"] = requeue
+        return r
+
+    records = [start(10.0, 0, 0), _train(11.0, 10), {"kind": "failure", "time": 11.5, "step": 10, "cause": "peer"},
+               start(14.0, 10, 0, restart=1), _train(15.0, 20),  # torchrun's restart inside the allocation
+               {"kind": "preempted", "time": 15.2, "step": 20, "signal": "SIGTERM"},
+               start(100.0, 20, 1), _train(101.0, 30), {"kind": "end", "time": 101.0}]  # requeued, 82.8 s later
+    bad = goodput.account(records)["badput_s"]
+    assert bad["restart"] == pytest.approx(12.0 - 11.5)
+    assert bad["between_attempts"] == pytest.approx(98.0 - 15.2)

@@ -181,6 +181,10 @@ def test_a_preempted_job_requeues_itself_and_resumes_with_zero_steps_redone(slur
     assert second["lease"]["generation"] == first["lease"]["generation"] + 1 and second["lease"]["took_over"] is None
     assert first["lease"]["holder"]["job"] == second["lease"]["holder"]["job"] != ""
     assert first["lease"]["holder"]["job"].startswith("slurm:")
+    assert (first["lease"]["holder"]["requeue"], second["lease"]["holder"]["requeue"]) == (0, 1)
+    # The goodput account: the requeue's wait is time between attempts, not a restart of the same job.
+    (end,) = metrics(run_dir, "end")
+    assert end["badput_s"]["between_attempts"] > 0 and end["badput_s"]["restart"] == 0 and end["steps_redone"] == 0
     for start in (first, second):  # two nodes, one rank each, over the nodes' own link
         assert [(p["host"], p["node_rank"], p["local_rank"]) for p in start["placement"]] == [
             ("node1", 0, 0), ("node2", 1, 0)], start["placement"]

@@ -19,8 +19,8 @@ Each attempt's span, from its launch to its last record, is cut into:
   under 2 %).
 
 Between attempts: `restart` when the next attempt is the same job's restart (torchrun's restart count
-went up, or the same Ray driver), `between_attempts` otherwise (a resubmission, a Slurm requeue: time
-in which nothing of the run ran).
+went up, the same job, or the same Ray driver), `between_attempts` otherwise (a resubmission, a Slurm
+requeue: time in which nothing of the run ran, waiting in a queue or for capacity).
 
 Standard library only, as metrics.py.
 """
@@ -137,13 +137,15 @@ def _attempt(i: int, recs: list[dict[str, Any]], not_before: float) -> Attempt:
 
 def _same_job(prev: dict[str, Any], nxt: dict[str, Any]) -> bool:
     """The next attempt is the same launch's restart: torchrun's restart count went up, the lease names
-    the same job (torchrun's run id, a Slurm job, which a requeue keeps: its queue wait counts as a
-    restart then), or the same Ray driver started both."""
+    the same job (torchrun's run id, a Slurm job not requeued in between: a requeue keeps the job's id,
+    its `requeue` count tells it, and its queue wait is time between attempts), or the same Ray driver
+    started both."""
     if (nxt.get("restart") or 0) > (prev.get("restart") or 0):
         return True
-    jobs = [((s.get("lease") or {}).get("holder") or {}).get("job") for s in (prev, nxt)]
+    holders = [((s.get("lease") or {}).get("holder") or {}) for s in (prev, nxt)]
+    jobs = [h.get("job") for h in holders]
     if jobs[0] and jobs[0] == jobs[1] and not jobs[0].startswith("alone"):
-        return True
+        return holders[0].get("requeue") == holders[1].get("requeue")
     driver = [(s.get("startup") or {}).get("driver_process") for s in (prev, nxt)]
     return driver[0] is not None and driver[0] == driver[1]
 

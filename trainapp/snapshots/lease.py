@@ -104,9 +104,12 @@ def job_of(launcher: str) -> str:
 
 def me(launcher: str) -> dict[str, Any]:
     """This process as a lease's holder."""
-    return {"host": socket.gethostname(), "pid": os.getpid(), "launcher": launcher, "job": job_of(launcher),
-            "started_at": round(time.time(), 3), "pid_start": _proc_start(os.getpid()),
-            "boot_id": _read("/proc/sys/kernel/random/boot_id"), "pid_ns": _pid_namespace()}
+    holder = {"host": socket.gethostname(), "pid": os.getpid(), "launcher": launcher, "job": job_of(launcher),
+              "started_at": round(time.time(), 3), "pid_start": _proc_start(os.getpid()),
+              "boot_id": _read("/proc/sys/kernel/random/boot_id"), "pid_ns": _pid_namespace()}
+    if launcher == "slurm":  # a requeued job keeps its id: the goodput account tells a requeue by this
+        holder["requeue"] = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    return holder
 
 
 def gone(holder: dict[str, Any]) -> bool:
