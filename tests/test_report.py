@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from helpers import trainapp
 
-from trainapp.tools import report
+from trainapp.tools import report, timeline_plot
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -148,3 +148,90 @@ def test_tensorboard_files_hold_one_timeline_over_the_restart(restarted_run):
     last = {rec["step"]: rec["loss"] for rec in report.read(restarted_run) if rec["kind"] == "train"}
     assert loss == pytest.approx(last, rel=1e-6)
     assert [e.step for e in acc.Scalars("eval/val_acc")] == [10, 20, 24]
+
+
+def _timeline(fig):
+    return next(ax for ax in fig.axes if ax.get_label() == timeline_plot.LABEL)
+
+
+def _stretch(ax, label: str) -> tuple[float, float]:
+    """The (from, to) seconds of the timeline stretch labelled `label`."""
+    box = next(c for c in ax.collections if c.get_label().startswith(label)).get_paths()[0].get_extents()
+    return box.x0, box.x1
+
+
+def _three_attempts(loss_scale: bool = False) -> list[dict]:
+    """A run on the clock: a step a second (global batch 10 at 10 samples/s). Attempt 0 (launched at 98)
+    hangs after step 10, found 10 s later; its restart resumes at 5 and is preempted after step 20; a new
+    launch at 200 (nothing ran for 58 s) resumes at 20 and finishes at 30. No eval, no ranks records."""
+    def start(t, launch, step, restart, job):
+        return {"kind": "start", "time": t, "step": step, "resumed_step": step or None, "restart": restart,
+                "global_batch": 10, "startup": {"worker_process": launch}, "lease": {"holder": {"job": job}}}
+
+    def train(t, step):
+        return {"kind": "train", "time": t, "step": step, "loss": 2.0 - step / 20, "lr": 0.1, "samples_per_s": 10.0,
+                **({"loss_scale": 65536.0} if loss_scale else {})}
+
+    return [start(100, 98, 0, 0, "torchrun:a"), train(106, 5), {"kind": "snapshot", "time": 106.1, "step": 5},
+            train(111, 10), {"kind": "failure", "time": 121, "step": 10, "cause": "hang", "rank": 0},
+            start(125, 123, 5, 1, "torchrun:a"), train(131, 10), train(141, 20),
+            {"kind": "snapshot", "time": 141.2, "step": 20}, {"kind": "preempted", "time": 142, "step": 20},
+            start(202, 200, 20, 0, "torchrun:b"), train(213, 30), {"kind": "end", "time": 213.5, "steps": 30}]
+
+
+def test_the_timeline_draws_each_attempt_as_a_bar_over_the_wall_clock_with_its_marks_and_the_gap():
+    import matplotlib.pyplot as plt
+    from matplotlib.container import BarContainer
+
+    fig = report.figure(_three_attempts(), "three attempts")
+    ax = _timeline(fig)
+    bars = [c for c in ax.containers if isinstance(c, BarContainer)]
+    assert len(bars) == 1 and len(bars[0]) == 3  # one bar per attempt
+    # From each launch to the attempt's last record, in seconds since the first launch (98).
+    spans = [(round(b.get_x(), 6), round(b.get_x() + b.get_width(), 6)) for b in bars[0]]
+    assert spans == [(0, 23), (25, 44), (102, 115.5)]  # 58 s between the second and third: a gap
+    assert _stretch(ax, "start-up") == pytest.approx((0, 3))  # launch to when step 1 began
+    assert _stretch(ax, "hang") == pytest.approx((13, 23))  # step 10 ended at 111, the hang found at 121
+    assert _stretch(ax, "steps redone") == pytest.approx((8, 13))  # steps 6-10: the restart resumed at 5
+    assert _stretch(ax, "notice") == pytest.approx((43, 44))  # step 20 ended at 141, preempted at 142
+    marks = {line.get_label(): line.get_xdata() for line in ax.lines if not line.get_label().startswith("_")}
+    snapshots = [x for line in ax.lines if line.get_marker() == "|" for x in line.get_xdata()]
+    assert snapshots == pytest.approx([8.1, 43.2]) and list(marks["snapshot"]) == pytest.approx([8.1])  # named once
+    assert list(marks["preempted / stopped / resized"]) == pytest.approx([44])
+    plt.close(fig)
+
+
+def test_panels_without_data_are_left_out_not_drawn_empty():
+    """An fp32 run without evaluations or per-rank timings: the timeline and three step panels, no more."""
+    import matplotlib.pyplot as plt
+
+    fig = report.figure(_three_attempts(), "fp32")
+    assert [ax.get_ylabel() for ax in fig.axes[1:]] == ["loss", "samples/s", "learning rate"]
+    assert [ax.get_label() for ax in fig.axes[:1]] == [timeline_plot.LABEL]
+    assert fig.axes[-1].get_xlabel() == "optimizer step"  # the last panel over steps names its axis
+    height = fig.get_figheight()
+    plt.close(fig)
+    fig = report.figure(_three_attempts(loss_scale=True), "fp16")
+    assert [ax.get_ylabel() for ax in fig.axes[1:]] == ["loss", "samples/s", "learning rate", "loss scale (fp16)"]
+    assert fig.get_figheight() > height  # the figure grows with its panels
+    plt.close(fig)
+
+
+@pytest.mark.slow
+def test_the_report_of_a_restarted_run_has_a_timeline_bar_per_attempt_and_no_loss_scale(restarted_run):
+    import matplotlib.pyplot as plt
+    from matplotlib.container import BarContainer
+
+    records = report.read(restarted_run)
+    fig = report.figure(records, "restarted")
+    ax = _timeline(fig)
+    (bars,) = [c for c in ax.containers if isinstance(c, BarContainer)]
+    assert len(bars) == 2 == sum(r["kind"] == "start" for r in records)
+    first, second = bars
+    assert first.get_x() == 0 and second.get_x() >= first.get_x() + first.get_width()  # the restart came after
+    assert _stretch(ax, "steps redone")[1] == pytest.approx(first.get_width(), abs=1.0)  # 11-13, before the kill
+    # A bf16 run on CPU: no loss scale panel; evaluation and both ranks' timings have theirs.
+    labels = [a.get_ylabel() for a in fig.axes]
+    assert "loss scale (fp16)" not in labels and {"loss", "val_acc"} <= set(labels), labels
+    assert len(fig.axes) == 1 + 4 + 2, labels  # timeline; loss, val_acc, samples/s, lr; rank work, phases
+    plt.close(fig)

@@ -1,8 +1,9 @@
 """`python -m trainapp report RUN_DIR`: plots and a short summary of a run, from its metrics.jsonl.
 
-One PNG (`RUN_DIR/report.png`, or `--out`) with loss, validation accuracy, samples/s, learning rate,
-the fp16 loss scale and every rank's step time over optimizer steps, each restart marked where it
-resumed and each failure where it happened, and each rank's step split into phases; the summary
+One PNG (`RUN_DIR/report.png`, or `--out`): the wall-clock timeline of the run's attempts (trainapp/tools/
+timeline_plot.py); loss, validation accuracy, samples/s, learning rate, the fp16 loss scale and every
+rank's step time over optimizer steps, each restart marked where it resumed and each failure where it
+happened; each rank's step split into phases. A panel without data in the run is left out. The summary
 (with one line per failed attempt: which rank, where, why, the slowest rank and phase, any straggler)
 is printed and written beside it as `report.txt`. Works on `run.dir` of torchrun runs and on
 `STORAGE/NAME` of Ray runs. matplotlib is an optional extra: `pip install 'trainapp[report]'`.
@@ -17,6 +18,7 @@ from typing import Any
 from trainapp.config import ConfigError, changes
 from trainapp.observe import goodput, metrics
 from trainapp.snapshots.lease import describe
+from trainapp.tools import timeline_plot
 
 
 def read(run_dir: Path) -> list[dict[str, Any]]:
@@ -243,18 +245,14 @@ def _plot_rank_work(ax, records: list[dict], rs: list[dict]) -> None:
     for rank, segs in sorted(per_rank.items()):
         for i, (xs, ys) in enumerate(segs):
             ax.plot(xs, ys, color=f"C{rank % 10}", linewidth=1.2, label=f"rank {rank}" if i == 0 else None)
-    if not per_rank:
-        ax.text(0.5, 0.5, "no ranks records", transform=ax.transAxes, ha="center", va="center", color="gray")
     for r in rs:
         ax.axvline(r["resumed_step"], color="tab:red", linestyle="--", linewidth=1)
     for i, s in enumerate(r for r in records if r.get("kind") == "straggler"):
         ax.axvline(s["step"], color=f"C{s['rank'] % 10}", linestyle=":", linewidth=1.5,
                    label="straggler named" if i == 0 else None)
-    if per_rank:
-        ax.legend(loc="upper right", fontsize="small", ncol=min(len(per_rank) + 1, 8))
+    ax.legend(loc="upper right", fontsize="small", ncol=min(len(per_rank) + 1, 8))
     ax.set_ylabel("own work per step\n(ms, without comm wait)")
     ax.grid(alpha=0.3)
-    ax.set_xlabel("optimizer step")
 
 
 def _plot_phases(ax, records: list[dict]) -> None:
@@ -262,10 +260,6 @@ def _plot_phases(ax, records: list[dict]) -> None:
     from trainapp.observe.timings import PHASES
 
     ranks = rank_phases(records)
-    if not ranks:
-        ax.text(0.5, 0.5, "no ranks records (observe.ranks=false?)", transform=ax.transAxes, ha="center",
-                va="center", color="gray")
-        return
     names = [f"rank {r}" for r in ranks]
     left = [0.0] * len(ranks)
     for phase in PHASES:
@@ -278,8 +272,8 @@ def _plot_phases(ax, records: list[dict]) -> None:
     ax.grid(alpha=0.3, axis="x")
 
 
-def _draw_runs(ax, records: list[dict], compare: dict[str, list[dict]], kind: str, key: str) -> list:
-    """The run's `key` of its `kind` records, and each compared run's dashed over it; the run's segments."""
+def _draw_runs(ax, records: list[dict], compare: dict[str, list[dict]], kind: str, key: str) -> None:
+    """The run's `key` of its `kind` records, and each compared run's dashed over it."""
     segs = _segments(records, kind, key)
     for i, (xs, ys) in enumerate(segs):
         ax.plot(xs, ys, color="tab:blue", marker="." if len(xs) < 50 else None, linewidth=1.2,
@@ -287,11 +281,38 @@ def _draw_runs(ax, records: list[dict], compare: dict[str, list[dict]], kind: st
     for n, (other, other_records) in enumerate(compare.items()):
         for i, (xs, ys) in enumerate(_segments(other_records, kind, key)):
             ax.plot(xs, ys, color=f"C{n + 1}", linestyle="--", linewidth=1, label=other if i == 0 else None)
-    return segs
 
 
-def plot(records: list[dict], out: Path, title: str, compare: dict[str, list[dict]] | None = None) -> Path:
-    """The run's panels; each run of `compare` (name: its records) is drawn over the step panels."""
+def _step_panels(records: list[dict], compare: dict[str, list[dict]]) -> list[tuple[str, str, str, bool]]:
+    """(name, kind, key, log scale) of the panels over steps that have data in this run or a compared one:
+    an empty panel (the fp16 loss scale of a bf16 run, evaluation never reached) only takes room."""
+    # The task's first evaluation metric: val_acc for the image task, val_loss for char_lm's.
+    val = next(iter(val_keys(records)), "val_loss")
+    panels = [("loss", "train", "loss", False), (val, "eval", val, False),
+              ("samples/s", "train", "samples_per_s", False), ("learning rate", "train", "lr", False),
+              ("loss scale (fp16)", "train", "loss_scale", True)]
+    return [p for p in panels if any(_segments(rs, p[1], p[2]) for rs in (records, *compare.values()))]
+
+
+def _plot_steps(ax, records: list[dict], compare: dict[str, list[dict]], panel: tuple[str, str, str, bool],
+                marks: tuple[list[dict], list[dict]]) -> None:
+    """One panel over steps: the runs' curves, restarts where they resumed, failures where they happened."""
+    name, kind, key, log_scale = panel
+    _draw_runs(ax, records, compare, kind, key)
+    if log_scale:
+        ax.set_yscale("log", base=2)
+    rs, fails = marks
+    for i, r in enumerate(rs):
+        ax.axvline(r["resumed_step"], color="tab:red", linestyle="--", linewidth=1,
+                   label="restart (resumed here)" if i == 0 else None)
+    for i, f in enumerate(fails):
+        ax.axvline(f["step"], color="black", linestyle=":", linewidth=1,
+                   label="failure (see report.txt)" if i == 0 else None)
+    ax.set_ylabel(name)
+    ax.grid(alpha=0.3)
+
+
+def _pyplot():
     try:
         import matplotlib
 
@@ -299,42 +320,47 @@ def plot(records: list[dict], out: Path, title: str, compare: dict[str, list[dic
         import matplotlib.pyplot as plt
     except ImportError:
         raise ConfigError("matplotlib is not installed (the report extra): pip install 'trainapp[report]'") from None
-    # The task's first evaluation metric: val_acc for the image task, val_loss for char_lm's.
-    val = next(iter(val_keys(records)), "val_loss")
-    panels = [("loss", "train", "loss", False), (val, "eval", val, False),
-              ("samples/s", "train", "samples_per_s", False), ("learning rate", "train", "lr", False),
-              ("loss scale (fp16)", "train", "loss_scale", True)]
-    fig, all_axes = plt.subplots(len(panels) + 2, 1, figsize=(9, 2.3 * (len(panels) + 2)))
-    axes, rank_ax, phase_ax = all_axes[:len(panels)], all_axes[len(panels)], all_axes[-1]
-    for ax in [*axes[1:], rank_ax]:
-        ax.sharex(axes[0])
+    return plt
+
+
+def figure(records: list[dict], title: str, compare: dict[str, list[dict]] | None = None):
+    """The report's matplotlib Figure: the wall-clock timeline, then the panels with data: those over
+    steps (each run of `compare`, name: its records, drawn over them) and each rank's step in phases."""
+    plt = _pyplot()
+    compare = compare or {}
+    panels = _step_panels(records, compare)
+    ranks = bool(rank_phases(records))
+    attempts = sum(r.get("kind") == "start" for r in records)
+    heights = [1.9 + 0.45 * min(attempts, 8)] + [2.3] * (len(panels) + 2 * ranks)
+    # Constrained layout gives each panel the room its own legend and labels take, the title included.
+    fig, all_axes = plt.subplots(len(heights), 1, figsize=(9, sum(heights)), height_ratios=heights, squeeze=False,
+                                 layout="constrained")
+    axes = list(all_axes[:, 0])
+    timeline_plot.draw(axes[0], records)
+    step_axes = axes[1:len(panels) + 1 + ranks]
+    for ax in step_axes[1:]:
+        ax.sharex(step_axes[0])
     rs = restarts(records)
     fails = [r for r in records if r.get("kind") == "failure" and r.get("cause") != "peer"]
-    for ax, (name, kind, key, log_scale) in zip(axes, panels):
-        segs = _draw_runs(ax, records, compare or {}, kind, key)
-        if segs:
-            if log_scale:
-                ax.set_yscale("log", base=2)
-        else:
-            ax.text(0.5, 0.5, f"no {key} records" + (" (not an fp16 run)" if key == "loss_scale" else ""),
-                    transform=ax.transAxes, ha="center", va="center", color="gray")
-        for i, r in enumerate(rs):
-            ax.axvline(r["resumed_step"], color="tab:red", linestyle="--", linewidth=1,
-                       label="restart (resumed here)" if i == 0 else None)
-        for i, f in enumerate(fails):
-            ax.axvline(f["step"], color="black", linestyle=":", linewidth=1,
-                       label="failure (see report.txt)" if i == 0 else None)
-        ax.set_ylabel(name)
-        ax.grid(alpha=0.3)
-    _plot_rank_work(rank_ax, records, rs)
-    _plot_phases(phase_ax, records)
-    if rs or fails or compare:
-        axes[0].legend(loc="upper right", fontsize="small")
+    for ax, panel in zip(step_axes, panels):
+        _plot_steps(ax, records, compare, panel, (rs, fails))
+    if ranks:
+        _plot_rank_work(axes[-2], records, rs)
+        _plot_phases(axes[-1], records)
+    if step_axes:
+        step_axes[-1].set_xlabel("optimizer step")
+    if panels and (rs or fails or compare):
+        step_axes[0].legend(loc="upper right", fontsize="small")
     fig.suptitle(title)
-    fig.tight_layout()
+    return fig
+
+
+def plot(records: list[dict], out: Path, title: str, compare: dict[str, list[dict]] | None = None) -> Path:
+    """The report's figure (see `figure`) as a PNG at `out`."""
+    fig = figure(records, title, compare)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
-    plt.close(fig)
+    _pyplot().close(fig)
     return out
 
 
