@@ -235,3 +235,11 @@ def test_the_report_of_a_restarted_run_has_a_timeline_bar_per_attempt_and_no_los
     assert "loss scale (fp16)" not in labels and {"loss", "val_acc"} <= set(labels), labels
     assert len(fig.axes) == 1 + 4 + 2, labels  # timeline; loss, val_acc, samples/s, lr; rank work, phases
     plt.close(fig)
+
+
+def test_the_restart_line_counts_the_steps_reached_after_the_last_train_record_as_the_account_does():
+    records = [{"kind": "start", "time": 0.0, "step": 0, "world_size": 2},
+               {"kind": "train", "time": 1.0, "step": 10},
+               {"kind": "failure", "time": 1.5, "step": 13, "cause": "peer"},  # train records come every 5 steps
+               {"kind": "start", "time": 3.0, "step": 10, "resumed_step": 10, "world_size": 2}]
+    assert report.restarts(records) == [{"resumed_step": 10, "trained_to": 13, "redone": 3, "world_size": 2}]

@@ -47,8 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reference", action="store_true",
                    help="instead: the reference of every key, default and meaning (docs/configuration.md's table)")
     _add_config_args(p)
-    p = sub.add_parser("report", help="plot loss, validation, samples/s, lr and loss scale of a run, restarts marked, "
-                                      "and print a short summary")
+    p = sub.add_parser("report", help="plot a run: a wall-clock timeline of its attempts, then loss, validation, "
+                                      "samples/s, lr, loss scale and per-rank timings; print a summary with where "
+                                      "the wall time went (goodput)")
     p.add_argument("run_dir", metavar="RUN_DIR", help="run.dir of a run (or STORAGE/NAME of a Ray run)")
     p.add_argument("--out", metavar="PNG", help="where the plot goes (default RUN_DIR/report.png)")
     p.add_argument("--compare", metavar="RUN_DIR", nargs="+", default=[],

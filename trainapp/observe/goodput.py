@@ -1,4 +1,4 @@
-"""Where a run's wall time went, across every attempt (issue 40, work in progress): an account made from
+"""Where a run's wall time went, across every attempt: an account made from
 the records of metrics.jsonl alone, so it works on any run, finished or not, under any launcher.
 
 The run's wall time is from the first attempt's launch (its earliest start-up mark) to the last record.
@@ -53,7 +53,7 @@ class Attempt:
     """failure, notice (preempted, stopped, resized), end, or '' (the records just stop)."""
 
 
-def _split(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+def split(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     out: list[list[dict[str, Any]]] = []
     for r in records:
         if r.get("kind") == "start":
@@ -135,7 +135,7 @@ def _attempt(i: int, recs: list[dict[str, Any]], not_before: float) -> Attempt:
     return a
 
 
-def _same_job(prev: dict[str, Any], nxt: dict[str, Any]) -> bool:
+def same_job(prev: dict[str, Any], nxt: dict[str, Any]) -> bool:
     """The next attempt is the same launch's restart: torchrun's restart count went up, the lease names
     the same job (torchrun's run id, a Slurm job not requeued in between: a requeue keeps the job's id,
     its `requeue` count tells it, and its queue wait is time between attempts), or the same Ray driver
@@ -152,7 +152,7 @@ def _same_job(prev: dict[str, Any], nxt: dict[str, Any]) -> bool:
 
 def account(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The run's account (seconds and shares), or None for records without a `start`."""
-    groups = _split(records)
+    groups = split(records)
     if not groups:
         return None
     attempts: list[Attempt] = []
@@ -174,7 +174,7 @@ def account(records: list[dict[str, Any]]) -> dict[str, Any] | None:
         explained = p["startup"] + p["steps"] + p["snapshot"] + p["eval"] + p.get("detection", 0) + p.get("notice", 0)
         bad["other"] += (a.end - a.launch) - explained
         if nxt is not None:
-            bad["restart" if _same_job(start[0], nstart[0]) else "between_attempts"] += max(0.0, nxt.launch - a.end)
+            bad["restart" if same_job(start[0], nstart[0]) else "between_attempts"] += max(0.0, nxt.launch - a.end)
     wall = attempts[-1].end - attempts[0].launch
     return {"wall_s": wall, "goodput_s": good, "goodput": good / wall if wall > 0 else 0.0,
             "badput_s": {k: round(v, 3) for k, v in bad.items()}, "steps_redone": int(redone_steps),

@@ -32,13 +32,17 @@ def read(run_dir: Path) -> list[dict[str, Any]]:
     return records
 
 
+REACHED = ("train", "failure", "preempted", "stopped", "resized")
+"""Records that say a step reached: `train` every train.log_every steps, and how an attempt ended."""
+
+
 def restarts(records: list[dict]) -> list[dict]:
     """One entry per start after the first: where it resumed and how many steps were done twice."""
     out, highest = [], 0
     starts = 0
     for r in records:
         kind = r.get("kind")
-        if kind == "train":
+        if kind in REACHED and isinstance(r.get("step"), int):
             highest = max(highest, r["step"])
         elif kind == "start":
             starts += 1
@@ -171,8 +175,9 @@ def summarize(run_dir: Path, records: list[dict]) -> str:
     lines = [f"run            {run_dir}"]
     state = f"finished at step {end['steps']}" if end else f"not finished (last step {train[-1]['step'] if train else 0})"
     lines.append(f"status         {state} of {first.get('total_steps')} planned")
-    wall = (records[-1]["time"] - first["time"]) if "time" in first else 0.0
-    lines.append(f"wall time      {wall:.1f} s from the first start to the last record")
+    acc = goodput.account(records)
+    if acc is not None:
+        lines.append(f"wall time      {acc['wall_s']:.1f} s from the first launch to the last record")
     sizes = sorted({s.get("world_size") for s in starts})
     lines.append(f"world size     {', '.join(map(str, sizes))}; amp {first.get('amp')}; backend {first.get('backend')}")
     rs = restarts(records)
@@ -183,7 +188,6 @@ def summarize(run_dir: Path, records: list[dict]) -> str:
     else:
         lines.append("restarts       none")
     lines.extend(_start_lines(starts))
-    acc = goodput.account(records)
     if acc is not None:
         lines.extend(goodput.table(acc))
     fails = failures(records)

@@ -63,14 +63,14 @@ def spans(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per attempt, in unix seconds: its span (from the account), and the stretches and moments the
     timeline marks on it."""
     acc = goodput.account(records)
-    groups = goodput._split(records)  # the attempts' records as the account cut them
+    groups = goodput.split(records)  # the attempts' records as the account cut them
     out = []
     for a, prev, recs, nxt in zip(acc["attempts"], [None] + groups, groups, groups[1:] + [None]):
         steps, times, per = _clock(recs, a["start_step"])
         first = times[0] if steps else a["end"]
         # The account's own test of a restart (the same job again) versus a new launch, so that the picture
         # and the badput table (`restart` or `between_attempts`) call the same gap the same.
-        restart = prev is not None and goodput._same_job(prev[0], recs[0])
+        restart = prev is not None and goodput.same_job(prev[0], recs[0])
         s = {**a, "restart": restart, "startup": (a["launch"], first), "redone": None, "detection": None,
              "notice": None,
              "snapshots": [r["time"] for r in recs if r.get("kind") == "snapshot"],
