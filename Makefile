@@ -171,6 +171,35 @@ test-e2e: $(STAMP) $(TOOLS_STAMP) ## The long end-to-end fault scenarios (Ray fa
 bench-smoke: $(STAMP) ## Every benchmark in its smoke mode, checked (tests/test_bench.py; make test leaves them out, CI runs them)
 	$(BIN)/python -m pytest --bench -m bench --durations=6 tests/test_bench.py $(PYTEST_ARGS)
 
+# Another Ray, for `test-ray-oldest`: a venv with only that Ray installed (no dependencies), which finds
+# everything else (torch, trainapp, pytest, Ray's own dependencies) in .venv through a .pth file: seconds
+# to make instead of a second copy of torch. Its torchrun runs its own python, so its Ray.
+RAY_OLDEST_VENV ?= .venv-ray-oldest
+RAY_UNSUPPORTED_VENV ?= .venv-ray-unsupported
+RAY_OLDEST_TESTS ?= test_job_submit or drill or same_parameters or drained or bad_ray_input or lost_node
+define other_ray_venv
+	@test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/pip install --disable-pip-version-check -q --no-deps "ray[default,train]==$$($(BIN)/python -c \
+	  'from trainapp.launch.ray import checks; print(checks.$(2))')"
+	echo "import site; site.addsitedir('$$($(BIN)/python -c 'import site; print(site.getsitepackages()[0])')')" \
+	  > "$$($(1)/bin/python -c 'import site; print(site.getsitepackages()[0])')/zz_trainapp_base.pth"
+	printf '#!%s\nfrom torch.distributed.run import main\nmain()\n' "$(abspath $(1))/bin/python" > $(1)/bin/torchrun
+	chmod +x $(1)/bin/torchrun
+	@touch $(1)/.installed
+endef
+
+$(RAY_OLDEST_VENV)/.installed: $(STAMP) trainapp/launch/ray/checks.py
+	$(call other_ray_venv,$(RAY_OLDEST_VENV),OLDEST_TESTED)
+
+$(RAY_UNSUPPORTED_VENV)/.installed: $(STAMP) trainapp/launch/ray/checks.py
+	$(call other_ray_venv,$(RAY_UNSUPPORTED_VENV),UNSUPPORTED_TESTED)
+
+.PHONY: test-ray-oldest
+test-ray-oldest: $(RAY_OLDEST_VENV)/.installed $(RAY_UNSUPPORTED_VENV)/.installed ## The Ray tests on the oldest supported Ray (its own venv), and a Ray below the range refused; CI runs it
+	TRAINAPP_RAY_UNSUPPORTED_PYTHON=$(abspath $(RAY_UNSUPPORTED_VENV))/bin/python \
+	  $(RAY_OLDEST_VENV)/bin/python -m pytest --e2e --durations=10 tests/test_ray_compat.py tests/test_ray.py \
+	  -k "compat or $(RAY_OLDEST_TESTS)" $(PYTEST_ARGS)
+
 .PHONY: test-fast
 test-fast: $(STAMP) $(TOOLS_STAMP) ## The edit-test loop: every test that starts no training process, cluster, namespace or container
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)

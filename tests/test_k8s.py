@@ -93,11 +93,10 @@ def is_core(obj: dict) -> bool:
 
 
 def ray_pin() -> str:
-    for dep in PROJECT["dependencies"]:
-        m = re.fullmatch(r"ray(\[[^\]]*\])?==([^\s;,]+)", dep.strip())
-        if m:
-            return m.group(2)
-    raise AssertionError("pyproject.toml does not pin ray exactly")
+    """The Ray of the images and the manifests: the newest of the supported range, which the driver accepts."""
+    from trainapp.launch.ray import checks
+
+    return checks.check_version(checks.NEWEST_TESTED)
 
 
 def tool(name: str) -> Path:
@@ -670,7 +669,7 @@ def elastic_range(entrypoint: str) -> tuple[int, int]:
     return lo, hi
 
 
-def test_kuberay_objects_are_ray_io_v1_with_the_ray_version_of_pyproject():
+def test_kuberay_objects_are_ray_io_v1_with_the_ray_version_of_the_images():
     rc, rj = load(RAYCLUSTER), load(RAYJOB)
     assert (rc["apiVersion"], rc["kind"]) == ("ray.io/v1", "RayCluster")
     assert (rj["apiVersion"], rj["kind"]) == ("ray.io/v1", "RayJob")

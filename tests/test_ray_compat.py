@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 import re
 import subprocess
 import sys
@@ -63,13 +64,45 @@ def test_the_trainer_is_rays_torch_trainer_made_from_its_base_class():
         assert ours.backend_config.backend == TorchTrainer(lambda config: None, scaling_config=scaling).backend_config.backend == backend
 
 
-def test_the_callback_hooks_node_loss_watch_overrides_still_exist():
+def test_the_callback_hooks_node_loss_watch_and_resize_snapshot_override_still_exist():
     from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
-    from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
 
-    assert callable(ControllerCallback.before_controller_execute_failure_decision)
-    assert callable(WorkerGroupCallback.after_worker_group_start)
-    assert ElasticScalingPolicy.GET_RESERVED_RESOURCES_INTERVAL_S > 0
+    for cls, hook in ((ControllerCallback, "before_controller_execute_failure_decision"),
+                      (ControllerCallback, "before_controller_execute_resize_decision"),
+                      (WorkerGroupCallback, "after_worker_group_start"),
+                      (WorkerGroupCallback, "after_worker_group_poll_status"),
+                      (WorkerGroupCallback, "before_worker_group_shutdown"),
+                      (WorkerGroupCallback, "before_worker_group_abort")):
+        assert callable(getattr(cls, hook, None)), hook
+
+
+# What each supported Ray offers of the optional hooks (trainapp/launch/ray/versions.py), looked up
+# in the Ray wheels' sources: (drain notices, re-read on request, the coordinator's tick).
+OFFERS = {(2, 55): (False, False, True), (2, 56): (False, False, True), (2, 57): (False, False, True),
+          (2, 58): (True, False, True), (2, 59): (True, False, True), (2, 60): (True, True, True)}
+
+
+def test_the_optional_hooks_found_are_those_the_installed_ray_is_known_to_offer():
+    import ray
+
+    from trainapp.launch.ray import versions
+
+    minor = tuple(int(p) for p in ray.__version__.split(".")[:2])
+    assert (versions.drain_notices(), versions.RECOMPUTE, versions.TICK) == OFFERS[minor], ray.__version__
+    assert versions.RESERVED_CACHE_S > 0 and versions.cluster_reread()
+    lost = versions.lost(drains=True, elastic=True)
+    assert len(lost) == (not OFFERS[minor][0]) and all(line.startswith(f"ray {ray.__version__}: ") for line in lost)
+    assert sorted(OFFERS) == [(2, m) for m in range(int(checks.SUPPORTED[0].split(".")[1]),
+                                                    int(checks.SUPPORTED[1].split(".")[1]))]
+
+
+def test_the_controllers_environment_names_the_drain_watch_interval_only_where_ray_has_it():
+    from trainapp.launch.ray import versions
+
+    env = compat.controller_env(60.0, 0.25)
+    assert (versions.PREEMPTION_POLL_INTERVAL_S_ENV_VAR in env) == (versions.PREEMPTION_POLL_INTERVAL_S_ENV_VAR
+                                                                    is not None)
+    assert all(isinstance(k, str) and k.startswith("RAY_TRAIN_") for k in env)
 
 
 PRIVATE = re.compile(r"\bray(\.\w+)*\.(_\w+)|from ray[\w.]* import .*\b_[A-Za-z]\w*")
@@ -77,8 +110,8 @@ PRIVATE = re.compile(r"\bray(\.\w+)*\.(_\w+)|from ray[\w.]* import .*\b_[A-Za-z]
 
 def test_no_other_trainapp_module_touches_rays_private_api():
     offenders = []
-    for path in sorted((REPO / "trainapp").glob("*.py")):
-        if path.name == "compat.py":
+    for path in sorted((REPO / "trainapp").rglob("*.py")):
+        if path.name in ("compat.py", "versions.py") and path.parent.name == "ray":
             continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#", 1)[0]
@@ -87,16 +120,25 @@ def test_no_other_trainapp_module_touches_rays_private_api():
     assert not offenders, offenders
 
 
-def test_the_pinned_ray_is_in_the_supported_range():
+def test_pyproject_admits_exactly_the_supported_range_and_the_tested_rays_are_in_it():
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    pin = next(d for d in deps if d.startswith("ray[")).split("==")[1]
-    assert checks.check_version(pin) == pin
+    ray = next(d for d in deps if d.startswith("ray["))
+    assert ray == f"ray[default,train]>={checks.SUPPORTED[0]},<{checks.SUPPORTED[1]}", ray
+    for version in (checks.NEWEST_TESTED, checks.OLDEST_TESTED):
+        assert checks.check_version(version) == version
+    with pytest.raises(ConfigError):
+        checks.check_version(checks.UNSUPPORTED_TESTED)
 
 
-@pytest.mark.parametrize("version", ["2.59.9", "2.61.0", "3.0.0"])
+@pytest.mark.parametrize("version", ["2.54.1", "2.61.0", "3.0.0"])
 def test_a_ray_outside_the_range_is_refused_naming_the_range(version):
-    with pytest.raises(ConfigError, match=rf"ray {re.escape(version)}: .*Ray >=2\.60\.0,<2\.61\.0"):
+    with pytest.raises(ConfigError, match=rf"ray {re.escape(version)}: .*Ray >=2\.55\.0,<2\.61\.0"):
         checks.check_version(version)
+
+
+@pytest.mark.parametrize("version", ["2.55.0", "2.57.1", "2.60.0", "2.60.3"])
+def test_every_ray_of_the_six_latest_minor_releases_is_accepted(version):
+    assert checks.check_version(version) == version
 
 
 def test_the_ray_driver_on_another_ray_exits_2_with_one_line(tmp_path):
@@ -108,7 +150,7 @@ def test_the_ray_driver_on_another_ray_exits_2_with_one_line(tmp_path):
                        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert r.returncode == 2, r.stdout + r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "ray 2.61.0:" in lines[0] and ">=2.60.0,<2.61.0" in lines[0], r.stderr
+    assert len(lines) == 1 and "ray 2.61.0:" in lines[0] and ">=2.55.0,<2.61.0" in lines[0], r.stderr
 
 
 DRIVER = ("from trainapp.launch.ray import compat, driver, setup; compat.TorchTrainer(setup.train_worker, "
@@ -167,3 +209,17 @@ def test_the_private_hooks_of_a_stop_are_where_compat_expects_them():
     assert callable(getattr(compat.DataParallelTrainer, "_register_sigint_handler", None))
     assert 'f"train-{train_run_context.run_id}"' in inspect.getsource(ScalingPolicy.after_controller_start)
     assert "requester_id" in inspect.signature(_AutoscalingCoordinatorActor.cancel_request).parameters
+
+
+@pytest.mark.skipif(not os.environ.get("TRAINAPP_RAY_UNSUPPORTED_PYTHON"),
+                    reason="needs a Ray installed below the range: make test-ray-oldest installs one")
+def test_a_driver_on_a_real_ray_below_the_range_exits_2_with_one_line(tmp_path):
+    py = os.environ["TRAINAPP_RAY_UNSUPPORTED_PYTHON"]
+    version = subprocess.run([py, "-c", "import ray; print(ray.__version__)"], capture_output=True, text=True,
+                             timeout=120).stdout.strip()
+    assert version == checks.UNSUPPORTED_TESTED
+    r = subprocess.run([py, "-m", "trainapp", "ray", f"ray.storage_path={tmp_path}"], cwd=REPO, capture_output=True,
+                       text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stdout + r.stderr
+    assert f"ray {version}:" in lines[0] and f">={checks.SUPPORTED[0]},<{checks.SUPPORTED[1]}" in lines[0]

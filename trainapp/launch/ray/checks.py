@@ -19,8 +19,20 @@ from typing import Any
 from trainapp import config
 from trainapp.config import Config, ConfigError
 
-SUPPORTED = ("2.60.0", "2.61.0")
-"""Ray versions trainapp/launch/ray/compat.py was written for: at least the first, below the second."""
+SUPPORTED = ("2.55.0", "2.61.0")
+"""The Ray versions trainapp supports, at least the first, below the second: the six latest minor releases
+(Ray requires the driver, the job and the cluster on one version, and users do not pick their
+cluster's). The driver refuses others; docs/ray.md's "Ray versions" table, the images' build and the
+KubeRay manifests are checked against it (tests/test_ray_compat.py, tests/test_k8s.py); what differs
+inside it is trainapp/launch/ray/versions.py's."""
+
+NEWEST_TESTED = "2.60.0"
+"""The Ray the development environment, the images (docker/Dockerfile's RAY_VERSION default) and the KubeRay
+manifests (`rayVersion`) use: the newest of the range."""
+OLDEST_TESTED = "2.55.1"
+"""The newest patch of the oldest supported minor: CI runs the Ray tests on it too (make test-ray-oldest)."""
+UNSUPPORTED_TESTED = "2.54.1"
+"""A Ray just below the range, installed by make test-ray-oldest to see the driver refuse it."""
 
 PROBE_TIMEOUT_S = 60
 
@@ -47,8 +59,9 @@ def check_version(version: str | None = None) -> str:
     version = version or importlib.metadata.version("ray")
     lo, hi = SUPPORTED
     if not _version_tuple(lo) <= _version_tuple(version) < _version_tuple(hi):
-        raise ConfigError(f"ray {version}: trainapp's Ray launcher was written for Ray >={lo},<{hi} (it uses Ray's "
-                          f"private API, see trainapp/launch/ray/compat.py); install 'ray[default,train]=={lo}'")
+        raise ConfigError(f"ray {version}: trainapp's Ray launcher supports Ray >={lo},<{hi} (it uses Ray's private "
+                          f"API, see trainapp/launch/ray/compat.py); run a cluster and driver on a Ray in that range, "
+                          f"e.g. pip install 'ray[default,train]>={lo},<{hi}'")
     return version
 
 

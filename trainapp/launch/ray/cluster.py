@@ -25,6 +25,7 @@ sessions (SIGTERM, then SIGKILL for stragglers), never other Ray processes on th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -87,16 +88,27 @@ def _session_nice(pid: int, nice: int) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
-def _own_ports(metrics_port: int) -> list[str]:
+def free_ports(n: int, taken: set[int] = frozenset()) -> list[int]:
+    """`n` distinct free ports, none of `taken`: all bound at once, since a port just released can be
+    handed out again (Ray refuses a node whose components were given the same port)."""
+    with contextlib.ExitStack() as stack:
+        ports: list[int] = []
+        while len(ports) < n:
+            s = stack.enter_context(socket.socket())
+            s.bind(("127.0.0.1", 0))
+            if s.getsockname()[1] not in taken:
+                ports.append(s.getsockname()[1])
+        return ports
+
+
+def _own_ports(metrics_port: int, agent_http: int, agent_grpc: int, runtime_env: int) -> list[str]:
     """Per-node ports for what Ray otherwise puts on fixed defaults (52365, 10001, 8080, ...), so that
     several nodes, and several such clusters, share one machine."""
-    return [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-            f"--metrics-export-port={metrics_port}", f"--runtime-env-agent-port={free_port()}"]
+    return [f"--dashboard-agent-listen-port={agent_http}", f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--metrics-export-port={metrics_port}", f"--runtime-env-agent-port={runtime_env}"]
 
 
 def _wait_port(port: int, timeout: float, host: str = "127.0.0.1") -> bool:
@@ -193,16 +205,19 @@ class LocalCluster:
         ip = self.node_ip if not self.nodes else self._address_of(len(self.nodes))
         # A short per-node temp directory: Ray's socket paths under it must stay under 108 bytes.
         temp = self.dir / ("r" if not self.nodes else f"n{len(self.nodes)}")
-        metrics_port = free_port()
+        # Not the ports this node's arguments (the head's GCS, dashboard, client) or the cluster already name.
+        named = {int(a.rsplit("=", 1)[1]) for a in args if a.startswith("--") and a.split("=")[0].endswith("-port")
+                 and a.rsplit("=", 1)[1].isdigit()}
+        ports = free_ports(4, named | {self.gcs_port, self.dashboard_port} | {n.metrics_port for n in self.nodes})
         with open(log, "ab") as out:
             proc = subprocess.Popen([RAY, "start", "--block", f"--node-ip-address={ip}", f"--temp-dir={temp}",
-                                     "--disable-usage-stats", *_own_ports(metrics_port), *args],
+                                     "--disable-usage-stats", *_own_ports(*ports), *args],
                                     env=self.env(), cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
                                     preexec_fn=(lambda: os.nice(nice)) if nice else None)
         if nice:
             _session_nice(proc.pid, nice)
-        node = Node(name, proc.pid, str(log), metrics_port)
+        node = Node(name, proc.pid, str(log), ports[0])
         self.nodes.append(node)
         self._save()
         return node

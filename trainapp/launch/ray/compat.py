@@ -75,11 +75,9 @@ PRIVATE_NAMES = (
     ("ray.train.v2._internal.execution.callback", "ControllerCallback"),
     ("ray.train.v2._internal.execution.callback", "WorkerGroupCallback"),
     ("ray.train.v2._internal.execution.failure_handling", "FailureDecision"),
-    ("ray.train.v2._internal.execution.scaling_policy.elastic", "ElasticScalingPolicy"),
     ("ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator", "get_or_create_autoscaling_coordinator"),
     ("ray.train.v2._internal.constants", "WORKER_GROUP_START_TIMEOUT_S_ENV_VAR"),
     ("ray.train.v2._internal.constants", "HEALTH_CHECK_INTERVAL_S_ENV_VAR"),
-    ("ray.train.v2._internal.constants", "PREEMPTION_POLL_INTERVAL_S_ENV_VAR"),
     ("ray.train.v2._internal.constants", "ENABLE_PRINT_PATCH_ENV_VAR"),
     ("ray.train.v2._internal.constants", "CHECKPOINT_MANAGER_SNAPSHOT_FILENAME"),
     ("ray.train.v2._internal.execution.context", "logger"),
@@ -87,7 +85,8 @@ PRIVATE_NAMES = (
     ("ray.train.v2._internal.callbacks.datasets", "DatasetsCallback"),
     ("ray.train.v2.api.data_parallel_trainer", "DataParallelTrainer"),
 )
-"""(module, name) of every private Ray name used here; the tests import each one."""
+"""(module, name) of every private Ray name used here, in every supported Ray; the tests import each one.
+The hooks only some supported Rays have are trainapp/launch/ray/versions.py's."""
 
 
 try:  # an import error here is a Ray version trainapp was not written for, said in one line
@@ -103,16 +102,16 @@ try:  # an import error here is a Ray version trainapp was not written for, said
         CHECKPOINT_MANAGER_SNAPSHOT_FILENAME,
         ENABLE_PRINT_PATCH_ENV_VAR,
         HEALTH_CHECK_INTERVAL_S_ENV_VAR,
-        PREEMPTION_POLL_INTERVAL_S_ENV_VAR,
         WORKER_GROUP_START_TIMEOUT_S_ENV_VAR,
     )
     from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
     from ray.train.v2._internal.execution.context import get_train_context as _train_context
     from ray.train.v2._internal.execution.context import logger as _report_logger
     from ray.train.v2._internal.execution.failure_handling import FailureDecision
-    from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
     from ray.train.v2._internal.util import TrainingFramework
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    from trainapp.launch.ray import versions
 except ImportError as e:
     raise ConfigError(f"ray: cannot import a name trainapp needs ({e}); trainapp's Ray launcher was written for "
                       f"Ray >={SUPPORTED[0]},<{SUPPORTED[1]} (trainapp/launch/ray/compat.py)") from None
@@ -128,10 +127,12 @@ def controller_env(worker_group_start_timeout_s: float, health_check_interval_s:
     drain-watch interval, and turns off its print patch in the workers (Ray Train hands these
     variables from the driver's environment to the controller and on to every worker). A print patch
     setting already in the driver's environment is kept."""
-    return {WORKER_GROUP_START_TIMEOUT_S_ENV_VAR: str(worker_group_start_timeout_s),
-            HEALTH_CHECK_INTERVAL_S_ENV_VAR: str(health_check_interval_s),
-            PREEMPTION_POLL_INTERVAL_S_ENV_VAR: str(PREEMPTION_POLL_S),
-            ENABLE_PRINT_PATCH_ENV_VAR: os.environ.get(ENABLE_PRINT_PATCH_ENV_VAR, "0")}
+    env = {WORKER_GROUP_START_TIMEOUT_S_ENV_VAR: str(worker_group_start_timeout_s),
+           HEALTH_CHECK_INTERVAL_S_ENV_VAR: str(health_check_interval_s),
+           ENABLE_PRINT_PATCH_ENV_VAR: os.environ.get(ENABLE_PRINT_PATCH_ENV_VAR, "0")}
+    if versions.PREEMPTION_POLL_INTERVAL_S_ENV_VAR:  # Ray 2.57 on
+        env[versions.PREEMPTION_POLL_INTERVAL_S_ENV_VAR] = str(PREEMPTION_POLL_S)
+    return env
 
 
 def _no_report_info(record: logging.LogRecord) -> bool:
@@ -272,18 +273,6 @@ def raylet_answers(ip: str, port: int, timeout_s: float) -> bool:
         return False
 
 
-def reread_cluster(requester: str) -> None:
-    """Have Ray Data's autoscaling coordinator, whose cluster view sizes elastic groups, re-read the nodes
-    now (it does every 20 s by itself): a recompute re-reads them and re-reserves for every requester;
-    `requester` is the caller's own id."""
-    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-        get_or_create_autoscaling_coordinator,
-    )
-
-    coordinator = get_or_create_autoscaling_coordinator()
-    ray.get(coordinator.get_reserved_resources.remote(requester, recompute=True), timeout=10)
-
-
 class NodeLossWatch(ControllerCallback, WorkerGroupCallback):
     """A callback in Ray Train's controller, for elastic runs (a fixed-size group needs its lost node
     back either way).
@@ -335,9 +324,10 @@ class NodeLossWatch(ControllerCallback, WorkerGroupCallback):
         if lost and not self._wait_until_dead(lost):
             return
         names = ", ".join(f"{ip} ({nid[:8]})" for nid, ip in {**dead, **lost}.items())
-        reread_cluster("trainapp-node-loss-watch")
+        if versions.cluster_reread():  # else the driver said what is lost; the coordinator refreshes by itself
+            versions.reread_cluster("trainapp-node-loss-watch")
         # The elastic policy caches the coordinator's answer briefly, and last asked before t0.
-        time.sleep(max(0.0, ElasticScalingPolicy.GET_RESERVED_RESOURCES_INTERVAL_S - (time.monotonic() - t0)))
+        time.sleep(max(0.0, versions.RESERVED_CACHE_S - (time.monotonic() - t0)))
         when = f"declared dead after {time.monotonic() - t0:.1f}s" if lost else "already declared dead"
         say(f"node {names} {when}; restarting on the nodes that are left")
 

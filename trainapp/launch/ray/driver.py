@@ -144,8 +144,11 @@ def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, 
     the driver's `timeline`, its `lease` (the workers' fence) and `extra` go into each worker's payload."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
-    from trainapp.launch.ray import compat
+    from trainapp.launch.ray import compat, versions
     from trainapp.launch.ray.setup import train_worker
+
+    for line in versions.lost(drains=bool(cfg.preempt.ray_poll_s), elastic=cfg.ray.min_workers != cfg.ray.max_workers):
+        log.warning("%s", line)  # what this Ray cannot do for the run, once, before it starts
 
     worker = worker or train_worker
     run_dir = f"{storage}/{cfg.ray.name}" if not is_uri(storage) else cfg.run.dir

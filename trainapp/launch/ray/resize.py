@@ -18,7 +18,8 @@ import time
 import uuid
 from typing import Any
 
-from trainapp.launch.ray.compat import ControllerCallback, WorkerGroupCallback, reread_cluster, say
+from trainapp.launch.ray import versions
+from trainapp.launch.ray.compat import ControllerCallback, WorkerGroupCallback, say
 from trainapp.snapshots.lease import parse_record
 from trainapp.snapshots.lease_store import store_at
 
@@ -77,16 +78,16 @@ class ResizeSnapshot(ControllerCallback, WorkerGroupCallback):
         """Every `check_s` while a group runs: when nodes joined the cluster, have the coordinator re-read
         it, so Ray Train's next resize check sees them (its view is otherwise up to 20 s old)."""
         now = time.monotonic()
-        if not self._workers or now - self._looked < self.check_s:
+        if not self._workers or now - self._looked < self.check_s or not versions.cluster_reread():
             return
         self._looked = now
         try:
             import ray
 
             alive = sum(1 for n in ray.nodes() if n.get("Alive"))
-            if self._nodes and alive > self._nodes:
-                reread_cluster("trainapp-resize-snapshot")
-            self._nodes = alive
+            grew, self._nodes = self._nodes and alive > self._nodes, alive  # said once per join, not per check
+            if grew:
+                versions.reread_cluster("trainapp-resize-snapshot")
         except Exception as e:  # information only: Ray Train's own view catches up by itself
             say(f"could not look for nodes that joined ({e.__class__.__name__}: {e})")
 

@@ -25,7 +25,7 @@ from trainapp.group import DistContext
 from trainapp.launch import dist
 from trainapp.launch.rank import run_rank
 from trainapp.launch.ray import metrics as ray_metrics
-from trainapp.launch.ray import resize
+from trainapp.launch.ray import resize, versions
 from trainapp.launch.ray.checks import is_uri
 from trainapp.launch.ray.publish import RayDrainNotice, RayPublish
 from trainapp.observe.live import LiveMetrics
@@ -58,7 +58,7 @@ class RayWorker:
         return RayPublish(Path(cfg.run.dir), uri, cfg.snapshot.async_, cfg.ray.name, cfg.ray.report_interval_s)
 
     def drains(self, cfg: config.Config) -> RayDrainNotice | None:
-        return RayDrainNotice() if cfg.preempt.ray_poll_s else None
+        return RayDrainNotice() if cfg.preempt.ray_poll_s and versions.drain_notices() else None
 
     def lease(self, cfg: config.Config, ctx: DistContext) -> RunLease:
         given = self.payload.get("lease") or {}  # the driver holds it: a retry of the group is the same run
