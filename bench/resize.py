@@ -159,6 +159,8 @@ class GrowBack:
         self.cluster = LocalCluster(Path(f"/tmp/ta-bench-{uuid.uuid4().hex[:6]}"), workers=2, cpus=1,
                                     gcs_port=free_port(), dashboard_port=free_port())
         self.run_dir = storage / "grow"
+        self.startup_s: float | None = None
+        """`ray job submit` to the first step, of the run `measure` made."""
 
     def submit(self) -> None:
         cmd = [RAY, "job", "submit", "--address", self.cluster.dashboard_url, "--submission-id", "grow", "--no-wait",
@@ -208,7 +210,9 @@ class GrowBack:
     def measure(self, cycles: int) -> list[dict]:
         self.cluster.up(cwd=REPO)
         try:
+            t0 = time.time()
             self.submit()
+            self.startup_s = self._train_at(2, t0)["time"] - t0  # `ray job submit` to the first step's record
             wait_for(lambda: any(r["kind"] == "train" and r["world_size"] == 2 and r["step"] >= 10
                                  for r in records(self.run_dir)), 600, "step 10 on 2 workers")
             out = [self.cycle(i) for i in range(cycles)]

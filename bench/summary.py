@@ -69,6 +69,13 @@ ROWS = [
      "another order", None, "{:.2g}"),
     ("resize", "resize_param_rel_distance_4slots_rescale", "its control: the resizes with the LR rescaled", None,
      "{:.2g}"),
+    ("ray_versions", "startup_s_oldest", "Ray 2.55 (oldest supported): `ray job submit` to first step (s)", None,
+     "{:.1f}"),
+    ("ray_versions", "startup_s_newest", "Ray 2.60 (newest): the same, alternating rounds (s)", None, "{:.1f}"),
+    ("ray_versions", "node_lost_to_one_worker_s_oldest", "Ray 2.55: elastic, node lost to first step on the rest, "
+     "the cluster re-read by the coordinator's tick (s)", ("<=", 10), "{:.1f}"),
+    ("ray_versions", "node_lost_to_one_worker_s_newest", "Ray 2.60: the same, re-read by `recompute=True` (s)", None,
+     "{:.1f}"),
     ("resize", "grow_back_seconds", "Ray elastic: a lost node back (`ray start`) to the first step on two workers (s)",
      ("<=", 30), "{:.1f}"),
     ("snapshot_cost", "async_vs_sync_blocking_ratio", "snapshot blocking time, async / sync (worse model)",
