@@ -223,3 +223,13 @@ def test_a_driver_on_a_real_ray_below_the_range_exits_2_with_one_line(tmp_path):
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1, r.stdout + r.stderr
     assert f"ray {version}:" in lines[0] and f">={checks.SUPPORTED[0]},<{checks.SUPPORTED[1]}" in lines[0]
+
+
+def test_the_docs_state_the_supported_range_with_a_column_per_minor_release():
+    text = (REPO / "docs" / "ray.md").read_text()
+    lo, hi = (tuple(int(p) for p in v.split(".")[:2]) for v in checks.SUPPORTED)
+    minors = [f"{lo[0]}.{m}" for m in range(lo[1], hi[1])]
+    assert f"`>={checks.SUPPORTED[0]},<{checks.SUPPORTED[1]}`" in text
+    assert f"**{minors[0]} to {minors[-1]}**" in text
+    header = next(line for line in text.splitlines() if line.startswith("| feature |"))
+    assert [c.strip() for c in header.strip("|").split("|")][1:-1] == minors, header
