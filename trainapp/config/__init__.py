@@ -2,7 +2,7 @@
 overrides, loaded by trainapp/config/load.py. The names below are what the rest of trainapp uses."""
 
 from trainapp.config.faults import DrillSection, FaultSection, PreemptSection
-from trainapp.config.launch import DistSection, NetworkSection, RaySection
+from trainapp.config.launch import DistSection, NetworkSection, ParallelSection, RaySection
 from trainapp.config.load import Config, from_dict, leaves, load, parse_override, read_yaml
 from trainapp.config.run import (
                                  BUILTIN_TASKS,
@@ -20,7 +20,7 @@ from trainapp.config.run import (
 )
 from trainapp.errors import ConfigError
 
-__all__ = ["BUILTIN_TASKS", "IMPORT_PATH", "AmpSection", "Config", "ConfigError", "DataSection", "DistSection",
+__all__ = ["BUILTIN_TASKS", "IMPORT_PATH", "AmpSection", "Config", "ConfigError", "DataSection", "DistSection", "ParallelSection",
            "DrillSection", "FaultSection", "ModelSection", "NetworkSection", "ObserveSection", "OptimSection", "PreemptSection", "RaySection",
            "RunSection", "SchedSection", "SnapshotSection", "TaskSection", "TrainSection", "from_dict", "leaves",
            "load", "parse_override", "read_yaml"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Optional, Union
+from typing import Literal, Optional, Union
 
 from pydantic import Field
 from pydantic.dataclasses import dataclass
@@ -17,6 +17,24 @@ class DistSection:
     timeout_s: float = Field(default=300.0, gt=0)
     """Timeout of process-group creation and of every collective, in seconds."""
 
+
+
+@dataclass(config=STRICT)
+class ParallelSection:
+    """How the model is spread over the ranks (trainapp/core/parallel.py)."""
+
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """`ddp`: every rank holds the whole model, gradients all-reduced (DistributedDataParallel). `fsdp`:
+    parameters, gradients and optimizer state sharded over the ranks (FSDP2, `fully_shard`), for a model
+    whose training state does not fit one device; snapshots are then sharded too (every rank writes its
+    shard, torch.distributed.checkpoint), and a run resumes at another world size by resharding."""
+    fsdp_units: list[str] = Field(default_factory=list)
+    """fsdp: class names of the modules sharded as units (each gathers its parameters for its own forward
+    and backward only), e.g. `[TransformerBlock]`. Empty: the task's `shard_units(model)` if it has one,
+    else every child of the model that holds parameters."""
+    reshard_after_forward: bool = True
+    """fsdp: free a unit's gathered parameters after its forward (gathered again for the backward): less
+    memory, one more all-gather per unit and step."""
 
 
 _IFNAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")

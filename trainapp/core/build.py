@@ -5,7 +5,9 @@ multinode.py does; it never builds or loads anything itself.
 
 Order matters in three places, each said where it happens: the model is made from the same seed on
 every rank; the state's parts load in registration order, the data position first (the schedule's
-horizon depends on it); and the snapshot is loaded into the plain module before it is wrapped in DDP.
+horizon depends on it); and the snapshot is loaded into the plain module before it is wrapped in DDP,
+while an FSDP model is sharded first (the optimizer holds the sharded parameters) and loads its shards
+into them (trainapp/core/parallel.py).
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from trainapp.config import Config, changes
-from trainapp.core import data, optim
+from trainapp.core import data, optim, parallel
 from trainapp.core.amp import Precision
 from trainapp.core.layout import Layout
-from trainapp.core.state import RngState, TrainState
+from trainapp.core.state import RngState, ShardedState, TrainState
 from trainapp.core.task import BoundTask, bind
 
 log = logging.getLogger(__name__)
@@ -37,7 +39,7 @@ class Parts:
     model: torch.nn.Module
     """The plain module: snapshots, clipping and evaluation use it."""
     train_model: torch.nn.Module
-    """What the step calls: the DDP wrapper when distributed, else the plain module."""
+    """What the step calls: the DDP wrapper when distributed, else the plain (or FSDP-sharded) module."""
     ddp: DDP | None
     precision: Precision
     optimizer: torch.optim.Optimizer
@@ -64,7 +66,6 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
     task = bind(task, cfg, ctx, steps_done=lambda: made[0].global_step if made else 0)
     train_ds, val_ds = task.datasets()
     model = task.model()  # after the datasets: a task may size its model by its data (classes, vocabulary)
-    groups = task.param_groups(model)
     layout = Layout(cfg.train, ctx.world_size, ctx.rank, len(train_ds))
     if task.random_items:
         train_ds = data.SeededItems(train_ds, cfg.seed)
@@ -82,10 +83,14 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
     precision = Precision(cfg.amp, ctx.device)
     if precision.note and ctx.is_main:
         log.warning("%s", precision.note)
+    fsdp = cfg.parallel.strategy == "fsdp"
+    if fsdp and ctx.distributed:  # before the optimizer, which must hold the sharded parameters
+        parallel.shard(model, cfg, task)
     opt = optim.build(model, cfg.optim, cfg.sched, cfg.train.ema_decay, horizon, progress, fused=cuda,
-                      groups=groups)
-    state = TrainState({"progress": progress, "model": model, "optimizer": opt.optimizer, "scheduler": opt.schedule,
-                        "scaler": precision.scaler, "ema": opt.ema, "task": task.state,
+                      groups=task.param_groups(model))
+    weights = ShardedState(model, opt.optimizer) if fsdp else None  # model and optimizer, every rank's shard
+    state = TrainState({"progress": progress, "model": weights or model, "optimizer": None if fsdp else opt.optimizer,
+                        "scheduler": opt.schedule, "scaler": precision.scaler, "ema": opt.ema, "task": task.state,
                         "rng": RngState(ctx, cfg.seed, progress)},
                        records={"config": cfg.to_dict()})
     mark("built")
@@ -94,9 +99,7 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
     mark("loaded")
     if ctx.is_main and layout.line():
         log.warning("%s", layout.line())
-    ddp = None
-    if ctx.distributed:  # wrap last: the snapshot went into the plain module
-        ddp = DDP(model, device_ids=[ctx.device.index] if cuda else None, gradient_as_bucket_view=True)
+    ddp = None if fsdp else parallel.wrap_ddp(model, ctx)  # wrap last: the snapshot went into the plain module
     return Parts(task, batches, val_loader, model, ddp or model, ddp, precision, opt.optimizer, opt.schedule, opt.ema,
                  progress, state, opt.schedule.total_steps, opt.schedule.peak_lr,
                  found[0] if found else None, diff)

@@ -10,7 +10,6 @@ started the process: the launcher seam (trainapp/launch/rank.py) hands it everyt
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import signal
 import warnings
@@ -20,13 +19,13 @@ import torch
 from tqdm import tqdm
 
 from trainapp.config import Config
+from trainapp.core import parallel
 from trainapp.core.build import Parts
 from trainapp.core.layout import seed_slot
 from trainapp.faults.preempt import Preempted, Resized, Stopped
 from trainapp.observe.metrics import Throughput, val_metrics
 from trainapp.observe.records import Records
 from trainapp.observe.timings import PhaseClock
-from trainapp.snapshots.store import params_sha256
 
 log = logging.getLogger(__name__)
 
@@ -109,9 +108,8 @@ class Trainer:
             batch = parts.task.to_device(next(batches))
             clock.enter("compute")
             seed_slot(self.cfg.seed, parts.progress.global_step, layout.slot(micro))
-            # All-reduce only on the last micro-step; the others just accumulate local gradients.
-            sync = parts.ddp is None or micro == micro_steps - 1
-            with contextlib.nullcontext() if sync else parts.ddp.no_sync():
+            # All-reduce (reduce-scatter) only on the last micro-step; the others accumulate local gradients.
+            with parallel.no_sync(parts.train_model, parts.ddp, sync=micro == micro_steps - 1):
                 with parts.precision.autocast():
                     loss = parts.task.loss(parts.train_model, batch)
                 scaler.scale(loss * weight).backward()
@@ -130,6 +128,7 @@ class Trainer:
         parts.schedule.step()
         if parts.ema is not None:
             parts.ema.update_parameters(parts.model)
+        parallel.buffers_from_rank0(parts.model, self.ctx)  # FSDP: the step's running statistics are rank 0's
         clock.enter("other")
         clock.step_done()
         return loss_sum * weight
@@ -143,17 +142,20 @@ class Trainer:
         was_training = model.training
         model.eval()
         sums: dict[str, torch.Tensor] = {}
-        interrupted = False
-        for batch in parts.val_loader:
+        interrupted, sharded = False, parallel.is_sharded(model)
+        for padding, batch in parallel.eval_batches(parts.val_loader, self.ctx, model):
             # The stop comes after the next step, so a partial eval is not recorded. The last step's eval
-            # runs to the end: no stop follows it, the run ends normally.
-            if notices.signum and parts.progress.global_step < parts.total_steps:
+            # runs to the end: no stop follows it, the run ends normally. A sharded model's ranks must run
+            # their forwards together: its eval always runs to the end.
+            if notices.signum and parts.progress.global_step < parts.total_steps and not sharded:
                 interrupted = True
                 break
             self.guard.heartbeat.beat()
             batch = parts.task.to_device(batch)
             with parts.precision.autocast():
                 out = parts.task.evaluate(model, batch)
+            if padding:
+                continue
             for key, value in out.items():
                 value = torch.as_tensor(value, device=self.ctx.device).detach().double().reshape(())
                 sums[key] = sums[key] + value if key in sums else value
@@ -201,7 +203,9 @@ class Trainer:
     def _save(self, samples_per_s: float, final: bool = False, urgent: bool = False, announce: bool = True) -> None:
         p = self.parts.progress
         state = self.parts.state.state_dict(self.ctx.is_main)  # every rank: the RNG part gathers all ranks'
-        meta = {**state["progress"], "params_sha256": params_sha256(self.parts.model)} if state is not None else None
+        digest = parallel.params_sha256(self.parts.model, self.ctx)  # every rank: an FSDP model gathers
+        shards = self.parts.state.shards()  # every rank's shard of an FSDP model and optimizer
+        meta = {**state["progress"], "params_sha256": digest} if state is not None else None
         report = {"step": p.global_step, "epoch": p.epoch, "loss": self.last_loss, "world_size": self.ctx.world_size,
                   "samples_per_s": samples_per_s}
         if self.last_eval is not None and self.last_eval["step"] == p.global_step:
@@ -211,7 +215,7 @@ class Trainer:
             report["ranks"] = [{k: r[k] for k in keys} for r in self.records.last_ranks]
         try:
             self.snapshots.save(self.ctx, p.global_step, state, meta, report, final=final, urgent=urgent,
-                                announce=announce)
+                                announce=announce, shards=shards)
         except BaseException:
             self.records.snapshot_failures(self.snapshots.failed)
             raise

@@ -8,6 +8,10 @@ entry. The names are the keys of a snapshot's `state.pt`.
 
 Parts load in registration order and the RNG comes last: nothing that runs while the others load
 may shift the generators the uninterrupted run would have had.
+
+A part marked `sharded` (`ShardedState`: an FSDP run's model and optimizer) is not in `state.pt`: every
+rank saves its shard of it beside it (`shards()`, written by trainapp/snapshots/store.py), and
+`state.pt` holds the marker SHARDED in its place.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -29,6 +34,37 @@ class Stateful(Protocol):
     def state_dict(self) -> Any: ...
 
     def load_state_dict(self, state: Any) -> Any: ...
+
+
+SHARDED = "sharded"
+"""A part's entry in state.pt when its state is in the snapshot's shards."""
+
+
+class ShardedState:
+    """An FSDP run's model and optimizer state: every rank's shard, through torch.distributed.checkpoint
+    (DCP) and its state-dict API, which names each value by its parameter's fully qualified name and
+    reshards on load when the world size changed. Saving and loading are collectives of every rank."""
+
+    sharded = True
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.model, self.optimizer)  # the optimizer's state made if not yet there
+        return {"model": model, "optimizer": optim}
+
+    def load_from(self, path: Path, name: str) -> None:
+        """Every rank: load this part, saved as `name` among the snapshot's shards at `path`."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = {name: self.state_dict()}  # the shapes and shards to load into, keyed as they were saved
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state[name]["model"],
+                       optim_state_dict=state[name]["optimizer"])
 
 
 class TrainState:
@@ -46,16 +82,23 @@ class TrainState:
         for name, part in self.parts.items():
             if part is None:
                 out[name] = None
+            elif getattr(part, "sharded", False):
+                out[name] = SHARDED
             elif is_main or getattr(part, "collective", False):
                 out[name] = part.state_dict()
         return {**out, **self.records} if is_main else None
+
+    def shards(self) -> dict[str, Any] | None:
+        """Every rank: this rank's shard of every sharded part (DCP's state dict), None without one."""
+        out = {name: part.state_dict() for name, part in self.parts.items() if getattr(part, "sharded", False)}
+        return out or None
 
     def resume(self, found: tuple[str, dict[str, Any]], run_dir: str) -> None:
         """Load the snapshot `found` ((where, state)) into every part; ConfigError naming `run_dir` when
         it does not fit this run's parts (another model, another config)."""
         where, snap = found
         try:
-            self.load_state_dict(snap)
+            self.load_state_dict(snap, Path(where))
         except (RuntimeError, ValueError, KeyError) as e:
             first = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
             raise ConfigError(f"run.dir={run_dir}: snapshot {where} does not fit this config ({first}); use a new "
@@ -63,13 +106,22 @@ class TrainState:
         p = self.parts["progress"]
         log.info("resumed from %s: step=%d epoch=%d epoch_sample=%d", where, p.global_step, p.epoch, p.epoch_sample)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], where: Path | None = None) -> None:
+        """`where`: the snapshot's directory, whose shards a sharded part loads."""
+        from trainapp.snapshots.store import SHARDS
+
         for name, part in self.parts.items():
             if part is None:
                 continue
             if state.get(name) is None:
                 raise ValueError(f"the snapshot has no {name} state")
-            part.load_state_dict(state[name])
+            if getattr(part, "sharded", False) != (state[name] == SHARDED):
+                raise ValueError(f"its {name} state is {'sharded' if state[name] == SHARDED else 'whole'}, this "
+                                 "run's is not (parallel.strategy changed)")
+            if state[name] == SHARDED:
+                part.load_from(where / SHARDS, name)
+            else:
+                part.load_state_dict(state[name])
 
 
 def derived_seed(*keys: object) -> int:

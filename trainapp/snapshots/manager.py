@@ -18,6 +18,7 @@ import contextlib
 import errno
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
@@ -28,7 +29,7 @@ from trainapp.errors import ConfigError, Failure
 from trainapp.snapshots.files import Buffers, cpu_copy, is_storage_error, storage_hint
 from trainapp.snapshots.lease import Fence
 from trainapp.snapshots.publish import Publish
-from trainapp.snapshots.store import newest_valid, step_name, write_dir
+from trainapp.snapshots.store import newest_valid, staging, step_name, write_dir, write_shards
 
 log = logging.getLogger(__name__)
 
@@ -98,14 +99,16 @@ class SnapshotManager:
         return self.publish.find(ctx)
 
     def save(self, ctx, step: int, state: dict[str, Any] | None, meta: dict[str, Any] | None,
-             report: dict[str, Any], final: bool = False, urgent: bool = False, announce: bool = True) -> None:
+             report: dict[str, Any], final: bool = False, urgent: bool = False, announce: bool = True,
+             shards: dict[str, Any] | None = None) -> None:
         """Every rank calls this; rank 0 passes the state and writes it; then the publish step announces it
         (at once when `final` or `urgent`, a drain notice's; not at all without `announce`: a Ray resize's
         snapshot, which the next group finds on storage, while Ray Train's controller, waiting for it,
         could not take the report).
 
         A storage error drops this snapshot and training goes on; StorageError on every rank after
-        `max_failures` in a row, or when the `final` snapshot fails (the run's last, or a preemption's)."""
+        `max_failures` in a row, or when the `final` snapshot fails (the run's last, or a preemption's).
+        `shards`: every rank's shard of the sharded parts (an FSDP run; written synchronously)."""
         t0 = time.perf_counter()
         if self.async_write:
             if ctx.is_main:
@@ -117,8 +120,9 @@ class SnapshotManager:
                                                  name=f"snapshot-{step}")
                 self._pending.start()
         else:
-            if ctx.is_main:
-                self._attempt(step, state, meta)
+            staged = self._stage(ctx, step, shards) if shards is not None else None
+            if ctx.is_main and (shards is None or staged is not None):
+                self._attempt(step, state, meta, staged)
             self.agree(ctx, final=final)
         if announce:
             self.publish.announce(ctx, report, final or urgent)
@@ -132,30 +136,55 @@ class SnapshotManager:
         if announce:
             self.publish.flush(ctx)
 
-    def _attempt(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
-        """Rank 0: write; on ENOSPC make room once and retry; a storage error is counted, not raised."""
+    def _stage(self, ctx, step: int, shards: dict[str, Any]) -> dict[str, Any] | None:
+        """Every rank: its shards written into rank 0's staging directory of `step`; rank 0 gets their
+        listing, or None when the write failed (counted as a failed snapshot, the directory removed)."""
+        tmp = staging(self.path_for(step))
+        if ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        tmp = Path(ctx.broadcast_object(str(tmp) if ctx.is_main else None))  # after the mkdir
+        try:
+            return write_shards(ctx, tmp, shards)
+        except Exception as e:  # torch.distributed.checkpoint raises every rank's error on every rank
+            cause = _storage_cause(e)
+            if cause is None:
+                raise
+            if ctx.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+                self._count_failure(step, cause)
+            return None
+
+    def _attempt(self, step: int, state: dict[str, Any], meta: dict[str, Any],
+                 shards: dict[str, Any] | None = None) -> None:
+        """Rank 0: write; on ENOSPC make room once and retry (not with shards: they are written once);
+        a storage error is counted, not raised."""
         try:
             try:
-                where = self.write(step, state, meta)
+                where = self.write(step, state, meta, shards)
             except OSError as e:
-                if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not self.publish.make_room():
+                if shards or e.errno not in (errno.ENOSPC, errno.EDQUOT) or not self.publish.make_room():
                     raise
                 log.warning("snapshot step=%d: %s; deleted older snapshots to make room, writing it again", step, e)
                 where = self.write(step, state, meta)
         except OSError as e:
             if not is_storage_error(e):
                 raise
-            if e.filename is None:  # os.write's errors name no file: say which snapshot it was
-                e = OSError(e.errno, e.strerror, str(self.path_for(step)))
-            self.failures += 1
-            self._last = (step, e)
-            self.failed.append({"step": step, "errno": errno.errorcode.get(e.errno, str(e.errno)), "error": str(e),
-                                "path": e.filename, "in_a_row": self.failures})
-            log.warning("snapshot step=%d failed: %s; nothing half-written is left; training goes on (%d of "
-                        "snapshot.max_failures=%d in a row)", step, e, self.failures, self.max_failures)
+            shutil.rmtree(staging(self.path_for(step)), ignore_errors=True)
+            self._count_failure(step, e)
             return
         self.failures, self._last = 0, None
         self.last_written = where
+
+    def _count_failure(self, step: int, e: OSError) -> None:
+        if e.filename is None:  # os.write's errors name no file: say which snapshot it was
+            e = OSError(e.errno, e.strerror, str(self.path_for(step)))
+        self.failures += 1
+        self._last = (step, e)
+        self.failed.append({"step": step, "errno": errno.errorcode.get(e.errno, str(e.errno)), "error": str(e),
+                            "path": e.filename, "in_a_row": self.failures})
+        log.warning("snapshot step=%d failed: %s; nothing half-written is left; training goes on (%d of "
+                    "snapshot.max_failures=%d in a row)", step, e, self.failures, self.max_failures)
 
     def agree(self, ctx, final: bool) -> None:
         """Every rank: rank 0's verdict on the snapshots so far; StorageError everywhere when fatal."""
@@ -202,14 +231,29 @@ class SnapshotManager:
             err, self._error = self._error, None
             raise err
 
-    def write(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path | str:
-        """Rank 0 only: write the snapshot of `step` under the root, then commit it where it goes."""
+    def write(self, step: int, state: dict[str, Any], meta: dict[str, Any],
+              shards: dict[str, Any] | None = None) -> Path | str:
+        """Rank 0 only: write the snapshot of `step` under the root (its `shards` already staged), then
+        commit it where it goes."""
         t0 = time.perf_counter()
         meta = {**meta, "lease_generation": self.fence.generation}
         path = write_dir(self.path_for(step), state, meta, self.write_delay_s, self.heartbeat.progress, self._buffers,
-                         before_publish=lambda: self.fence.check("snapshot"))
+                         before_publish=lambda: self.fence.check("snapshot"), shards=shards)
         self.fence.check("snapshot")  # a URI's upload publishes: after the local write, before that
         where = self.publish.commit(step, path)
         log.info("snapshot step=%d path=%s seconds=%.2f%s", step, where, time.perf_counter() - t0,
                  " (background)" if self._pending is not None else "")
         return where
+
+
+def _storage_cause(e: BaseException) -> OSError | None:
+    """The storage error (ENOSPC, EIO, ...) behind `e`, torch.distributed.checkpoint's wrapper of every
+    rank's failures included; None when it is none."""
+    if isinstance(e, OSError):
+        return e if is_storage_error(e) else None
+    failures = getattr(e, "failures", None)  # CheckpointException: {rank: exception}
+    for inner in (failures.values() if isinstance(failures, dict) else []):
+        found = _storage_cause(inner)
+        if found is not None:
+            return found
+    return _storage_cause(e.__cause__) if e.__cause__ is not None else None

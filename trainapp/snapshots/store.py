@@ -8,6 +8,12 @@ snapshot is reported and skipped in favour of the previous one. A process killed
 `.tmp-*` directory, never a `step_*` one (`sweep_leftovers` removes it later).
 
 The same directory is what Ray Train stores as a checkpoint, so one format serves every launcher.
+
+A sharded snapshot (an FSDP run, `parallel.strategy=fsdp`) also holds `shards/`: every rank's shard of
+the model and optimizer as torch.distributed.checkpoint writes them (`__R_0.distcp` per rank, and
+`.metadata`), written into the same temporary directory first (`write_shards`, every rank), each file
+checksummed by the rank that wrote it; `meta.json` lists every shard file with its size and checksum,
+so a torn or flipped shard makes the whole snapshot invalid, and it is renamed into place as a whole.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from trainapp.snapshots.files import CHECKSUMS, Buffers, file_digest, fsync_dir,
 
 log = logging.getLogger(__name__)
 
-STATE, META = "state.pt", "meta.json"
+STATE, META, SHARDS = "state.pt", "meta.json", "shards"
 FORMAT = 2
 _NAME = re.compile(r"^step_(\d{9})$")
 
@@ -66,24 +72,50 @@ def params_sha256(module: torch.nn.Module) -> str:
     return tensors_sha256(module.state_dict())
 
 
+def staging(final: Path) -> Path:
+    """The temporary directory a snapshot of `final` is written in before the rename publishes it."""
+    return final.parent / f".tmp-{final.name}-{os.getpid()}"
+
+
+def write_shards(ctx, tmp: Path, shards: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
+    """Every rank: write this rank's shards into `tmp/shards` (torch.distributed.checkpoint, a
+    collective; every file fsynced), then checksum the files it wrote; rank 0 gets
+    {file: {"xxh3_128", "bytes"}} of every rank's files, the others None."""
+    import torch.distributed.checkpoint as dcp
+
+    root = tmp / SHARDS
+    dcp.save(shards, storage_writer=dcp.FileSystemWriter(str(root), sync_files=True))
+    own = {}
+    for path in sorted(root.iterdir()):
+        mine = path.name.startswith(f"__{ctx.rank}_") or (ctx.is_main and not path.name.startswith("__"))
+        if mine:  # a rank's own files, and rank 0 the metadata
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+            own[f"{SHARDS}/{path.name}"] = {"xxh3_128": file_digest(path), "bytes": path.stat().st_size}
+    everyone = ctx.gather_objects(own)
+    return {k: v for part in everyone for k, v in part.items()} if everyone is not None else None
+
+
 def write_dir(final: Path, state: dict[str, Any], meta: dict[str, Any], delay_s: float = 0.0,
               progress: Callable[[], None] = lambda: None, buffers: Buffers | None = None,
-              before_publish: Callable[[], None] = lambda: None) -> Path:
+              before_publish: Callable[[], None] = lambda: None, shards: dict[str, Any] | None = None) -> Path:
     """Write `state` and `meta` as the snapshot directory `final`, atomically (`delay_s`: a drill's
     pause between the state file and the meta file that completes it; `progress`: called as the
     write goes, for the hang watchdog; `before_publish`: the last word before the rename, which may
-    raise to publish nothing: the lease's fence)."""
+    raise to publish nothing: the lease's fence; `shards`: the shard files already in the staging
+    directory, `write_shards`' listing)."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = staging(final)
+    if shards is None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
     try:
         digest, size = save_state(tmp / STATE, state, progress, buffers)
         end = time.monotonic() + delay_s
         while time.monotonic() < end:  # a slow write, not a hung one: it beats as a real one does
             time.sleep(max(0.0, min(0.5, end - time.monotonic())))
             progress()
-        meta = {**meta, "format": FORMAT, "xxh3_128": digest, "bytes": size}
+        meta = {**meta, "format": FORMAT, "xxh3_128": digest, "bytes": size, **({SHARDS: shards} if shards else {})}
         write_bytes(tmp / META, lambda f: f.write(json.dumps(meta, indent=2).encode()))
         fsync_dir(tmp)
         before_publish()
@@ -127,6 +159,14 @@ def verify(snap: Path) -> dict[str, Any]:
     algo = next(k for k in CHECKSUMS if k in meta)
     if file_digest(state, algo) != meta[algo]:
         raise SnapshotError(f"{state}: checksum mismatch ({algo}; corrupt)")
+    for name, want in (meta.get(SHARDS) or {}).items():
+        path = snap / name
+        if not path.is_file():
+            raise SnapshotError(f"{path}: missing (a shard of this snapshot)")
+        if path.stat().st_size != want["bytes"]:
+            raise SnapshotError(f"{path}: {path.stat().st_size} bytes, expected {want['bytes']} (a torn shard)")
+        if file_digest(path) != want["xxh3_128"]:
+            raise SnapshotError(f"{path}: checksum mismatch (xxh3_128; a corrupt shard)")
     return meta
 
 
@@ -139,7 +179,7 @@ def load_state(snap: Path, name: str = STATE) -> dict[str, Any]:
     except Exception as e:
         first = (str(e).strip().splitlines() or [""])[0]
         raise SnapshotError(f"{snap / name}: cannot be loaded as a snapshot ({e.__class__.__name__}: {first})") from None
-    if not isinstance(state, dict) or "model" not in state:
+    if not isinstance(state, dict) or state.get("model") is None:
         raise SnapshotError(f"{snap / name}: not a trainapp snapshot (no model state)")
     return state
 

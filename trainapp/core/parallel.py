@@ -1,0 +1,129 @@
+"""How the model is spread over the ranks (`parallel.strategy`).
+
+- `ddp`: every rank holds the whole model; DistributedDataParallel all-reduces the gradients. The
+  snapshot goes into the plain module before it is wrapped (trainapp/core/build.py).
+- `fsdp`: FSDP2's `fully_shard` on the units (`parallel.fsdp_units`, the task's `shard_units`, or
+  every child of the model that holds parameters), then on the model itself: each rank keeps a shard
+  of every parameter, its gradient and its optimizer state; a unit gathers its parameters for its own
+  forward and backward. Mixed precision stays autocast over fp32 parameters, as under DDP: FSDP2's
+  policy of casting the parameters themselves (bf16 all-gathers) breaks a BatchNorm, whose fp32 running
+  statistics then meet bf16 weights. The optimizer is made over the sharded parameters, so after the
+  wrap, and the snapshot is loaded into the sharded state (trainapp/core/state.py's `ShardedState`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainapp.config import Config, ConfigError
+
+
+def wrap_ddp(model: torch.nn.Module, ctx) -> DDP | None:
+    """The DDP wrapper when distributed (None alone)."""
+    if not ctx.distributed:
+        return None
+    return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+               gradient_as_bucket_view=True)
+
+
+def units(model: torch.nn.Module, names: list[str], task: Any = None) -> list[torch.nn.Module]:
+    """The modules sharded as units, outermost first: by class name (`parallel.fsdp_units`), else the
+    task's `shard_units(model)`, else every child of the model that holds parameters."""
+    if names:
+        found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+        missing = sorted(set(names) - {type(m).__name__ for m in found})
+        if missing:
+            have = sorted({type(m).__name__ for m in model.modules()})
+            raise ConfigError(f"parallel.fsdp_units={names}: no module of class {', '.join(missing)} in the model; "
+                              f"its module classes are {', '.join(have)}")
+        return found
+    chosen = getattr(task, "shard_units", None)
+    if chosen is not None:
+        return list(chosen(model))
+    return [m for m in model.children() if any(True for _ in m.parameters())]
+
+
+def shard(model: torch.nn.Module, cfg: Config, task: Any = None) -> torch.nn.Module:
+    """`fully_shard` on the units, innermost first, then on the model (fp32 parameters and reductions)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for p in model.parameters():  # FSDP2 shards contiguous parameters only (a channels-last conv's are not)
+        if not p.is_contiguous():
+            p.data = p.data.contiguous()
+    # A unit inside another must be sharded first: fully_shard on the outer one then leaves its
+    # parameters to the inner one.
+    for unit in reversed(units(model, cfg.parallel.fsdp_units, task)):
+        fully_shard(unit, reshard_after_forward=cfg.parallel.reshard_after_forward)
+    fully_shard(model, reshard_after_forward=cfg.parallel.reshard_after_forward)
+    return model
+
+
+def no_sync(train_model: torch.nn.Module, ddp: DDP | None, sync: bool):
+    """The context of one micro-batch's backward: gradients reduced across ranks only when `sync` (the
+    last micro-batch of the step). DDP's `no_sync`, FSDP's `set_requires_gradient_sync`."""
+    if sync:
+        if hasattr(train_model, "set_requires_gradient_sync"):
+            train_model.set_requires_gradient_sync(True)
+        return contextlib.nullcontext()
+    if ddp is not None:
+        return ddp.no_sync()
+    if hasattr(train_model, "set_requires_gradient_sync"):
+        train_model.set_requires_gradient_sync(False)
+    return contextlib.nullcontext()
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def params_sha256(model: torch.nn.Module, ctx) -> str | None:
+    """Every rank calls this: sha256 of the model's full parameters and buffers on rank 0 (an FSDP model's
+    gathered there first, a collective: the same digest as the unsharded model's), None elsewhere."""
+    from trainapp.snapshots.store import tensors_sha256
+
+    if not is_sharded(model):
+        return tensors_sha256(model.state_dict()) if ctx.is_main else None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return tensors_sha256(full) if ctx.is_main else None
+
+
+def eval_batches(loader, ctx, model: torch.nn.Module):
+    """The validation batches of this rank, then, for an FSDP model, as many more (discarded: None before
+    each) as the rank with the most has: every forward of a sharded model is a collective of all ranks."""
+    yield from ((False, b) for b in loader)
+    if not is_sharded(model):
+        return
+    mine = len(loader)
+    extra = max(ctx.all_gather_objects(mine)) - mine
+    if extra > 0:
+        pad = loader.collate_fn([loader.dataset[0]])
+        for _ in range(extra):
+            yield True, pad
+
+
+def buffers_from_rank0(model: torch.nn.Module, ctx) -> None:
+    """Every rank, after each step under FSDP: rank 0's buffers (a BatchNorm's running statistics) on every
+    rank, the values DDP's `broadcast_buffers` gives every rank at the next forward. FSDP shards
+    parameters, not buffers, and without this each rank's statistics follow its own batches: what is
+    evaluated, and what a snapshot holds (DCP saves one rank's copy of a tensor every rank has), would
+    depend on the rank. One broadcast per dtype."""
+    if not ctx.distributed or not is_sharded(model):
+        return
+    import torch.distributed as dist
+
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for b in model.buffers():
+        by_dtype.setdefault(b.dtype, []).append(b)
+    for bufs in by_dtype.values():
+        flat = torch.cat([b.detach().reshape(-1) for b in bufs])
+        dist.broadcast(flat, src=0)
+        for b, part in zip(bufs, flat.split([b.numel() for b in bufs])):
+            b.detach().copy_(part.view_as(b))
