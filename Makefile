@@ -217,6 +217,7 @@ bench: $(STAMP) ## Run every benchmark, then one summary table: bench/results/*.
 	$(BIN)/python bench/hang.py $(BENCH_ARGS)
 	$(BIN)/python bench/char_lm.py $(BENCH_ARGS)
 	$(BIN)/python bench/resize.py $(BENCH_ARGS)
+	$(BIN)/python bench/fsdp.py $(BENCH_ARGS)
 	$(BIN)/python bench/summary.py $(if $(findstring --smoke,$(BENCH_ARGS)),--results bench/results/smoke)
 
 ##@ Clean

@@ -145,3 +145,12 @@ def test_resize_benchmark_smoke(tmp_path):
     assert result["resize_param_rel_distance"] < result["resize_param_rel_distance_rescale"]
     assert (tmp_path / "resize.png").stat().st_size > 10_000
     assert "resize_param_rel_distance=" in r.stdout
+
+
+def test_fsdp_benchmark_smoke(tmp_path):
+    """FSDP against DDP on the character transformer: each rank holds about half of what DDP's does
+    (a ratio near 1 would mean nothing was sharded), both runs trained."""
+    result, r = smoke("fsdp", tmp_path)
+    assert result["smoke"] is True and len(result["rounds"]) == 1
+    assert 0.4 < result["memory_ratio"] < 0.6, result["bytes_per_rank"]
+    assert result["step_time_ratio"] > 0 and "memory_ratio=" in r.stdout

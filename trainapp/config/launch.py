@@ -31,7 +31,8 @@ class ParallelSection:
     fsdp_units: list[str] = Field(default_factory=list)
     """fsdp: class names of the modules sharded as units (each gathers its parameters for its own forward
     and backward only), e.g. `[TransformerBlock]`. Empty: the task's `shard_units(model)` if it has one,
-    else every child of the model that holds parameters."""
+    else every child of the model that holds parameters, each item of a Sequential or ModuleList child
+    a unit of its own (the built-in char_lm's transformer blocks, the image CNNs' stages)."""
     reshard_after_forward: bool = True
     """fsdp: free a unit's gathered parameters after its forward (gathered again for the backward): less
     memory, one more all-gather per unit and step."""

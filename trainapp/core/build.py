@@ -87,7 +87,7 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
     if fsdp and ctx.distributed:  # before the optimizer, which must hold the sharded parameters
         parallel.shard(model, cfg, task)
     opt = optim.build(model, cfg.optim, cfg.sched, cfg.train.ema_decay, horizon, progress, fused=cuda,
-                      groups=task.param_groups(model))
+                      groups=task.param_groups)
     weights = ShardedState(model, opt.optimizer) if fsdp else None  # model and optimizer, every rank's shard
     state = TrainState({"progress": progress, "model": weights or model, "optimizer": None if fsdp else opt.optimizer,
                         "scheduler": opt.schedule, "scaler": precision.scaler, "ema": opt.ema, "task": task.state,

@@ -259,7 +259,8 @@ class Trainer:
         summary = {"steps": p.global_step, "steps_this_run": p.global_step - start_step, "final_loss": self.last_loss,
                    **val_metrics(self.last_eval), "world_size": self.ctx.world_size,
                    "samples_per_s": samples_per_s, "skipped_steps": int(p.skipped.item()),
-                   "snapshots": self.snapshots.publish.where}
+                   "snapshots": self.snapshots.publish.where,
+                   "state_bytes": parallel.state_bytes(self.parts.model, self.parts.optimizer, self.ctx)}
         self._finish_snapshots()  # the final snapshot is on disk before the run says it ended
         summary.update(self.records.end(summary))  # rank 0: the account of the run's wall time
         return summary

@@ -167,8 +167,12 @@ class Optimization:
 
 
 def build(model: nn.Module, optim: OptimSection, sched: SchedSection, ema_decay: float, horizon: Callable[[], int],
-          progress, fused: bool = False, groups: list[dict] | None = None) -> Optimization:
+          progress, fused: bool = False, groups: Callable[[torch.nn.Module], list[dict] | None] | None = None
+          ) -> Optimization:
     """The optimizer over `model`'s parameter groups (or the task's `groups`), its schedule to
     `horizon()` and the EMA weights."""
-    optimizer = build_optimizer(model, optim, progress.global_batch, fused=fused, groups=groups)
+    # The task's groups are asked for here, over the parameters as they are now: an FSDP model's are the
+    # sharded ones that replaced the module's own (trainapp/core/parallel.py).
+    optimizer = build_optimizer(model, optim, progress.global_batch, fused=fused,
+                                groups=groups(model) if groups is not None else None)
     return Optimization(optimizer, Schedule(optimizer, optim, sched, horizon, progress), build_ema(model, ema_decay))

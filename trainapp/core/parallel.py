@@ -32,7 +32,8 @@ def wrap_ddp(model: torch.nn.Module, ctx) -> DDP | None:
 
 def units(model: torch.nn.Module, names: list[str], task: Any = None) -> list[torch.nn.Module]:
     """The modules sharded as units, outermost first: by class name (`parallel.fsdp_units`), else the
-    task's `shard_units(model)`, else every child of the model that holds parameters."""
+    task's `shard_units(model)`, else every child of the model that holds parameters, the items of a
+    Sequential or ModuleList child each a unit of its own (a transformer's blocks)."""
     if names:
         found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
         missing = sorted(set(names) - {type(m).__name__ for m in found})
@@ -41,10 +42,20 @@ def units(model: torch.nn.Module, names: list[str], task: Any = None) -> list[to
             raise ConfigError(f"parallel.fsdp_units={names}: no module of class {', '.join(missing)} in the model; "
                               f"its module classes are {', '.join(have)}")
         return found
-    chosen = getattr(task, "shard_units", None)
+    chosen = task.shard_units(model) if task is not None and hasattr(task, "shard_units") else None
     if chosen is not None:
-        return list(chosen(model))
-    return [m for m in model.children() if any(True for _ in m.parameters())]
+        return chosen
+    # A parameter tied to another module's (an embedding shared with the output layer) must stay in one
+    # FSDP group: a unit holding one is left to the model's own group.
+    counts: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    out = []
+    for child in model.children():
+        items = list(child.children()) if isinstance(child, (torch.nn.Sequential, torch.nn.ModuleList)) else [child]
+        out.extend(m for m in items if any(True for _ in m.parameters())
+                   and all(counts[id(p)] == 1 for p in m.parameters()))
+    return out
 
 
 def shard(model: torch.nn.Module, cfg: Config, task: Any = None) -> torch.nn.Module:
@@ -127,3 +138,19 @@ def buffers_from_rank0(model: torch.nn.Module, ctx) -> None:
         dist.broadcast(flat, src=0)
         for b, part in zip(bufs, flat.split([b.numel() for b in bufs])):
             b.detach().copy_(part.view_as(b))
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
+    return local.numel() * local.element_size()
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ctx) -> list[dict[str, int]] | None:
+    """Every rank calls this; rank 0 gets per rank the bytes of its parameters, their gradients (one per
+    parameter, as every backward allocates them) and its optimizer state: what `parallel.strategy`
+    spreads. None elsewhere."""
+    params = sum(_local_bytes(p) for p in model.parameters())
+    optim = sum(_local_bytes(v) for s in optimizer.state.values() for v in s.values()
+                if torch.is_tensor(v) and v.dim() > 0)
+    mine = {"params": params, "grads": params, "optimizer": optim, "total": 2 * params + optim}
+    return ctx.gather_objects(mine)

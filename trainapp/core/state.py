@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from trainapp.errors import ConfigError
+from trainapp.snapshots.store import SHARDED, SHARDS
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +37,6 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any) -> Any: ...
 
 
-SHARDED = "sharded"
-"""A part's entry in state.pt when its state is in the snapshot's shards."""
 
 
 class ShardedState:
@@ -108,8 +107,6 @@ class TrainState:
 
     def load_state_dict(self, state: dict[str, Any], where: Path | None = None) -> None:
         """`where`: the snapshot's directory, whose shards a sharded part loads."""
-        from trainapp.snapshots.store import SHARDS
-
         for name, part in self.parts.items():
             if part is None:
                 continue

@@ -80,6 +80,18 @@ class BoundTask:
                               "dicts, each with a 'params' list (and options such as weight_decay, lr_mult)")
         return out
 
+    def shard_units(self, model: torch.nn.Module) -> list[torch.nn.Module] | None:
+        """The task's FSDP units (`shard_units(model)`, optional), or None when it names none."""
+        units = getattr(self.task, "shard_units", None)
+        if not callable(units):
+            return None
+        out = list(units(model))
+        inside = {id(m) for m in model.modules()}
+        if not out or not all(isinstance(m, torch.nn.Module) and id(m) in inside and m is not model for m in out):
+            raise ConfigError(f"task.name={self.name!r}: shard_units(model) must return a non-empty list of the "
+                              "model's own submodules (the units FSDP shards, e.g. its transformer blocks)")
+        return out
+
     def to_device(self, batch: Any) -> Any:
         return to_device(batch, self.ctx.device)
 

@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,7 +37,13 @@ from trainapp.snapshots.files import CHECKSUMS, Buffers, file_digest, fsync_dir,
 
 log = logging.getLogger(__name__)
 
+# torch.distributed.checkpoint in a process without a process group (a sharded snapshot resumed alone,
+# or read by `trainapp inspect`) says it assumes one process, which it is.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
 STATE, META, SHARDS = "state.pt", "meta.json", "shards"
+SHARDED = "sharded"
+"""A part's entry in state.pt when its state is in the snapshot's shards (trainapp/core/state.py)."""
 FORMAT = 2
 _NAME = re.compile(r"^step_(\d{9})$")
 
@@ -182,6 +189,19 @@ def load_state(snap: Path, name: str = STATE) -> dict[str, Any]:
     if not isinstance(state, dict) or state.get("model") is None:
         raise SnapshotError(f"{snap / name}: not a trainapp snapshot (no model state)")
     return state
+
+
+def full_sharded_model(snap: Path, name: str = "model") -> dict[str, torch.Tensor]:
+    """The whole model state of a sharded snapshot (part `name`), read from every rank's shard in this one
+    process (torch.distributed.checkpoint's conversion; the optimizer's state is read too, then dropped)."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory(prefix="trainapp-inspect-") as tmp:
+        dcp_to_torch_save(str(snap / SHARDS), f"{tmp}/full.pt")
+        full = torch.load(f"{tmp}/full.pt", map_location="cpu", weights_only=True)
+    return full[name]["model"]
 
 
 def list_snapshots(root: Path) -> list[Path]:

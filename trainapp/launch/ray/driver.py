@@ -191,6 +191,9 @@ def run(cfg: Config, task: Any = None) -> dict[str, Any]:
     each worker, where Ray's runtime environment ships the user's code); returns the rank-0 summary
     (with `stopped_by` and `exit_code` when the driver was told to stop: trainapp/launch/ray/stop.py)."""
     check_global_batch(cfg)
+    if cfg.parallel.strategy != "ddp":
+        raise ConfigError(f"parallel.strategy={cfg.parallel.strategy}: not under Ray yet (torchrun, Slurm and a "
+                          "single process have it); use parallel.strategy=ddp with `trainapp ray`")
     if task is None:
         preflight_task(cfg)
     result, storage, stopped = _fit(cfg, **({"task": task} if task is not None else {}))

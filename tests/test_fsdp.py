@@ -1,0 +1,91 @@
+"""FSDP2 (`parallel.strategy=fsdp`, trainapp/core/parallel.py) with sharded snapshots (every rank's shard
+through torch.distributed.checkpoint, trainapp/snapshots/store.py): a rank SIGKILLed and restarted by
+torchrun ends bitwise equal to a straight run, a snapshot resumes at another world size (resharded), a
+flipped byte in one shard makes the whole snapshot invalid, and what FSDP runs do not have yet stops in
+one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from helpers import QUICK, inspect, metrics, torchrun, trainapp
+
+from trainapp.config import ConfigError, load
+
+FSDP = ["parallel.strategy=fsdp", "train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5",
+        "snapshot.keep=10", "train.grad_accum=2", "train.eval_every=10", *QUICK]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    run = tmp_path_factory.mktemp("fsdp-straight")
+    r = torchrun(2, f"run.dir={run}", *FSDP)
+    assert r.returncode == 0, r.output[-3000:]
+    return run
+
+
+@pytest.mark.slow
+def test_a_killed_rank_restarted_by_torchrun_ends_bitwise_equal_to_a_straight_fsdp_run(straight, tmp_path):
+    r = torchrun(2, f"run.dir={tmp_path}", *FSDP, "drill.kill_at_step=13", "drill.rank=1", max_restarts=1)
+    assert r.returncode == 0, r.output[-3000:]
+    starts = metrics(tmp_path, "start")
+    assert [s["resumed_step"] for s in starts] == [None, 10]
+    # Every rank wrote its shard; meta.json lists every file with its size and checksum.
+    meta = json.loads((tmp_path / "snapshots" / "step_000000024" / "meta.json").read_text())
+    assert sorted(meta["shards"]) == ["shards/.metadata", "shards/__0_0.distcp", "shards/__1_0.distcp"]
+    assert inspect(tmp_path)["params_sha256"] == inspect(straight)["params_sha256"] == meta["params_sha256"]
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_a_two_rank_snapshot_resumes_on_one_rank_resharded_at_the_same_global_sample(straight, tmp_path):
+    (tmp_path / "snapshots").mkdir()
+    shutil.copytree(straight / "snapshots" / "step_000000010", tmp_path / "snapshots" / "step_000000010")
+    r = torchrun(1, f"run.dir={tmp_path}", *FSDP, "run.allow_changes=[run.dir]")
+    assert r.returncode == 0, r.output[-3000:]
+    (start,) = metrics(tmp_path, "start")
+    assert (start["resumed_step"], start["resumed_world_size"], start["world_size"]) == (10, 2, 1)
+    before = json.loads((straight / "snapshots" / "step_000000010" / "meta.json").read_text())
+    assert (start["epoch"], start["epoch_sample"]) == (before["epoch"], before["epoch_sample"])
+    assert metrics(tmp_path, "end")[0]["steps"] == 24
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_a_flipped_byte_in_one_shard_is_rejected_in_one_line_and_the_previous_snapshot_is_used(straight, tmp_path):
+    shutil.copytree(straight / "snapshots", tmp_path / "snapshots")
+    shard = tmp_path / "snapshots" / "step_000000024" / "shards" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    r = torchrun(2, f"run.dir={tmp_path}", *FSDP, "train.max_steps=30", "run.allow_changes=[run.dir,train.max_steps]")
+    assert r.returncode == 0, r.output[-3000:]
+    lines = [ln for ln in r.output.splitlines() if "skipping snapshot" in ln]
+    assert len(lines) == 1 and "__1_0.distcp: checksum mismatch" in lines[0] and "a corrupt shard" in lines[0], lines
+    assert metrics(tmp_path, "start")[0]["resumed_step"] == 20
+
+
+@pytest.mark.parametrize("override, key", [("train.ema_decay=0.9", "train.ema_decay=0.9"),
+                                           ("amp.dtype=fp16", "amp.dtype=fp16"),
+                                           ("snapshot.async=true", "snapshot.async=true")])
+def test_what_fsdp_runs_do_not_have_yet_is_refused_naming_the_key(override, key):
+    with pytest.raises(ConfigError, match=rf"^{key}: not supported with parallel.strategy=fsdp yet"):
+        load(None, ["parallel.strategy=fsdp", override])
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_an_fsdp_unit_class_the_model_lacks_is_one_line_naming_the_classes_it_has(tmp_path):
+    r = torchrun(2, f"run.dir={tmp_path}", *FSDP, "parallel.fsdp_units=[TransformerBlock]")
+    assert r.returncode != 0
+    assert "parallel.fsdp_units=['TransformerBlock']: no module of class TransformerBlock" in r.output
+    assert "its module classes are" in r.output
+
+
+def test_fsdp_under_ray_is_refused_before_anything_starts(tmp_path):
+    r = trainapp("ray", "parallel.strategy=fsdp", f"ray.storage_path={tmp_path}", timeout=120)
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.output[-2000:]
+    assert "parallel.strategy=fsdp: not under Ray yet" in lines[0]
