@@ -11,6 +11,8 @@ import shutil
 
 import pytest
 from helpers import QUICK, inspect, metrics, torchrun, trainapp
+from test_preempt import Job, check_preempted, rerun_resumes_exactly, straight_sha
+from test_preempt import torchrun_cmd as preempt_cmd
 
 from trainapp.config import ConfigError, load
 
@@ -65,6 +67,25 @@ def test_a_flipped_byte_in_one_shard_is_rejected_in_one_line_and_the_previous_sn
     lines = [ln for ln in r.output.splitlines() if "skipping snapshot" in ln]
     assert len(lines) == 1 and "__1_0.distcp: checksum mismatch" in lines[0] and "a corrupt shard" in lines[0], lines
     assert metrics(tmp_path, "start")[0]["resumed_step"] == 20
+
+
+def fsdp_preempt_cmd(run_dir, *args):
+    return preempt_cmd(run_dir, "parallel.strategy=fsdp", *args)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_sigterm_to_one_fsdp_worker_snapshots_the_step_reached_and_the_rerun_is_bitwise_equal(tmp_path):
+    """The preemption path of test_preempt.py with sharded snapshots: the notice reaches rank 1, both
+    ranks stop at the agreed step, every rank writes its shard of that step; zero steps redone."""
+    run_dir = tmp_path / "run"
+    job = Job(fsdp_preempt_cmd(run_dir), tmp_path, "fsdp")
+    ranks = job.workers(2)
+    job.signal_after(run_dir, "train", 120, ranks[1])
+    rec = check_preempted(run_dir, job, None)
+    meta = json.loads((run_dir / "snapshots" / f"step_{rec['step']:09d}" / "meta.json").read_text())
+    assert sorted(meta["shards"]) == ["shards/.metadata", "shards/__0_0.distcp", "shards/__1_0.distcp"]
+    rerun_resumes_exactly(run_dir, fsdp_preempt_cmd, rec["step"], straight_sha(tmp_path, fsdp_preempt_cmd))
 
 
 @pytest.mark.parametrize("override, key", [("train.ema_decay=0.9", "train.ema_decay=0.9"),
