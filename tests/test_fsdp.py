@@ -7,12 +7,14 @@ one line."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
 from helpers import QUICK, inspect, metrics, torchrun, trainapp
 from test_preempt import Job, check_preempted, rerun_resumes_exactly, straight_sha
 from test_preempt import torchrun_cmd as preempt_cmd
+from test_storage import mounts, no_leftovers, tmpfs  # noqa: F401  (mounts: the fixture)
 
 from trainapp.config import ConfigError, load
 
@@ -67,6 +69,22 @@ def test_a_flipped_byte_in_one_shard_is_rejected_in_one_line_and_the_previous_sn
     lines = [ln for ln in r.output.splitlines() if "skipping snapshot" in ln]
     assert len(lines) == 1 and "__1_0.distcp: checksum mismatch" in lines[0] and "a corrupt shard" in lines[0], lines
     assert metrics(tmp_path, "start")[0]["resumed_step"] == 20
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: needs root")
+def test_a_full_disk_fails_shard_writes_whole_and_stops_after_max_failures_with_exit_3(tmp_path, mounts):  # noqa: F811
+    run_dir = tmp_path / "run"
+    snaps = tmpfs(mounts, run_dir / "snapshots", "1200k")  # one sharded SmallCNN snapshot is about 0.93 MB
+    r = torchrun(2, f"run.dir={run_dir}", *QUICK, "parallel.strategy=fsdp", "train.epochs=100", "train.max_steps=60",
+                 "snapshot.every_steps=10")
+    assert r.returncode == 1 and r.stderr.count("exitcode: 3") >= 1, r.output[-3000:]  # both ranks agreed, exit 3
+    assert r.stderr.count("error: snapshot.max_failures=3") == 2 and "forcefully" not in r.stderr, r.stderr[-3000:]
+    failed = metrics(run_dir, "snapshot_failed")
+    assert [f["errno"] for f in failed] == ["ENOSPC"] * 3 and [f["in_a_row"] for f in failed] == [1, 2, 3]
+    assert inspect(run_dir)["global_step"] == 10  # the newest valid snapshot, every shard intact
+    no_leftovers(snaps)
 
 
 def fsdp_preempt_cmd(run_dir, *args):

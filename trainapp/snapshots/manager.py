@@ -146,7 +146,8 @@ class SnapshotManager:
         tmp = Path(ctx.broadcast_object(str(tmp) if ctx.is_main else None))  # after the mkdir
         try:
             return write_shards(ctx, tmp, shards)
-        except Exception as e:  # torch.distributed.checkpoint raises every rank's error on every rank
+        except BaseException as e:  # torch.distributed.checkpoint raises every rank's errors on every rank, as a
+            # CheckpointException, a BaseException
             cause = _storage_cause(e)
             if cause is None:
                 raise
@@ -251,9 +252,9 @@ def _storage_cause(e: BaseException) -> OSError | None:
     rank's failures included; None when it is none."""
     if isinstance(e, OSError):
         return e if is_storage_error(e) else None
-    failures = getattr(e, "failures", None)  # CheckpointException: {rank: exception}
+    failures = getattr(e, "failures", None)  # CheckpointException: {rank: (exception, its stack)}
     for inner in (failures.values() if isinstance(failures, dict) else []):
-        found = _storage_cause(inner)
+        found = _storage_cause(inner[0] if isinstance(inner, tuple) else inner)
         if found is not None:
             return found
     return _storage_cause(e.__cause__) if e.__cause__ is not None else None
