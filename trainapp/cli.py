@@ -153,7 +153,7 @@ def cmd_inspect(args) -> int:
         snap = store.resolve(path)
         meta = {"path": str(snap), **store.verify(snap)}
         state = store.load_state(snap)
-        if state["model"] == store.SHARDED:  # an FSDP run's: the full model from every rank's shard
+        if isinstance(state["model"], str) and state["model"] == store.SHARDED:  # an FSDP run's: the full model from every rank's shard
             state["model"] = store.full_sharded_model(snap)
     progress = state.get("progress", {})
     out = {

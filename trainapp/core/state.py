@@ -112,10 +112,11 @@ class TrainState:
                 continue
             if state.get(name) is None:
                 raise ValueError(f"the snapshot has no {name} state")
-            if getattr(part, "sharded", False) != (state[name] == SHARDED):
-                raise ValueError(f"its {name} state is {'sharded' if state[name] == SHARDED else 'whole'}, this "
-                                 "run's is not (parallel.strategy changed)")
-            if state[name] == SHARDED:
+            sharded = isinstance(state[name], str) and state[name] == SHARDED
+            if getattr(part, "sharded", False) != sharded:
+                raise ValueError(f"its {name} state is {'sharded' if sharded else 'whole'}, this run's is not "
+                                 "(parallel.strategy changed)")
+            if sharded:
                 part.load_from(where / SHARDS, name)
             else:
                 part.load_state_dict(state[name])
