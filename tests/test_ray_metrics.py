@@ -36,7 +36,9 @@ def test_each_workers_figures_reach_the_nodes_ray_metrics_export_while_the_job_t
     node = next(n for n in c.nodes if n.name == "worker1")
     job = subprocess.Popen([RAY, "job", "submit", "--address", c.dashboard_url, "--", "python", "-m", "trainapp",
                             "ray", f"ray.storage_path={tmp_path}", f"ray.name={name}", "train.max_steps=400",
-                            "train.epochs=100", "snapshot.every_steps=50", *QUICK],
+                            "train.epochs=100", "snapshot.every_steps=50",
+                            # At least 400 x 60 ms of training: several metrics reports apart, on any CPU.
+                            "drill.slow_rank=1", "drill.slow_ms=60", *QUICK],
                            cwd=REPO, env=c.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            start_new_session=True)
     seen, deadline = [], time.monotonic() + 240
