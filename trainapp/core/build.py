@@ -41,6 +41,8 @@ class Parts:
     train_model: torch.nn.Module
     """What the step calls: the DDP wrapper when distributed, else the plain (or FSDP-sharded) module."""
     ddp: DDP | None
+    sharded: bool
+    """FSDP's `fully_shard` was applied (`parallel.strategy=fsdp` with more than one rank)."""
     precision: Precision
     optimizer: torch.optim.Optimizer
     schedule: optim.Schedule
@@ -84,7 +86,8 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
     if precision.note and ctx.is_main:
         log.warning("%s", precision.note)
     fsdp = cfg.parallel.strategy == "fsdp"
-    if fsdp and ctx.distributed:  # before the optimizer, which must hold the sharded parameters
+    sharded = fsdp and ctx.distributed
+    if sharded:  # before the optimizer, which must hold the sharded parameters
         parallel.shard(model, cfg, task)
     opt = optim.build(model, cfg.optim, cfg.sched, cfg.train.ema_decay, horizon, progress, fused=cuda,
                       groups=task.param_groups)
@@ -100,8 +103,8 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
     if ctx.is_main and layout.line():
         log.warning("%s", layout.line())
     ddp = None if fsdp else parallel.wrap_ddp(model, ctx)  # wrap last: the snapshot went into the plain module
-    return Parts(task, batches, val_loader, model, ddp or model, ddp, precision, opt.optimizer, opt.schedule, opt.ema,
-                 progress, state, opt.schedule.total_steps, opt.schedule.peak_lr,
+    return Parts(task, batches, val_loader, model, ddp or model, ddp, sharded, precision, opt.optimizer, opt.schedule,
+                 opt.ema, progress, state, opt.schedule.total_steps, opt.schedule.peak_lr,
                  found[0] if found else None, diff)
 
 

@@ -109,7 +109,7 @@ class Trainer:
             clock.enter("compute")
             seed_slot(self.cfg.seed, parts.progress.global_step, layout.slot(micro))
             # All-reduce (reduce-scatter) only on the last micro-step; the others accumulate local gradients.
-            with parallel.no_sync(parts.train_model, parts.ddp, sync=micro == micro_steps - 1):
+            with parallel.no_sync(parts.train_model, parts.ddp, parts.sharded, sync=micro == micro_steps - 1):
                 with parts.precision.autocast():
                     loss = parts.task.loss(parts.train_model, batch)
                 scaler.scale(loss * weight).backward()
@@ -128,7 +128,8 @@ class Trainer:
         parts.schedule.step()
         if parts.ema is not None:
             parts.ema.update_parameters(parts.model)
-        parallel.buffers_from_rank0(parts.model, self.ctx)  # FSDP: the step's running statistics are rank 0's
+        if parts.sharded:  # the step's running statistics are rank 0's, as DDP's broadcast_buffers makes them
+            parallel.buffers_from_rank0(parts.model, self.ctx)
         clock.enter("other")
         clock.step_done()
         return loss_sum * weight
@@ -142,8 +143,8 @@ class Trainer:
         was_training = model.training
         model.eval()
         sums: dict[str, torch.Tensor] = {}
-        interrupted, sharded = False, parallel.is_sharded(model)
-        for padding, batch in parallel.eval_batches(parts.val_loader, self.ctx, model):
+        interrupted, sharded = False, parts.sharded
+        for padding, batch in parallel.eval_batches(parts.val_loader, self.ctx, sharded):
             # The stop comes after the next step, so a partial eval is not recorded. The last step's eval
             # runs to the end: no stop follows it, the run ends normally. A sharded model's ranks must run
             # their forwards together: its eval always runs to the end.

@@ -74,23 +74,20 @@ def shard(model: torch.nn.Module, cfg: Config, task: Any = None) -> torch.nn.Mod
     return model
 
 
-def no_sync(train_model: torch.nn.Module, ddp: DDP | None, sync: bool):
+def no_sync(train_model: torch.nn.Module, ddp: DDP | None, sharded: bool, sync: bool):
     """The context of one micro-batch's backward: gradients reduced across ranks only when `sync` (the
     last micro-batch of the step). DDP's `no_sync`, FSDP's `set_requires_gradient_sync`."""
-    if sync:
-        if hasattr(train_model, "set_requires_gradient_sync"):
-            train_model.set_requires_gradient_sync(True)
-        return contextlib.nullcontext()
-    if ddp is not None:
+    if sharded:
+        train_model.set_requires_gradient_sync(sync)
+    elif ddp is not None and not sync:
         return ddp.no_sync()
-    if hasattr(train_model, "set_requires_gradient_sync"):
-        train_model.set_requires_gradient_sync(False)
     return contextlib.nullcontext()
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    # Without torch.distributed.fsdp imported no model is sharded: a DDP process never pays its import
-    # (0.6 s of CPU), which the checks in every step, evaluation and snapshot would otherwise cost once.
+    """For code that meets a model it did not build (snapshots, inspect); the loop asks `Parts.sharded`.
+    Without torch.distributed.fsdp imported no model is sharded: a DDP process never pays its import
+    (0.6 s of CPU)."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
     return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
@@ -98,21 +95,23 @@ def is_sharded(model: torch.nn.Module) -> bool:
 def params_sha256(model: torch.nn.Module, ctx) -> str | None:
     """Every rank calls this: sha256 of the model's full parameters and buffers on rank 0 (an FSDP model's
     gathered there first, a collective: the same digest as the unsharded model's), None elsewhere."""
+    from trainapp.snapshots.store import params_sha256 as whole
     from trainapp.snapshots.store import tensors_sha256
 
     if not is_sharded(model):
-        return tensors_sha256(model.state_dict()) if ctx.is_main else None
+        return whole(model) if ctx.is_main else None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return tensors_sha256(full) if ctx.is_main else None
 
 
-def eval_batches(loader, ctx, model: torch.nn.Module):
-    """The validation batches of this rank, then, for an FSDP model, as many more (discarded: None before
-    each) as the rank with the most has: every forward of a sharded model is a collective of all ranks."""
+def eval_batches(loader, ctx, sharded: bool):
+    """(padding, batch) pairs: this rank's validation batches, then, for a sharded model, as many more
+    (padding=True, results dropped) as the rank with the most has: every forward of a sharded model is a
+    collective of all ranks."""
     yield from ((False, b) for b in loader)
-    if not is_sharded(model):
+    if not sharded:
         return
     mine = len(loader)
     extra = max(ctx.all_gather_objects(mine)) - mine
@@ -128,8 +127,6 @@ def buffers_from_rank0(model: torch.nn.Module, ctx) -> None:
     parameters, not buffers, and without this each rank's statistics follow its own batches: what is
     evaluated, and what a snapshot holds (DCP saves one rank's copy of a tensor every rank has), would
     depend on the rank. One broadcast per dtype."""
-    if not ctx.distributed or not is_sharded(model):
-        return
     import torch.distributed as dist
 
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
