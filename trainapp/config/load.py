@@ -77,9 +77,7 @@ class Config:
 
     def _check_fsdp(self) -> None:
         """What FSDP runs do not have yet: one line naming the key, instead of a run that breaks later."""
-        for bad, key, fix in ((self.train.ema_decay > 0, f"train.ema_decay={self.train.ema_decay:g}", "0"),
-                              (self.amp.dtype == "fp16", "amp.dtype=fp16", "bf16 or off"),
-                              (self.snapshot.async_, "snapshot.async=true", "false")):
+        for bad, key, fix in ((self.snapshot.async_, "snapshot.async=true", "false"),):
             if bad:
                 raise ConfigError(f"{key}: not supported with parallel.strategy=fsdp yet; set it to {fix}, or use "
                                   "parallel.strategy=ddp")

@@ -85,15 +85,15 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
     precision = Precision(cfg.amp, ctx.device)
     if precision.note and ctx.is_main:
         log.warning("%s", precision.note)
-    fsdp = cfg.parallel.strategy == "fsdp"
-    sharded = fsdp and ctx.distributed
-    if sharded:  # before the optimizer, which must hold the sharded parameters
-        parallel.shard(model, cfg, task)
-    opt = optim.build(model, cfg.optim, cfg.sched, cfg.train.ema_decay, horizon, progress, fused=cuda,
-                      groups=task.param_groups)
+    sharded = (fsdp := cfg.parallel.strategy == "fsdp") and ctx.distributed  # alone: whole, in DCP snapshots
+    ema = optim.build_ema(model, cfg.train.ema_decay)  # a copy of the whole model, so made before sharding
+    if sharded:  # before the optimizer, which must hold the sharded parameters; the EMA copy sharded alike
+        parallel.shard(model, cfg, task, ema.module if ema is not None else None)
+    opt = optim.build(model, cfg.optim, cfg.sched, ema, horizon, progress, fused=cuda, groups=task.param_groups)
     weights = ShardedState(model, opt.optimizer) if fsdp else None  # model and optimizer, every rank's shard
     state = TrainState({"progress": progress, "model": weights or model, "optimizer": None if fsdp else opt.optimizer,
-                        "scheduler": opt.schedule, "scaler": precision.scaler, "ema": opt.ema, "task": task.state,
+                        "scheduler": opt.schedule, "scaler": precision.scaler, "task": task.state,
+                        "ema": ShardedState(ema) if fsdp and ema is not None else ema,
                         "rng": RngState(ctx, cfg.seed, progress)},
                        records={"config": cfg.to_dict()})
     mark("built")

@@ -126,10 +126,10 @@ class Trainer:
             parts.progress.skipped += (parts.precision.scale_tensor() < before).to(torch.int64)
         parts.optimizer.zero_grad(set_to_none=True)
         parts.schedule.step()
+        if parts.sharded:  # the step's running statistics are rank 0's, as DDP's broadcast_buffers makes them,
+            parallel.buffers_from_rank0(parts.model, self.ctx)  # before the EMA averages them
         if parts.ema is not None:
             parts.ema.update_parameters(parts.model)
-        if parts.sharded:  # the step's running statistics are rank 0's, as DDP's broadcast_buffers makes them
-            parallel.buffers_from_rank0(parts.model, self.ctx)
         clock.enter("other")
         clock.step_done()
         return loss_sum * weight

@@ -115,11 +115,29 @@ def rescale(opt: torch.optim.Optimizer, sched: LambdaLR, cfg: OptimSection, glob
     return peak
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank, sharing its storage
+
+
+def ema_multi_avg_fn(decay: float) -> Callable[..., None]:
+    """`get_ema_multi_avg_fn` over each rank's own shards: the same arithmetic as on a whole model, with
+    no communication (an FSDP model's parameters are DTensors, its buffers plain tensors, and one
+    foreach call cannot mix them)."""
+    lerp = get_ema_multi_avg_fn(decay)
+
+    def average(ema: list[torch.Tensor], current: list[torch.Tensor], n_averaged: torch.Tensor) -> None:
+        lerp([_local(t) for t in ema], [_local(t) for t in current], n_averaged)
+
+    return average
+
+
 def build_ema(model: nn.Module, decay: float) -> AveragedModel | None:
+    """The averaged copy of `model`, or None when `decay` is 0. Made from the whole model: an FSDP run
+    shards the copy after it, as it shards the model."""
     if decay <= 0:
         return None
     # use_buffers: BatchNorm running statistics are averaged too, so the EMA model evaluates sanely.
-    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+    return AveragedModel(model, multi_avg_fn=ema_multi_avg_fn(decay), use_buffers=True)
 
 
 class Schedule:
@@ -166,13 +184,13 @@ class Optimization:
     ema: AveragedModel | None
 
 
-def build(model: nn.Module, optim: OptimSection, sched: SchedSection, ema_decay: float, horizon: Callable[[], int],
-          progress, fused: bool = False, groups: Callable[[torch.nn.Module], list[dict] | None] | None = None
-          ) -> Optimization:
-    """The optimizer over `model`'s parameter groups (or the task's `groups`), its schedule to
-    `horizon()` and the EMA weights."""
+def build(model: nn.Module, optim: OptimSection, sched: SchedSection, ema: AveragedModel | None,
+          horizon: Callable[[], int], progress, fused: bool = False,
+          groups: Callable[[torch.nn.Module], list[dict] | None] | None = None) -> Optimization:
+    """The optimizer over `model`'s parameter groups (or the task's `groups`) and its schedule to
+    `horizon()`, with the EMA weights (`build_ema`, made before an FSDP model is sharded)."""
     # The task's groups are asked for here, over the parameters as they are now: an FSDP model's are the
     # sharded ones that replaced the module's own (trainapp/core/parallel.py).
     optimizer = build_optimizer(model, optim, progress.global_batch, fused=fused,
                                 groups=groups(model) if groups is not None else None)
-    return Optimization(optimizer, Schedule(optimizer, optim, sched, horizon, progress), build_ema(model, ema_decay))
+    return Optimization(optimizer, Schedule(optimizer, optim, sched, horizon, progress), ema)

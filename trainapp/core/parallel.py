@@ -59,19 +59,20 @@ def units(model: torch.nn.Module, names: list[str], task: Any = None) -> list[to
     return out
 
 
-def shard(model: torch.nn.Module, cfg: Config, task: Any = None) -> torch.nn.Module:
-    """`fully_shard` on the units, innermost first, then on the model (fp32 parameters and reductions)."""
+def shard(model: torch.nn.Module, cfg: Config, task: Any = None, copy: torch.nn.Module | None = None) -> None:
+    """`fully_shard` on the units, innermost first, then on the model (fp32 parameters and reductions);
+    the same on `copy` (the EMA copy of the model), whose shards then lie beside the model's."""
     from torch.distributed.fsdp import fully_shard
 
-    for p in model.parameters():  # FSDP2 shards contiguous parameters only (a channels-last conv's are not)
-        if not p.is_contiguous():
-            p.data = p.data.contiguous()
-    # A unit inside another must be sharded first: fully_shard on the outer one then leaves its
-    # parameters to the inner one.
-    for unit in reversed(units(model, cfg.parallel.fsdp_units, task)):
-        fully_shard(unit, reshard_after_forward=cfg.parallel.reshard_after_forward)
-    fully_shard(model, reshard_after_forward=cfg.parallel.reshard_after_forward)
-    return model
+    for module in (model, copy) if copy is not None else (model,):
+        for p in module.parameters():  # FSDP2 shards contiguous parameters only (a channels-last conv's are not)
+            if not p.is_contiguous():
+                p.data = p.data.contiguous()
+        # A unit inside another must be sharded first: fully_shard on the outer one then leaves its
+        # parameters to the inner one.
+        for unit in reversed(units(module, cfg.parallel.fsdp_units, task)):
+            fully_shard(unit, reshard_after_forward=cfg.parallel.reshard_after_forward)
+        fully_shard(module, reshard_after_forward=cfg.parallel.reshard_after_forward)
 
 
 def no_sync(train_model: torch.nn.Module, ddp: DDP | None, sharded: bool, sync: bool):

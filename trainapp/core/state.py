@@ -40,30 +40,36 @@ class Stateful(Protocol):
 
 
 class ShardedState:
-    """An FSDP run's model and optimizer state: every rank's shard, through torch.distributed.checkpoint
-    (DCP) and its state-dict API, which names each value by its parameter's fully qualified name and
-    reshards on load when the world size changed. Saving and loading are collectives of every rank."""
+    """An FSDP run's model and optimizer state (or a module alone: the EMA copy, sharded as the model is):
+    every rank's shard, through torch.distributed.checkpoint (DCP) and its state-dict API, which names
+    each value by its parameter's fully qualified name and reshards on load when the world size
+    changed. Saving and loading are collectives of every rank."""
 
     sharded = True
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.model)}
         model, optim = get_state_dict(self.model, self.optimizer)  # the optimizer's state made if not yet there
         return {"model": model, "optimizer": optim}
 
     def load_from(self, path: Path, name: str) -> None:
         """Every rank: load this part, saved as `name` among the snapshot's shards at `path`."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
         state = {name: self.state_dict()}  # the shapes and shards to load into, keyed as they were saved
         dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state[name]["model"],
-                       optim_state_dict=state[name]["optimizer"])
+        if self.optimizer is None:
+            set_model_state_dict(self.model, state[name]["model"])
+        else:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state[name]["model"],
+                           optim_state_dict=state[name]["optimizer"])
 
 
 class TrainState:
