@@ -17,10 +17,10 @@ from trainapp.launch.ray.cluster import free_port
 from trainapp.observe.live import LiveMetrics
 
 
-def scrape(port: int) -> dict[tuple[str, tuple], float] | None:
+def scrape(port: int, timeout: float = 2) -> dict[tuple[str, tuple], float] | None:
     """{(name, sorted labels): value} of the endpoint's samples; None while nothing answers."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
             text = r.read().decode()
     except OSError:
         return None
