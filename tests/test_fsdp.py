@@ -181,4 +181,4 @@ def test_snapshot_storage_a_rank_does_not_see_stops_every_rank_in_one_line_befor
         assert len(lines) == 1 and lines[0].startswith(f"rank {rank} error: {root}: not the same directory on every "
                                                        "node (rank 1 on "), out
         assert "point run.dir at a shared filesystem" in lines[0]
-    assert not list(root.glob("*/shards")) and not list(root.glob("step_*")), list(root.iterdir())
+    assert list(root.iterdir()) == []  # no shard written, rank 0's empty staging directory removed

@@ -96,6 +96,8 @@ def check_seen(ctx, tmp: Path, setting: str, where: str) -> None:
     blind = [who for who in ctx.all_gather_objects(None if tmp.is_dir() else f"rank {ctx.rank} on "
                                                    f"{os.uname().nodename}") if who]
     if blind:
+        if ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise ConfigError(f"{where}: not the same directory on every node ({', '.join(blind)} cannot see rank 0's "
                           f"snapshot directory {tmp.name}); sharded snapshots (parallel.strategy=fsdp) need storage "
                           f"every node sees: point {setting} at a shared filesystem (NFS, a shared volume)")
