@@ -350,6 +350,47 @@ def test_char_lm_resumes_a_killed_worker_to_torchruns_parameters_and_a_script_dr
     assert start["config"]["task"] == {"name": "tabular_task.task:Regression", "args": {}}
 
 
+@pytest.mark.e2e
+def test_fsdp_under_ray_resumes_a_sigkilled_worker_from_every_shard_bitwise_as_torchrun_and_reshards_on_one(
+        cluster, tmp_path):
+    """parallel.strategy=fsdp on 2 Ray workers: every worker writes its shard into the snapshot directory
+    rank 0 commits and registers with Ray. A worker SIGKILLed mid-run; the restarted group loads every
+    worker's shard and ends bitwise equal to a straight FSDP run under torchrun. Resubmitted on one
+    worker (a node lost for good), the two-rank snapshot is resharded and the run goes on."""
+    lm = ["parallel.strategy=fsdp", "task.name=char_lm", "task.args.n_embd=32", "task.args.n_layer=1",
+          "task.args.block_size=32", "task.args.stride=64", "train.batch_size=16", "train.max_steps=40",
+          "train.epochs=20", "snapshot.every_steps=5", "train.progress=false", "train.log_every=1"]
+    run_dir = cluster.storage / "fsdp"
+    # Rank 0 sleeps 100 ms a step (numerics untouched), so the kill lands mid-run.
+    proc = submit_background(cluster, "fsdp", *lm, "drill.slow_rank=0", "drill.slow_ms=100")
+    try:
+        wait_for_step(run_dir, 2)
+        pids = ray_worker_pids(cluster)  # Ray's state API can take seconds on a loaded machine: asked early
+        wait_for_step(run_dir, 12)
+        os.kill(pids[-1], signal.SIGKILL)
+    finally:
+        rc, out = finish(proc)
+    assert rc == 0, out[-4000:]
+    before, resumed = _redone(run_dir)
+    assert 10 <= resumed <= before < 40 and resumed % 5 == 0 and before - resumed <= 5, (before, resumed)
+    final = run_dir / "step_000000040"
+    meta = json.loads((final / "meta.json").read_text())
+    # Both workers' shards (torch.distributed.checkpoint's `__RANK_0.distcp`) are in the directory Ray holds.
+    assert sorted(meta["shards"]) == ["shards/.metadata", "shards/__0_0.distcp", "shards/__1_0.distcp"], meta
+    assert all((final / f).stat().st_size == v["bytes"] for f, v in meta["shards"].items())
+    record = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+    assert final.name in [r["checkpoint_dir_name"] for r in record["checkpoint_results"]], record
+    t = torchrun(2, f"run.dir={tmp_path / 'tr'}", *lm)
+    assert t.returncode == 0, t.output[-3000:]
+    assert inspect(run_dir)["params_sha256"] == inspect(tmp_path / "tr")["params_sha256"] == meta["params_sha256"]
+    r = submit(cluster, "fsdp", *lm, "train.max_steps=45", "ray.num_workers=1")
+    assert r.returncode == 0, r.output[-4000:]
+    start = metrics(run_dir, "start")[-1]
+    assert (start["resumed_step"], start["resumed_world_size"], start["world_size"]) == (40, 2, 1), start
+    assert sorted(json.loads((run_dir / "step_000000045" / "meta.json").read_text())["shards"]) == \
+        ["shards/.metadata", "shards/__0_0.distcp"]
+
+
 def helpers_torchrun() -> list[str]:
     from helpers import torchrun_cmd
 

@@ -29,7 +29,7 @@ from trainapp.errors import ConfigError, Failure
 from trainapp.snapshots.files import Buffers, cpu_copy, is_storage_error, storage_hint
 from trainapp.snapshots.lease import Fence
 from trainapp.snapshots.publish import Publish
-from trainapp.snapshots.store import newest_valid, staging, step_name, write_dir, write_shards
+from trainapp.snapshots.store import check_seen, newest_valid, staging, step_name, write_dir, write_shards
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +144,7 @@ class SnapshotManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         tmp = Path(ctx.broadcast_object(str(tmp) if ctx.is_main else None))  # after the mkdir
+        check_seen(ctx, tmp, self.publish.setting, self.publish.where)
         try:
             return write_shards(ctx, tmp, shards)
         except BaseException as e:  # torch.distributed.checkpoint raises every rank's errors on every rank, as a

@@ -14,6 +14,7 @@ the model and optimizer as torch.distributed.checkpoint writes them (`__R_0.dist
 `.metadata`), written into the same temporary directory first (`write_shards`, every rank), each file
 checksummed by the rank that wrote it; `meta.json` lists every shard file with its size and checksum,
 so a torn or flipped shard makes the whole snapshot invalid, and it is renamed into place as a whole.
+That directory must be one every rank sees (`check_seen`, before any shard is written).
 """
 
 from __future__ import annotations
@@ -82,6 +83,24 @@ def params_sha256(module: torch.nn.Module) -> str:
 def staging(final: Path) -> Path:
     """The temporary directory a snapshot of `final` is written in before the rename publishes it."""
     return final.parent / f".tmp-{final.name}-{os.getpid()}"
+
+
+def check_seen(ctx, tmp: Path, setting: str, where: str) -> None:
+    """Every rank, before its shards go into rank 0's staging directory `tmp`: ConfigError on every rank
+    when some rank does not see it (storage local to each node). torch.distributed.checkpoint would
+    create the directory on that rank's own disk and write its shard there, and rank 0 would publish a
+    snapshot whose shards it does not hold, found out only by the resume that needs them."""
+    end = time.monotonic() + 2.0
+    while not tmp.is_dir() and time.monotonic() < end:  # a network filesystem's client may lag a moment
+        time.sleep(0.1)
+    blind = [who for who in ctx.all_gather_objects(None if tmp.is_dir() else f"rank {ctx.rank} on "
+                                                   f"{os.uname().nodename}") if who]
+    if blind:
+        if ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(f"{where}: not the same directory on every node ({', '.join(blind)} cannot see rank 0's "
+                          f"snapshot directory {tmp.name}); sharded snapshots (parallel.strategy=fsdp) need storage "
+                          f"every node sees: point {setting} at a shared filesystem (NFS, a shared volume)")
 
 
 def write_shards(ctx, tmp: Path, shards: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
