@@ -72,15 +72,6 @@ class Config:
                 f"model.num_classes={self.model.num_classes}: the synthetic dataset has "
                 f"data.synthetic_classes={self.data.synthetic_classes}; set them equal or leave num_classes empty"
             )
-        if self.parallel.strategy == "fsdp":
-            self._check_fsdp()
-
-    def _check_fsdp(self) -> None:
-        """What FSDP runs do not have yet: one line naming the key, instead of a run that breaks later."""
-        for bad, key, fix in ((self.snapshot.async_, "snapshot.async=true", "false"),):
-            if bad:
-                raise ConfigError(f"{key}: not supported with parallel.strategy=fsdp yet; set it to {fix}, or use "
-                                  "parallel.strategy=ddp")
 
     def to_dict(self) -> dict[str, Any]:
         # Field names as users write them; the values of dict fields (ray.env, ...) are left alone.

@@ -197,7 +197,8 @@ class SnapshotSection:
     """`snapshot.async`: rank 0 copies the state to CPU memory and writes it in a background thread,
     so training blocks only for the copy; the next snapshot waits for the previous write. Same atomic,
     checksummed files. Under Ray the write (and the upload to a URI) runs in the background too, and Ray
-    registers the snapshot at the next report."""
+    registers the snapshot at the next report. With `parallel.strategy=fsdp` every rank writes its shards
+    in the background, and the snapshot is published once every rank's are written."""
     max_failures: int = Field(default=3, ge=1)
     """Snapshots that may fail in a row (a full disk, a read-only or unwritable directory, I/O errors)
     before the run stops with exit code 3. A failed snapshot leaves nothing half-written and training

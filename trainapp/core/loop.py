@@ -26,6 +26,7 @@ from trainapp.faults.preempt import Preempted, Resized, Stopped
 from trainapp.observe.metrics import Throughput, val_metrics
 from trainapp.observe.records import Records
 from trainapp.observe.timings import PhaseClock
+from trainapp.snapshots.store import params_sha256
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,9 @@ class Trainer:
                 batches = None  # the epoch is over: the next step starts the next one
             bar.update(1)
             self.guard.heartbeat.beat(p.global_step)
+            if self.snapshots.shards_in_flight:  # published once every rank's shards are written
+                with meter.paused(), self.clock.phase("snapshot"):
+                    self.snapshots.poll(self.ctx)
             last = p.global_step == total
             decision = self.boundary.decide(p.global_step, last)
             if decision.stop:
@@ -204,9 +208,11 @@ class Trainer:
     def _save(self, samples_per_s: float, final: bool = False, urgent: bool = False, announce: bool = True) -> None:
         p = self.parts.progress
         state = self.parts.state.state_dict(self.ctx.is_main)  # every rank: the RNG part gathers all ranks'
-        digest = parallel.params_sha256(self.parts.model, self.ctx)  # every rank: an FSDP model gathers
         shards = self.parts.state.shards()  # every rank's shard of an FSDP model and optimizer
-        meta = {**state["progress"], "params_sha256": digest} if state is not None else None
+        # A sharded model's digest would gather the whole model onto rank 0 at every snapshot, what FSDP is
+        # used to avoid: `trainapp inspect` computes it from the shards instead.
+        digest = {} if state is None or self.parts.sharded else {"params_sha256": params_sha256(self.parts.model)}
+        meta = {**state["progress"], **digest} if state is not None else None
         report = {"step": p.global_step, "epoch": p.epoch, "loss": self.last_loss, "world_size": self.ctx.world_size,
                   "samples_per_s": samples_per_s}
         if self.last_eval is not None and self.last_eval["step"] == p.global_step:

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import contextlib
-import sys
 from typing import Any
 
 import torch
@@ -83,28 +82,6 @@ def no_sync(train_model: torch.nn.Module, ddp: DDP | None, sharded: bool, sync: 
     elif ddp is not None and not sync:
         return ddp.no_sync()
     return contextlib.nullcontext()
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    """For code that meets a model it did not build (snapshots, inspect); the loop asks `Parts.sharded`.
-    Without torch.distributed.fsdp imported no model is sharded: a DDP process never pays its import
-    (0.6 s of CPU)."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
-
-
-def params_sha256(model: torch.nn.Module, ctx) -> str | None:
-    """Every rank calls this: sha256 of the model's full parameters and buffers on rank 0 (an FSDP model's
-    gathered there first, a collective: the same digest as the unsharded model's), None elsewhere."""
-    from trainapp.snapshots.store import params_sha256 as whole
-    from trainapp.snapshots.store import tensors_sha256
-
-    if not is_sharded(model):
-        return whole(model) if ctx.is_main else None
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return tensors_sha256(full) if ctx.is_main else None
 
 
 def eval_batches(loader, ctx, sharded: bool):

@@ -3,7 +3,11 @@ failures a run survives, and the load of the newest valid snapshot on start.
 
 With `snapshot.async`, rank 0 blocks only while it copies the state into CPU memory (the previous
 snapshot's buffers, reused); a background thread writes that copy the same atomic way. One write is
-in flight at most: the next snapshot (and the end of training) waits for it.
+in flight at most: the next snapshot (and the end of training) waits for it. A sharded snapshot (FSDP)
+goes the same way on every rank: each copies its shards to CPU memory and DCP's thread writes them
+(`async_save`); at each step boundary the ranks agree whether every shard is written (`poll`), and
+then rank 0 publishes the snapshot as a synchronous one: nothing is published before every rank's
+shard is on disk and checksummed.
 
 A storage error (a full disk, a read-only mount, a directory rank 0 may not write, I/O errors) drops
 that snapshot, leaves nothing half-written, and training goes on; `snapshot.max_failures` in a row,
@@ -14,6 +18,7 @@ the cause, the place and the fix. Where snapshots go, and their retention, is th
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import logging
@@ -22,6 +27,7 @@ import shutil
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +35,18 @@ from trainapp.errors import ConfigError, Failure
 from trainapp.snapshots.files import Buffers, cpu_copy, is_storage_error, storage_hint
 from trainapp.snapshots.lease import Fence
 from trainapp.snapshots.publish import Publish
-from trainapp.snapshots.store import check_seen, newest_valid, staging, step_name, write_dir, write_shards
+from trainapp.snapshots.store import (
+    SHARDS,
+    check_seen,
+    merged,
+    newest_valid,
+    own_shards,
+    staging,
+    start_shards,
+    step_name,
+    write_dir,
+    write_shards,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +67,17 @@ class _Unwatched:
 
     def wait_for(self, thread: threading.Thread) -> None:
         thread.join()
+
+
+@dataclass
+class _ShardsInFlight:
+    """An asynchronous sharded snapshot being written: every rank's future; rank 0's copy of the rest."""
+
+    step: int
+    tmp: Path
+    future: Any
+    state: dict[str, Any] | None
+    meta: dict[str, Any] | None
 
 
 class SnapshotManager:
@@ -80,6 +108,8 @@ class SnapshotManager:
         self._error: BaseException | None = None
         self._last: tuple[int, OSError] | None = None
         self._buffers = Buffers()
+        self._shards: _ShardsInFlight | None = None
+        self._groups: tuple[Any, Any] | None = None  # Gloo groups of DCP's writer thread and of `poll`
 
     @classmethod
     def from_config(cls, cfg, publish: Publish, heartbeat: Any = None, fence: Fence | None = None) -> SnapshotManager:
@@ -108,9 +138,13 @@ class SnapshotManager:
 
         A storage error drops this snapshot and training goes on; StorageError on every rank after
         `max_failures` in a row, or when the `final` snapshot fails (the run's last, or a preemption's).
-        `shards`: every rank's shard of the sharded parts (an FSDP run; written synchronously)."""
+        `shards`: every rank's shard of the sharded parts (an FSDP run)."""
         t0 = time.perf_counter()
-        if self.async_write:
+        if self.async_write and shards is not None:
+            self.settle(ctx)  # the previous one published first: one in flight at most
+            self.agree(ctx, final=False)
+            self._start_shards(ctx, step, state, meta, shards)
+        elif self.async_write:
             if ctx.is_main:
                 self.wait()  # the previous write's outcome is counted now
             self.agree(ctx, final=False)  # stop before starting one write too many
@@ -132,19 +166,25 @@ class SnapshotManager:
         """Every rank, at the end of a run or a stop: the write in flight is on disk, or StorageError."""
         if ctx.is_main:
             self.wait()
+        self.settle(ctx)
         self.agree(ctx, final=True)
         if announce:
             self.publish.flush(ctx)
 
-    def _stage(self, ctx, step: int, shards: dict[str, Any]) -> dict[str, Any] | None:
-        """Every rank: its shards written into rank 0's staging directory of `step`; rank 0 gets their
-        listing, or None when the write failed (counted as a failed snapshot, the directory removed)."""
+    def _staging_dir(self, ctx, step: int) -> Path:
+        """Every rank: rank 0's staging directory of `step`, made empty, which every rank sees."""
         tmp = staging(self.path_for(step))
         if ctx.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         tmp = Path(ctx.broadcast_object(str(tmp) if ctx.is_main else None))  # after the mkdir
         check_seen(ctx, tmp, self.publish.setting, self.publish.where)
+        return tmp
+
+    def _stage(self, ctx, step: int, shards: dict[str, Any]) -> dict[str, Any] | None:
+        """Every rank: its shards written into rank 0's staging directory of `step`; rank 0 gets their
+        listing, or None when the write failed (counted as a failed snapshot, the directory removed)."""
+        tmp = self._staging_dir(ctx, step)
         try:
             return write_shards(ctx, tmp, shards)
         except BaseException as e:  # torch.distributed.checkpoint raises every rank's errors on every rank, as a
@@ -156,6 +196,79 @@ class SnapshotManager:
                 shutil.rmtree(tmp, ignore_errors=True)
                 self._count_failure(step, cause)
             return None
+
+    def _start_shards(self, ctx, step: int, state: dict[str, Any] | None, meta: dict[str, Any] | None,
+                      shards: dict[str, Any]) -> None:
+        """Every rank: its shards of `step` copied to CPU memory, their write started in DCP's thread;
+        rank 0 keeps a copy of the rest of the state for `settle`."""
+        if self._groups is None and ctx.distributed:  # collectives: every rank makes them at the same snapshot
+            import torch.distributed as dist
+
+            self._groups = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
+        tmp = self._staging_dir(ctx, step)
+        copy = self._staging = cpu_copy(state, into=self._staging) if ctx.is_main else None
+        future = start_shards(tmp, shards, self._groups[0] if self._groups else None)
+        self._shards = _ShardsInFlight(step, tmp, future, copy, meta)
+
+    @property
+    def shards_in_flight(self) -> bool:
+        return self._shards is not None
+
+    def poll(self, ctx) -> None:
+        """Every rank, at every step boundary: publish the sharded snapshot in flight once every rank's
+        shards are written. While one is in flight this costs one small all-reduce a step, on a Gloo
+        group of its own; otherwise nothing."""
+        if self._shards is None:
+            return
+        import torch
+
+        busy = torch.tensor([0 if self._shards.future.done() else 1])
+        if ctx.distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=self._groups[1])
+        if busy.item() == 0:
+            self.settle(ctx)
+
+    def settle(self, ctx) -> None:
+        """Every rank: the sharded snapshot in flight, if any, written (waiting for this rank's shards,
+        beating while they grow); rank 0 then publishes it with every rank's listing, or counts it
+        failed as `_stage` does a synchronous one."""
+        w, self._shards = self._shards, None
+        if w is None:
+            return
+        error, own = None, {}
+        try:
+            self._wait_shards(w)
+            own = own_shards(ctx, w.tmp)
+        except BaseException as e:  # DCP raises every rank's errors on every rank (CheckpointException)
+            error = e
+        cause = _storage_cause(error) if error is not None else None
+        everyone = ctx.gather_objects((own, cause, error is not None))
+        if error is not None and cause is None:
+            raise error
+        if not ctx.is_main:
+            return
+        causes = [c for _, c, _ in everyone if c is not None]
+        if causes or any(failed for _, _, failed in everyone):
+            shutil.rmtree(w.tmp, ignore_errors=True)
+            if causes:
+                self._count_failure(w.step, causes[0])
+            return
+        self._attempt(w.step, w.state, w.meta, merged([o for o, _, _ in everyone]))
+
+    def _wait_shards(self, w: _ShardsInFlight) -> None:
+        """This rank's shard write done (its error raised); the training thread beats while the staged
+        files grow, so a slow write is not taken for a hang and a stuck one still is."""
+        seen = -1
+        while True:
+            try:
+                return w.future.result(timeout=0.5)
+            except concurrent.futures.TimeoutError:
+                size = sum(p.stat().st_size for p in (w.tmp / SHARDS).glob("*") if p.is_file())
+                if size != seen:
+                    seen = size
+                    self.heartbeat.progress()
 
     def _attempt(self, step: int, state: dict[str, Any], meta: dict[str, Any],
                  shards: dict[str, Any] | None = None) -> None:

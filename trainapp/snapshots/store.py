@@ -109,16 +109,35 @@ def write_shards(ctx, tmp: Path, shards: dict[str, Any]) -> dict[str, dict[str, 
     {file: {"xxh3_128", "bytes"}} of every rank's files, the others None."""
     import torch.distributed.checkpoint as dcp
 
-    root = tmp / SHARDS
-    dcp.save(shards, storage_writer=dcp.FileSystemWriter(str(root), sync_files=True))
+    dcp.save(shards, storage_writer=dcp.FileSystemWriter(str(tmp / SHARDS), sync_files=True))
+    return merged(ctx.gather_objects(own_shards(ctx, tmp)))
+
+
+def start_shards(tmp: Path, shards: dict[str, Any], group: Any) -> Any:
+    """Every rank: `write_shards`' write, asynchronous (DCP's `async_save`): the shards are copied to CPU
+    memory now, written by a thread of DCP's that talks to the other ranks over `group` (a group of its
+    own, so its collectives never interleave with training's). A future; `own_shards` once it is done."""
+    import torch.distributed.checkpoint as dcp
+
+    started = dcp.async_save(shards, storage_writer=dcp.FileSystemWriter(str(tmp / SHARDS), sync_files=True),
+                             process_group=group)
+    return getattr(started, "upload_completion", started)  # a future, or a response holding it
+
+
+def own_shards(ctx, tmp: Path) -> dict[str, dict[str, Any]]:
+    """Every rank, its shards written: {file: {"xxh3_128", "bytes"}} of the files this rank wrote (rank 0
+    also the metadata), each fsynced first."""
     own = {}
-    for path in sorted(root.iterdir()):
-        mine = path.name.startswith(f"__{ctx.rank}_") or (ctx.is_main and not path.name.startswith("__"))
-        if mine:  # a rank's own files, and rank 0 the metadata
+    for path in sorted((tmp / SHARDS).iterdir()):
+        if path.name.startswith(f"__{ctx.rank}_") or (ctx.is_main and not path.name.startswith("__")):
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
             own[f"{SHARDS}/{path.name}"] = {"xxh3_128": file_digest(path), "bytes": path.stat().st_size}
-    everyone = ctx.gather_objects(own)
+    return own
+
+
+def merged(everyone: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """Rank 0: every rank's `own_shards` as one listing (None elsewhere)."""
     return {k: v for part in everyone for k, v in part.items()} if everyone is not None else None
 
 
