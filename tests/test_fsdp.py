@@ -149,14 +149,16 @@ def test_a_full_disk_fails_shard_writes_whole_and_stops_after_max_failures_with_
 
 
 def fsdp_preempt_cmd(run_dir, *args):
-    return preempt_cmd(run_dir, "parallel.strategy=fsdp", *args)
+    # Parameters gathered in autocast's dtype (bf16 where the CPU has it), BatchNorm units kept fp32.
+    return preempt_cmd(run_dir, "parallel.strategy=fsdp", "parallel.fsdp_param_dtype=amp", *args)
 
 
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_sigterm_to_one_fsdp_worker_snapshots_the_step_reached_and_the_rerun_is_bitwise_equal(tmp_path):
-    """The preemption path of test_preempt.py with sharded snapshots: the notice reaches rank 1, both
-    ranks stop at the agreed step, every rank writes its shard of that step; zero steps redone."""
+    """The preemption path of test_preempt.py with sharded snapshots (and low-precision gathers): the notice
+    reaches rank 1, both ranks stop at the agreed step, every rank writes its shard of that step; zero
+    steps redone."""
     run_dir = tmp_path / "run"
     job = Job(fsdp_preempt_cmd(run_dir), tmp_path, "fsdp")
     ranks = job.workers(2)
@@ -235,3 +237,52 @@ def test_snapshot_storage_a_rank_does_not_see_stops_every_rank_in_one_line_befor
                                                        "node (rank 1 on "), out
         assert "point run.dir at a shared filesystem" in lines[0]
     assert list(root.iterdir()) == []  # no shard written, rank 0's empty staging directory removed
+
+
+# Two gloo ranks shard a small conv net with a BatchNorm and record the dtype each layer's weight has
+# while its forward runs (what the unit gathered), then the dtypes of the sharded parameters and gradients.
+_GATHER_DTYPES = """
+import os, sys, json, torch, torch.distributed as dist
+from torch import nn
+from trainapp.config import load
+from trainapp.core import parallel
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", rank=rank, world_size=2)
+cfg = load(None, ["parallel.strategy=fsdp", f"parallel.fsdp_param_dtype={sys.argv[1]}"])
+model = nn.Sequential(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()), nn.Flatten(),
+                      nn.Linear(4 * 6 * 6, 2))
+seen = {}
+for name, m in model.named_modules():
+    if hasattr(m, "weight"):
+        m.register_forward_pre_hook(lambda mod, args, name=name: seen.__setitem__(name, str(mod.weight.dtype)))
+parallel.shard(model, cfg, dtype=torch.bfloat16)
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    model(torch.randn(2, 3, 8, 8)).float().sum().backward()
+stored = sorted({str(p.dtype) for p in model.parameters()} | {str(p.grad.dtype) for p in model.parameters()})
+print(json.dumps({"gathered": seen, "stored": stored}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("mode, conv", [("amp", "torch.bfloat16"), ("fp32", "torch.float32")])
+def test_param_dtype_amp_gathers_in_bf16_keeps_batchnorm_and_the_shards_and_grads_fp32(mode, conv):
+    import subprocess
+
+    from helpers import PY, REPO
+
+    from trainapp.launch.ray.cluster import free_port
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [subprocess.Popen([PY, "-c", _GATHER_DTYPES, mode], env={**env, "RANK": str(r)}, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    for out in outs:
+        got = json.loads(out.strip().splitlines()[-1])
+        assert got["gathered"] == {"0.0": conv, "0.1": "torch.float32", "2": conv}, got
+        assert got["stored"] == ["torch.float32"], got  # the optimizer steps fp32 shards with fp32 gradients

@@ -36,6 +36,12 @@ class ParallelSection:
     reshard_after_forward: bool = True
     """fsdp: free a unit's gathered parameters after its forward (gathered again for the backward): less
     memory, one more all-gather per unit and step."""
+    fsdp_param_dtype: Literal["fp32", "amp"] = "fp32"
+    """fsdp: the dtype a unit gathers its parameters in. `fp32`: as they are stored, the forward under
+    autocast (`amp.dtype`), as under DDP. `amp`: in `amp.dtype` (FSDP2's MixedPrecisionPolicy): half the
+    bytes of every all-gather and of the gathered parameters, the gradients reduce-scattered and
+    accumulated in fp32 into the fp32 shards the optimizer steps; BatchNorm layers stay fp32 (units of
+    their own: their running statistics are fp32). No difference with `amp.dtype=off`."""
 
 
 _IFNAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")

@@ -88,7 +88,7 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
     sharded = (fsdp := cfg.parallel.strategy == "fsdp") and ctx.distributed  # alone: whole, in DCP snapshots
     ema = optim.build_ema(model, cfg.train.ema_decay)  # a copy of the whole model, so made before sharding
     if sharded:  # before the optimizer, which must hold the sharded parameters; the EMA copy sharded alike
-        parallel.shard(model, cfg, task, ema.module if ema is not None else None)
+        parallel.shard(model, cfg, task, ema.module if ema is not None else None, precision.dtype)
     opt = optim.build(model, cfg.optim, cfg.sched, ema, horizon, progress, fused=cuda, groups=task.param_groups)
     weights = ShardedState(model, opt.optimizer) if fsdp else None  # model and optimizer, every rank's shard
     state = TrainState({"progress": progress, "model": weights or model, "optimizer": None if fsdp else opt.optimizer,

@@ -14,9 +14,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import torch
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainapp.config import Config, ConfigError
@@ -58,20 +60,31 @@ def units(model: torch.nn.Module, names: list[str], task: Any = None) -> list[to
     return out
 
 
-def shard(model: torch.nn.Module, cfg: Config, task: Any = None, copy: torch.nn.Module | None = None) -> None:
-    """`fully_shard` on the units, innermost first, then on the model (fp32 parameters and reductions);
-    the same on `copy` (the EMA copy of the model), whose shards then lie beside the model's."""
-    from torch.distributed.fsdp import fully_shard
+def shard(model: torch.nn.Module, cfg: Config, task: Any = None, copy: torch.nn.Module | None = None,
+          dtype: torch.dtype | None = None) -> None:
+    """`fully_shard` on the units, innermost first, then on the model; the same on `copy` (the EMA copy
+    of the model), whose shards then lie beside the model's. Parameters gathered in fp32, or in `dtype`
+    (autocast's) with `parallel.fsdp_param_dtype=amp`."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    low = dtype if cfg.parallel.fsdp_param_dtype == "amp" else None
+    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
+    shard_as = functools.partial(fully_shard, reshard_after_forward=cfg.parallel.reshard_after_forward)
     for module in (model, copy) if copy is not None else (model,):
         for p in module.parameters():  # FSDP2 shards contiguous parameters only (a channels-last conv's are not)
             if not p.is_contiguous():
                 p.data = p.data.contiguous()
+        # A BatchNorm's fp32 running statistics need fp32 weights: with low-precision gathers each is a
+        # unit of its own, kept fp32 (autocast casts what follows it back down).
+        norms = [m for m in module.modules() if low is not None and isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        for norm in norms:
+            shard_as(norm, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
         # A unit inside another must be sharded first: fully_shard on the outer one then leaves its
         # parameters to the inner one.
         for unit in reversed(units(module, cfg.parallel.fsdp_units, task)):
-            fully_shard(unit, reshard_after_forward=cfg.parallel.reshard_after_forward)
-        fully_shard(module, reshard_after_forward=cfg.parallel.reshard_after_forward)
+            if not any(unit is n for n in norms):
+                shard_as(unit, mp_policy=policy)
+        shard_as(module, mp_policy=policy)
 
 
 def no_sync(train_model: torch.nn.Module, ddp: DDP | None, sharded: bool, sync: bool):
