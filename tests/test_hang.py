@@ -5,6 +5,7 @@ long eval, a slow snapshot write or the first step."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -114,6 +115,38 @@ def test_a_sigstopped_rank_of_an_fsdp_run_is_found_by_its_peer_within_the_hang_t
     assert not alive  # the peer left: torchrun sees its exit 124 and tears the group down
     hung = (run_dir / "hangs" / "rank-0-attempt-0.txt").read_text()
     assert "rank 0 on" in hung and "in phase compute: hang: no progress" in hung, hung[:2000]
+
+
+@pytest.mark.e2e
+def test_a_shard_write_slower_than_the_hang_timeout_is_no_hang_but_a_rank_stopped_inside_one_is_found(tmp_path):
+    """FSDP: every rank's shards take 5 s to write (the drill's slow disk) against fault.hang_timeout_s=2.
+    The step-10 snapshot completes, no watchdog fires; rank 1 SIGSTOPped inside the step-20 write stops
+    its shard growing, and rank 0, once its own shard is written, is found silent in the snapshot phase."""
+    run_dir, rt = tmp_path / "run", tmp_path / "rt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINAPP_RUNTIME_DIR": str(rt)}
+    cmd = torchrun(run_dir, "parallel.strategy=fsdp", "fault.hang_timeout_s=2", "drill.snapshot_write_delay_s=5",
+                   "train.max_steps=30", restarts=0)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        snap = wait_for_record(run_dir, "snapshot", lambda r: r["step"] == 10, timeout=120)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not list((run_dir / "snapshots").glob(".tmp-step_000000020-*/shards/__1_*")):
+            time.sleep(0.05)
+        os.kill(worker_pids(rt)[1], signal.SIGSTOP)
+        stopped = time.time()
+        rec = wait_for_record(run_dir, "failure", lambda r: r["rank"] == 0, timeout=60)
+    finally:
+        kill_registered(rt)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert snap["blocking_s"] > 2 + 2, snap  # the write was well over the timeout, and no one fired
+    meta = json.loads((run_dir / "snapshots" / "step_000000010" / "meta.json").read_text())
+    assert {"shards/__0_0.distcp", "shards/__1_0.distcp"} <= set(meta["shards"]), meta
+    assert rec["cause"] == "hang" and rec["phase"] == "snapshot" and rec["step"] == 20, rec
+    # rank 0's own 5 s write goes on after the stop, then 2 s of silence and the watchdog's poll
+    assert rec["time"] - stopped < 5 + 2 + 4, rec["time"] - stopped
 
 
 def _alive(pid: int) -> bool:

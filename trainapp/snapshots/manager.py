@@ -51,6 +51,9 @@ class _Unwatched:
     def wait_for(self, thread: threading.Thread) -> None:
         thread.join()
 
+    def writing(self, where: Path) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
 
 class SnapshotManager:
     """Owns the cadence, the writing and the loading of snapshots; `publish` is the one step that
@@ -146,7 +149,8 @@ class SnapshotManager:
         tmp = Path(ctx.broadcast_object(str(tmp) if ctx.is_main else None))  # after the mkdir
         check_seen(ctx, tmp, self.publish.setting, self.publish.where)
         try:
-            return write_shards(ctx, tmp, shards)
+            with self.heartbeat.writing(tmp):
+                return write_shards(ctx, tmp, shards, self.write_delay_s)
         except BaseException as e:  # torch.distributed.checkpoint raises every rank's errors on every rank, as a
             # CheckpointException, a BaseException
             cause = _storage_cause(e)
@@ -239,7 +243,8 @@ class SnapshotManager:
         commit it where it goes."""
         t0 = time.perf_counter()
         meta = {**meta, "lease_generation": self.fence.generation}
-        path = write_dir(self.path_for(step), state, meta, self.write_delay_s, self.heartbeat.progress, self._buffers,
+        delay_s = 0.0 if shards else self.write_delay_s  # with shards the drill slows their write (_stage)
+        path = write_dir(self.path_for(step), state, meta, delay_s, self.heartbeat.progress, self._buffers,
                          before_publish=lambda: self.fence.check("snapshot"), shards=shards)
         self.fence.check("snapshot")  # a URI's upload publishes: after the local write, before that
         where = self.publish.commit(step, path)
