@@ -4,6 +4,8 @@ long eval, a slow snapshot write or the first step."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -11,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import PY, QUICK, REPO, inspect, kill_registered, metrics, run_cmd, torchrun_cmd
+from helpers import PY, QUICK, REPO, inspect, kill_registered, metrics, run_cmd, torchrun_cmd, wait_for_record
 
 pytestmark = pytest.mark.slow
 
@@ -58,9 +60,7 @@ def test_a_sigstopped_rank_is_found_by_its_peer_in_seconds(tmp_path):
         while time.monotonic() < deadline and not any(
                 r["step"] >= 25 for r in metrics(run_dir, "train", missing_ok=True)):
             time.sleep(0.05)
-        pids = {int((Path(f"/proc/{p.name}/environ").read_bytes().split(b"RANK=", 1)[1].split(b"\0")[0])): int(p.name)
-                for p in (tmp_path / "rt" / "workers").iterdir()}
-        os.kill(pids[1], signal.SIGSTOP)
+        os.kill(worker_pids(tmp_path / "rt")[1], signal.SIGSTOP)
         stopped = time.time()
         _, err = proc.communicate(timeout=240)
     finally:
@@ -77,6 +77,84 @@ def test_a_sigstopped_rank_is_found_by_its_peer_in_seconds(tmp_path):
     # --shutdown-timeout in torch 2.14), the restart: within the issue's 100 s at the default 60 s
     assert resumed["resumed_step"] is not None and resumed["time"] - stopped < 60, resumed["time"] - stopped
     assert inspect(run_dir)["global_step"] == 100
+
+
+def worker_pids(runtime_root: Path) -> dict[int, int]:
+    """{rank: pid} of the torchrun workers registered under `runtime_root` (TRAINAPP_RUNTIME_DIR)."""
+    return {int((Path(f"/proc/{p.name}/environ").read_bytes().split(b"RANK=", 1)[1].split(b"\0")[0])): int(p.name)
+            for p in (runtime_root / "workers").iterdir()}
+
+
+@pytest.mark.e2e
+def test_a_sigstopped_rank_of_an_fsdp_run_is_found_by_its_peer_within_the_hang_timeout(tmp_path):
+    """Under FSDP rank 0 waits for the stopped rank 1 in a unit's all-gather or reduce-scatter, inside the
+    forward or backward: its watchdog fires, it records the hang and exits 124."""
+    run_dir, rt = tmp_path / "run", tmp_path / "rt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINAPP_RUNTIME_DIR": str(rt)}
+    proc = subprocess.Popen(torchrun(run_dir, "parallel.strategy=fsdp", "fault.hang_timeout_s=5", restarts=0),
+                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        wait_for_record(run_dir, "train", lambda r: r["step"] >= 15, timeout=120)
+        pids = worker_pids(rt)
+        os.kill(pids[1], signal.SIGSTOP)
+        stopped = time.time()
+        rec = wait_for_record(run_dir, "failure", lambda r: r["rank"] == 0, timeout=60)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _alive(pids[0]):
+            time.sleep(0.1)
+        alive = _alive(pids[0])
+    finally:
+        kill_registered(rt)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    # 5 s of silence, the watchdog's poll of 1 s, the record: a few seconds over the timeout
+    assert rec["cause"] == "hang" and rec["exit_code"] == 124 and rec["phase"] == "compute", rec
+    assert rec["time"] - stopped < 5 + 4, rec["time"] - stopped
+    assert not alive  # the peer left: torchrun sees its exit 124 and tears the group down
+    hung = (run_dir / "hangs" / "rank-0-attempt-0.txt").read_text()
+    assert "rank 0 on" in hung and "in phase compute: hang: no progress" in hung, hung[:2000]
+
+
+@pytest.mark.e2e
+def test_a_shard_write_slower_than_the_hang_timeout_is_no_hang_but_a_rank_stopped_inside_one_is_found(tmp_path):
+    """FSDP: every rank's shards take 5 s to write (the drill's slow disk) against fault.hang_timeout_s=2.
+    The step-10 snapshot completes, no watchdog fires; rank 1 SIGSTOPped inside the step-20 write stops
+    its shard growing, and rank 0, once its own shard is written, is found silent in the snapshot phase."""
+    run_dir, rt = tmp_path / "run", tmp_path / "rt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINAPP_RUNTIME_DIR": str(rt)}
+    cmd = torchrun(run_dir, "parallel.strategy=fsdp", "fault.hang_timeout_s=2", "drill.snapshot_write_delay_s=5",
+                   "train.max_steps=30", restarts=0)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        snap = wait_for_record(run_dir, "snapshot", lambda r: r["step"] == 10, timeout=120)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not list((run_dir / "snapshots").glob(".tmp-step_000000020-*/shards/__1_*")):
+            time.sleep(0.05)
+        os.kill(worker_pids(rt)[1], signal.SIGSTOP)
+        stopped = time.time()
+        rec = wait_for_record(run_dir, "failure", lambda r: r["rank"] == 0, timeout=60)
+    finally:
+        kill_registered(rt)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert snap["blocking_s"] > 2 + 2, snap  # the write was well over the timeout, and no one fired
+    meta = json.loads((run_dir / "snapshots" / "step_000000010" / "meta.json").read_text())
+    assert {"shards/__0_0.distcp", "shards/__1_0.distcp"} <= set(meta["shards"]), meta
+    assert rec["cause"] == "hang" and rec["phase"] == "snapshot" and rec["step"] == 20, rec
+    # rank 0's own 5 s write goes on after the stop, then 2 s of silence and the watchdog's poll
+    assert rec["time"] - stopped < 5 + 2 + 4, rec["time"] - stopped
+
+
+def _alive(pid: int) -> bool:
+    """The process runs (not gone, not a zombie its parent has yet to reap)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 @pytest.mark.e2e

@@ -211,21 +211,32 @@ def test_scancel_snapshots_and_the_same_run_dir_resumes_in_a_new_job(slurm, stra
     assert inspect(run_dir)["params_sha256"] == straight
 
 
+FSDP_RUN = ("parallel.strategy=fsdp", "train.max_steps=40")  # sharded, and shorter: its straight run is extra
+
+
 @pytest.mark.slow
 @pytest.mark.slurm
-def test_a_killed_rank_is_restarted_inside_the_allocation_by_torchrun(slurm, straight, tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_killed_rank_is_restarted_inside_the_allocation_by_torchrun(slurm, straight, tmp_path, strategy):
     """Rank 1 (on node2) SIGKILLs itself after step 13: both nodes' torchrun agents meet again at the
-    rendezvous on node1, and the group resumes from the snapshot of step 10 in the same job."""
+    rendezvous on node1, and the group resumes from the snapshot of step 10 in the same job. Under FSDP
+    each node's rank writes its shard into the shared RUN_DIR and loads it back after the restart."""
     run_dir = tmp_path / "run"
-    job, out = submit(slurm, tmp_path, "crash", RUN_DIR=str(run_dir),
-                      ARGS=" ".join([*RUN, "snapshot.every_steps=10", "drill.kill_at_step=13", "drill.rank=1"]))
+    extra = FSDP_RUN if strategy == "fsdp" else ()
+    job, out = submit(slurm, tmp_path, f"crash-{strategy}", RUN_DIR=str(run_dir),
+                      ARGS=" ".join([*RUN, "snapshot.every_steps=10", "drill.kill_at_step=13", "drill.rank=1", *extra]))
     info = slurm.wait_job(job, timeout=300)
     text = out.read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", (info, text[-4000:])
     first, second = metrics(run_dir, "start")  # one per attempt
     assert (first["resumed_step"], second["resumed_step"]) == (None, 10), second
     assert {(p["host"], p["node_rank"]) for p in second["placement"]} == {("node1", 0), ("node2", 1)}
-    assert inspect(run_dir)["params_sha256"] == straight
+    if strategy == "ddp":
+        assert inspect(run_dir)["params_sha256"] == straight
+        return
+    meta = json.loads((run_dir / "snapshots" / "step_000000040" / "meta.json").read_text())
+    assert {"shards/__0_0.distcp", "shards/__1_0.distcp"} <= set(meta["shards"]), meta
+    assert inspect(run_dir)["params_sha256"] == straight_sha(tmp_path, torchrun_cmd, *FSDP_RUN)
 
 
 @pytest.mark.slow

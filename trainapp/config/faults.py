@@ -45,7 +45,9 @@ class DrillSection:
     it out, the launcher restarts the group."""
     snapshot_write_delay_s: float = Field(default=0.0, ge=0)
     """Sleep this long inside every snapshot write, after `state.pt` and before the `meta.json` that
-    completes it, so a kill can land mid-write."""
+    completes it, so a kill can land mid-write. A sharded snapshot (`parallel.strategy=fsdp`) instead
+    writes every rank's shards as a slow disk would, over about this long, the files growing the whole
+    time."""
     slow_rank: Optional[int] = Field(default=None, ge=0)
     """This rank's every step takes `drill.slow_ms` longer, as on a throttled GPU or a slow disk."""
     slow_ms: float = Field(default=100.0, gt=0)

@@ -50,6 +50,8 @@ class Trainer:
         self.clock = PhaseClock(ctx.device, cfg.observe.ranks, guard.heartbeat.set_phase)
         if parts.ddp is not None and cfg.observe.ranks:
             self.clock.attach(parts.ddp)
+        elif parts.sharded and cfg.observe.ranks:
+            parallel.time_waits(parts.train_model, self.clock.wait_begins, self.clock.wait_ends)
 
     def train(self) -> dict[str, Any]:
         t, p = self.cfg.train, self.parts.progress
@@ -131,7 +133,8 @@ class Trainer:
         parts.optimizer.zero_grad(set_to_none=True)
         parts.schedule.step()
         if parts.sharded:  # the step's running statistics are rank 0's, as DDP's broadcast_buffers makes them,
-            parallel.buffers_from_rank0(parts.model, self.ctx)  # before the EMA averages them
+            with clock.waiting():  # before the EMA averages them; a peer late for it is waited for here
+                parallel.buffers_from_rank0(parts.model, self.ctx)
         if parts.ema is not None:
             parts.ema.update_parameters(parts.model)
         clock.enter("other")

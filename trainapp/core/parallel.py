@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any
+import logging
+from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainapp.config import Config, ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def wrap_ddp(model: torch.nn.Module, ctx) -> DDP | None:
@@ -85,6 +88,69 @@ def shard(model: torch.nn.Module, cfg: Config, task: Any = None, copy: torch.nn.
             if not any(unit is n for n in norms):
                 shard_as(unit, mp_policy=policy)
         shard_as(module, mp_policy=policy)
+
+
+def time_waits(model: torch.nn.Module, begin: Callable[[], None], end: Callable[[], None]) -> None:
+    """Every training forward and backward of the FSDP `model` calls `begin()` before and `end()` after each
+    place it waits for its peers, so the phase clock counts those waits as comm (trainapp/observe/timings.py).
+
+    Forward: FSDP's own pre-forward (a forward pre-hook it prepends when it shards a unit) gathers the
+    unit's parameters and waits for that all-gather; a hook prepended later runs before it, one appended
+    runs after it. Backward: torch offers no hook there, so the units' parameter groups' `pre_backward`
+    (the all-gather again, when parameters were resharded after forward, and the prefetch of the next
+    unit's), `post_backward` (the reduce-scatter of the gradients) and `finalize_backward` (where CUDA
+    streams wait for the last reduce-scatters) are wrapped; they are looked up on the group at every call.
+    Those names are private (torch 2.14): where they are gone, one warning, and the backward's waits count
+    as compute, as before. On CPU (gloo) each collective blocks the calling thread, so the clock's laps time
+    it; on CUDA the laps are events on the compute stream, which FSDP makes wait for the collectives'
+    streams inside these same calls: the stream's wait is timed, not the launch."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def before(module, args) -> None:
+        if module.training:
+            begin()
+
+    def after(module, args) -> None:
+        if module.training:
+            end()
+
+    fsdp_units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in fsdp_units:
+        unit.register_forward_pre_hook(before, prepend=True)
+        unit.register_forward_pre_hook(after)
+    groups = _param_groups(fsdp_units)
+    if groups is None:
+        log.warning("FSDP's parameter groups are not where trainapp looks for them in torch %s: the backward's "
+                    "waits for peers count as compute in the rank timings", torch.__version__)
+        return
+    for group in groups:
+        for name in _GROUP_WAITS:
+            setattr(group, name, _bracketed(getattr(group, name), begin, end))
+
+
+_GROUP_WAITS = ("pre_backward", "post_backward", "finalize_backward")
+"""The methods of FSDP's (private) FSDPParamGroup within which a backward waits for the peers."""
+
+
+def _param_groups(fsdp_units: list[torch.nn.Module]) -> list[Any] | None:
+    """Every unit's FSDP parameter groups, or None when this torch lays them out otherwise."""
+    try:
+        groups = [g for u in fsdp_units for g in u._get_fsdp_state()._fsdp_param_groups]
+    except (AttributeError, TypeError):
+        return None
+    return groups if all(callable(getattr(g, n, None)) for g in groups for n in _GROUP_WAITS) else None
+
+
+def _bracketed(method: Callable[..., Any], begin: Callable[[], None], end: Callable[[], None]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        begin()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            end()
+
+    return timed
 
 
 def no_sync(train_model: torch.nn.Module, ddp: DDP | None, sharded: bool, sync: bool):

@@ -9,7 +9,8 @@ They plug into the run from outside the loop:
 - the slow-rank drill (`slow_rank`, `slow_ms`, `slow_phase`) is attached to the parts: a pause after
   each batch is fetched (data), a forward hook that pauses between forward and backward (compute, as
   a slow device would be), or an optimizer step hook (optim);
-- the slow snapshot write (`snapshot_write_delay_s`) is the snapshot manager's own pause.
+- the slow snapshot write (`snapshot_write_delay_s`) is the snapshot manager's own pause (with shards, a
+  slow disk under their write: trainapp/snapshots/files.py's `slow_disk`).
 """
 
 from __future__ import annotations

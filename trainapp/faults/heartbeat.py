@@ -11,14 +11,17 @@ its snapshot.
 
 A rank blocked in a collective because a peer hangs stops beating too, so the healthy ranks find the
 hang as well. The exception: ranks other than 0 waiting for rank 0's snapshot write (`snapshot` phase)
-do not count the wait; rank 0's own watchdog watches the write, chunk by chunk. The process-group
-timeout (`dist.timeout_s`) stays as the backstop.
+do not count the wait; rank 0's own watchdog watches the write, chunk by chunk. A sharded snapshot's
+shards are written by every rank in one torch.distributed.checkpoint call that reports no progress:
+while it moves bytes, a thread beats for the training thread (`writing`). The process-group timeout
+(`dist.timeout_s`) stays as the backstop.
 """
 
 from __future__ import annotations
 
 import contextlib
 import faulthandler
+import os
 import threading
 import time
 from pathlib import Path
@@ -60,6 +63,37 @@ class Heartbeat:
             if self.aside != seen:
                 seen = self.aside
                 self.beat()
+
+    @contextlib.contextmanager
+    def writing(self, where: Path, poll_s: float = 0.5):
+        """Inside the block the training thread writes a snapshot's shards into `where`, in one call of
+        torch.distributed.checkpoint that reports no progress and that every rank's write holds up (a
+        collective): a thread beats for it while the bytes move, so a write slower than
+        `fault.hang_timeout_s` is no hang, and one that stops moving bytes is found as any silence is.
+
+        The bytes: the files under `where` (every rank's shards, in one directory every rank sees: rank 0,
+        whose watchdog watches the snapshot phase, sees a slow peer's shard grow too) and this thread's own
+        reads and writes (the checksums of its files). No ceiling on the whole write: a write that still
+        moves bytes is progressing however long it takes, while a stuck one (a lost file server, a stopped
+        peer) goes silent and is found `fault.hang_timeout_s` after its last byte. The fsync of each file
+        moves none: on a disk that takes longer than the timeout to flush one shard, raise the timeout."""
+        stop = threading.Event()
+        watcher = threading.Thread(target=self._beat_while_moving, args=(where, threading.get_native_id(), stop,
+                                                                         poll_s), name="shard-write-beats", daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            watcher.join()
+
+    def _beat_while_moving(self, where: Path, tid: int, stop: threading.Event, poll_s: float) -> None:
+        seen = _bytes_moved(where, tid)
+        while not stop.wait(poll_s):
+            now = _bytes_moved(where, tid)
+            if now != seen:
+                seen = now
+                self.last = time.monotonic()  # the training thread's beat: it is the one writing
 
     def set_phase(self, name: str) -> None:
         self.phase = name
@@ -123,3 +157,18 @@ class Watchdog:
         except OSError as e:
             return f" (could not write the stacks: {e})"
         return ""
+
+
+def _bytes_moved(where: Path, tid: int) -> tuple[int, int]:
+    """(bytes of the files under `where`, bytes the thread `tid` of this process read and wrote so far):
+    either grows while a write progresses. 0 for what cannot be read (no /proc: the files alone)."""
+    size = 0
+    for root, _, files in os.walk(where):
+        for name in files:
+            with contextlib.suppress(OSError):  # renamed or removed meanwhile
+                size += os.stat(os.path.join(root, name)).st_size
+    io = 0
+    with contextlib.suppress(OSError, ValueError):
+        fields = dict(line.split(": ") for line in Path(f"/proc/self/task/{tid}/io").read_text().splitlines())
+        io = int(fields["rchar"]) + int(fields["wchar"])
+    return size, io

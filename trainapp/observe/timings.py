@@ -10,7 +10,11 @@ watchdog, the failure records and the timings name the same phases:
 - `comm`: the rest of forward and backward, i.e. waiting for peers: DDP's broadcast of rank 0's
   buffers before the forward (BatchNorm statistics; a peer late for it makes everyone wait there),
   and the gradient all-reduce after this rank's backward is done. A forward pre-hook on the wrapped
-  model and a DDP communication hook (`attach`) take the two moments;
+  model and a DDP communication hook (`attach`) take the two moments. Under FSDP the waits are inside
+  the forward and backward (each unit's all-gather, again in backward, and its reduce-scatter): hooks
+  around them (trainapp/core/parallel.py's `time_waits`) call `wait_begins`/`wait_ends`, and what lies
+  between moves from the phase to comm; the loop does the same around its own collectives in other
+  phases (FSDP's broadcast of rank 0's buffers in `optim`);
 - `optim`: clipping, the optimizer and scheduler steps, EMA;
 - `snapshot`: the training thread blocked by a snapshot;
 - `other`: the loop's own bookkeeping between steps (logging, the stop vote);
@@ -67,6 +71,8 @@ class PhaseClock:
         self._pending: list[tuple[str, Any, Any]] = []  # CUDA: (phase, start event, end event)
         self._forward = None  # when the wrapped model's forward began, after DDP's buffer broadcast
         self._handoff = None  # when the last gradient bucket went to DDP (set by `hook`)
+        self._wait = None  # when the wait for peers now in progress began (FSDP: `wait_begins`)
+        self._depth = 0  # nested waits count once (a unit's backward prefetch inside its own all-gather's)
         self._last = self._now() if enabled else None
         self._cpu = time.process_time()  # the process's CPU seconds (all threads) at the interval's start
 
@@ -77,11 +83,11 @@ class PhaseClock:
             return event
         return time.perf_counter()
 
-    def _add(self, phase: str, start, end) -> None:
+    def _add(self, phase: str, start, end, sign: float = 1.0) -> None:
         if self.cuda:
-            self._pending.append((phase, start, end))
+            self._pending.append((phase, start, end, sign))
         else:
-            self.totals[phase] += end - start
+            self.totals[phase] += sign * (end - start)
 
     def restart(self) -> None:
         """Drop the time since the last `enter`: the first interval starts at the first step, not at set-up."""
@@ -93,6 +99,7 @@ class PhaseClock:
         """From now on the training thread does `phase`: the time since the last `enter` goes to the phase
         it leaves (leaving `compute`, split between compute and the wait for peers: `_leave_compute`)."""
         self.on_phase(phase)
+        self._wait, self._depth = None, 0  # a wait never spans phases: one cut short by an error ends here
         if self.enabled:
             if self.current == "compute":
                 self._leave_compute()
@@ -129,6 +136,29 @@ class PhaseClock:
             self._add("compute", begin, now)
         self._last = now
 
+    def wait_begins(self) -> None:
+        """This rank starts waiting for its peers inside the current phase (an FSDP unit's all-gather or
+        reduce-scatter): until `wait_ends`, the time is comm, not the phase's own work."""
+        self._depth += 1
+        if self.enabled and self._depth == 1:
+            self._wait = self._now()
+
+    def wait_ends(self) -> None:
+        self._depth = max(0, self._depth - 1)
+        if self._depth == 0 and self._wait is not None:
+            now, begin, self._wait = self._now(), self._wait, None
+            self._add("comm", begin, now)
+            self._add(self.current, begin, now, sign=-1.0)  # the phase's own lap, added on leaving it, includes it
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """The block is a wait for peers (a collective of the loop's own)."""
+        self.wait_begins()
+        try:
+            yield
+        finally:
+            self.wait_ends()
+
     def step_done(self) -> None:
         self.steps += 1
 
@@ -157,8 +187,8 @@ class PhaseClock:
         next interval."""
         if self.cuda and self._pending:
             self._pending[-1][2].synchronize()
-            for phase, start, end in self._pending:
-                self.totals[phase] += start.elapsed_time(end) / 1000
+            for phase, start, end, sign in self._pending:
+                self.totals[phase] += sign * start.elapsed_time(end) / 1000
             self._pending.clear()
         start, self._cpu = self._cpu, time.process_time()
         row = [float(self.steps), *(self.totals[p] for p in TIMED), self._cpu - start if self.enabled else 0.0]

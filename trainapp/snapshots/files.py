@@ -8,11 +8,13 @@ named here.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import mmap
 import os
 import threading
+import time
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable
@@ -223,3 +225,50 @@ def _copy(obj: Any, into: Any, cuda: list[bool]) -> Any:
         into = into if isinstance(into, (list, tuple)) and len(into) == len(obj) else [None] * len(obj)
         return type(obj)(_copy(v, i, cuda) for v, i in zip(obj, into))
     return obj
+
+
+def local_bytes(obj: Any) -> int:
+    """Bytes of the tensors in `obj` (nested dicts and lists) this rank holds (a DTensor's local shard)."""
+    if isinstance(obj, dict):
+        return sum(local_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(local_bytes(v) for v in obj)
+    if torch.is_tensor(obj):
+        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        return local.numel() * local.element_size()
+    return 0
+
+
+def slow_disk(total_bytes: int, seconds: float):
+    """Failure drill (`drill.snapshot_write_delay_s` with shards): torch.distributed.checkpoint's file
+    system as a slow disk would be, writing this rank's `total_bytes` over about `seconds` in pieces of a
+    tenth of a second each, so that the files grow the whole time: a slow write, not a hung one."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    rate = max(total_bytes, 1) / seconds
+    piece = max(4096, int(rate / 10))
+    clock = {"start": time.monotonic(), "written": 0}
+
+    class Stream:
+        def __init__(self, raw) -> None:
+            self.raw = raw
+
+        def __getattr__(self, name: str) -> Any:  # tell, flush, fileno (DCP fsyncs it), close
+            return getattr(self.raw, name)
+
+        def write(self, b) -> int:
+            view = memoryview(b).cast("B")
+            for at in range(0, len(view), piece):
+                self.raw.write(view[at:at + piece])
+                self.raw.flush()  # on disk now, as a slow disk would show it
+                clock["written"] += len(view[at:at + piece])
+                time.sleep(max(0.0, clock["start"] + clock["written"] / rate - time.monotonic()))
+            return len(view)
+
+    class SlowDisk(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path, mode: str):
+            with super().create_stream(path, mode) as raw:
+                yield Stream(raw) if "w" in mode else raw
+
+    return SlowDisk()

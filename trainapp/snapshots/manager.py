@@ -18,7 +18,6 @@ the cause, the place and the fix. Where snapshots go, and their retention, is th
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import errno
 import logging
@@ -36,7 +35,6 @@ from trainapp.snapshots.files import Buffers, cpu_copy, is_storage_error, storag
 from trainapp.snapshots.lease import Fence
 from trainapp.snapshots.publish import Publish
 from trainapp.snapshots.store import (
-    SHARDS,
     check_seen,
     merged,
     newest_valid,
@@ -67,6 +65,9 @@ class _Unwatched:
 
     def wait_for(self, thread: threading.Thread) -> None:
         thread.join()
+
+    def writing(self, where: Path) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
 
 @dataclass
@@ -186,7 +187,8 @@ class SnapshotManager:
         listing, or None when the write failed (counted as a failed snapshot, the directory removed)."""
         tmp = self._staging_dir(ctx, step)
         try:
-            return write_shards(ctx, tmp, shards)
+            with self.heartbeat.writing(tmp):
+                return write_shards(ctx, tmp, shards, self.write_delay_s)
         except BaseException as e:  # torch.distributed.checkpoint raises every rank's errors on every rank, as a
             # CheckpointException, a BaseException
             cause = _storage_cause(e)
@@ -231,16 +233,17 @@ class SnapshotManager:
             self.settle(ctx)
 
     def settle(self, ctx) -> None:
-        """Every rank: the sharded snapshot in flight, if any, written (waiting for this rank's shards,
-        beating while they grow); rank 0 then publishes it with every rank's listing, or counts it
+        """Every rank: the sharded snapshot in flight, if any, written (waiting for this rank's shards);
+        rank 0 then publishes it with every rank's listing, or counts it
         failed as `_stage` does a synchronous one."""
         w, self._shards = self._shards, None
         if w is None:
             return
         error, own = None, {}
         try:
-            self._wait_shards(w)
-            own = own_shards(ctx, w.tmp)
+            with self.heartbeat.writing(w.tmp):  # beats while the shards still grow: slow is not hung
+                w.future.result()
+                own = own_shards(ctx, w.tmp)
         except BaseException as e:  # DCP raises every rank's errors on every rank (CheckpointException)
             error = e
         cause = _storage_cause(error) if error is not None else None
@@ -256,19 +259,6 @@ class SnapshotManager:
                 self._count_failure(w.step, causes[0])
             return
         self._attempt(w.step, w.state, w.meta, merged([o for o, _, _ in everyone]))
-
-    def _wait_shards(self, w: _ShardsInFlight) -> None:
-        """This rank's shard write done (its error raised); the training thread beats while the staged
-        files grow, so a slow write is not taken for a hang and a stuck one still is."""
-        seen = -1
-        while True:
-            try:
-                return w.future.result(timeout=0.5)
-            except concurrent.futures.TimeoutError:
-                size = sum(p.stat().st_size for p in (w.tmp / SHARDS).glob("*") if p.is_file())
-                if size != seen:
-                    seen = size
-                    self.heartbeat.progress()
 
     def _attempt(self, step: int, state: dict[str, Any], meta: dict[str, Any],
                  shards: dict[str, Any] | None = None) -> None:
@@ -352,7 +342,8 @@ class SnapshotManager:
         commit it where it goes."""
         t0 = time.perf_counter()
         meta = {**meta, "lease_generation": self.fence.generation}
-        path = write_dir(self.path_for(step), state, meta, self.write_delay_s, self.heartbeat.progress, self._buffers,
+        delay_s = 0.0 if shards else self.write_delay_s  # with shards the drill slows their write (_stage)
+        path = write_dir(self.path_for(step), state, meta, delay_s, self.heartbeat.progress, self._buffers,
                          before_publish=lambda: self.fence.check("snapshot"), shards=shards)
         self.fence.check("snapshot")  # a URI's upload publishes: after the local write, before that
         where = self.publish.commit(step, path)

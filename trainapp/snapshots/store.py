@@ -34,7 +34,16 @@ from typing import Any, Callable
 import torch
 
 from trainapp.errors import ConfigError, Failure
-from trainapp.snapshots.files import CHECKSUMS, Buffers, file_digest, fsync_dir, save_state, write_bytes
+from trainapp.snapshots.files import (
+    CHECKSUMS,
+    Buffers,
+    file_digest,
+    fsync_dir,
+    local_bytes,
+    save_state,
+    slow_disk,
+    write_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -103,13 +112,17 @@ def check_seen(ctx, tmp: Path, setting: str, where: str) -> None:
                           f"every node sees: point {setting} at a shared filesystem (NFS, a shared volume)")
 
 
-def write_shards(ctx, tmp: Path, shards: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
+def write_shards(ctx, tmp: Path, shards: dict[str, Any], delay_s: float = 0.0) -> dict[str, dict[str, Any]] | None:
     """Every rank: write this rank's shards into `tmp/shards` (torch.distributed.checkpoint, a
     collective; every file fsynced), then checksum the files it wrote; rank 0 gets
-    {file: {"xxh3_128", "bytes"}} of every rank's files, the others None."""
+    {file: {"xxh3_128", "bytes"}} of every rank's files, the others None. `delay_s`: a drill's slow disk,
+    the shards written over that long."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(shards, storage_writer=dcp.FileSystemWriter(str(tmp / SHARDS), sync_files=True))
+    writer = dcp.FileSystemWriter(str(tmp / SHARDS), sync_files=True)
+    if delay_s > 0:
+        writer.fs = slow_disk(local_bytes(shards), delay_s)
+    dcp.save(shards, storage_writer=writer)
     return merged(ctx.gather_objects(own_shards(ctx, tmp)))
 
 
