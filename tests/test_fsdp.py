@@ -45,6 +45,21 @@ def test_a_killed_rank_restarted_by_torchrun_ends_bitwise_equal_to_a_straight_fs
     assert "params_sha256" not in meta  # no gather of the whole model at each snapshot: inspect reads the shards
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_in_fp32_too_a_killed_rank_ends_bitwise_equal_to_a_straight_fsdp_run(tmp_path):
+    """The test above runs under autocast (bf16 where the CPU has it); this one without (`amp.dtype=off`)."""
+    fp32 = [*FSDP, "amp.dtype=off"]
+    runs = {"straight": tmp_path / "straight", "killed": tmp_path / "killed"}
+    r = torchrun(2, f"run.dir={runs['straight']}", *fp32)
+    assert r.returncode == 0, r.output[-3000:]
+    r = torchrun(2, f"run.dir={runs['killed']}", *fp32, "drill.kill_at_step=13", "drill.rank=1", max_restarts=1)
+    assert r.returncode == 0, r.output[-3000:]
+    assert [s["resumed_step"] for s in metrics(runs["killed"], "start")] == [None, 10]
+    assert metrics(runs["killed"], "start")[0]["amp"] == "fp32"
+    assert inspect(runs["killed"])["params_sha256"] == inspect(runs["straight"])["params_sha256"]
+
+
 @pytest.fixture(scope="module")
 def straight_lm(tmp_path_factory):
     run = tmp_path_factory.mktemp("fsdp-lm")

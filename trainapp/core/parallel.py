@@ -5,10 +5,10 @@
 - `fsdp`: FSDP2's `fully_shard` on the units (`parallel.fsdp_units`, the task's `shard_units`, or
   every child of the model that holds parameters), then on the model itself: each rank keeps a shard
   of every parameter, its gradient and its optimizer state; a unit gathers its parameters for its own
-  forward and backward. Mixed precision stays autocast over fp32 parameters, as under DDP: FSDP2's
-  policy of casting the parameters themselves (bf16 all-gathers) breaks a BatchNorm, whose fp32 running
-  statistics then meet bf16 weights. The optimizer is made over the sharded parameters, so after the
-  wrap, and the snapshot is loaded into the sharded state (trainapp/core/state.py's `ShardedState`).
+  forward and backward. Autocast over fp32 parameters, as under DDP, or parameters gathered in
+  autocast's dtype (`parallel.fsdp_param_dtype=amp`, BatchNorm units kept fp32). The optimizer is made
+  over the sharded parameters, so after the wrap, and the snapshot is loaded into the sharded state
+  (trainapp/core/state.py's `ShardedState`).
 """
 
 from __future__ import annotations
