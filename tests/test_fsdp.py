@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import QUICK, inspect, metrics, torchrun, trainapp
+from helpers import PY, QUICK, REPO, inspect, metrics, torchrun, trainapp
 from test_preempt import Job, check_preempted, rerun_resumes_exactly, straight_sha
 from test_preempt import torchrun_cmd as preempt_cmd
 from test_storage import mounts, no_leftovers, tmpfs  # noqa: F401  (mounts: the fixture)
@@ -24,18 +24,23 @@ FSDP = ["parallel.strategy=fsdp", "train.max_steps=24", "train.epochs=10", "snap
 LM = ["task.name=char_lm", "amp.dtype=fp16", "amp.init_scale=1e6", *FSDP]
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    run = tmp_path_factory.mktemp("fsdp-straight")
-    r = torchrun(2, f"run.dir={run}", *FSDP)
+def trained(run, *args: str, kill: bool = False):
+    """`run`, trained by 2 torchrun workers with `args`; with `kill`, rank 1 SIGKILLed after step 13 and
+    the group restarted once."""
+    kills = ["drill.kill_at_step=13", "drill.rank=1"] if kill else []
+    r = torchrun(2, f"run.dir={run}", *args, *kills, max_restarts=1 if kill else 0)
     assert r.returncode == 0, r.output[-3000:]
     return run
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    return trained(tmp_path_factory.mktemp("fsdp-straight"), *FSDP)
+
+
 @pytest.mark.slow
 def test_a_killed_rank_restarted_by_torchrun_ends_bitwise_equal_to_a_straight_fsdp_run(straight, tmp_path):
-    r = torchrun(2, f"run.dir={tmp_path}", *FSDP, "drill.kill_at_step=13", "drill.rank=1", max_restarts=1)
-    assert r.returncode == 0, r.output[-3000:]
+    trained(tmp_path, *FSDP, kill=True)
     starts = metrics(tmp_path, "start")
     assert [s["resumed_step"] for s in starts] == [None, 10]
     # Every rank wrote its shard; meta.json lists every file with its size and checksum.
@@ -50,22 +55,15 @@ def test_a_killed_rank_restarted_by_torchrun_ends_bitwise_equal_to_a_straight_fs
 def test_in_fp32_too_a_killed_rank_ends_bitwise_equal_to_a_straight_fsdp_run(tmp_path):
     """The test above runs under autocast (bf16 where the CPU has it); this one without (`amp.dtype=off`)."""
     fp32 = [*FSDP, "amp.dtype=off"]
-    runs = {"straight": tmp_path / "straight", "killed": tmp_path / "killed"}
-    r = torchrun(2, f"run.dir={runs['straight']}", *fp32)
-    assert r.returncode == 0, r.output[-3000:]
-    r = torchrun(2, f"run.dir={runs['killed']}", *fp32, "drill.kill_at_step=13", "drill.rank=1", max_restarts=1)
-    assert r.returncode == 0, r.output[-3000:]
-    assert [s["resumed_step"] for s in metrics(runs["killed"], "start")] == [None, 10]
-    assert metrics(runs["killed"], "start")[0]["amp"] == "fp32"
-    assert inspect(runs["killed"])["params_sha256"] == inspect(runs["straight"])["params_sha256"]
+    straight, killed = trained(tmp_path / "straight", *fp32), trained(tmp_path / "killed", *fp32, kill=True)
+    assert [s["resumed_step"] for s in metrics(killed, "start")] == [None, 10]
+    assert metrics(killed, "start")[0]["amp"] == "fp32"
+    assert inspect(killed)["params_sha256"] == inspect(straight)["params_sha256"]
 
 
 @pytest.fixture(scope="module")
 def straight_lm(tmp_path_factory):
-    run = tmp_path_factory.mktemp("fsdp-lm")
-    r = torchrun(2, f"run.dir={run}", *LM)
-    assert r.returncode == 0, r.output[-3000:]
-    return run
+    return trained(tmp_path_factory.mktemp("fsdp-lm"), *LM)
 
 
 @pytest.mark.slow
@@ -74,9 +72,7 @@ def test_char_lm_with_fp16_and_ema_resumes_a_killed_rank_bitwise_and_its_snapsho
     """The character transformer sharded: a rank SIGKILLed after step 13 and restarted ends equal to the
     straight run, bit for bit (parameters, the EMA model's evaluation, the steps fp16 skipped); the
     straight run's step-10 snapshot, resharded onto one rank, goes on at the same global sample."""
-    killed = tmp_path / "killed"
-    r = torchrun(2, f"run.dir={killed}", *LM, "drill.kill_at_step=13", "drill.rank=1", max_restarts=1)
-    assert r.returncode == 0, r.output[-3000:]
+    killed = trained(tmp_path / "killed", *LM, kill=True)
     assert [s["resumed_step"] for s in metrics(killed, "start")] == [None, 10]
     ends = [metrics(run, "end")[0] for run in (killed, straight_lm)]
     assert ends[0]["skipped_steps"] > 0  # the overflowing first steps were skipped, by every rank at once
@@ -104,9 +100,7 @@ def test_asynchronous_shard_writes_publish_every_snapshot_whole_and_a_killed_ran
     """`snapshot.async=true`: every rank's shards written by DCP's thread while training goes on, each
     snapshot published once every rank's are on disk; a rank SIGKILLed after step 13 resumes from the
     newest published one and ends equal to the synchronous straight run."""
-    r = torchrun(2, f"run.dir={tmp_path}", *LM, "snapshot.async=true", "drill.kill_at_step=13", "drill.rank=1",
-                 max_restarts=1)
-    assert r.returncode == 0, r.output[-3000:]
+    trained(tmp_path, *LM, "snapshot.async=true", kill=True)
     resumed = [s["resumed_step"] for s in metrics(tmp_path, "start")]
     assert resumed[0] is None and resumed[1] in (5, 10), resumed  # step 10's may still be in flight at the kill
     assert inspect(tmp_path)["params_sha256"] == inspect(straight_lm)["params_sha256"]
@@ -202,6 +196,25 @@ def test_fsdp_under_ray_with_uri_storage_is_refused_before_anything_starts(tmp_p
     assert f"ray.storage_path=file://{tmp_path}: a URI is not supported with parallel.strategy=fsdp yet" in lines[0]
 
 
+def gloo_pair(cmds: list[list[str]]) -> tuple[list[int], list[str]]:
+    """The commands of rank 0 and rank 1 of a gloo group on loopback (RANK, MASTER_ADDR and MASTER_PORT
+    set), run to their end: (exit codes, outputs)."""
+    import subprocess
+
+    from trainapp.launch.ray.cluster import free_port
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(rank)}, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT) for rank, cmd in enumerate(cmds)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [p.returncode for p in procs], outs
+
+
 # Two ranks of a gloo group, each its own process: rank 1 in a mount namespace of its own, where a tmpfs
 # hides the snapshot directory rank 0 writes (storage local to each node, as on two machines).
 _BLIND_RANK = """
@@ -225,27 +238,12 @@ except ConfigError as e:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs in a mount namespace: needs root")
 def test_snapshot_storage_a_rank_does_not_see_stops_every_rank_in_one_line_before_a_shard_is_written(tmp_path):
-    import subprocess
-
-    from helpers import PY, REPO
-
-    from trainapp.launch.ray.cluster import free_port
-
     root = tmp_path / "snapshots"
     root.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     blind = f"mount -t tmpfs tmpfs {root} && exec {PY} -c \"$0\" {root}"
-    procs = [subprocess.Popen([PY, "-c", _BLIND_RANK, str(root)], env={**env, "RANK": "0"}, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT),
-             subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", blind, _BLIND_RANK],
-                              env={**env, "RANK": "1"}, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)]
-    try:
-        outs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [2, 2], outs
+    codes, outs = gloo_pair([[PY, "-c", _BLIND_RANK, str(root)],
+                             ["unshare", "--mount", "--propagation", "private", "sh", "-c", blind, _BLIND_RANK]])
+    assert codes == [2, 2], outs
     for rank, out in enumerate(outs):
         lines = [ln for ln in out.splitlines() if ln.strip()]
         assert len(lines) == 1 and lines[0].startswith(f"rank {rank} error: {root}: not the same directory on every "
@@ -283,22 +281,8 @@ leave(0)  # past torch's C++ destructors, one of which sometimes aborts a finish
 
 @pytest.mark.parametrize("mode, conv", [("amp", "torch.bfloat16"), ("fp32", "torch.float32")])
 def test_param_dtype_amp_gathers_in_bf16_keeps_batchnorm_and_the_shards_and_grads_fp32(mode, conv):
-    import subprocess
-
-    from helpers import PY, REPO
-
-    from trainapp.launch.ray.cluster import free_port
-
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    procs = [subprocess.Popen([PY, "-c", _GATHER_DTYPES, mode], env={**env, "RANK": str(r)}, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)]
-    try:
-        outs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [0, 0], outs
+    codes, outs = gloo_pair([[PY, "-c", _GATHER_DTYPES, mode]] * 2)
+    assert codes == [0, 0], outs
     for out in outs:
         got = json.loads(out.strip().splitlines()[-1])
         assert got["gathered"] == {"0.0": conv, "0.1": "torch.float32", "2": conv}, got
