@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import PY, QUICK, REPO, inspect, metrics, torchrun, trainapp
+from helpers import PY, QUICK, REPO, inspect, metrics, torchrun
 from test_preempt import Job, check_preempted, rerun_resumes_exactly, straight_sha
 from test_preempt import torchrun_cmd as preempt_cmd
 from test_storage import mounts, no_leftovers, tmpfs  # noqa: F401  (mounts: the fixture)
@@ -187,15 +187,6 @@ def test_an_fsdp_unit_class_the_model_lacks_is_one_line_naming_the_classes_it_ha
     assert "its module classes are" in r.output
 
 
-def test_fsdp_under_ray_with_uri_storage_is_refused_before_anything_starts(tmp_path):
-    """Under Ray FSDP runs with a filesystem storage path (tests/test_ray.py); a URI would need every
-    worker to upload its own shard, which is not built yet."""
-    r = trainapp("ray", "parallel.strategy=fsdp", f"ray.storage_path=file://{tmp_path}", timeout=120)
-    lines = [ln for ln in r.output.splitlines() if ln.strip()]
-    assert r.returncode == 2 and len(lines) == 1, r.output[-2000:]
-    assert f"ray.storage_path=file://{tmp_path}: a URI is not supported with parallel.strategy=fsdp yet" in lines[0]
-
-
 def gloo_pair(cmds: list[list[str]]) -> tuple[list[int], list[str]]:
     """The commands of rank 0 and rank 1 of a gloo group on loopback (RANK, MASTER_ADDR and MASTER_PORT
     set), run to their end: (exit codes, outputs)."""
@@ -287,3 +278,37 @@ def test_param_dtype_amp_gathers_in_bf16_keeps_batchnorm_and_the_shards_and_grad
         got = json.loads(out.strip().splitlines()[-1])
         assert got["gathered"] == {"0.0": conv, "0.1": "torch.float32", "2": conv}, got
         assert got["stored"] == ["torch.float32"], got  # the optimizer steps fp32 shards with fp32 gradients
+
+
+# Two gloo ranks write one sharded snapshot to a URI store (file:// on a small tmpfs) through Ray's publish
+# step, without a Ray cluster: rank 0's shard fits the store, rank 1's does not.
+_URI_PUSH = """
+import json, os, sys, torch, torch.distributed as dist
+from trainapp.errors import leave
+from trainapp.group import DistContext
+from trainapp.launch.ray.publish import RayPublish
+from trainapp.snapshots.manager import SnapshotManager
+rank, local, store = int(os.environ["RANK"]), sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", rank=rank, world_size=2)
+ctx = DistContext(rank, 0, 2, torch.device("cpu"), "gloo", True)
+manager = SnapshotManager(RayPublish(local, f"file://{store}", False, "run"), every_steps=5)
+elements = 1000 if rank == 0 else 400_000  # 4 kB, then 1.6 MB against the store's 1 MB
+manager.save(ctx, 5, {"model": "sharded"} if rank == 0 else None, {"step": 5} if rank == 0 else None, {},
+             announce=False, shards={"model": {f"w{rank}": torch.full((elements,), float(rank))}})
+print(json.dumps({"failed": manager.failed, "left": sorted(os.listdir(local)) if os.path.isdir(local) else []}),
+      flush=True)
+dist.destroy_process_group()
+leave(0)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: needs root")
+def test_a_shard_upload_that_fails_on_one_rank_to_a_uri_store_fails_the_snapshot_and_leaves_nothing(tmp_path,
+                                                                                                   mounts):  # noqa: F811
+    store = tmpfs(mounts, tmp_path / "store", "1m")
+    codes, outs = gloo_pair([[PY, "-c", _URI_PUSH, str(tmp_path / "local"), str(store)]] * 2)
+    assert codes == [0, 0], outs
+    got = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+    (failed,) = got[0]["failed"]  # rank 0 counted it: rank 1's upload ran out of space
+    assert failed["step"] == 5 and failed["errno"] == "ENOSPC" and failed["path"] == f"file://{store}/run/step_000000005"
+    assert got[0]["left"] == [] and list(store.rglob("*")) in ([], [store / "run"]), list(store.rglob("*"))

@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -326,34 +327,38 @@ def test_a_user_task_shipped_with_working_dir_resumes_a_killed_worker_bitwise_as
 @pytest.mark.e2e
 def test_char_lm_sharded_resumes_a_killed_worker_from_every_shard_to_torchruns_parameters_and_reshards_on_one(
         cluster, tmp_path):
-    """The built-in language model under Ray with parallel.strategy=fsdp: every worker writes its shard into
-    the snapshot directory rank 0 commits and registers with Ray. Rank 1 SIGKILLed after step 13; the
-    restarted group loads every worker's shard and ends bitwise where torchrun's straight FSDP run does.
-    Resubmitted on one worker (a node lost for good), the two-rank snapshot is resharded and the run goes
-    on. And a script of the user's own, shipped with --working-dir, hands Ray its task object
-    (`trainapp.fit_ray`). (DDP's killed worker under Ray: the tests above.)"""
+    """The built-in language model under Ray with parallel.strategy=fsdp and a URI `ray.storage_path`
+    (file://, the cloud store's path through pyarrow): every worker uploads its own shards, rank 0 the
+    rest, and registers the snapshot with Ray. Rank 1 SIGKILLed after step 13; the restarted group
+    downloads the snapshot, loads every worker's shard and ends bitwise where torchrun's straight FSDP run
+    does. Resubmitted on one worker (a node lost for good), the two-rank snapshot is resharded and the run
+    goes on. And a script of the user's own, shipped with --working-dir, hands Ray its task object
+    (`trainapp.fit_ray`). (DDP's killed worker under Ray: the tests above; FSDP on a shared filesystem
+    path is torchrun's layout, tests/test_fsdp.py.)"""
     lm = ["parallel.strategy=fsdp", "task.name=char_lm", "task.args.n_embd=32", "task.args.n_layer=1",
           "task.args.block_size=32", "task.args.stride=64", "train.batch_size=16", "train.max_steps=24",
           "train.epochs=20", "snapshot.every_steps=5", "train.progress=false", "train.log_every=5"]
-    run_dir = cluster.storage / "char-lm"
+    store, run_dir = tmp_path / "bucket", tmp_path / "run"
+    lm += [f"ray.storage_path=file://{store}", f"run.dir={run_dir}"]
     r = submit(cluster, "char-lm", *lm, "drill.kill_at_step=13", "drill.rank=1")
     assert r.returncode == 0, r.output[-4000:]
     assert "val_bpc=" in r.output and [s["resumed_step"] for s in metrics(run_dir, "start")] == [None, 10]
-    final = run_dir / "step_000000024"
+    final = store / "char-lm" / "step_000000024"
     meta = json.loads((final / "meta.json").read_text())
     # Both workers' shards (torch.distributed.checkpoint's `__RANK_0.distcp`) are in the directory Ray holds.
     assert sorted(meta["shards"]) == ["shards/.metadata", "shards/__0_0.distcp", "shards/__1_0.distcp"], meta
     assert all((final / f).stat().st_size == v["bytes"] for f, v in meta["shards"].items())
-    record = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+    record = json.loads((store / "char-lm" / "checkpoint_manager_snapshot.json").read_text())
     assert final.name in [r["checkpoint_dir_name"] for r in record["checkpoint_results"]], record
-    t = torchrun(2, f"run.dir={tmp_path / 'tr'}", *lm)
+    assert not list(Path(tempfile.gettempdir()).glob("trainapp-resume-*"))  # the resume's download is gone
+    t = torchrun(2, f"run.dir={tmp_path / 'tr'}", *lm[:-2])
     assert t.returncode == 0, t.output[-3000:]
-    assert inspect(run_dir)["params_sha256"] == inspect(tmp_path / "tr")["params_sha256"]
+    assert inspect(final)["params_sha256"] == inspect(tmp_path / "tr")["params_sha256"]
     r = submit(cluster, "char-lm", *lm, "train.max_steps=29", "ray.num_workers=1")
     assert r.returncode == 0, r.output[-4000:]
     start = metrics(run_dir, "start")[-1]
     assert (start["resumed_step"], start["resumed_world_size"], start["world_size"]) == (24, 2, 1), start
-    assert sorted(json.loads((run_dir / "step_000000029" / "meta.json").read_text())["shards"]) == \
+    assert sorted(json.loads((store / "char-lm" / "step_000000029" / "meta.json").read_text())["shards"]) == \
         ["shards/.metadata", "shards/__0_0.distcp"]
     script = ("import trainapp; from tabular_task import Regression; "
               f"s = trainapp.fit_ray(Regression(hidden=16), overrides=['ray.storage_path={cluster.storage}', "

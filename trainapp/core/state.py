@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from trainapp.errors import ConfigError
-from trainapp.snapshots.store import SHARDED, SHARDS
+from trainapp.snapshots.store import LOCAL_COPY, SHARDED, SHARDS
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class TrainState:
         it does not fit this run's parts (another model, another config)."""
         where, snap = found
         try:
-            self.load_state_dict(snap, Path(where))
+            self.load_state_dict(snap, Path(snap.get(LOCAL_COPY, where)))  # a URI's: downloaded
         except (RuntimeError, ValueError, KeyError) as e:
             first = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
             raise ConfigError(f"run.dir={run_dir}: snapshot {where} does not fit this config ({first}); use a new "

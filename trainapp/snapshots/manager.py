@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from trainapp.errors import ConfigError, Failure
 from trainapp.snapshots.files import Buffers, cpu_copy, is_storage_error, storage_hint
@@ -179,25 +179,41 @@ class SnapshotManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         tmp = Path(ctx.broadcast_object(str(tmp) if ctx.is_main else None))  # after the mkdir
-        check_seen(ctx, tmp, self.publish.setting, self.publish.where)
+        if self.publish.shared_staging:  # else each rank's shards go from its own disk (`push_shards`)
+            check_seen(ctx, tmp, self.publish.setting, self.publish.where)
         return tmp
 
     def _stage(self, ctx, step: int, shards: dict[str, Any]) -> dict[str, Any] | None:
-        """Every rank: its shards written into rank 0's staging directory of `step`; rank 0 gets their
-        listing, or None when the write failed (counted as a failed snapshot, the directory removed)."""
+        """Every rank: its shards written into rank 0's staging directory of `step` (`_collect`)."""
         tmp = self._staging_dir(ctx, step)
+        return self._collect(ctx, step, tmp, lambda: write_shards(tmp, shards, self.write_delay_s))
+
+    def _collect(self, ctx, step: int, tmp: Path, written: Callable[[], Any]) -> dict[str, Any] | None:
+        """Every rank: `written()` (its shards' write, or the wait for it) under the heartbeat's watch,
+        then its files checksummed and pushed where the snapshot goes; rank 0 gets every rank's listing,
+        or None when some rank failed: a storage error counts as a failed snapshot, nothing is left."""
+        error, own = None, {}
         try:
-            with self.heartbeat.writing(tmp):
-                return write_shards(ctx, tmp, shards, self.write_delay_s)
-        except BaseException as e:  # torch.distributed.checkpoint raises every rank's errors on every rank, as a
-            # CheckpointException, a BaseException
-            cause = _storage_cause(e)
-            if cause is None:
-                raise
-            if ctx.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
-                self._count_failure(step, cause)
+            with self.heartbeat.writing(tmp):  # beats while the shards grow: slow is not hung
+                written()
+                own = own_shards(ctx, tmp)
+                self.publish.push_shards(ctx, step, tmp, list(own))
+        except BaseException as e:  # DCP raises every rank's errors on every rank (a CheckpointException)
+            error = e
+        cause = _storage_cause(error) if error is not None else None
+        everyone = ctx.gather_objects((own, cause, error is not None))
+        if error is not None and cause is None:
+            raise error
+        if not ctx.is_main:
             return None
+        causes = [c for _, c, _ in everyone if c is not None]
+        if causes or any(failed for _, _, failed in everyone):
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.publish.discard(step)
+            if causes:
+                self._count_failure(step, causes[0])
+            return None
+        return merged([o for o, _, _ in everyone])
 
     def _start_shards(self, ctx, step: int, state: dict[str, Any] | None, meta: dict[str, Any] | None,
                       shards: dict[str, Any]) -> None:
@@ -233,32 +249,14 @@ class SnapshotManager:
             self.settle(ctx)
 
     def settle(self, ctx) -> None:
-        """Every rank: the sharded snapshot in flight, if any, written (waiting for this rank's shards);
-        rank 0 then publishes it with every rank's listing, or counts it
-        failed as `_stage` does a synchronous one."""
+        """Every rank: the sharded snapshot in flight, if any, written (`_collect`: waiting for this rank's
+        shards); rank 0 then publishes it with every rank's listing."""
         w, self._shards = self._shards, None
         if w is None:
             return
-        error, own = None, {}
-        try:
-            with self.heartbeat.writing(w.tmp):  # beats while the shards still grow: slow is not hung
-                w.future.result()
-                own = own_shards(ctx, w.tmp)
-        except BaseException as e:  # DCP raises every rank's errors on every rank (CheckpointException)
-            error = e
-        cause = _storage_cause(error) if error is not None else None
-        everyone = ctx.gather_objects((own, cause, error is not None))
-        if error is not None and cause is None:
-            raise error
-        if not ctx.is_main:
-            return
-        causes = [c for _, c, _ in everyone if c is not None]
-        if causes or any(failed for _, _, failed in everyone):
-            shutil.rmtree(w.tmp, ignore_errors=True)
-            if causes:
-                self._count_failure(w.step, causes[0])
-            return
-        self._attempt(w.step, w.state, w.meta, merged([o for o, _, _ in everyone]))
+        listing = self._collect(ctx, w.step, w.tmp, w.future.result)
+        if listing is not None:
+            self._attempt(w.step, w.state, w.meta, listing)
 
     def _attempt(self, step: int, state: dict[str, Any], meta: dict[str, Any],
                  shards: dict[str, Any] | None = None) -> None:

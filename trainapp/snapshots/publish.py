@@ -23,10 +23,20 @@ class Publish(Protocol):
     """Where snapshots go, as a message names it (a path or a URI)."""
     setting: str
     """The config key that names that place, for the one line of a storage error."""
+    shared_staging: bool
+    """A sharded snapshot's shards are written into one directory every rank sees (rank 0's staging
+    directory, checked); else each rank's stay on its own disk until `push_shards`."""
 
     def commit(self, step: int, path: Path) -> Path | str:
         """Rank 0, after the write (in the writer's thread with `snapshot.async`): take the snapshot where
         it goes (an OSError here counts as a failed snapshot) and apply the retention; where it is now."""
+
+    def push_shards(self, ctx, step: int, tmp: Path, own: list[str]) -> None:
+        """Every rank, its shards of `step` written into `tmp` (`own`: the files it wrote, relative to
+        `tmp`): take them where the snapshot goes, if `commit` will not (an OSError: a failed snapshot)."""
+
+    def discard(self, step: int) -> None:
+        """Rank 0, after a failed sharded snapshot: remove what `push_shards` put where it goes."""
 
     def make_room(self) -> int:
         """Rank 0, after ENOSPC: delete older snapshots (never the newest valid one); how many went."""
@@ -47,6 +57,7 @@ class LocalPublish:
     ReadWriteMany volume): the atomic rename publishes, the last `keep` stay."""
 
     setting = "run.dir"
+    shared_staging = True
 
     def __init__(self, root: Path, keep: int) -> None:
         self.root, self.keep = Path(root), keep
@@ -58,6 +69,12 @@ class LocalPublish:
             shutil.rmtree(old, ignore_errors=True)
         sweep_leftovers(self.root)
         return path
+
+    def push_shards(self, ctx, step: int, tmp: Path, own: list[str]) -> None:
+        pass  # in the staging directory every rank sees, published by the rename
+
+    def discard(self, step: int) -> None:
+        pass
 
     def make_room(self) -> int:
         try:

@@ -53,6 +53,9 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 STATE, META, SHARDS = "state.pt", "meta.json", "shards"
 SHARDED = "sharded"
+LOCAL_COPY = "local_copy"
+"""The key `find_shared` adds to a downloaded sharded snapshot's state: the local directory its shards
+load from (they load after `find`, into the parts it builds)."""
 """A part's entry in state.pt when its state is in the snapshot's shards (trainapp/core/state.py)."""
 FORMAT = 2
 _NAME = re.compile(r"^step_(\d{9})$")
@@ -112,18 +115,16 @@ def check_seen(ctx, tmp: Path, setting: str, where: str) -> None:
                           f"every node sees: point {setting} at a shared filesystem (NFS, a shared volume)")
 
 
-def write_shards(ctx, tmp: Path, shards: dict[str, Any], delay_s: float = 0.0) -> dict[str, dict[str, Any]] | None:
+def write_shards(tmp: Path, shards: dict[str, Any], delay_s: float = 0.0) -> None:
     """Every rank: write this rank's shards into `tmp/shards` (torch.distributed.checkpoint, a
-    collective; every file fsynced), then checksum the files it wrote; rank 0 gets
-    {file: {"xxh3_128", "bytes"}} of every rank's files, the others None. `delay_s`: a drill's slow disk,
-    the shards written over that long."""
+    collective; every file fsynced); `own_shards` then lists them. `delay_s`: a drill's slow disk, the
+    shards written over that long."""
     import torch.distributed.checkpoint as dcp
 
     writer = dcp.FileSystemWriter(str(tmp / SHARDS), sync_files=True)
     if delay_s > 0:
         writer.fs = slow_disk(local_bytes(shards), delay_s)
     dcp.save(shards, storage_writer=writer)
-    return merged(ctx.gather_objects(own_shards(ctx, tmp)))
 
 
 def start_shards(tmp: Path, shards: dict[str, Any], group: Any) -> Any:
@@ -299,17 +300,24 @@ def resolve(path: str | Path) -> Path:
     raise ConfigError(f"{p}: holds no snapshot (expected {STATE} + {META}, a snapshots/ dir or step_* dirs)")
 
 
-def find_shared(ctx, root: Path | str, snaps: list | None = None,
-                local=contextlib.nullcontext) -> tuple[str, dict[str, Any]] | None:
+def find_shared(ctx, root: Path | str, snaps: list | None = None, local=contextlib.nullcontext,
+                keep: Callable[[Path], None] | None = None) -> tuple[str, dict[str, Any]] | None:
     """(path, state) of the newest valid snapshot under `root` (`snaps`, `local`: as `newest_valid`; on
-    rank 0), on storage every rank sees: rank 0 chooses, every rank loads that one. None to start fresh."""
+    rank 0), on storage every rank sees: rank 0 chooses, every rank loads that one. None to start fresh.
+    `keep(d)`: told of a download `d` of a sharded snapshot, whose shards load later from it (the state's
+    LOCAL_COPY), so that `local` does not delete it yet."""
     hit = newest_valid(root, snaps, local) if ctx.is_main else None
     found = ctx.broadcast_object(str(hit[0]) if hit else None)
     if found is None:
         return None
     try:
         with local(found) as d:
-            return found, load_state(Path(d))
+            state = load_state(Path(d))
+            if keep is not None and Path(d) != Path(found) and any(isinstance(v, str) and v == SHARDED
+                                                                  for v in state.values()):
+                keep(Path(d))
+                state[LOCAL_COPY] = str(d)
+            return found, state
     except FileNotFoundError:
         raise ConfigError(
             f"{root}: rank {ctx.rank} on {os.uname().nodename} cannot see snapshot {found} that rank 0 "

@@ -191,11 +191,6 @@ def run(cfg: Config, task: Any = None) -> dict[str, Any]:
     each worker, where Ray's runtime environment ships the user's code); returns the rank-0 summary
     (with `stopped_by` and `exit_code` when the driver was told to stop: trainapp/launch/ray/stop.py)."""
     check_global_batch(cfg)
-    if cfg.parallel.strategy == "fsdp" and is_uri(cfg.ray.storage_path):
-        # Rank 0 uploads a URI snapshot from its own disk; the other workers' shards are on theirs.
-        raise ConfigError(f"ray.storage_path={cfg.ray.storage_path}: a URI is not supported with "
-                          "parallel.strategy=fsdp yet (each worker's shard would need its own upload); use a "
-                          "filesystem path every node sees (NFS, a shared volume), or parallel.strategy=ddp")
     if task is None:
         preflight_task(cfg)
     result, storage, stopped = _fit(cfg, **({"task": task} if task is not None else {}))

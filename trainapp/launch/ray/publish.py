@@ -48,6 +48,12 @@ class RayPublish:
     With `snapshot.async` the write (and upload) runs in the snapshot writer's thread; a report
     registers the newest snapshot complete by then (`flush` the last one, at the end of the run or a
     stop): Ray must not register what is not on storage yet.
+
+    A sharded snapshot (FSDP) to a URI: each rank writes its shards on its own disk and uploads them
+    (`push_shards`) before rank 0 writes and uploads the rest (its own shards, state.pt, meta.json
+    last of its files to be listed); a failed upload on any rank is a failed snapshot, the store's copy
+    deleted (`discard`). A resume downloads the snapshot into a local directory each rank loads its
+    shards from, kept until the first snapshot after it.
     """
 
     setting = "ray.storage_path"
@@ -66,6 +72,13 @@ class RayPublish:
         """Rank 0: (step, where) of the complete snapshots Ray does not know, oldest first (appended by
         whichever thread wrote them)."""
         self.last_metrics: dict[str, Any] = {}
+        self.downloads: list[Path] = []
+        """Local copies of a URI's sharded snapshot that a resume loads shards from, deleted at the next
+        snapshot's announce."""
+
+    @property
+    def shared_staging(self) -> bool:
+        return self.uri is None  # to a URI each rank uploads its own shards
 
     def commit(self, step: int, path: Path) -> str:
         sweep_leftovers(self.root)
@@ -83,17 +96,42 @@ class RayPublish:
             self.fs.create_dir(dest)
             copy_files(str(path), dest, destination_filesystem=self.fs)
         except OSError as e:
-            with contextlib.suppress(OSError):
-                self.fs.delete_dir(dest)
-            # pyarrow names no file, and a remote store's errors carry no errno: EIO stands for those.
-            code = e.errno or errno.EIO
-            why = os.strerror(e.errno) if e.errno else f"upload failed: {str(e).split('. Detail:')[0]}"
-            raise OSError(code, why, f"{self.where}/{step_name(step)}") from None
+            self.discard(step)
+            raise self._failed(e, step) from None
         finally:
             shutil.rmtree(path, ignore_errors=True)
             with contextlib.suppress(OSError):
                 self.root.rmdir()  # the staging directory, empty again
         return dest
+
+    def _failed(self, e: OSError, step: int) -> OSError:
+        # pyarrow names no file, and a remote store's errors carry no errno: EIO stands for those.
+        why = os.strerror(e.errno) if e.errno else f"upload failed: {str(e).split('. Detail:')[0]}"
+        return OSError(e.errno or errno.EIO, why, f"{self.where}/{step_name(step)}")
+
+    def push_shards(self, ctx, step: int, tmp: Path, own: list[str]) -> None:
+        """Every rank but 0, to a URI: its shard files uploaded into the snapshot's place on the store
+        (rank 0's go with the rest in `commit`), then deleted here."""
+        if self.uri is None or ctx.is_main:
+            return
+        from pyarrow.fs import copy_files
+
+        dest = f"{self.experiment}/{step_name(step)}"
+        try:
+            for name in own:  # a filesystem store needs the folder made first; an object store ignores it
+                self.fs.create_dir(f"{dest}/{name}".rsplit("/", 1)[0])
+                copy_files(str(tmp / name), f"{dest}/{name}", destination_filesystem=self.fs)
+        except OSError as e:
+            raise self._failed(e, step) from None
+        finally:
+            for name in own:
+                with contextlib.suppress(OSError):
+                    (tmp / name).unlink()
+
+    def discard(self, step: int) -> None:
+        if self.uri is not None:
+            with contextlib.suppress(OSError):
+                self.fs.delete_dir(f"{self.experiment}/{step_name(step)}")
 
     def make_room(self) -> int:
         return self._keep_newest_unknown()  # Ray owns the retention of the snapshots it knows
@@ -109,6 +147,8 @@ class RayPublish:
         """Every rank reports at the same snapshots: at once when `urgent` or `report_s` is 0, else when
         `report_s` has passed on rank 0's clock (its answer broadcast, one small collective a snapshot)."""
         self.last_metrics = report
+        while self.downloads:  # the resume that needed them is long done
+            shutil.rmtree(self.downloads.pop(), ignore_errors=True)
         due = time.monotonic() - self.reported_t >= self.report_s
         if urgent or self.report_s <= 0 or ctx.broadcast_object(ctx.is_main and due):
             self._report(ctx, report)
@@ -160,7 +200,6 @@ class RayPublish:
         """The newest valid snapshot on storage (rank 0 chooses, every rank loads it). Rank 0 also takes
         the snapshots newer than Ray's newest as unknown to Ray: a run killed between reports left them."""
         import ray.train
-        from ray.train import Checkpoint
 
         listed = []
         if ctx.is_main:
@@ -171,8 +210,22 @@ class RayPublish:
                 self.unknown = [(step, where) for step, where in listed if step > newest_known]
         if self.uri is None:
             return find_shared(ctx, self.root, [Path(where) for _, where in listed])
-        return find_shared(ctx, self.where, [where for _, where in listed],
-                           local=lambda where: Checkpoint(where, filesystem=self.fs).as_directory())
+        return find_shared(ctx, self.where, [where for _, where in listed], local=self._download,
+                           keep=self.downloads.append)
+
+    @contextlib.contextmanager
+    def _download(self, where: str):
+        """The snapshot at `where` on the store, as a local directory: deleted after the block unless
+        `find_shared` keeps it (a sharded snapshot's shards load from it later)."""
+        from pyarrow.fs import copy_files
+
+        local = Path(tempfile.mkdtemp(prefix="trainapp-resume-"))
+        try:
+            copy_files(where, str(local), source_filesystem=self.fs)
+            yield local
+        finally:
+            if local not in self.downloads:
+                shutil.rmtree(local, ignore_errors=True)
 
 
 class RayDrainNotice:
