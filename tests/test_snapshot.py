@@ -193,6 +193,7 @@ def test_inspect_reports_the_newest_snapshot_of_a_run(run_dir):
     by_run = inspect(run_dir)
     assert by_run["global_step"] == 12 and by_run["world_size"] == 1 and by_run["epoch"] == 0
     assert len(by_run["params_sha256"]) == 64
+    assert (by_run["task"], by_run["model"]) == ("image_classification", "smallcnn")
     snaps = snapshot.list_snapshots(run_dir / "snapshots")
     assert [p.name for p in snaps] == ["step_000000005", "step_000000010", "step_000000012"]
     by_file = inspect(snaps[1] / snapshot.STATE)

@@ -119,6 +119,7 @@ def test_a_non_image_task_resumes_bitwise_after_a_sigkilled_rank_under_torchrun(
     assert [s["resumed_step"] for s in metrics(faulty, "start")] == [None, 10]
     a, b = inspect(clean), inspect(faulty)
     assert a["global_step"] == b["global_step"] == 24 and a["params_sha256"] == b["params_sha256"]
+    assert b["task"] != "image_classification" and b["model"] is None  # not the image task's model.name
     done = [line for line in r.stdout.splitlines() if line.startswith("trainapp: done")][0]
     assert ("val_bpc=" in done and "val_loss=" in done) if which == "char_lm" else ("val_mse=" in done), done
 

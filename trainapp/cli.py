@@ -155,12 +155,15 @@ def cmd_inspect(args) -> int:
         state = store.load_state(snap)
         if isinstance(state["model"], str) and state["model"] == store.SHARDED:  # an FSDP run's: the full model from every rank's shard
             state["model"] = store.full_sharded_model(snap)
-    progress = state.get("progress", {})
+    progress, written = state.get("progress", {}), state.get("config", {})
+    task = written.get("task", {}).get("name")
     out = {
         **meta,
         **progress,
         "params_sha256": store.tensors_sha256(state["model"]),
-        "model": state.get("config", {}).get("model", {}).get("name"),
+        "task": task,
+        # `model.name` is the built-in image task's choice; another task's model is its own
+        "model": written.get("model", {}).get("name") if task in (None, "image_classification") else None,
     }
     print(json.dumps(out, indent=2, sort_keys=True))
     return 0
