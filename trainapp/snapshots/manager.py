@@ -225,7 +225,7 @@ class SnapshotManager:
             self._groups = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
         tmp = self._staging_dir(ctx, step)
         copy = self._staging = cpu_copy(state, into=self._staging) if ctx.is_main else None
-        future = start_shards(tmp, shards, self._groups[0] if self._groups else None)
+        future = start_shards(tmp, shards, self._groups[0] if self._groups else None, self.write_delay_s)
         self._shards = _ShardsInFlight(step, tmp, future, copy, meta)
 
     @property

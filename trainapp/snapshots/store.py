@@ -121,20 +121,26 @@ def write_shards(tmp: Path, shards: dict[str, Any], delay_s: float = 0.0) -> Non
     shards written over that long."""
     import torch.distributed.checkpoint as dcp
 
+    dcp.save(shards, storage_writer=_shard_writer(tmp, shards, delay_s))
+
+
+def _shard_writer(tmp: Path, shards: dict[str, Any], delay_s: float) -> Any:
+    """DCP's writer into `tmp/shards`, every file fsynced; with `delay_s`, the drill's slow disk."""
+    import torch.distributed.checkpoint as dcp
+
     writer = dcp.FileSystemWriter(str(tmp / SHARDS), sync_files=True)
     if delay_s > 0:
         writer.fs = slow_disk(local_bytes(shards), delay_s)
-    dcp.save(shards, storage_writer=writer)
+    return writer
 
 
-def start_shards(tmp: Path, shards: dict[str, Any], group: Any) -> Any:
+def start_shards(tmp: Path, shards: dict[str, Any], group: Any, delay_s: float = 0.0) -> Any:
     """Every rank: `write_shards`' write, asynchronous (DCP's `async_save`): the shards are copied to CPU
     memory now, written by a thread of DCP's that talks to the other ranks over `group` (a group of its
     own, so its collectives never interleave with training's). A future; `own_shards` once it is done."""
     import torch.distributed.checkpoint as dcp
 
-    started = dcp.async_save(shards, storage_writer=dcp.FileSystemWriter(str(tmp / SHARDS), sync_files=True),
-                             process_group=group)
+    started = dcp.async_save(shards, storage_writer=_shard_writer(tmp, shards, delay_s), process_group=group)
     return getattr(started, "upload_completion", started)  # a future, or a response holding it
 
 
