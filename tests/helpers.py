@@ -58,6 +58,20 @@ def run_cmd(cmd: list[str], timeout: float = 300, env: dict | None = None) -> Re
     return Result(proc.returncode, out, err)
 
 
+def one_error_line(r: Result, command: str, needle: str, code: int = 2) -> str:
+    """trainapp's one-line error of `command` in `r`: exit `code`, the line (`trainapp COMMAND: error:
+    ...` holding `needle`) exactly once, no traceback. Other lines are not counted: a cluster's daemons
+    (Ray's GCS, gRPC) write native error lines of their own that say nothing about trainapp's line.
+    `ray job submit` shows a job's last lines twice (streamed, then in its status): count distinct ones."""
+    out = r.output
+    mine = [line for line in out.splitlines() if line.startswith(f"trainapp {command}: error:")]
+    distinct = set(mine) if "Job '" in out else mine
+    assert r.returncode == code, (r.returncode, out[-3000:])
+    assert len(distinct) == 1 and needle in mine[0], (needle, mine, out[-3000:])
+    assert "Traceback" not in out, out[-3000:]
+    return mine[0]
+
+
 def trainapp(*args: str, timeout: float = 300, env: dict | None = None) -> Result:
     return run_cmd([PY, "-m", "trainapp", *args], timeout=timeout, env=env)
 

@@ -111,4 +111,4 @@ def trainer(launcher: Launcher, cfg: Config, ctx: DistContext, guard: RankGuard,
     boundary = StepBoundary(ctx, guard.notices, snapshots.due, launcher.drains(cfg), cfg.preempt.ray_poll_s,
                             records.drain_notice)
     records.start(parts, dist.placement(ctx), launcher.restart(), guard.timeline.marks())
-    return Trainer(cfg, ctx, parts, snapshots, guard, boundary, records, (drills.after_step,))
+    return Trainer(cfg, ctx, parts, snapshots, guard, boundary, records, (drills.after_step, records.after_step))

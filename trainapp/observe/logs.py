@@ -13,6 +13,10 @@ from typing import Any
 
 from tqdm import tqdm
 
+FIRST_STEP = "first step of this attempt trained"
+"""Rank 0's line once an attempt has trained its first step (trainapp/observe/records.py): the Ray driver
+holds Ray's output back until it reads it (trainapp/launch/ray/output.py)."""
+
 
 class _TqdmHandler(logging.StreamHandler):
     def emit(self, record: logging.LogRecord) -> None:

@@ -43,6 +43,7 @@ class Records:
         self.stragglers = timings.Stragglers(cfg.observe.straggler_ratio, cfg.observe.straggler_intervals)
         self.hosts: list[str] = []  # by rank, from the start record's placement
         self.last_ranks: list[dict] | None = None
+        self._started_at: float | None = None  # this attempt's start record; None after its first step
 
     def start(self, parts, placement: dict, restart: int, startup: dict[str, float]) -> None:
         """Every rank (it gathers each rank's network choice and placement on rank 0)."""
@@ -65,9 +66,17 @@ class Records:
         if self.live is not None:
             self.live.started(p.global_step, parts.total_steps, ctx.world_size)
             self._account_live()
+        self._started_at = time.monotonic()
         log.info("config %s", json.dumps(cfg.to_dict(), separators=(",", ":")))
         log.info(logs.kv(world_size=ctx.world_size, backend=ctx.backend, device=ctx.device, amp=parts.precision.name,
                          global_batch=p.global_batch, total_steps=parts.total_steps, start_step=p.global_step))
+
+    def after_step(self, step: int) -> None:
+        """A step hook: after this attempt's first step, rank 0 says so, with how long it took (its first
+        loss is checked, a compiled model compiled); nothing after."""
+        if self._started_at is not None:
+            log.info("%s: step %d, %.1f s after the start", logs.FIRST_STEP, step, time.monotonic() - self._started_at)
+            self._started_at = None
 
     def train(self, record: dict[str, Any]) -> None:
         self.metrics.write("train", **record)

@@ -32,6 +32,7 @@ from trainapp.launch.ray.checks import (
     ray_address,
     worker_needs,
 )
+from trainapp.launch.ray.output import StartGate
 from trainapp.launch.ray.stop import DriverStop, note_request, release_left_behind
 from trainapp.observe.timeline import Timeline
 
@@ -213,54 +214,103 @@ def run_comm(cfg: Config, size_mb: float, iters: int, min_bandwidth: float) -> i
 
 
 def _fit(cfg: Config, worker=None, **extra):
-    """Join, check, fit; (Ray Train's Result, the storage path)."""
+    """Join, check, fit; (Ray Train's Result, the storage path, the stop's summary). Ray's output is held
+    back until the run trains (trainapp/launch/ray/output.py): a failed start on bad input is one line."""
     timeline = Timeline()
     timeline.mark_process("driver_process")
     address = ray_address(cfg)
     check_version()  # a Ray it was not written for stops here, before anything imports it
+    gate = StartGate().install()  # before Ray is imported: its loggers keep the streams they find
+    try:
+        return _fit_connected(cfg, timeline, gate, address, worker, **extra)
+    except Failure as e:
+        if e.exit_code != 2:
+            raise
+        dropped = gate.discard()
+        if not dropped:
+            raise
+        raise _with_hint(e, dropped, gate.logs_dir) from None
+    finally:
+        gate.uninstall()
+
+
+def _with_hint(e: Failure, dropped: int, logs_dir: str | None) -> Failure:
+    """The one line of a failed start, saying where Ray's own lines about it went."""
+    where = f"the session logs ({logs_dir} on this node, the same path on the others)" if logs_dir else \
+        "the session logs of each node (/tmp/ray/session_latest/logs)"
+    plain = Failure(f"{e} (Ray's {dropped} lines about it are in {where})")
+    plain.cause, plain.exit_code, plain.everywhere = e.cause, e.exit_code, e.everywhere
+    return plain
+
+
+def _fit_connected(cfg: Config, timeline: Timeline, gate: StartGate, address: str, worker=None, **extra):
+    """`_fit` once the streams are gated: join, check, fit, and leave the cluster (after the gate's
+    verdict, so that what Ray prints while it shuts down goes the same way)."""
     where = connect(address)
     timeline.mark("driver_connected")
     import ray
 
+    from trainapp.launch.ray import versions
+
+    gate.logs_dir = versions.logs_dir()  # while connected
     try:
-        resources = ray.cluster_resources()
-        use_gpu = cfg.ray.use_gpu if cfg.ray.use_gpu is not None else resources.get("GPU", 0) > 0
-        needs = worker_needs(cfg, use_gpu)
-        check_capacity(cfg, needs)
-        storage = cfg.ray.storage_path if is_uri(cfg.ray.storage_path) else str(Path(cfg.ray.storage_path).resolve())
-        checks = Preflight(cfg, storage)
-        # Ray Train takes seconds to import: while the probes start on the nodes. Nothing the
-        # driver imports brings in torch (trainapp/launch/ray/compat.py, trainapp/launch/ray/setup.py).
-        from trainapp.launch.ray import compat
-        timeline.mark("driver_imported")
-        compat.check_run_record(storage, cfg.ray.name)
-        for line in checks.wait():
-            log.info("network %s", line)
-        log.info("%s: %s workers, %s per worker, storage %s/%s", where, cfg.ray.num_workers, needs, storage,
-                 cfg.ray.name)
-        timeline.mark("driver_checked")
-        lease = _take_lease(cfg, storage) if worker is None else None
-        stop = None
-        try:
-            trainer = _trainer(cfg, storage, needs, use_gpu, timeline, worker, lease, **extra)
-            if lease is not None:
-                _release_left_behind(storage)
-                stop = DriverStop(lease)
-                trainer.on_sigint = stop.on_sigint
-            result = trainer.fit()
-        except Exception as e:
-            plain = _error_in(e)
-            if plain is not None:
-                raise plain from None
-            raise
-        finally:
-            if stop is not None:
-                stop.close()
-            if lease is not None:
-                lease.release()
-        return result, storage, stop.summary(result.metrics or {}) if stop is not None and stop.signum else {}
+        storage, needs, use_gpu = _preflight(cfg, timeline, where)
+        return _fit_checked(cfg, timeline, storage, needs, use_gpu, worker, **extra)
+    except Failure as e:
+        if e.exit_code == 2:
+            gate.discard()  # before Ray shuts down: what it still prints of the failed start stays in its logs
+        raise
     finally:
+        gate.release()
         ray.shutdown()
+
+
+def _preflight(cfg: Config, timeline: Timeline, where: str) -> tuple[str, dict[str, float], bool]:
+    """The cluster's capacity, the storage, each node's network and Ray's record of the run checked;
+    (the storage path, one worker's resources, whether workers get GPUs)."""
+    import ray
+
+    resources = ray.cluster_resources()
+    use_gpu = cfg.ray.use_gpu if cfg.ray.use_gpu is not None else resources.get("GPU", 0) > 0
+    needs = worker_needs(cfg, use_gpu)
+    check_capacity(cfg, needs)
+    storage = cfg.ray.storage_path if is_uri(cfg.ray.storage_path) else str(Path(cfg.ray.storage_path).resolve())
+    checks = Preflight(cfg, storage)
+    # Ray Train takes seconds to import: while the probes start on the nodes. Nothing the
+    # driver imports brings in torch (trainapp/launch/ray/compat.py, trainapp/launch/ray/setup.py).
+    from trainapp.launch.ray import compat
+    timeline.mark("driver_imported")
+    compat.check_run_record(storage, cfg.ray.name)
+    for line in checks.wait():
+        log.info("network %s", line)
+    log.info("%s: %s workers, %s per worker, storage %s/%s", where, cfg.ray.num_workers, needs, storage, cfg.ray.name)
+    timeline.mark("driver_checked")
+    return storage, needs, use_gpu
+
+
+def _fit_checked(cfg: Config, timeline: Timeline, storage: str, needs: dict[str, float], use_gpu: bool, worker=None,
+                 **extra):
+    """Ray Train's fit, under the run's lease; (its Result, the storage path, the stop's summary)."""
+    lease = _take_lease(cfg, storage) if worker is None else None
+    stop = None
+    try:
+        trainer = _trainer(cfg, storage, needs, use_gpu, timeline, worker, lease, **extra)
+        if lease is not None:
+            _release_left_behind(storage)
+            stop = DriverStop(lease)
+            trainer.on_sigint = stop.on_sigint
+        result = trainer.fit()
+    except Exception as e:
+        plain = _error_in(e)
+        if plain is not None:
+            raise plain from None
+        raise
+    finally:
+        if stop is not None:
+            stop.close()
+        if lease is not None:
+            lease.release()
+    return result, storage, stop.summary(result.metrics or {}) if stop is not None and stop.signum else {}
 
 
 def _release_left_behind(storage: str) -> None:

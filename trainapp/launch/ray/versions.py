@@ -84,3 +84,14 @@ def lost(drains: bool, elastic: bool) -> list[str]:
         out.append(f"ray {v}: Ray Data's autoscaling coordinator cannot be asked to re-read the cluster: an elastic "
                    "run sees a lost or returning node at the coordinator's own refresh, up to 20 s later")
     return out
+
+
+def logs_dir() -> str | None:
+    """The Ray session's log directory on the driver's node (where each node keeps its processes' logs,
+    under the same session name), or None where this Ray keeps it elsewhere: for the one line of a
+    failed start, which names where Ray's own lines about it went."""
+    node = getattr(_attr("ray._private.worker", "_global_node"), "get_logs_dir_path", None)
+    try:
+        return str(node()) if callable(node) else None
+    except Exception:  # a driver that is not connected, or a Ray that changed: the line says it generically
+        return None
