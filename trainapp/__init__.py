@@ -17,8 +17,9 @@ Launch commands (the same loop every time; ranks come from the environment):
     ray job submit --address http://HEAD:8265 -- python -m trainapp ray \\
         ray.num_workers=4 ray.storage_path=/shared/runs ray.name=r50
 
-    # inspect the newest valid snapshot of a run
+    # inspect the newest valid snapshot of a run; export its model (model.safetensors, loads anywhere)
     python -m trainapp inspect runs/ddp
+    python -m trainapp export runs/ddp --out models/ddp
 
     # your own model: a task (docs/your-own-model.md), by import path or from your own script
     torchrun --standalone --nproc_per_node=2 -m trainapp train task.name=mypkg.tasks:MyTask task.args.hidden=64
@@ -28,7 +29,7 @@ Re-running a command with the same `run.dir` resumes from its newest valid snaps
 """
 
 __version__ = "0.1.0"
-PUBLIC = ("fit", "fit_ray", "main")
+PUBLIC = ("fit", "fit_ray", "load_model", "main")
 """trainapp/api.py's entry points, importable from here without importing torch with the package."""
 
 

@@ -5,6 +5,7 @@ write a `train_func`): the same run as the command line, of a task object the sc
     trainapp.main(MyTask(hidden=64))          # `python train.py train.max_steps=500` under any launcher
     summary = trainapp.fit(MyTask(), overrides=["train.max_steps=500"])   # returns; raises on failure
     summary = trainapp.fit_ray(MyTask(), overrides=["ray.num_workers=4"])  # the Ray driver
+    model = trainapp.load_model("runs/r/model")  # the trained model back, from its export (docs/export.md)
 
 `fit` runs one rank under the launcher the process finds itself in: alone, torchrun (one process
 per rank runs the script), or Slurm's torchrun (slurm/train.sbatch). `fit_ray` is the driver of
@@ -40,6 +41,15 @@ def fit_ray(task: Any = None, config: str | Path | Mapping | None = None, overri
     from trainapp.launch.ray import driver
 
     return driver.run(cfg, task)
+
+
+def load_model(path: str | Path, task: Any = None):
+    """The task's `torch.nn.Module` with the weights at `path` (an export directory, its `model.safetensors`,
+    a run directory or a snapshot), in eval mode on the CPU; `task`: the task object to build the model
+    with (default: the one the run's config names, which must import here)."""
+    from trainapp.tools.export import load_model as load
+
+    return load(path, task)
 
 
 def main(task: Any = None, argv: list[str] | None = None, command: str = "train") -> NoReturn:

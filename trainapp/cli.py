@@ -1,4 +1,4 @@
-"""Command line: `trainapp train|ray|inspect|config|doctor|report|drain|node|slurm-preflight`.
+"""Command line: `trainapp train|ray|inspect|export|config|doctor|report|drain|node|slurm-preflight`.
 
 Every command prints one line on stderr for an ending trainapp explains and exits with its code: 2
 for bad config or bad input (the line names the key, path or value and what is expected), 3 when
@@ -43,6 +43,17 @@ def _parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p = sub.add_parser("inspect", help="print a snapshot's step, world size and parameter hash as JSON")
     p.add_argument("path", metavar="PATH", help="a snapshot (dir or state.pt), a snapshots/ dir or a run dir")
+    p = sub.add_parser("export", help="write a run's model as DIR/model.safetensors (the model's own names) and "
+                                      "DIR/trainapp.json, checked by loading it back (docs/export.md)")
+    p.add_argument("path", metavar="PATH", help="a run dir (its newest valid snapshot), a snapshots/ dir or a snapshot")
+    p.add_argument("--out", required=True, metavar="DIR", help="the export directory (new, or empty)")
+    p.add_argument("--step", type=int, metavar="N", help="the snapshot of step N instead of the newest")
+    p.add_argument("--ema", action="store_true", help="the EMA copy's weights (a run with train.ema_decay > 0)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="store floating tensors in this dtype (default fp32, as trained)")
+    p.add_argument("--no-check", dest="check", action="store_false",
+                   help="skip loading the file back and comparing its outputs on a validation batch")
+    p.add_argument("--force", action="store_true", help="replace --out when it exists and is not empty")
     p = sub.add_parser("config", help="print the resolved config as YAML (checks it without training)")
     p.add_argument("--reference", action="store_true",
                    help="instead: the reference of every key, default and meaning (docs/configuration.md's table)")
@@ -116,7 +127,7 @@ def cmd_train(args, task=None) -> int:
             f"samples_per_s={summary['samples_per_s']:.1f}",
             f"world_size={summary['world_size']}", f"skipped_steps={summary['skipped_steps']}",
             *([f"goodput={summary['goodput']:.3f}"] if "goodput" in summary else []),
-            f"snapshots={summary['snapshots']}",
+            f"snapshots={summary['snapshots']}", *([f"model={summary['model']}"] if summary.get("model") else []),
         ]), flush=True)
     return 0
 
@@ -166,6 +177,16 @@ def cmd_inspect(args) -> int:
         "model": written.get("model", {}).get("name") if task in (None, "image_classification") else None,
     }
     print(json.dumps(out, indent=2, sort_keys=True))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from trainapp.observe import logs
+    from trainapp.tools import export
+
+    logs.setup(0, 1)
+    out = export.export(args.path, args.out, args.step, args.ema, args.dtype, args.check, args.force)
+    print(f"trainapp export: {out}/model.safetensors and {out}/trainapp.json", flush=True)
     return 0
 
 
@@ -272,7 +293,7 @@ def main(argv: list[str] | None = None, task=None) -> int:
     try:
         if args.command in ("train", "ray"):
             return {"train": cmd_train, "ray": cmd_ray}[args.command](args, task)
-        return {"inspect": cmd_inspect, "config": cmd_config, "doctor": cmd_doctor, "report": cmd_report,
+        return {"inspect": cmd_inspect, "export": cmd_export, "config": cmd_config, "doctor": cmd_doctor, "report": cmd_report,
                 "drain": cmd_drain, "node": cmd_node, "slurm-preflight": cmd_slurm_preflight,
                 "stop-jobs": cmd_stop_jobs}[args.command](args)
     except Failure as e:  # an ending trainapp explains: one line, its own exit code (trainapp.errors)

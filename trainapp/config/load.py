@@ -29,6 +29,7 @@ from trainapp.config.run import (
     TASK_DEFAULTS,
     AmpSection,
     DataSection,
+    InitSection,
     ModelSection,
     ObserveSection,
     OptimSection,
@@ -48,6 +49,7 @@ class Config:
     (its `ctx.seed`)."""
     run: RunSection = dataclasses.field(default_factory=RunSection)
     task: TaskSection = dataclasses.field(default_factory=TaskSection)
+    init: InitSection = dataclasses.field(default_factory=InitSection)
     data: DataSection = dataclasses.field(default_factory=DataSection)
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     train: TrainSection = dataclasses.field(default_factory=TrainSection)

@@ -32,9 +32,34 @@ class RunSection:
     meaningless (`seed`, `task.*`, the image task's model and dataset; trainapp/config/changes.py). Other
     changes are listed in one line and the run goes on."""
 
+    export: bool = True
+    """At the end of the run, export the final model (its EMA copy when `train.ema_decay` > 0) to
+    `run.dir/model/` (under Ray beside the snapshots on `ray.storage_path`): `model.safetensors` under the
+    model's own names and `trainapp.json`, the same artifact `trainapp export` writes (docs/export.md)."""
+
     @field_validator("allow_changes", mode="before")
     @classmethod
     def _one_key(cls, v):
+        return [v] if isinstance(v, str) else v
+
+
+@dataclass(config=STRICT)
+class InitSection:
+    from_: str = Field(default="", alias="from")
+    """`init.from`: start a new run's model from these weights: an export directory, a `.safetensors` file, a
+    run directory (its newest valid snapshot) or a snapshot directory. Only the weights: the optimizer,
+    schedule, data position and random generators start fresh. A run with snapshots of its own resumes
+    from them and ignores it. Empty: the task's own initialisation."""
+    exclude: list[str] = Field(default_factory=list)
+    """Parameter names (or prefixes: `head`) of the model left as the task made them, e.g. a new
+    classification head of another size; the source's tensors under them are not read."""
+    strict: bool = True
+    """Every other tensor of the model must come from `init.from` with the same name and shape, and the
+    source may hold nothing else; `false` loads what fits and says how much kept the task's values."""
+
+    @field_validator("exclude", mode="before")
+    @classmethod
+    def _one_prefix(cls, v):
         return [v] if isinstance(v, str) else v
 
 

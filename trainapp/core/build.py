@@ -27,6 +27,7 @@ from trainapp.core.amp import Precision
 from trainapp.core.layout import Layout
 from trainapp.core.state import RngState, ShardedState, TrainState
 from trainapp.core.task import BoundTask, bind
+from trainapp.weights import init as weights_init
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ class Parts:
     resumed_from: str | None
     config_changes: dict[str, list[Any]]
     """Each key whose value differs from the resumed snapshot's config: [there, here]."""
+    init: dict[str, Any] | None = None
+    """Where the weights the run started from came from (`init.from`: its path, kind and digest), kept
+    across resumes; None for the task's own initialisation."""
 
 
 def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | None] = lambda ctx: None,
@@ -68,6 +72,8 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
     task = bind(task, cfg, ctx, steps_done=lambda: made[0].global_step if made else 0)
     train_ds, val_ds = task.datasets()
     model = task.model()  # after the datasets: a task may size its model by its data (classes, vocabulary)
+    found = load(ctx)  # first: a run with snapshots of its own resumes them and never starts from init.from
+    init = _init(cfg, ctx, model, found)  # before the EMA copy, the sharding and DDP: they start from it
     layout = Layout(cfg.train, ctx.world_size, ctx.rank, len(train_ds))
     if task.random_items:
         train_ds = data.SeededItems(train_ds, cfg.seed)
@@ -95,9 +101,8 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
                         "scheduler": opt.schedule, "scaler": precision.scaler, "task": task.state,
                         "ema": ShardedState(ema) if fsdp and ema is not None else ema,
                         "rng": RngState(ctx, cfg.seed, progress)},
-                       records={"config": cfg.to_dict()})
+                       records={"config": cfg.to_dict(), "init": init})
     mark("built")
-    found = load(ctx)
     diff = _resume(cfg, ctx, state, found) if found is not None else {}
     mark("loaded")
     if ctx.is_main and layout.line():
@@ -105,8 +110,24 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
     ddp = None if fsdp else parallel.wrap_ddp(model, ctx)  # wrap last: the snapshot went into the plain module
     return Parts(task, batches, val_loader, model, ddp or model, ddp, sharded, precision, opt.optimizer, opt.schedule,
                  opt.ema, progress, state, opt.schedule.total_steps, opt.schedule.peak_lr,
-                 found[0] if found else None, diff)
+                 found[0] if found else None, diff, init)
 
+
+
+def _init(cfg: Config, ctx, model: torch.nn.Module, found: tuple[str, dict[str, Any]] | None) -> dict[str, Any] | None:
+    """`init.from` loaded into `model` for a run that starts fresh; what the run's snapshot says of its start
+    for a resumed one (init.from is then not read: the run's own weights are newer)."""
+    if found is not None:
+        if cfg.init.from_ and ctx.is_main:
+            log.info("init.from=%s not read: the run resumes its own snapshot %s", cfg.init.from_, found[0])
+        return found[1].get("init")
+    if not cfg.init.from_:
+        return None
+    record = weights_init.apply(model, cfg.init.from_, cfg.init.exclude, cfg.init.strict)
+    if ctx.is_main:
+        log.info("init.from=%s: %d tensors loaded (%s%s)", cfg.init.from_, record["loaded"], record["kind"],
+                 f", step {record['step']}" if record.get("step") is not None else "")
+    return record
 
 
 def _resume(cfg: Config, ctx, state: TrainState, found: tuple[str, dict[str, Any]]) -> dict[str, list[Any]]:

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from trainapp.config import Config
 from trainapp.core import parallel
 from trainapp.core.build import Parts
+from trainapp.core.final import export_final
 from trainapp.core.layout import seed_slot
 from trainapp.faults.preempt import Preempted, Resized, Stopped
 from trainapp.observe.metrics import Throughput, val_metrics
@@ -215,7 +216,8 @@ class Trainer:
         # A sharded model's digest would gather the whole model onto rank 0 at every snapshot, what FSDP is
         # used to avoid: `trainapp inspect` computes it from the shards instead.
         digest = {} if state is None or self.parts.sharded else {"params_sha256": params_sha256(self.parts.model)}
-        meta = {**state["progress"], **digest} if state is not None else None
+        init = {"init": self.parts.init} if self.parts.init else {}  # where the run's weights started from
+        meta = {**state["progress"], **digest, **init} if state is not None else None
         report = {"step": p.global_step, "epoch": p.epoch, "loss": self.last_loss, "world_size": self.ctx.world_size,
                   "samples_per_s": samples_per_s}
         if self.last_eval is not None and self.last_eval["step"] == p.global_step:
@@ -272,6 +274,7 @@ class Trainer:
                    "snapshots": self.snapshots.publish.where,
                    "state_bytes": parallel.state_bytes(self.parts.model, self.parts.optimizer, self.ctx)}
         self._finish_snapshots()  # the final snapshot is on disk before the run says it ended
+        summary["model"] = export_final(self.cfg, self.ctx, self.parts, self.snapshots)  # run.export
         summary.update(self.records.end(summary))  # rank 0: the account of the run's wall time
         return summary
 

@@ -61,7 +61,7 @@ class Records:
                            threads=torch.get_num_threads(), interop_threads=torch.get_num_interop_threads(),
                            restart=restart, resumed_from=parts.resumed_from, resumed_step=resumed.get("global_step"),
                            resumed_world_size=resumed.get("world_size"), network=network, placement=placed,
-                           startup=startup, lease=self.lease, config_changes=parts.config_changes,
+                           startup=startup, lease=self.lease, config_changes=parts.config_changes, init=parts.init,
                            config=cfg.to_dict())
         if self.live is not None:
             self.live.started(p.global_step, parts.total_steps, ctx.world_size)

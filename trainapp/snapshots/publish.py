@@ -38,6 +38,10 @@ class Publish(Protocol):
     def discard(self, step: int) -> None:
         """Rank 0, after a failed sharded snapshot: remove what `push_shards` put where it goes."""
 
+    def put_dir(self, name: str, local: Path) -> Path | str:
+        """Rank 0: the directory `local` (under the run directory, e.g. the exported model) put beside the
+        snapshots as `name`; where it is now (an OSError: it could not be)."""
+
     def make_room(self) -> int:
         """Rank 0, after ENOSPC: delete older snapshots (never the newest valid one); how many went."""
 
@@ -75,6 +79,9 @@ class LocalPublish:
 
     def discard(self, step: int) -> None:
         pass
+
+    def put_dir(self, name: str, local: Path) -> Path:
+        return local  # the run directory is where the snapshots' directory is
 
     def make_room(self) -> int:
         try:

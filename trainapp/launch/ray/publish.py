@@ -133,6 +133,23 @@ class RayPublish:
             with contextlib.suppress(OSError):
                 self.fs.delete_dir(f"{self.experiment}/{step_name(step)}")
 
+    def put_dir(self, name: str, local: Path) -> str:
+        """Rank 0: to a URI, the directory `local` uploaded as STORE/NAME/`name` (replacing one there), and
+        deleted here; on a filesystem path it is in place already."""
+        if self.uri is None:
+            return str(local)
+        from pyarrow.fs import copy_files
+
+        dest = f"{self.experiment}/{name}"
+        try:
+            with contextlib.suppress(OSError):
+                self.fs.delete_dir(dest)
+            self.fs.create_dir(dest)
+            copy_files(str(local), dest, destination_filesystem=self.fs)
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        return f"{self.where}/{name}"
+
     def make_room(self) -> int:
         return self._keep_newest_unknown()  # Ray owns the retention of the snapshots it knows
 

@@ -1,0 +1,147 @@
+"""The run's final model, exported when training ends (`run.export`): `run.dir/model/`, the artifact
+`trainapp export` writes (trainapp/weights/artifact.py), from the model in memory rather than from the
+final snapshot, so nothing is read back from storage.
+
+Which model: the EMA copy when the run keeps one (`train.ema_decay` > 0: the weights its evaluation
+used), else the model itself; the record says which. A whole model (DDP, alone) is written by rank 0.
+A sharded one (FSDP) is written a parameter at a time: every rank takes part in gathering that one
+parameter (`full_tensor()`), rank 0 appends it to the file and drops it, so no rank ever holds more
+than one whole parameter beyond its own shards. The task's own format (its optional `export(model,
+out_dir)`, e.g. Hugging Face's `save_pretrained`) needs the whole model: it runs for a whole model,
+and for a sharded one `trainapp export RUN_DIR` writes it from the final snapshot.
+
+The check on the way out: the file is read back with safetensors' own reader and its tensors' digest
+compared with the digest of what was written. (`trainapp export` also compares the outputs of a model
+loaded from the file with the snapshot's.) Under Ray with a URI store the directory is uploaded beside
+the run's snapshots (the publish step's `put_dir`). A storage error here is a warning, not a failed run:
+the final snapshot holds the same weights, and `trainapp export` writes them later.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainapp.snapshots.files import is_storage_error
+from trainapp.snapshots.store import META
+from trainapp.weights.artifact import DTYPE_NAMES, ArtifactDir, plan, versions, write_state
+from trainapp.weights.safetensors_file import file_digest
+
+log = logging.getLogger("trainapp.core.loop")
+DIR = "model"
+
+
+def export_final(cfg, ctx, parts, snapshots) -> str | None:
+    """Every rank, after the final snapshot: the final model exported; where it went (rank 0), or None
+    (`run.export=false`, another rank, or a storage error, said in one warning line)."""
+    if not cfg.run.export or not (parts.sharded or ctx.is_main):
+        return None
+    t0 = time.perf_counter()
+    model = parts.ema.module if parts.ema is not None else parts.model
+    state = model.state_dict()
+    entries, drop = plan(state, None)
+    out = Path(cfg.run.dir) / DIR
+    try:
+        written = _write(ctx, out, entries, state, parts.sharded)
+        if written is None:
+            return None
+        artifact, digest = written
+        try:
+            record = {**_about(cfg, parts, snapshots), "tensors_sha256": digest, "tied": drop,
+                      "check": _check(artifact, digest), "task_export": _task_export(parts, model, artifact)}
+            out = artifact.publish(record)
+        except BaseException:
+            artifact.abort()
+            raise
+    except OSError as e:
+        if not is_storage_error(e):
+            raise
+        log.warning("the final model was not exported to %s (%s); the final snapshot holds it: `trainapp export %s` "
+                    "writes it", out, e, cfg.run.dir)
+        return None
+    where = snapshots.publish.put_dir(DIR, out)
+    log.info("model exported: %s (%s, %.2f s)", where, "its EMA copy" if parts.ema is not None else "the model",
+             time.perf_counter() - t0)
+    return str(where)
+
+
+def _write(ctx, out: Path, entries, state: dict[str, torch.Tensor], sharded: bool) -> tuple[ArtifactDir, str] | None:
+    """Rank 0: the staging directory with the file written from `state`, and its tensors' digest. A sharded
+    model's parameters are gathered whole one at a time, every rank taking part in every gather in the
+    same order, also after rank 0 failed to write (it raises once the gathers are done)."""
+    if not sharded:
+        artifact = ArtifactDir(out, force=True, setting="run.dir")
+        try:
+            return artifact, write_state(artifact.writer(entries), state)
+        except BaseException:
+            artifact.abort()
+            raise
+    artifact = writer = failed = None
+    try:
+        if ctx.is_main:
+            artifact = ArtifactDir(out, force=True, setting="run.dir")
+            writer = artifact.writer(entries)
+    except Exception as e:
+        failed = e
+    for e in sorted(entries, key=lambda e: e.name):
+        t = state[e.name]
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        if writer is not None:
+            try:
+                writer.add(e.name, full.detach().to("cpu"))
+            except Exception as err:
+                writer.abort()
+                writer, failed = None, err
+        del full
+    if failed is not None or not ctx.is_main:
+        if artifact is not None:
+            artifact.abort()
+        if failed is not None:
+            raise failed
+        return None
+    try:
+        return artifact, writer.close()
+    except BaseException:
+        artifact.abort()
+        raise
+
+
+def _check(artifact: ArtifactDir, digest: str) -> dict[str, Any]:
+    """The file read back with safetensors' reader: its tensors are the ones written."""
+    again = file_digest(artifact.file)
+    if again != digest:
+        raise RuntimeError(f"{artifact.file}: reads back other tensors than were written ({again} != {digest})")
+    return {"tensors": "read back equal to the trained model's", "outputs": "not run (trainapp export runs it)"}
+
+
+def _task_export(parts, model: torch.nn.Module, artifact: ArtifactDir) -> str:
+    """The task's own format (its optional `export(model, out_dir)`), written beside the file."""
+    hook = getattr(parts.task.task, "export", None)
+    if not callable(hook):
+        return "the task has no export method"
+    if parts.sharded:
+        return "not run: the model is sharded (parallel.strategy=fsdp); `trainapp export RUN_DIR` runs it"
+    hook(model, artifact.stage)
+    return "run"
+
+
+def _about(cfg, parts, snapshots) -> dict[str, Any]:
+    """What the record says the model is and where it came from."""
+    step = parts.progress.global_step
+    where = snapshots.last_written or snapshots.path_for(step)
+    source: dict[str, Any] = {"path": str(where), "step": step,
+                              "kind": "sharded snapshot" if parts.sharded else "snapshot"}
+    meta = Path(str(where)) / META
+    if meta.is_file():
+        info = json.loads(meta.read_text())
+        source.update({k: info[k] for k in ("xxh3_128", "params_sha256") if k in info})
+    dtype = next((p.dtype for p in parts.model.parameters()), torch.float32)
+    return {"run_dir": cfg.run.dir, "step": step, "ema": parts.ema is not None, "source": source,
+            "dtype": {v: k for k, v in DTYPE_NAMES.items()}.get(dtype, str(dtype)),
+            "task": {"name": cfg.task.name, "args": cfg.task.args}, "config": cfg.to_dict(), "init": parts.init,
+            "written_by": "the end of the run", **versions()}
