@@ -14,7 +14,7 @@ PACKAGE = REPO / "trainapp"
 MODULES = sorted(PACKAGE.rglob("*.py"))
 MAX_FUNCTION_LINES = 50
 MAX_MODULE_LINES = 500
-LAYERS = ("errors", "config", "group", "tasks", "observe", "snapshots", "faults", "core", "launch", "tools", "cli",
+LAYERS = ("errors", "config", "group", "tasks", "observe", "snapshots", "weights", "faults", "core", "launch", "tools", "cli",
           "api", "__main__")
 """trainapp's subsystems from the bottom up: a module imports its own layer and the layers below it only."""
 

@@ -34,17 +34,7 @@ def _add_drain_args(p: argparse.ArgumentParser) -> None:
                         "so Ray Train knows it is a preemption and does not restart workers here")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainapp", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = sub.add_parser("train", help="train (alone, or one rank under torchrun / Ray)")
-    _add_config_args(p)
-    p = sub.add_parser("ray", help="drive a Ray Train run of the same loop (what `ray job submit` runs)")
-    _add_config_args(p)
-    p = sub.add_parser("inspect", help="print a snapshot's step, world size and parameter hash as JSON")
-    p.add_argument("path", metavar="PATH", help="a snapshot (dir or state.pt), a snapshots/ dir or a run dir")
-    p = sub.add_parser("export", help="write a run's model as DIR/model.safetensors (the model's own names) and "
-                                      "DIR/trainapp.json, checked by loading it back (docs/export.md)")
+def _add_export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", metavar="PATH", help="a run dir (its newest valid snapshot), a snapshots/ dir or a snapshot")
     p.add_argument("--out", required=True, metavar="DIR", help="the export directory (new, or empty)")
     p.add_argument("--step", type=int, metavar="N", help="the snapshot of step N instead of the newest")
@@ -54,6 +44,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="skip loading the file back and comparing its outputs on a validation batch")
     p.add_argument("--force", action="store_true", help="replace --out when it exists and is not empty")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainapp", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_config_args(sub.add_parser("train", help="train (alone, or one rank under torchrun / Ray)"))
+    _add_config_args(sub.add_parser("ray", help="drive a Ray Train run of the same loop (what `ray job submit` runs)"))
+    p = sub.add_parser("inspect", help="print a snapshot's step, world size and parameter hash as JSON")
+    p.add_argument("path", metavar="PATH", help="a snapshot (dir or state.pt), a snapshots/ dir or a run dir")
+    _add_export_args(sub.add_parser("export", help="write a run's model as DIR/model.safetensors (the model's own "
+                                                  "names) and DIR/trainapp.json, checked by loading it back"))
     p = sub.add_parser("config", help="print the resolved config as YAML (checks it without training)")
     p.add_argument("--reference", action="store_true",
                    help="instead: the reference of every key, default and meaning (docs/configuration.md's table)")

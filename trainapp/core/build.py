@@ -72,8 +72,7 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
     task = bind(task, cfg, ctx, steps_done=lambda: made[0].global_step if made else 0)
     train_ds, val_ds = task.datasets()
     model = task.model()  # after the datasets: a task may size its model by its data (classes, vocabulary)
-    found = load(ctx)  # first: a run with snapshots of its own resumes them and never starts from init.from
-    init = _init(cfg, ctx, model, found)  # before the EMA copy, the sharding and DDP: they start from it
+    found, init = _init(cfg, ctx, model, load)  # before the EMA copy, the sharding and DDP: they start from it
     layout = Layout(cfg.train, ctx.world_size, ctx.rank, len(train_ds))
     if task.random_items:
         train_ds = data.SeededItems(train_ds, cfg.seed)
@@ -114,20 +113,22 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
 
 
 
-def _init(cfg: Config, ctx, model: torch.nn.Module, found: tuple[str, dict[str, Any]] | None) -> dict[str, Any] | None:
-    """`init.from` loaded into `model` for a run that starts fresh; what the run's snapshot says of its start
-    for a resumed one (init.from is then not read: the run's own weights are newer)."""
+def _init(cfg: Config, ctx, model: torch.nn.Module, load: Callable[[Any], tuple[str, dict[str, Any]] | None]):
+    """(the snapshot to resume or None, where the run's weights started from). The snapshot is looked for
+    first: a run with snapshots of its own resumes them and does not read `init.from` (its own weights are
+    newer; the start is what its snapshot says). A run that starts fresh loads `init.from` into `model`."""
+    found = load(ctx)
     if found is not None:
         if cfg.init.from_ and ctx.is_main:
             log.info("init.from=%s not read: the run resumes its own snapshot %s", cfg.init.from_, found[0])
-        return found[1].get("init")
+        return found, found[1].get("init")
     if not cfg.init.from_:
-        return None
+        return None, None
     record = weights_init.apply(model, cfg.init.from_, cfg.init.exclude, cfg.init.strict)
     if ctx.is_main:
         log.info("init.from=%s: %d tensors loaded (%s%s)", cfg.init.from_, record["loaded"], record["kind"],
                  f", step {record['step']}" if record.get("step") is not None else "")
-    return record
+    return None, record
 
 
 def _resume(cfg: Config, ctx, state: TrainState, found: tuple[str, dict[str, Any]]) -> dict[str, list[Any]]:
