@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from helpers import FAULT_RUN, torchrun  # noqa: E402
+from helpers import FAULT_RUN, FSDP_RUN, torchrun  # noqa: E402
 from scratch import scratch  # noqa: E402
 
 # Tests `make test` leaves to a CI step of their own: marker -> (option, the target that runs them).
@@ -51,5 +51,15 @@ def torchrun_restarted(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("restarted") / "run"
     r = torchrun(2, f"run.dir={run_dir}", *FAULT_RUN, "drill.kill_at_step=13", "drill.rank=1", "train.log_every=1",
                  "observe.tensorboard=true", max_restarts=1)
+    assert r.returncode == 0, r.output[-3000:]
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def fsdp_straight(tmp_path_factory) -> Path:
+    """One FSDP run several test files read (2 ranks, sharded snapshots every 5 steps, EMA): tests/test_fsdp.py
+    resumes against it, tests/test_export.py exports from its shards."""
+    run_dir = tmp_path_factory.mktemp("fsdp-straight") / "run"
+    r = torchrun(2, f"run.dir={run_dir}", *FSDP_RUN)
     assert r.returncode == 0, r.output[-3000:]
     return run_dir

@@ -26,6 +26,9 @@ QUICK = ["train.progress=false", "train.log_every=5", "data.train_size=1024", "d
 # the resume tests and the shared restarted run (conftest.py's `torchrun_restarted`).
 FAULT_RUN = ["train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5", "train.grad_accum=2",
              "train.ema_decay=0.9", "train.eval_every=10", *QUICK]
+# The same under FSDP (sharded snapshots): conftest.py's `fsdp_straight`, tests/test_fsdp.py.
+FSDP_RUN = ["parallel.strategy=fsdp", "train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5",
+            "snapshot.keep=10", "train.grad_accum=2", "train.eval_every=10", "train.ema_decay=0.9", *QUICK]
 
 
 @dataclass

@@ -12,13 +12,12 @@ import shutil
 
 import pytest
 import torch
-from helpers import PY, QUICK, REPO, inspect, metrics, torchrun
+from helpers import FSDP_RUN, PY, QUICK, REPO, inspect, metrics, torchrun
 from test_preempt import Job, check_preempted, rerun_resumes_exactly, straight_sha
 from test_preempt import torchrun_cmd as preempt_cmd
 from test_storage import mounts, no_leftovers, tmpfs  # noqa: F401  (mounts: the fixture)
 
-FSDP = ["parallel.strategy=fsdp", "train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5",
-        "snapshot.keep=10", "train.grad_accum=2", "train.eval_every=10", "train.ema_decay=0.9", *QUICK]
+FSDP = FSDP_RUN
 # The transformer of the issue's "done when", with fp16 loss scaling (an initial scale that overflows the
 # first steps' gradients: skipped steps every rank must agree on) and the EMA copy sharded as the model.
 LM = ["task.name=char_lm", "amp.dtype=fp16", "amp.init_scale=1e6", *FSDP]
@@ -34,8 +33,8 @@ def trained(run, *args: str, kill: bool = False):
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    return trained(tmp_path_factory.mktemp("fsdp-straight"), *FSDP)
+def straight(fsdp_straight):
+    return fsdp_straight
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import shutil
 import time
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -94,8 +94,9 @@ class ArtifactDir:
             raise ConfigError(f"{setting} {self.out}: exists and is not empty; choose another path or pass --force "
                               "to replace it")
         self.out.parent.mkdir(parents=True, exist_ok=True)
+        for left in self.out.parent.glob(f".tmp-{self.out.name}-*"):  # an export killed half-way left it
+            shutil.rmtree(left, ignore_errors=True)
         self.stage = self.out.parent / f".tmp-{self.out.name}-{os.getpid()}"
-        shutil.rmtree(self.stage, ignore_errors=True)
         self.stage.mkdir()
         self.file = self.stage / FILE
 
@@ -123,13 +124,3 @@ class ArtifactDir:
 
     def abort(self) -> None:
         shutil.rmtree(self.stage, ignore_errors=True)
-
-
-def run_with(artifact: ArtifactDir, work: Callable[[ArtifactDir], dict[str, Any]]) -> Path:
-    """`work(artifact)` (it writes the file and returns the record), then publish; nothing left on failure."""
-    try:
-        record = work(artifact)
-    except BaseException:
-        artifact.abort()
-        raise
-    return artifact.publish(record)
