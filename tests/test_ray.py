@@ -264,6 +264,10 @@ def test_job_submit_runs_two_workers_and_inspect_reads_the_ray_run(cluster, ray_
     assert any("Reporting training result" in text for text in train_logs), len(train_logs)
     info = inspect(run_dir)
     assert info["global_step"] == 24 and info["world_size"] == 2
+    # The end-of-run export (run.export), beside the snapshots on ray.storage_path.
+    exported = json.loads((run_dir / "model" / "trainapp.json").read_text())
+    assert exported["step"] == 24 and exported["source"]["params_sha256"] == info["params_sha256"], exported
+    assert f"model exported: {run_dir}/model" in r.output
     assert (run_dir / "step_000000024" / "state.pt").exists()
 
 
@@ -357,6 +361,13 @@ def test_char_lm_sharded_resumes_a_killed_worker_from_every_shard_to_torchruns_p
     t = torchrun(2, f"run.dir={tmp_path / 'tr'}", *lm[:-2])
     assert t.returncode == 0, t.output[-3000:]
     assert inspect(final)["params_sha256"] == inspect(tmp_path / "tr")["params_sha256"]
+    # The end-of-run export of the sharded model, gathered a parameter at a time, uploaded beside the
+    # snapshots on the URI store: the same tensors as torchrun's run exported at its end.
+    exported = json.loads((store / "char-lm" / "model" / "trainapp.json").read_text())
+    assert exported["step"] == 24 and exported["source"]["kind"] == "sharded snapshot", exported
+    assert exported["tensors_sha256"] == json.loads((tmp_path / "tr" / "model" / "trainapp.json").read_text())[
+        "tensors_sha256"]
+    assert not (run_dir / "model").exists()  # the local copy went once uploaded
     r = submit(cluster, "char-lm", *lm, "train.max_steps=29", "ray.num_workers=1")
     assert r.returncode == 0, r.output[-4000:]
     start = metrics(run_dir, "start")[-1]

@@ -192,6 +192,8 @@ def test_a_preempted_job_requeues_itself_and_resumes_with_zero_steps_redone(slur
     steps = [r["step"] for r in metrics(run_dir, "train")]
     assert len(steps) == len(set(steps)) and max(steps) == 200  # zero steps redone, none missing
     assert inspect(run_dir)["params_sha256"] == straight
+    exported = json.loads((run_dir / "model" / "trainapp.json").read_text())  # run.export, at the end of run 1
+    assert exported["step"] == 200 and exported["source"]["params_sha256"] == straight, exported
     assert "run 0: got SIGUSR1" in text and "requeueing" in text and "run 1: training ended with exit 0" in text
 
 
