@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # torch is not imported with the contract: the Ray driver che
 
 REQUIRED = ("datasets", "model", "loss", "evaluate")
 """The methods every task has."""
-OPTIONAL = ("collate", "state_dict", "load_state_dict", "param_groups")
+OPTIONAL = ("collate", "state_dict", "load_state_dict", "param_groups", "shard_units", "export")
 """The methods a task may have."""
 
 
@@ -77,3 +77,6 @@ class Task(Protocol):
 #   collate(items: list) -> batch                       instead of torch's default_collate
 #   state_dict() -> dict / load_state_dict(state)       the task's own state, in every snapshot
 #   param_groups(model) -> list[dict]                    optimizer groups ({"params": [...], options})
+#   shard_units(model) -> list[nn.Module]                 the submodules FSDP shards as units (parallel.strategy=fsdp)
+#   export(model, out_dir: Path)                          the task's own format beside model.safetensors in an
+#                                                         export directory (e.g. save_pretrained; docs/export.md)

@@ -190,6 +190,12 @@ class LocalCluster:
             # runs are short, and a person watching one wants the step to move between two looks.
             **({"RAY_metrics_report_interval_ms": "2000"} if self.metrics
                else {"RAY_enable_metrics_collection": "false"}),
+            # A daemon gives the GCS 5 s to answer its first call, then exits (the dashboard: "Failed to connect
+            # to GCS ... within 5 seconds", and the head never comes up); a busy 2-core machine can take longer.
+            "RAY_gcs_rpc_server_connect_timeout_s": "30",
+            # The dashboard's modules are processes that must be up within 30 s, or the head fails to start
+            # ("Module MetricsHead failed to start"): seen with a second test suite beside this one's cluster.
+            "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT": "120",
             # Raylets start worker processes at nice 15 by default, below every Ray daemon on the
             # node; training then yields the cores to the cluster's own housekeeping.
             "RAY_worker_niceness": str(self.worker_nice),
