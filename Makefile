@@ -218,6 +218,7 @@ bench: $(STAMP) ## Run every benchmark, then one summary table: bench/results/*.
 	$(BIN)/python bench/char_lm.py $(BENCH_ARGS)
 	$(BIN)/python bench/resize.py $(BENCH_ARGS)
 	$(BIN)/python bench/fsdp.py $(BENCH_ARGS)
+	$(BIN)/python bench/export.py $(BENCH_ARGS)
 	$(BIN)/python bench/summary.py $(if $(findstring --smoke,$(BENCH_ARGS)),--results bench/results/smoke)
 
 ##@ Clean

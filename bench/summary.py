@@ -100,6 +100,11 @@ ROWS = [
     ("char_lm", "wall_seconds", "`make run ARGS=task.name=char_lm`, command to exit, torchrun x2 (s)", None, "{:.0f}"),
     ("char_lm", "val_loss_vs_uniform", "char_lm's final val_loss / the uniform guess's log(vocab)", ("<=", 0.6),
      "{:.3f}"),
+    ("export", "sharded_peak_ratio", "`trainapp export` of a sharded (FSDP) snapshot, a 288 MiB MLP, fp32 with the "
+     "check: peak RSS above a process that reads no weights / the model's bytes", ("<=", 1.5), "{:.2f}"),
+    ("export", "whole_peak_ratio", "the same of a whole (DDP) snapshot (its mapped `state.pt` pages count)", None,
+     "{:.2f}"),
+    ("export", "sharded_export_s", "the sharded export's time, fp32 with the check, 2 cores (s)", None, "{:.1f}"),
 ]
 
 

@@ -154,3 +154,25 @@ def test_fsdp_benchmark_smoke(tmp_path):
     assert result["smoke"] is True and len(result["rounds"]) == 1
     assert 0.4 < result["memory_ratio"] < 0.6, result["bytes_per_rank"]
     assert result["step_time_ratio"] > 0 and "memory_ratio=" in r.stdout
+
+
+def test_export_benchmark_smoke(tmp_path):
+    """`trainapp export` of a sharded and a whole snapshot, each in its own measured process: the FSDP run
+    really left shards, every export passed its check (fp32 bitwise), the bf16 file is half the fp32 one,
+    and the peak RSS above the baseline is at least most of the model (the export holds it; a ratio near
+    0 would mean the measured process was not the export)."""
+    result, r = smoke("export", tmp_path)
+    variants = result["variants"]
+    assert result["smoke"] is True and result["optimizer"] == "adamw"
+    assert result["model_bytes"] == 5 * (1024 * 1024 + 1024) * 4  # WideMLP(width=1024, depth=5), fp32
+    assert result["snapshot_bytes"]["fsdp"] > 2.5 * result["model_bytes"]  # the model and AdamW's two moments
+    run = result["rounds"][0]
+    assert {run[n]["source_kind"] for n in variants if n.startswith("sharded")} == {"sharded snapshot"}
+    assert run["whole_fp32_check"]["source_kind"] == "snapshot"
+    assert variants["sharded_fp32_check"]["checks_passed"] == [True] and run["sharded_fp32_check"]["check_equal"]
+    assert variants["whole_fp32_check"]["checks_passed"] == [True]
+    assert variants["sharded_bf16_nocheck"]["checks_passed"] == [None]  # --no-check
+    assert variants["sharded_bf16_nocheck"]["file_bytes"] < 0.6 * variants["sharded_fp32_check"]["file_bytes"]
+    assert result["sharded_peak_ratio"] > 0.8 and result["whole_peak_ratio"] > 0.8, variants
+    assert run["baseline_fsdp"]["peak_rss"] > 100 * 2**20  # a process that imported torch
+    assert "sharded_peak_ratio=" in r.stdout
