@@ -63,3 +63,13 @@ def fsdp_straight(tmp_path_factory) -> Path:
     r = torchrun(2, f"run.dir={run_dir}", *FSDP_RUN)
     assert r.returncode == 0, r.output[-3000:]
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def torchrun_straight(tmp_path_factory) -> Path:
+    """`torchrun_restarted`'s twin that nobody killed: tests/test_loop.py compares their parameters,
+    tests/test_export.py their exported models."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    r = torchrun(2, f"run.dir={run_dir}", *FAULT_RUN)
+    assert r.returncode == 0, r.output[-3000:]
+    return run_dir

@@ -13,10 +13,11 @@ import textwrap
 
 import pytest
 import torch
-from helpers import FAULT_RUN, PY, REPO, inspect, metrics, one_error_line, torchrun, trainapp
+from helpers import FAULT_RUN, PY, REPO, inspect, metrics, torchrun, trainapp
 from safetensors.torch import load_file, load_model
 
 import trainapp as ta
+from trainapp import cli
 from trainapp.errors import ConfigError
 from trainapp.snapshots import store
 from trainapp.tasks.image import SmallCNN
@@ -85,12 +86,10 @@ def test_ema_exports_the_averaged_weights_and_bf16_halves_the_file(fsdp_straight
     assert record(half)["step"] == 20 and check["passed"] and 0 < check["rel_l2"] < check["tolerance_rel_l2"], check
 
 
-def test_a_killed_and_resumed_run_exports_byte_equal_tensors_to_its_straight_twin(torchrun_restarted, tmp_path):
+def test_a_killed_and_resumed_run_exports_byte_equal_tensors_to_its_straight_twin(torchrun_restarted,
+                                                                                  torchrun_straight):
     """`run.export` at the end of both runs (the EMA copy: the runs keep one), from the model in memory."""
-    straight = tmp_path / "straight"
-    assert torchrun(2, f"run.dir={straight}", *FAULT_RUN).returncode == 0
-    a, b = straight / "model", torchrun_restarted / "model"
-    assert (a / "model.safetensors").read_bytes()[8:] != b""  # written
+    a, b = torchrun_straight / "model", torchrun_restarted / "model"
     assert load_file(a / "model.safetensors").keys() == load_file(b / "model.safetensors").keys()
     assert record(a)["tensors_sha256"] == record(b)["tensors_sha256"]
     assert record(b)["ema"] is True and record(b)["step"] == 24 and record(b)["written_by"] == "the end of the run"
@@ -107,6 +106,7 @@ def test_load_model_gives_the_tasks_module_in_eval_mode_with_the_weights(torchru
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.e2e
 def test_init_from_starts_lower_and_a_killed_fine_tune_resumes_its_own_snapshot_bitwise(torchrun_restarted, tmp_path):
     """A run started from an export: its first logged loss is lower than the same run's from scratch
     (`torchrun_restarted` is that run); killed and restarted, it resumes its own snapshot (not the
@@ -129,8 +129,21 @@ def test_init_from_starts_lower_and_a_killed_fine_tune_resumes_its_own_snapshot_
     assert inspect(killed)["params_sha256"] == inspect(tuned)["params_sha256"]
 
 
-def test_bad_export_and_init_input_is_one_line_with_exit_2_and_writes_nothing(torchrun_restarted, fsdp_straight,
-                                                                             tmp_path):
+def here(capsys, *args: str) -> tuple[int, str]:
+    """`trainapp ARGS` in this process (a world of one): (exit code, stderr)."""
+    code = cli.main(list(args))
+    return code, capsys.readouterr().err
+
+
+def one_line_here(capsys, needle: str, *args: str) -> str:
+    code, err = here(capsys, *args)
+    lines = [ln for ln in err.splitlines() if ln.startswith(f"trainapp {args[0]}: error:")]
+    assert code == 2 and len(lines) == 1 and needle in lines[0], (code, err[-2000:])
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_bad_export_and_init_input_is_one_line_with_exit_2_and_writes_nothing(torchrun_restarted, capsys, tmp_path):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("mine")
     (tmp_path / "empty-run").mkdir()
@@ -141,31 +154,26 @@ def test_bad_export_and_init_input_is_one_line_with_exit_2_and_writes_nothing(to
     (corrupt / "model.safetensors").write_bytes(bytes(data))
     (corrupt / "trainapp.json").write_text((torchrun_restarted / "model" / "trainapp.json").read_text())
     out = tmp_path / "out"
+    quick = ["train.max_steps=2", "train.progress=false", "data.train_size=64", "data.val_size=32"]
     cases = [
         (["export", str(tmp_path / "empty-run"), "--out", str(out)], "holds no snapshot"),
         (["export", str(torchrun_restarted), "--out", str(out), "--step", "7"], "--step 7: "),
         (["export", str(torchrun_restarted), "--out", str(tmp_path / "full")], "exists and is not empty"),
-        (["export", str(fsdp_straight), "--out", str(tmp_path / "ok"), "--ema", "--step", "5"], None),  # fine
-        (["train", f"run.dir={tmp_path / 'r1'}", f"init.from={tmp_path / 'nope'}"], "init.from="),
-        (["train", f"run.dir={tmp_path / 'r2'}", f"init.from={corrupt}"], "do not match trainapp.json"),
-        (["train", f"run.dir={tmp_path / 'r3'}", f"init.from={torchrun_restarted / 'model'}", "task.name=char_lm"],
-         "init.exclude="),
+        (["train", f"run.dir={tmp_path / 'r1'}", f"init.from={tmp_path / 'nope'}", *quick], "init.from="),
+        (["train", f"run.dir={tmp_path / 'r2'}", f"init.from={corrupt}", *quick], "do not match trainapp.json"),
+        (["train", f"run.dir={tmp_path / 'r3'}", f"init.from={torchrun_restarted / 'model'}", "task.name=char_lm",
+          *quick], "init.exclude="),
     ]
     for args, needle in cases:
-        r = trainapp(*args, timeout=180)
-        if needle is None:
-            assert r.returncode == 0, r.output[-2000:]
-            continue
-        one_error_line(r, args[0], needle)
+        one_line_here(capsys, needle, *args)
     assert (tmp_path / "full" / "x").read_text() == "mine"
     assert not out.exists() and not [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
     assert not [p for p in tmp_path.glob("r?/snapshots/*")]  # the runs stopped before their first step
-    # A run without EMA, alone: --ema names the setting.
+    # A run without EMA: --ema names the setting.
     plain = tmp_path / "plain"
-    assert trainapp("train", f"run.dir={plain}", "train.max_steps=2", "train.progress=false",
-                    "run.export=false").returncode == 0
+    assert here(capsys, "train", f"run.dir={plain}", "run.export=false", *quick)[0] == 0
     assert not (plain / "model").exists()
-    one_error_line(trainapp("export", str(plain), "--out", str(out), "--ema"), "export", "train.ema_decay was 0")
+    one_line_here(capsys, "train.ema_decay was 0", "export", str(plain), "--out", str(out), "--ema")
     assert not out.exists()
 
 
@@ -257,3 +265,16 @@ def test_the_writer_refuses_a_tensor_out_of_order(tmp_path):
     writer.abort()
     artifact.abort()
     assert os.listdir(tmp_path) == []
+
+
+def test_an_fsdp_run_starts_from_another_runs_sharded_snapshot(fsdp_straight, torchrun_restarted, tmp_path):
+    """`init.from` a run directory whose newest snapshot is sharded (read in each process, at any world
+    size) into a run that shards its model after the weights are in."""
+    run = tmp_path / "ft"
+    r = torchrun(2, f"run.dir={run}", "parallel.strategy=fsdp", "train.max_steps=3", "train.log_every=1",
+                 "train.progress=false", "data.train_size=1024", "data.val_size=256", f"init.from={fsdp_straight}")
+    assert r.returncode == 0, r.output[-3000:]
+    (start,) = metrics(run, "start")
+    assert start["init"]["kind"] == "sharded snapshot" and start["init"]["step"] == 24, start["init"]
+    assert start["init"]["loaded"] == len(snapshot_model(newest(fsdp_straight))), start["init"]
+    assert metrics(run, "train")[0]["loss"] < metrics(torchrun_restarted, "train")[0]["loss"]

@@ -177,7 +177,7 @@ def _check(bound: BoundTask, artifact: ArtifactDir, digest: str, batch, ref, dty
     if file_digest(artifact.file) != digest:
         raise CheckFailed(f"{artifact.file}: reads back other tensors than were written")
     try:
-        fresh = _model(bound, open_source(artifact.file, setting="--out"), "--out")
+        fresh = _model(bound, open_source(artifact.file, setting="--out", digest=digest), "--out")
     except ConfigError as e:
         raise CheckFailed(f"the export does not load into a fresh model of the task: {e}") from None
     result = compare(ref, outputs(bound, fresh, batch), dtype)

@@ -67,6 +67,7 @@ def load_into(model: torch.nn.Module, source: Source, names: list[str]) -> None:
     for batch in source.batches(names):
         for name, value in batch.items():
             target[name].copy_(value)
+        batch.clear()  # before the next batch is read: one batch in memory at a time
 
 
 def apply(model: torch.nn.Module, path: str, exclude: list[str], strict: bool) -> dict[str, Any]:
