@@ -66,7 +66,7 @@ def test_rank_0_alone_gives_the_runs_figures_and_each_server_only_its_own_ranks(
 def test_a_torchrun_runs_endpoint_is_scraped_over_http_while_it_trains_and_names_the_slowed_rank(tmp_path):
     port = free_port()
     cmd = torchrun_cmd(2, f"run.dir={tmp_path}", "train.max_steps=120", "train.epochs=100", "snapshot.every_steps=20",
-                       "drill.slow_rank=1", "drill.slow_ms=40", f"observe.prometheus_port={port}", *QUICK)
+                       "drill.slow_rank=1", "drill.slow_ms=120", f"observe.prometheus_port={port}", *QUICK)
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     scrapes, deadline = [], time.monotonic() + 120
@@ -91,7 +91,7 @@ def test_a_torchrun_runs_endpoint_is_scraped_over_http_while_it_trains_and_names
     assert 0 < value(last, "trainapp_goodput_ratio", run=run) < 1
     assert value(last, "trainapp_snapshot_step", run=run) % 20 == 0 and value(last, "trainapp_snapshot_step", run=run)
     assert value(last, "trainapp_restarts", run=run) == 0
-    # One server for the node's two ranks; rank 1 (slowed 40 ms a step) is flagged, rank 0 is not.
+    # One server for the node's two ranks; rank 1 (slowed 120 ms a step) is flagged, rank 0 is not.
     assert value(last, "trainapp_straggler", run=run, rank="1") == 1.0
     assert value(last, "trainapp_straggler", run=run, rank="0") == 0.0
     assert value(last, "trainapp_rank_busy_seconds", run=run, rank="1") > \

@@ -255,9 +255,10 @@ def test_job_submit_runs_two_workers_and_inspect_reads_the_ray_run(cluster, ray_
     # One copy of each line in the job's output (two attempts): each node streams only its own logs.
     assert r.output.count("Started training worker group") == 2, r.output[-4000:]
     assert r.output.count("trainapp.core.loop: world_size=2 backend=gloo") == 2, r.output[-4000:]
-    # The driver held Ray's lines until the first step, then showed them in order (trainapp/launch/ray/output.py).
+    # The driver held Ray's lines until rank 0's first step of each attempt, then showed them
+    # (trainapp/launch/ray/output.py): nothing of a training run is left out. (Each process's lines come in
+    # their order; the controller's and the workers' reach the driver on streams of their own.)
     assert r.output.count(FIRST_STEP) == 2, r.output[-4000:]
-    assert r.output.index("Started training worker group") < r.output.index(FIRST_STEP), r.output[-4000:]
     # Ray Train's line per report per rank stays in its own log files, out of the job's output.
     assert "Reporting training result" not in r.output, r.output[-4000:]
     train_logs = [f.read_text() for f in cluster.dir.glob("**/logs/train/ray-train-*-worker-*.log")]
