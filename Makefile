@@ -164,11 +164,11 @@ test: $(STAMP) $(TOOLS_STAMP) ## The suite: every subsystem end to end, but the 
 	$(BIN)/python -m pytest --durations=15 $(PYTEST_ARGS)
 
 .PHONY: test-e2e
-test-e2e: $(STAMP) $(TOOLS_STAMP) ## The long end-to-end fault scenarios (Ray faults, hangs, namespaces); CI runs them after make test
+test-e2e: $(STAMP) $(TOOLS_STAMP) ## The long end-to-end fault scenarios (Ray faults, hangs, namespaces); CI runs them last where the CPU leaves room
 	$(BIN)/python -m pytest --e2e -m e2e --durations=15 $(PYTEST_ARGS)
 
 .PHONY: bench-smoke
-bench-smoke: $(STAMP) ## Every benchmark in its smoke mode, checked (tests/test_bench.py; make test leaves them out, CI runs them)
+bench-smoke: $(STAMP) ## Every benchmark in its smoke mode, checked (tests/test_bench.py; make test and CI leave them out: run it for a change to bench/)
 	$(BIN)/python -m pytest --bench -m bench --durations=6 tests/test_bench.py $(PYTEST_ARGS)
 
 # Another Ray, for `test-ray-oldest`: a venv with only that Ray installed (no dependencies), which finds

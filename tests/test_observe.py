@@ -146,6 +146,15 @@ def test_a_disabled_clock_records_nothing_but_still_tells_the_heartbeat():
 RANKS_RUN = ["train.max_steps=40", "train.epochs=20", "snapshot.every_steps=20", *QUICK]  # log every 5
 
 
+def _named_once_per_streak(found, phase):
+    """Rank 1 alone, in `phase`, first after 3 intervals in a row; named once per streak, not at every
+    interval: 8 intervals of 5 steps hold at most two streaks of 3 (a busy machine can slow rank 0 for
+    one interval and end the first), where a report at every interval would be 6."""
+    assert 1 <= len(found) <= 2, found
+    assert [(s["rank"], s["phase"]) for s in found] == [(1, phase)] * len(found), found
+    assert all(s["intervals"] == 3 for s in found), found
+
+
 @pytest.mark.slow
 def test_a_slowed_rank_is_named_a_straggler_within_the_configured_intervals(tmp_path):
     # 200 ms: the ratio to the median of two ranks is (b + 200) / (b + 100) for a step of b ms, over 1.2 up to
@@ -154,7 +163,7 @@ def test_a_slowed_rank_is_named_a_straggler_within_the_configured_intervals(tmp_
                  "observe.straggler_intervals=3")
     assert r.returncode == 0, r.output[-3000:]
     found = metrics(tmp_path, "straggler")
-    assert len(found) == 1, found  # once, not at every interval
+    _named_once_per_streak(found, "compute")
     s = found[0]
     assert (s["rank"], s["phase"]) == (1, "compute") and s["intervals"] == 3
     assert s["step"] <= 20, s  # the third interval of 5 steps (15), or the next if the first was partial
@@ -182,7 +191,7 @@ def test_a_slowed_rank_is_named_a_straggler_under_fsdp_too(tmp_path, phase):
                  "drill.slow_ms=200", f"drill.slow_phase={phase}", "observe.straggler_intervals=3")
     assert r.returncode == 0, r.output[-3000:]
     found = metrics(tmp_path, "straggler")
-    assert [(s["rank"], s["phase"], s["intervals"]) for s in found] == [(1, phase, 3)], found
+    _named_once_per_streak(found, phase)
     ranks = metrics(tmp_path, "ranks")
     busy = lambda rank: sorted(x["ranks"][rank]["busy_ms"] for x in ranks)[len(ranks) // 2]  # noqa: E731
     # Rank 1's own work is about the 200 ms drill over rank 0's; before the waits were split out, the two
