@@ -112,7 +112,6 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
                  found[0] if found else None, diff, init)
 
 
-
 def _init(cfg: Config, ctx, model: torch.nn.Module, load: Callable[[Any], tuple[str, dict[str, Any]] | None]):
     """(the snapshot to resume or None, where the run's weights started from). The snapshot is looked for
     first: a run with snapshots of its own resumes them and does not read `init.from` (its own weights are

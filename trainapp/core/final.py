@@ -29,7 +29,7 @@ import torch
 
 from trainapp.snapshots.files import is_storage_error
 from trainapp.snapshots.store import META
-from trainapp.weights.artifact import DTYPE_NAMES, ArtifactDir, plan, versions, write_state
+from trainapp.weights.artifact import DTYPE_NAMES, ArtifactDir, plan, versions
 from trainapp.weights.safetensors_file import file_digest
 
 log = logging.getLogger("trainapp.core.loop")
@@ -47,7 +47,7 @@ def export_final(cfg, ctx, parts, snapshots) -> str | None:
     entries, drop = plan(state, None)
     out = Path(cfg.run.dir) / DIR
     try:
-        written = _write(ctx, out, entries, state, parts.sharded)
+        written = _write(ctx, out, entries, state)
         if written is None:
             return None
         artifact, digest = written
@@ -70,17 +70,11 @@ def export_final(cfg, ctx, parts, snapshots) -> str | None:
     return str(where)
 
 
-def _write(ctx, out: Path, entries, state: dict[str, torch.Tensor], sharded: bool) -> tuple[ArtifactDir, str] | None:
-    """Rank 0: the staging directory with the file written from `state`, and its tensors' digest. A sharded
-    model's parameters are gathered whole one at a time, every rank taking part in every gather in the
-    same order, also after rank 0 failed to write (it raises once the gathers are done)."""
-    if not sharded:
-        artifact = ArtifactDir(out, force=True, setting="run.dir")
-        try:
-            return artifact, write_state(artifact.writer(entries), state)
-        except BaseException:
-            artifact.abort()
-            raise
+def _write(ctx, out: Path, entries, state: dict[str, torch.Tensor]) -> tuple[ArtifactDir, str] | None:
+    """Rank 0: the staging directory with the file written from `state`, and its tensors' digest. One
+    tensor at a time; a sharded model's (here on every rank) is gathered whole first, every rank taking
+    part in every gather in the same order, also after rank 0 failed to write (it raises once the gathers
+    are done)."""
     artifact = writer = failed = None
     try:
         if ctx.is_main:
