@@ -13,6 +13,7 @@ import errno
 import hashlib
 import mmap
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -183,6 +184,21 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replace_dir(stage: Path, final: Path) -> Path:
+    """The complete directory `stage` renamed to `final`. One that is there already (the same step written
+    again, an export replaced) is moved aside first, so the name never points at a half-written
+    directory, and deleted after; the parent fsynced."""
+    old = None
+    if final.exists():
+        old = final.parent / f".old-{final.name}-{os.getpid()}"
+        os.rename(final, old)
+    os.rename(stage, final)
+    fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
 
 
 def write_bytes(path: Path, write: Callable[[Any], None]) -> None:

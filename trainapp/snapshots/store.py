@@ -39,6 +39,7 @@ from trainapp.snapshots.files import (
     Buffers,
     file_digest,
     fsync_dir,
+    replace_dir,
     local_bytes,
     save_state,
     slow_disk,
@@ -187,17 +188,7 @@ def write_dir(final: Path, state: dict[str, Any], meta: dict[str, Any], delay_s:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if final.exists():
-        # Same step written again (e.g. a run resumed from its final snapshot): move the old one aside
-        # first so the name never points at a half-state.
-        old = final.parent / f".old-{final.name}-{os.getpid()}"
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
-    fsync_dir(final.parent)
-    return final
+    return replace_dir(tmp, final)  # the same step written again: a run resumed from its final snapshot
 
 
 def read_meta(snap: Path) -> dict[str, Any]:

@@ -10,7 +10,6 @@ directory, never a `model.safetensors` under the destination's name that looks c
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -20,7 +19,8 @@ from typing import Any
 import torch
 
 from trainapp.errors import ConfigError
-from trainapp.snapshots.files import fsync_dir
+from trainapp.snapshots.files import fsync_dir, replace_dir, write_bytes
+from trainapp.snapshots.store import staging
 from trainapp.weights.safetensors_file import Entry, Writer
 from trainapp.weights.sources import FILE, RECORD
 
@@ -96,7 +96,7 @@ class ArtifactDir:
         self.out.parent.mkdir(parents=True, exist_ok=True)
         for left in self.out.parent.glob(f".tmp-{self.out.name}-*"):  # an export killed half-way left it
             shutil.rmtree(left, ignore_errors=True)
-        self.stage = self.out.parent / f".tmp-{self.out.name}-{os.getpid()}"
+        self.stage = staging(self.out)
         self.stage.mkdir()
         self.file = self.stage / FILE
 
@@ -107,20 +107,10 @@ class ArtifactDir:
         """The record written last, the directory renamed into place (an old one moved aside first)."""
         record = {"format": FORMAT, "file": FILE, "bytes": self.file.stat().st_size,
                   "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **record}
-        with open(self.stage / RECORD, "w") as f:
-            f.write(json.dumps(record, indent=2, sort_keys=True, default=str))
-            f.flush()
-            os.fsync(f.fileno())
+        write_bytes(self.stage / RECORD, lambda f: f.write(json.dumps(record, indent=2, sort_keys=True,
+                                                                       default=str).encode()))
         fsync_dir(self.stage)
-        old = None
-        if self.out.exists():
-            old = self.out.parent / f".old-{self.out.name}-{os.getpid()}"
-            os.rename(self.out, old)
-        os.rename(self.stage, self.out)
-        fsync_dir(self.out.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        return self.out
+        return replace_dir(self.stage, self.out)
 
     def abort(self) -> None:
         shutil.rmtree(self.stage, ignore_errors=True)
