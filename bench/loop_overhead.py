@@ -118,11 +118,12 @@ def worker(args) -> None:
     import torch
 
     from trainapp.core.amp import resolve_dtype
+    from trainapp.config import DistSection
     from trainapp.launch import dist as tdist
     from trainapp.observe import logs
     from trainapp.tasks.image import SyntheticImages
 
-    ctx = tdist.setup(300)
+    ctx = tdist.setup(DistSection(timeout_s=300))
     logs.setup(ctx.rank, ctx.world_size)
     import logging
     logging.getLogger("trainapp").setLevel(logging.WARNING)  # keep the bench output readable
@@ -130,7 +131,7 @@ def worker(args) -> None:
     val_ds = SyntheticImages(args.val_size, 10, 32, 0, "val")
     # As amp.dtype=auto: emulated bf16 (no AVX-512/AMX) is ~9x slower than fp32 and would time the
     # emulation, not the loop.
-    amp = "bf16" if resolve_dtype(args.amp, torch.device("cpu")) is torch.bfloat16 else "fp32"
+    amp = "bf16" if resolve_dtype(args.amp, torch.device("cpu"))[0] is torch.bfloat16 else "fp32"
     times = {"minimal": [], "control": [], "trainapp": [], "trainapp_novote": [], "trainapp_noranks": []}
     cpu = {k: [] for k in times}  # CPU seconds per step of this process, all its threads (gloo's too)
     # Every contestant in every position equally often, after every other one as often as before it:

@@ -81,9 +81,10 @@ def vote_worker(blocks: int, steps: int) -> None:
 
     from trainapp.faults.guard import RankGuard
     from trainapp.faults.preempt import StopVote
+    from trainapp.config import DistSection
     from trainapp.launch import dist as tdist
 
-    ctx = tdist.setup(60)
+    ctx = tdist.setup(DistSection(timeout_s=60))
     vote = StopVote(ctx, RankGuard().notices)
     vote.INTERVAL_S = 0.0  # every step: one vote per step is what is measured
     cost, base = {"cpu": [], "wall": []}, (0.0, 0.0)

@@ -69,7 +69,7 @@ def floor_loop(cfg: dict) -> None:
     torch.manual_seed(0)
     model = DDP(SmallCNN(10).to(memory_format=torch.channels_last))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
-    dtype = resolve_dtype("auto", torch.device("cpu"))
+    dtype = resolve_dtype("auto", torch.device("cpu"))[0]
     ds = SyntheticImages(cfg["train_size"], 10, 32, 0, "train")
     sampler = DistributedSampler(ds, shuffle=True, seed=0, drop_last=True)
     loader = DataLoader(ds, batch_size=cfg["batch"], sampler=sampler, drop_last=True)

@@ -38,6 +38,7 @@ from machine import describe
 
 HERE = Path(__file__).resolve().parent
 ALONE = SimpleNamespace(is_main=True, distributed=False, rank=0, broadcast_object=lambda obj: obj)  # one process
+ALONE.files = ALONE
 
 
 def build(model_name: str, image_size: int, batch: int):

@@ -29,9 +29,10 @@ from trainapp.snapshots.manager import StorageError
 RANKS = """
 import sys, time, torch, torch.distributed
 from trainapp.faults.guard import RankGuard
+from trainapp.config import DistSection
 from trainapp.launch import dist
 mode, run_dir = sys.argv[1], sys.argv[2]
-ctx = dist.setup(60)
+ctx = dist.setup(DistSection(timeout_s=60))
 try:
     with RankGuard().failures.watching(run_dir, ctx, lambda: dist.side_store(ctx)):
         print("ready", flush=True)

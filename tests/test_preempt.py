@@ -329,11 +329,12 @@ def test_a_notice_before_the_first_step_exits_at_once(tmp_path):
 
 POLL_SCRIPT = """
 import json, sys, time
+from trainapp.config import DistSection
 from trainapp.launch import dist
 from trainapp.faults.guard import RankGuard
 from trainapp.faults.preempt import StopVote
 
-ctx = dist.setup(60)
+ctx = dist.setup(DistSection(timeout_s=60))
 # "pending": only rank 1 is told of a notice, from step 150 on: the ranks poll only after that.
 state = {"step": 0}
 pending = (lambda: ctx.rank == 1 and state["step"] >= 150) if sys.argv[2] == "pending" else None

@@ -5,6 +5,8 @@ only reads it.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +28,14 @@ class DistContext:
     store_scope: str = "side"
     """The prefix of this attempt of the group in its store, for word between ranks outside the group
     (trainapp/launch/dist.py's `side_store`)."""
+    device_why: str = ""
+    """Why the rank trains on `device` (`dist.device` and what the launcher allotted), for the start record."""
+    side: Any = None
+    """A Gloo group of every rank with `dist.timeout_s`, for waits on rank 0's file work (`files`)."""
+    group: Any = None
+    """The group this context's collectives run on (None: the default group; `files`: the side group)."""
+    timeout_s: float = 1800.0
+    """`dist.timeout_s`: what every group this context makes waits at most."""
 
     @property
     def is_main(self) -> bool:
@@ -35,14 +45,30 @@ class DistContext:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def files(self) -> DistContext:
+        """The same rank, whose collectives run on the Gloo side group: for every wait on rank 0's file
+        work (a snapshot written, the newest snapshot found, the lease read, a dataset downloaded). On
+        NCCL a wait past `dist.timeout_s` is torn down by NCCL's watchdog from C++, with no failure
+        record and no line; on Gloo it raises where trainapp records it. Object collectives on a Gloo
+        group also stay on the CPU (no pickled bytes copied to the GPU and back)."""
+        if self.side is None:
+            return self
+        return dataclasses.replace(self, side=None, group=self.side)
+
+    def new_side_group(self):
+        """Another Gloo group of every rank with `dist.timeout_s` (torch gives a new group 30 minutes), for
+        collectives of a thread of their own (the stop vote, the snapshot agreement). Every rank at once."""
+        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+
     def barrier(self) -> None:
         if self.distributed:
-            dist.barrier()
+            dist.barrier(group=self.group)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum in place across ranks."""
         if self.distributed:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -50,7 +76,7 @@ class DistContext:
         if not self.distributed:
             return tensor.unsqueeze(0)
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(out, tensor)
+        dist.all_gather(out, tensor, group=self.group)
         return torch.stack(out)
 
     def all_gather_objects(self, obj) -> list:
@@ -58,7 +84,7 @@ class DistContext:
         if not self.distributed:
             return [obj]
         out = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def broadcast_object(self, obj):
@@ -66,7 +92,7 @@ class DistContext:
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
     def gather_objects(self, obj) -> list | None:
@@ -74,5 +100,5 @@ class DistContext:
         if not self.distributed:
             return [obj]
         out = [None] * self.world_size if self.is_main else None
-        dist.gather_object(obj, out, dst=0)
+        dist.gather_object(obj, out, dst=0, group=self.group)
         return out

@@ -15,9 +15,15 @@ from trainapp.errors import ConfigError
 @dataclass(config=STRICT)
 class DistSection:
     timeout_s: float = Field(default=300.0, gt=0)
-    """Timeout of process-group creation and of every collective, in seconds."""
-
-
+    """Timeout of process-group creation and of every collective, in seconds (the Gloo side groups'
+    too: the stop vote, the snapshot agreement and every wait on rank 0's file work)."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """Where each rank trains. `cuda`: its GPU (NCCL between ranks); where CUDA is unusable (no driver,
+    a driver too old for this torch, a CPU-only torch) the run stops before any process group with one
+    line saying why. `auto`: `cuda` when the launcher gave the process GPUs (`CUDA_VISIBLE_DEVICES`
+    naming devices, Slurm's `SLURM_GPUS_ON_NODE`, Ray's `ray.use_gpu`) or CUDA is usable, else `cpu`
+    (Gloo); GPUs allotted but unusable stop the run the same way instead of training on the CPU.
+    `cpu`: the CPU even where GPUs are (Gloo). More ranks on a node than GPUs it shows them: refused."""
 
 @dataclass(config=STRICT)
 class ParallelSection:

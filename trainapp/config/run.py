@@ -128,7 +128,9 @@ class ModelSection:
     num_classes: Optional[int] = Field(default=None, ge=2)
     """Output classes; empty means: take it from the dataset. If set, it must match the dataset."""
     sync_bn: bool = False
-    """Convert BatchNorm to SyncBatchNorm when world size > 1 (CUDA only; ignored with a warning on CPU)."""
+    """Convert BatchNorm to SyncBatchNorm when world size > 1 (CUDA only; ignored with a warning on CPU).
+    It needs every rank to run the same number of micro-batches per step (a collective in every forward
+    and backward): a global batch that does not split evenly over the ranks is refused, on CPU too."""
     channels_last: bool = True
     """Use the channels_last memory format for the model and its inputs: faster convolutions with CUDA
     tensor cores, and faster pooling on CPU (oneDNN)."""
@@ -166,6 +168,12 @@ class TrainSection:
     (0 disables; 0.999 is typical for long runs)."""
     progress: bool = True
     """Show a tqdm progress bar on rank 0."""
+    deterministic: bool = False
+    """Deterministic GPU kernels, so that a resumed GPU run can match its uninterrupted twin bitwise (on
+    CPU it already does): cuDNN's autotuner off and its deterministic algorithms on,
+    `torch.use_deterministic_algorithms(True)` (an op without a deterministic kernel raises, naming the
+    op), `CUBLAS_WORKSPACE_CONFIG=:4096:8`, TF32 off. Costs speed: convolutions lose the autotuned
+    kernels and matmuls the TF32 tensor cores (docs/elastic.md measures it)."""
 
 
 @dataclass(config=STRICT)

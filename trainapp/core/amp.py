@@ -45,23 +45,39 @@ def cpu_has_native_bf16(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
     return onednn and bool(flags)
 
 
-def resolve_dtype(choice: str, device: torch.device) -> torch.dtype | None:
-    """`auto` -> bf16 where supported, else fp16 (CUDA); on CPU bf16 where native, else None (fp32).
-    `off` -> None (fp32)."""
-    if choice == "off":
-        return None
-    if choice == "bf16":
-        return torch.bfloat16
-    if choice == "fp16":
-        return torch.float16
+NATIVE_BF16_CAPABILITY = (8, 0)
+"""The first CUDA compute capability with bf16 tensor cores (Ampere). torch's `is_bf16_supported()`
+also says yes below it, where bf16 is emulated; `including_emulation=False` is this rule."""
+
+
+def cuda_auto(capability: tuple[int, int], name: str, hip: bool = False) -> tuple[torch.dtype, str]:
+    """`amp.dtype=auto` on a GPU of this compute capability: (the dtype, why)."""
+    if hip:
+        return torch.bfloat16, f"amp.dtype=auto: bf16 ({name}: ROCm GPUs run bf16)"
+    cc = f"compute capability {capability[0]}.{capability[1]}"
+    if tuple(capability) >= NATIVE_BF16_CAPABILITY:
+        return torch.bfloat16, f"amp.dtype=auto: bf16 ({name}, {cc}: bf16 tensor cores)"
+    return torch.float16, (f"amp.dtype=auto: fp16 with loss scaling ({name}, {cc}: no bf16 tensor cores before 8.0, "
+                           "Ampere; bf16 would be emulated)")
+
+
+def resolve_dtype(choice: str, device: torch.device) -> tuple[torch.dtype | None, str]:
+    """(the autocast dtype, why). `auto` -> on a GPU bf16 where it has bf16 tensor cores, else fp16 with
+    loss scaling; on CPU bf16 where the CPU has bf16 instructions, else None (fp32). `off` -> None."""
+    if choice != "auto":
+        return {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[choice], f"amp.dtype={choice}"
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_native_bf16() else None
+        return cuda_auto(torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device),
+                         bool(torch.version.hip))
+    if cpu_has_native_bf16():
+        return torch.bfloat16, "amp.dtype=auto: bf16 (this CPU has bf16 instructions)"
+    return None, "amp.dtype=auto: fp32 (this CPU has no bf16 instructions: AVX512_BF16, AMX)"
 
 
 class Precision:
     def __init__(self, cfg: AmpSection, device: torch.device):
-        self.dtype = resolve_dtype(cfg.dtype, device)
+        self.dtype, self.why = resolve_dtype(cfg.dtype, device)
+        """The dtype and why it is the one (the `start` record's `amp_why`)."""
         self.note = ""
         """Why the dtype is not what the config suggests, for the run's log."""
         if device.type == "cpu" and not cpu_has_native_bf16():
@@ -70,6 +86,10 @@ class Precision:
             elif cfg.dtype == "bf16":
                 self.note = ("amp.dtype=bf16: this CPU has no bf16 instructions (AVX512_BF16, AMX), so bf16 is "
                              "emulated and slower than fp32; amp.dtype=auto or off trains in fp32")
+        elif device.type == "cuda" and cfg.dtype == "bf16" and cuda_auto(
+                torch.cuda.get_device_capability(device), "", bool(torch.version.hip))[0] is not torch.bfloat16:
+            self.note = ("amp.dtype=bf16: this GPU has no bf16 tensor cores (compute capability < 8.0), so bf16 is "
+                         "emulated and slow; amp.dtype=auto trains in fp16 with loss scaling")
         self.device_type = device.type
         self.scaler = torch.amp.GradScaler(device.type, init_scale=cfg.init_scale,
                                            enabled=self.dtype is torch.float16)

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from trainapp.config import Config, changes
-from trainapp.core import data, optim, parallel
+from trainapp.core import data, kernels, optim, parallel
 from trainapp.core.amp import Precision
 from trainapp.core.layout import Layout
 from trainapp.core.state import RngState, ShardedState, TrainState
@@ -58,6 +58,8 @@ class Parts:
     init: dict[str, Any] | None = None
     """Where the weights the run started from came from (`init.from`: its path, kind and digest), kept
     across resumes; None for the task's own initialisation."""
+    kernels: dict[str, Any] | None = None
+    """The kernel choice (`train.deterministic`, trainapp/core/kernels.py), for the start record."""
 
 
 def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | None] = lambda ctx: None,
@@ -66,8 +68,7 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
     `load(ctx)` finds ((where, state), or None to start fresh); `mark` notes on the start-up timeline
     when they were made ("built") and loaded ("loaded")."""
     cuda = ctx.device.type == "cuda"
-    if cuda:
-        torch.backends.cudnn.benchmark = True
+    chosen = kernels.configure(cfg.train.deterministic, cuda)
     made: list[data.Progress] = []  # made once the data are known; the task may ask for its steps before
     task = bind(task, cfg, ctx, steps_done=lambda: made[0].global_step if made else 0)
     train_ds, val_ds = task.datasets()
@@ -104,12 +105,13 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
     mark("built")
     diff = _resume(cfg, ctx, state, found) if found is not None else {}
     mark("loaded")
+    parallel.check_sync_bn(model, layout, cfg.task.name == "image_classification" and cfg.model.sync_bn)
     if ctx.is_main and layout.line():
         log.warning("%s", layout.line())
     ddp = None if fsdp else parallel.wrap_ddp(model, ctx)  # wrap last: the snapshot went into the plain module
     return Parts(task, batches, val_loader, model, ddp or model, ddp, sharded, precision, opt.optimizer, opt.schedule,
                  opt.ema, progress, state, opt.schedule.total_steps, opt.schedule.peak_lr,
-                 found[0] if found else None, diff, init)
+                 found[0] if found else None, diff, init, chosen)
 
 
 def _init(cfg: Config, ctx, model: torch.nn.Module, load: Callable[[Any], tuple[str, dict[str, Any]] | None]):

@@ -35,6 +35,29 @@ def wrap_ddp(model: torch.nn.Module, ctx) -> DDP | None:
                gradient_as_bucket_view=True)
 
 
+def check_sync_bn(model: torch.nn.Module, layout: Any, requested: bool) -> None:
+    """ConfigError when SyncBatchNorm would meet a global batch that does not split evenly over the ranks.
+
+    SyncBatchNorm runs a collective in every forward and backward of a training micro-batch; the ranks
+    with one micro-batch more (trainapp/core/layout.py) would issue collectives the others never join,
+    which NCCL pairs with the next collective: a hang, or statistics from the wrong tensors, and the
+    hang watch would restart into the same split. `requested`: `model.sync_bn` of the image task, which
+    converts only on GPUs: refused on CPU too, so a laptop run fails as the cluster would."""
+    if layout.world_size < 2 or layout.even:
+        return
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.SyncBatchNorm)]
+    if not names and not requested:
+        return
+    what = "model.sync_bn=true" if requested else f"the model's SyncBatchNorm layers ({names[0]}, ...)"
+    G, b, W = layout.global_batch, layout.micro_batch, layout.world_size
+    at = (f" (resumed at world size {W} from {layout.resized_from['world_size']}, train.on_resize=keep)"
+          if layout.resized_from else "")
+    raise ConfigError(f"{what}: the global batch {G} is {layout.slots} micro-batches of {b}, which do not split evenly "
+                      f"over {W} ranks{at}; SyncBatchNorm needs every rank in every forward and backward, so the "
+                      f"ranks would hang; set train.global_batch to a multiple of {b * W}, or "
+                      + ("model.sync_bn=false" if requested else "convert the SyncBatchNorm layers to BatchNorm"))
+
+
 def units(model: torch.nn.Module, names: list[str], task: Any = None) -> list[torch.nn.Module]:
     """The modules sharded as units, outermost first: by class name (`parallel.fsdp_units`), else the
     task's `shard_units(model)`, else every child of the model that holds parameters, the items of a

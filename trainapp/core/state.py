@@ -141,16 +141,17 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def rng_state() -> dict[str, Any]:
+def rng_state(device: torch.device, cuda: Any = torch.cuda) -> dict[str, Any]:
     """This process's generators as plain Python values (bytes, ints): they travel through
-    gather_object and load with torch.load(weights_only=True)."""
+    gather_object and load with torch.load(weights_only=True). Of CUDA's, only the generator of this
+    rank's own `device`: a rank on an 8-GPU node sees 8, and the node a run resumes on may show fewer.
+    `cuda`: torch.cuda, or a stand-in with its `get_rng_state(device)`."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
     return {
         "python": random.getstate(),
         "numpy": (kind, keys.tobytes(), pos, has_gauss, cached),
         "torch": torch.get_rng_state().numpy().tobytes(),
-        "cuda": [s.numpy().tobytes() for s in cuda],
+        "cuda": cuda.get_rng_state(device).numpy().tobytes() if device.type == "cuda" else None,
     }
 
 
@@ -158,13 +159,26 @@ def _byte_tensor(raw: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def own_cuda_state(saved: Any, device: torch.device) -> bytes | None:
+    """This rank's CUDA generator state in a snapshot's entry for the rank: bytes (this rank's device's),
+    or, from snapshots written before, a list of every visible GPU's, of which the rank's own device's
+    is taken (none when the device's index is past the list: the run then goes on from the seed)."""
+    if isinstance(saved, (bytes, bytearray)):
+        return bytes(saved)
+    if isinstance(saved, (list, tuple)) and device.type == "cuda" and (device.index or 0) < len(saved):
+        return saved[device.index or 0]
+    return None
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device, cuda: Any = torch.cuda) -> None:
+    """`cuda`: torch.cuda, or a stand-in with its `set_rng_state(state, device)`."""
     random.setstate(state["python"])
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, np.frombuffer(keys, dtype=np.uint32).copy(), pos, has_gauss, cached))
     torch.set_rng_state(_byte_tensor(state["torch"]))
-    if torch.cuda.is_available() and state["cuda"]:
-        torch.cuda.set_rng_state_all([_byte_tensor(s) for s in state["cuda"]])
+    own = own_cuda_state(state.get("cuda"), device)
+    if device.type == "cuda" and own is not None:
+        cuda.set_rng_state(_byte_tensor(own), device)
 
 
 class RngState:
@@ -174,17 +188,17 @@ class RngState:
 
     collective = True
 
-    def __init__(self, ctx, seed: int, progress):
+    def __init__(self, ctx, seed: int, progress, cuda: Any = torch.cuda):
         """Seeds this rank's generators apart from the others' (dropout, augmentation) until a snapshot's
-        are loaded."""
-        self.ctx, self.seed, self.progress = ctx, seed, progress
+        are loaded. `cuda`: torch.cuda, or a stand-in for its generator (tests on machines without one)."""
+        self.ctx, self.seed, self.progress, self.cuda = ctx, seed, progress, cuda
         seed_all(seed + 1000 * ctx.rank)
 
     def state_dict(self) -> list[dict[str, Any]] | None:
-        return self.ctx.gather_objects(rng_state())
+        return self.ctx.gather_objects(rng_state(self.ctx.device, self.cuda))
 
     def load_state_dict(self, rngs: list[dict[str, Any]]) -> None:
         if self.ctx.rank < len(rngs):
-            set_rng_state(rngs[self.ctx.rank])
+            set_rng_state(rngs[self.ctx.rank], self.ctx.device, self.cuda)
         else:
             seed_all(self.seed + 1000 * self.ctx.rank + self.progress.global_step)

@@ -159,6 +159,6 @@ def bind(task: Any, cfg: Config, ctx, steps_done: Callable[[], int] = lambda: 0)
 
         task = resolve(cfg)
     tctx = TaskContext(seed=cfg.seed, rank=ctx.rank, world_size=ctx.world_size, device=ctx.device,
-                       run_dir=Path(cfg.run.dir), local_rank=ctx.local_rank, barrier=ctx.barrier,
+                       run_dir=Path(cfg.run.dir), local_rank=ctx.local_rank, barrier=ctx.files.barrier,
                        steps_done=steps_done)
     return BoundTask(task, cfg.task.name, tctx)

@@ -247,7 +247,7 @@ class StopVote:
         self.ctx, self.notices = ctx, notices
         self.group = None
         if ctx.distributed and tdist.get_backend() != "gloo":
-            self.group = tdist.new_group(backend="gloo")  # collective: every rank builds the vote together
+            self.group = ctx.new_side_group()  # collective: every rank builds the vote together
         self.flag = torch.zeros(3, dtype=torch.int64)
         self.work = None
         self.next_vote = 0  # agreed: the boundary of the next vote

@@ -144,7 +144,7 @@ def show(backend: str, processes: int, via: str, nodes: list[str], pairs: list[P
 def main(cfg: Config, size_mb: float, iters: int, min_bandwidth: float) -> int:
     """Under torchrun (or alone): every rank measures, rank 0 prints, every rank returns the verdict."""
     check_args(size_mb, iters, min_bandwidth)
-    ctx = dist.setup(cfg.dist.timeout_s, cfg.network)
+    ctx = dist.setup(cfg.dist, cfg.network)
     try:
         if not ctx.distributed:
             print("comm  one process: nothing to measure; run it under torchrun with one process per node "

@@ -13,12 +13,15 @@ import logging
 import os
 import time
 import uuid
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from trainapp.config.launch import DistSection
 from trainapp.errors import ConfigError
 from trainapp.group import DistContext
+from trainapp.launch import device as device_rule
 from trainapp.launch import net
 
 log = logging.getLogger(__name__)
@@ -42,7 +45,8 @@ def _check_network(network, store, rank: int, world_size: int) -> net.Resolution
     """
     try:
         res = net.apply(network, net.rendezvous_from_env())
-        store.set(f"net/{rank}", json.dumps({"ok": res.summary()}))
+        store.set(f"net/{rank}", json.dumps({"ok": res.summary(), "host": res.host, "request": res.request,
+                                             "address": res.address, "rendezvous": res.rendezvous}))
     except net.NetworkError as e:
         store.set(f"net/{rank}", json.dumps({"error": str(e)}))
         raise
@@ -53,12 +57,13 @@ def _check_network(network, store, rank: int, world_size: int) -> net.Resolution
         missing = [k.split("/")[1] for k in keys if not store.check([k])]
         raise net.NetworkError(f"network.check_timeout_s={network.check_timeout_s:g}: rank(s) {','.join(missing)} "
                                "never reported their interface check; are all nodes started?") from None
-    for r, k in enumerate(keys):
-        report = json.loads(store.get(k))
+    reports = [json.loads(store.get(k)) for k in keys]
+    for r, report in enumerate(reports):
         if "error" in report:
             raise net.NetworkError(f"rank {r}: {report['error']}")
         if rank == 0:
             log.info("network rank %d: %s", r, report["ok"])
+    net.check_hosts(reports)
     return res
 
 
@@ -134,53 +139,55 @@ def side_store(ctx: DistContext, timeout_s: float = 10.0):
     return dist.PrefixStore(f"trainapp/{ctx.store_scope}", store)
 
 
-def setup(timeout_s: float, network=None) -> DistContext:
-    """Read ranks from the environment and make sure a process group exists when world size > 1.
+def setup(cfg: DistSection, network=None, ray_device: Callable[[], torch.device] | None = None) -> DistContext:
+    """Read ranks from the environment, choose the device (`dist.device`, trainapp/launch/device.py) and
+    make sure a process group exists when world size > 1, with a Gloo side group beside it for the
+    waits on rank 0's file work.
 
     `network` (a NetworkSection) is resolved and checked on every rank before a group we create; a
     group someone else created (Ray) was preceded by the same resolution in its backend hook, which
-    left its choice in the environment.
+    left its choice in the environment. `ray_device`: under Ray Train, the device Ray gave the worker.
     """
-    resolution, scope = None, "side"
-    if dist.is_available() and dist.is_initialized():
+    resolution, scope, owns = None, "side", False
+    adopted = dist.is_available() and dist.is_initialized()
+    if adopted:
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        local_rank = _env_int("LOCAL_RANK", 0)
-        backend, owns = dist.get_backend(), False
-        resolution = net.Resolution.from_environ()
     else:
-        rank, world_size, local_rank = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0)
+        rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
         if not 0 <= rank < world_size:
             raise ConfigError(f"environment RANK={rank}: must be in [0, WORLD_SIZE={world_size})")
-        backend, owns, scope = None, False, "side"
-        if world_size > 1:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            timeout = datetime.timedelta(seconds=timeout_s)
-            if "MASTER_ADDR" not in os.environ and "TORCHELASTIC_RESTART_COUNT" not in os.environ:
-                raise ConfigError(
-                    f"environment WORLD_SIZE={world_size} without MASTER_ADDR/MASTER_PORT: launch with torchrun "
-                    "(or set both) so the ranks can find each other"
-                )
-            store, scope = _elastic_store(timeout)
-            if store is None:
-                store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 29500), world_size,
-                                      is_master=rank == 0, timeout=timeout)
-            if network is not None:
-                resolution = _check_network(network, store, rank, world_size)
-            kwargs = {"store": store}
-            if torch.cuda.is_available():
-                # Binding the device first lets NCCL create its communicator on the right GPU.
-                torch.cuda.set_device(local_rank if torch.cuda.device_count() > local_rank else 0)
-            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
-            owns = True
-        elif network is not None:
-            resolution = net.apply(network, None)  # alone: nothing to choose, but a named interface must exist
-    if torch.cuda.is_available():
-        # A launcher may show each process only its own GPU (CUDA_VISIBLE_DEVICES): then it is cuda:0.
-        device = torch.device("cuda", local_rank if torch.cuda.device_count() > local_rank else 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    device, why = device_rule.choose(cfg.device, device_rule.Visible.here(), local_rank,
+                                     _env_int("LOCAL_WORLD_SIZE", 1), ray_device)
+    if device.type == "cuda":
+        # Bound before the group: NCCL creates its communicator on the current device.
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    return DistContext(rank, local_rank, world_size, device, backend, owns, resolution, scope)
+    backend = dist.get_backend() if adopted else None
+    if adopted:
+        resolution = net.Resolution.from_environ()
+    elif world_size > 1:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=cfg.timeout_s)
+        if "MASTER_ADDR" not in os.environ and "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+            raise ConfigError(
+                f"environment WORLD_SIZE={world_size} without MASTER_ADDR/MASTER_PORT: launch with torchrun "
+                "(or set both) so the ranks can find each other"
+            )
+        store, scope = _elastic_store(timeout)
+        if store is None:
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 29500), world_size,
+                                  is_master=rank == 0, timeout=timeout)
+        if network is not None:
+            resolution = _check_network(network, store, rank, world_size)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, store=store)
+        owns = True
+    elif network is not None:
+        resolution = net.apply(network, None)  # alone: nothing to choose, but a named interface must exist
+    ctx = DistContext(rank, local_rank, world_size, device, backend, owns, resolution, scope, device_why=why,
+                      timeout_s=cfg.timeout_s)
+    if ctx.distributed:
+        ctx.side = ctx.new_side_group()
+    return ctx
 
 
 def teardown(ctx: DistContext) -> None:

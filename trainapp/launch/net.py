@@ -190,6 +190,22 @@ def apply(section: NetworkSection, rendezvous: str | None, environ=os.environ, h
     return res
 
 
+def check_hosts(reports: list[dict]) -> None:
+    """Every rank's choice ({"host", "request", "address", "rendezvous"} by rank): NetworkError when
+    `auto` chose loopback on a rank of a group that spans several hosts. A node whose host name
+    resolves to 127.0.1.1 (Debian's /etc/hosts) and is the rendezvous (MASTER_ADDR=$(hostname)) routes
+    it over `lo`: NCCL and Gloo would listen there, and the other nodes could never connect."""
+    hosts = {r.get("host") for r in reports}
+    if len(hosts) < 2:
+        return
+    for rank, r in enumerate(reports):
+        if r.get("request") == "auto" and str(r.get("address") or "").startswith("127."):
+            raise NetworkError(f"network.interface=auto: rank {rank} on host {r['host']} reaches the rendezvous "
+                               f"{r.get('rendezvous')} over loopback ({r['address']}) while the ranks run on "
+                               f"{len(hosts)} hosts; set MASTER_ADDR to an address the other nodes reach (not a "
+                               "name that resolves to 127.x here) or name the interface (network.interface=eth0)")
+
+
 def rendezvous_from_env(environ=os.environ) -> str | None:
     """The torchrun / env:// rendezvous host (MASTER_ADDR), if any."""
     return environ.get("MASTER_ADDR") or None

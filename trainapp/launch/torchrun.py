@@ -35,7 +35,7 @@ class Torchrun:
         return guard
 
     def context(self, cfg: Config, guard: RankGuard) -> DistContext:
-        return dist.setup(cfg.dist.timeout_s, cfg.network)
+        return dist.setup(cfg.dist, cfg.network)
 
     def publish(self, cfg: Config, ctx: DistContext) -> LocalPublish:
         return LocalPublish(Path(cfg.run.dir) / "snapshots", cfg.snapshot.keep)

@@ -57,7 +57,9 @@ class Records:
             self.board = tboard.Board(cfg.run.dir, resumed.get("global_step"))
         self.metrics.write("start", step=p.global_step, epoch=p.epoch, epoch_sample=p.epoch_sample,
                            world_size=ctx.world_size, global_batch=p.global_batch, layout=p.layout.to_dict(),
-                           total_steps=parts.total_steps, peak_lr=parts.peak_lr, amp=parts.precision.name, backend=ctx.backend, device=str(ctx.device),
+                           total_steps=parts.total_steps, peak_lr=parts.peak_lr, amp=parts.precision.name,
+                           amp_why=parts.precision.why, backend=ctx.backend, device=str(ctx.device),
+                           device_why=ctx.device_why, kernels=parts.kernels,
                            threads=torch.get_num_threads(), interop_threads=torch.get_num_interop_threads(),
                            restart=restart, resumed_from=parts.resumed_from, resumed_step=resumed.get("global_step"),
                            resumed_world_size=resumed.get("world_size"), network=network, placement=placed,

@@ -401,7 +401,7 @@ def take_for_group(ctx, run_dir: str, launcher: str, term_s: float, take_over: b
             said = {"generation": lease.generation, "summary": lease.summary()}
         except ConfigError as e:
             said = {"error": str(e)}
-    said = ctx.broadcast_object(said)
+    said = ctx.files.broadcast_object(said)
     if "error" in said:
         raise LeaseHeld(said["error"])
     return RunLease(Fence(store_at(run_dir), said["generation"], run_dir), said["summary"], lease)

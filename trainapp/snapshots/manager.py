@@ -178,7 +178,7 @@ class SnapshotManager:
         if ctx.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        tmp = Path(ctx.broadcast_object(str(tmp) if ctx.is_main else None))  # after the mkdir
+        tmp = Path(ctx.files.broadcast_object(str(tmp) if ctx.is_main else None))  # after the mkdir
         if self.publish.shared_staging:  # else each rank's shards go from its own disk (`push_shards`)
             check_seen(ctx, tmp, self.publish.setting, self.publish.where)
         return tmp
@@ -201,7 +201,7 @@ class SnapshotManager:
         except BaseException as e:  # DCP raises every rank's errors on every rank (a CheckpointException)
             error = e
         cause = _storage_cause(error) if error is not None else None
-        everyone = ctx.gather_objects((own, cause, error is not None))
+        everyone = ctx.files.gather_objects((own, cause, error is not None))
         if error is not None and cause is None:
             raise error
         if not ctx.is_main:
@@ -220,9 +220,7 @@ class SnapshotManager:
         """Every rank: its shards of `step` copied to CPU memory, their write started in DCP's thread;
         rank 0 keeps a copy of the rest of the state for `settle`."""
         if self._groups is None and ctx.distributed:  # collectives: every rank makes them at the same snapshot
-            import torch.distributed as dist
-
-            self._groups = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
+            self._groups = (ctx.new_side_group(), ctx.new_side_group())
         tmp = self._staging_dir(ctx, step)
         copy = self._staging = cpu_copy(state, into=self._staging) if ctx.is_main else None
         future = start_shards(tmp, shards, self._groups[0] if self._groups else None, self.write_delay_s)
@@ -294,7 +292,7 @@ class SnapshotManager:
         fatal = None
         if ctx.is_main and self._last is not None and (final or self.failures >= self.max_failures):
             fatal = self._fatal_message(final)
-        fatal = ctx.broadcast_object(fatal)
+        fatal = ctx.files.broadcast_object(fatal)  # the others wait here while rank 0 writes
         if fatal:
             raise StorageError(fatal)
 

@@ -106,7 +106,7 @@ def check_seen(ctx, tmp: Path, setting: str, where: str) -> None:
     end = time.monotonic() + 2.0
     while not tmp.is_dir() and time.monotonic() < end:  # a network filesystem's client may lag a moment
         time.sleep(0.1)
-    blind = [who for who in ctx.all_gather_objects(None if tmp.is_dir() else f"rank {ctx.rank} on "
+    blind = [who for who in ctx.files.all_gather_objects(None if tmp.is_dir() else f"rank {ctx.rank} on "
                                                    f"{os.uname().nodename}") if who]
     if blind:
         if ctx.is_main:
@@ -304,7 +304,7 @@ def find_shared(ctx, root: Path | str, snaps: list | None = None, local=contextl
     `keep(d)`: told of a download `d` of a sharded snapshot, whose shards load later from it (the state's
     LOCAL_COPY), so that `local` does not delete it yet."""
     hit = newest_valid(root, snaps, local) if ctx.is_main else None
-    found = ctx.broadcast_object(str(hit[0]) if hit else None)
+    found = ctx.files.broadcast_object(str(hit[0]) if hit else None)
     if found is None:
         return None
     try:

@@ -265,13 +265,26 @@ def _fit_connected(cfg: Config, timeline: Timeline, gate: StartGate, address: st
         ray.shutdown()
 
 
+def gpus_for_workers(cfg: Config, cluster_gpus: float) -> bool:
+    """Whether Ray Train gives each worker a GPU (and NCCL): `ray.use_gpu`, else `dist.device`, else
+    whether the cluster has GPUs. ConfigError where the two keys contradict each other."""
+    use_gpu, device = cfg.ray.use_gpu, cfg.dist.device
+    if use_gpu is not None and device != "auto" and use_gpu != (device == "cuda"):
+        raise ConfigError(f"dist.device={device} with ray.use_gpu={str(use_gpu).lower()}: workers train where "
+                          "Ray puts them; set ray.use_gpu=" + ("true" if device == "cuda" else "false")
+                          + " or dist.device=auto")
+    if use_gpu is not None:
+        return use_gpu
+    return device == "cuda" or (device == "auto" and cluster_gpus > 0)
+
+
 def _preflight(cfg: Config, timeline: Timeline, where: str) -> tuple[str, dict[str, float], bool]:
     """The cluster's capacity, the storage, each node's network and Ray's record of the run checked;
     (the storage path, one worker's resources, whether workers get GPUs)."""
     import ray
 
     resources = ray.cluster_resources()
-    use_gpu = cfg.ray.use_gpu if cfg.ray.use_gpu is not None else resources.get("GPU", 0) > 0
+    use_gpu = gpus_for_workers(cfg, resources.get("GPU", 0))
     needs = worker_needs(cfg, use_gpu)
     check_capacity(cfg, needs)
     storage = cfg.ray.storage_path if is_uri(cfg.ray.storage_path) else str(Path(cfg.ray.storage_path).resolve())

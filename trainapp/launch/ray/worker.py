@@ -36,6 +36,14 @@ REPLACED_WITHIN_S = 120.0
 """How long workers that snapshotted for a resize wait for Ray Train to replace their group."""
 
 
+def _ray_device():
+    """The device Ray Train gave this worker: the first of the GPUs it reserved (it set
+    CUDA_VISIBLE_DEVICES for them), or the CPU."""
+    from ray.train.torch import get_device
+
+    return get_device()
+
+
 class RayWorker:
     """`Launcher` (trainapp/launch/rank.py) for a Ray Train worker; `payload` is what the driver sent."""
 
@@ -51,7 +59,7 @@ class RayWorker:
         return guard
 
     def context(self, cfg: config.Config, guard: RankGuard) -> DistContext:
-        return dist.setup(cfg.dist.timeout_s)  # adopts the group Ray created
+        return dist.setup(cfg.dist, ray_device=_ray_device)  # adopts the group Ray created
 
     def publish(self, cfg: config.Config, ctx: DistContext) -> RayPublish:
         uri = cfg.ray.storage_path if is_uri(cfg.ray.storage_path) else None
@@ -64,7 +72,7 @@ class RayWorker:
         given = self.payload.get("lease") or {}  # the driver holds it: a retry of the group is the same run
         held = RunLease(Fence.from_dict(given.get("fence")), given.get("summary"))
         # A stop asked for before this attempt started (during a restart of the group): every rank ends.
-        asked = ctx.broadcast_object(stop_request(held.fence) if ctx.rank == 0 else None)
+        asked = ctx.files.broadcast_object(stop_request(held.fence) if ctx.rank == 0 else None)
         if asked:
             raise StoppedBeforeStart(f"trainapp: stopped ({asked['by']}) before this attempt trained a step; the "
                                      "newest snapshot is where the run resumes")
@@ -169,7 +177,7 @@ def comm_worker(payload: dict[str, Any]) -> dict[str, Any]:
     from trainapp.launch import comm
 
     cfg = config.from_dict(payload["config"])
-    ctx = dist.setup(cfg.dist.timeout_s)  # adopts the group Ray created, on the interface prepare_worker chose
+    ctx = dist.setup(cfg.dist, ray_device=_ray_device)  # adopts the group Ray created, on the interface prepare_worker chose
     nodes, pairs = comm.measure(ctx, payload["nbytes"], payload["iters"])
     via = ctx.network.summary() if ctx.network else "the default interface"
     return {"comm_nodes": nodes, "comm_pairs": [dataclasses.asdict(p) for p in pairs], "comm_backend": ctx.backend,
