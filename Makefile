@@ -34,7 +34,7 @@ SBATCH_ARGS ?=
 K8S_NS ?= trainapp
 # Build args are passed only when given on the make command line, never from the environment: a host
 # PIP_FIND_LINKS path means nothing inside a build, and the Dockerfile's pinned defaults must hold.
-IMAGE_ARG_VARS := GPU_BASE CPU_BASE TORCH_INDEX_URL PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_NO_INDEX
+IMAGE_ARG_VARS := GPU_BASE CPU_BASE TORCH_CUDA TORCH_INDEX_URL PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_NO_INDEX
 IMAGE_BUILD_ARGS = $(foreach v,$(IMAGE_ARG_VARS),$(if $(filter command line,$(origin $(v))),--build-arg $(v)="$($(v))")) \
   --build-arg VCS_REF="$(shell git rev-parse HEAD 2>/dev/null)"
 
@@ -87,7 +87,7 @@ config-reference: $(STAMP) ## Print the configuration reference table of docs/co
 ##@ Images
 
 .PHONY: image
-image: ## Build the GPU image $(IMAGE):$(TAG)-gpu (GPU_BASE, TORCH_INDEX_URL, PIP_*, DOCKER_BUILD_ARGS)
+image: ## Build the GPU image $(IMAGE):$(TAG)-gpu (TORCH_CUDA=cu130: driver >= 580; GPU_BASE, TORCH_INDEX_URL, PIP_*, DOCKER_BUILD_ARGS)
 	$(DOCKER) build -f docker/Dockerfile --target gpu -t $(IMAGE):$(TAG)-gpu $(IMAGE_BUILD_ARGS) $(DOCKER_BUILD_ARGS) .
 
 .PHONY: image-cpu
@@ -203,6 +203,13 @@ test-ray-oldest: $(RAY_OLDEST_VENV)/.installed $(RAY_UNSUPPORTED_VENV)/.installe
 .PHONY: test-fast
 test-fast: $(STAMP) $(TOOLS_STAMP) ## The edit-test loop: every test that starts no training process, cluster, namespace or container
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# No $(STAMP) prerequisite: a GPU machine gets a copy of .venv and no network, where a stamp older than
+# pyproject.toml (mtimes are not always kept by the copy) would start a pip install that cannot succeed.
+.PHONY: gpu-check
+gpu-check: ## On a GPU machine, ~5 min: bf16/fp16 runs, killed-and-resumed bitwise with train.deterministic, NCCL with 2+ GPUs; without CUDA one check (OUT=dir)
+	@test -x $(BIN)/python || { echo "gpu-check: $(BIN)/python is missing: run make venv first" >&2; exit 2; }
+	$(BIN)/python scripts/gpu_check.py
 
 ##@ Benchmarks
 

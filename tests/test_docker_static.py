@@ -26,6 +26,8 @@ TARGETS = ("gpu", "cpu")
 # A new skip must be added here too, so that it is reviewed.
 ALLOWED_CHECKOV_SKIPS = {"CKV_DOCKER_2", "CKV_DOCKER_7"}
 OCI_LABELS = ("title", "description", "version", "source", "revision", "licenses")
+# The GPU target's torch index: PyTorch's index of the CUDA flavour the TORCH_CUDA build argument names.
+TORCH_CUDA_INDEX = "https://download.pytorch.org/whl/${TORCH_CUDA}"
 
 
 # ------------------------------------------------------------------------------------- a tiny parser
@@ -237,7 +239,36 @@ def test_every_from_uses_an_arg_with_a_pinned_default(dockerfile):
         roots.add(m.group(1))
     assert {"GPU_BASE", "CPU_BASE"} <= roots
     assert chain(stages, "gpu")[0].base == "${GPU_BASE}" and chain(stages, "cpu")[0].base == "${CPU_BASE}"
-    assert "cudnn" in args["GPU_BASE"] and "runtime" in args["GPU_BASE"], args["GPU_BASE"]
+
+
+def test_gpu_target_pins_torch_to_a_cuda_flavour_and_starts_from_no_cuda_image(dockerfile):
+    """torch's CUDA wheels bring their own CUDA runtime, cuDNN and NCCL (nvidia-* packages): the flavour
+    is chosen by TORCH_CUDA, through its index, and the base adds no second CUDA. The node's driver is
+    mounted by the NVIDIA container toolkit, which the two NVIDIA_* variables ask for."""
+    args, stages = dockerfile
+    declared = effective(stages, "gpu", "ARG")
+    flavour = declared.get("TORCH_CUDA")
+    assert flavour and re.fullmatch(r"cu1[2-9]\d", flavour), f"gpu: ARG TORCH_CUDA={flavour!r}: pin a CUDA flavour"
+    assert flavour == "cu130", "the default is the CUDA 13.0 build (docker/README.md states its driver and GPUs)"
+    assert declared["TORCH_INDEX_URL"] == TORCH_CUDA_INDEX, declared["TORCH_INDEX_URL"]
+    assert TORCH_CUDA_INDEX.replace("${TORCH_CUDA}", flavour).endswith(f"/whl/{flavour}")
+    torch_install = [i.args for i in stages["gpu"].instrs if i.cmd == "RUN" and '"torch==${TORCH_VERSION}"' in i.args]
+    assert torch_install and torch_install[0].startswith('pip install --index-url "${TORCH_INDEX_URL:-'), \
+        "the first torch install must read TORCH_INDEX_URL, or the flavour pin does not reach pip"
+    # No CUDA base image anywhere in the GPU chain: every root is a build ARG whose default is checked.
+    for stage in chain(stages, "gpu"):
+        base = args.get(stage.base.strip("${}"), stage.base)
+        assert base and "cuda" not in base.lower() and not base.startswith("nvcr.io/"), \
+            f"FROM {stage.base} ({base}) in the gpu chain: the torch wheels carry CUDA; use a plain base"
+    assert args["GPU_BASE"] == args["CPU_BASE"], "one Python for both images: the CPU target's base"
+    env = effective(stages, "gpu", "ENV")
+    assert env.get("NVIDIA_VISIBLE_DEVICES") == "all", env
+    assert set(env.get("NVIDIA_DRIVER_CAPABILITIES", "").split(",")) >= {"compute", "utility"}, env
+    assert "/usr/local/nvidia/lib64" in env.get("LD_LIBRARY_PATH", "").split(":"), "GKE mounts the driver there"
+    assert "NVIDIA_VISIBLE_DEVICES" not in effective(stages, "cpu", "ENV")
+    # NCCL loads the verbs libraries itself: without them it uses TCP sockets even on InfiniBand/RoCE.
+    runs = " ".join(i.args for s in chain(stages, "gpu") for i in s.instrs if i.cmd == "RUN")
+    assert "libibverbs1" in runs and "ibverbs-providers" in runs, "gpu: rdma-core's verbs libraries for NCCL"
 
 
 def test_version_args_equal_the_pins_in_pyproject(dockerfile):
@@ -265,7 +296,7 @@ def test_package_sources_are_args_without_machine_specific_defaults(dockerfile):
             assert name in declared and not declared[name], f"{target}: ARG {name} must default to empty"
         assert "TORCH_INDEX_URL" in declared
     assert effective(stages, "cpu", "ARG")["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
-    assert not effective(stages, "gpu", "ARG")["TORCH_INDEX_URL"]  # PyPI's Linux wheels are CUDA builds
+    assert effective(stages, "gpu", "ARG")["TORCH_INDEX_URL"] == TORCH_CUDA_INDEX  # the flavour's index
     text = DOCKERFILE.read_text()
     for bad in ("127.0.0.1", "localhost", "/work/", "/root/", "file://", "--trusted-host", "PIP_TRUSTED_HOST"):
         assert bad not in "\n".join(l for l in text.splitlines() if not l.lstrip().startswith("#")), bad

@@ -56,6 +56,7 @@ def test_the_device_follows_dist_device_and_what_the_launcher_gave(setting, seen
     ("auto", _seen(False, 0, CUDA_VISIBLE_DEVICES="0,1"), 2, ["dist.device=auto (CUDA_VISIBLE_DEVICES=0,1)",
                                                                "dist.device=cpu"]),
     ("auto", _seen(False, 0, SLURM_GPUS_ON_NODE="4"), 4, ["(SLURM_GPUS_ON_NODE=4)", "CUDA is not usable"]),
+    ("cuda", _seen(False, 0, CUDA_VISIBLE_DEVICES=""), 1, ["CUDA_VISIBLE_DEVICES='' hides every GPU"]),
     ("cuda", _seen(True, 2), 4, ["4 ranks on this node but 2 GPU(s)", "--nproc-per-node=2"]),
     ("auto", _seen(True, 1), 2, ["2 ranks on this node but 1 GPU(s)"]),  # no CUDA_VISIBLE_DEVICES: one GPU shared
 ])
@@ -135,8 +136,9 @@ def test_syncbatchnorm_with_an_uneven_split_is_refused_on_every_device():
 def test_sync_bn_with_an_uneven_split_stops_a_cpu_run_before_training(tmp_path):
     r = helpers.torchrun(2, f"run.dir={tmp_path}", "model.sync_bn=true", "train.batch_size=16",
                          "train.global_batch=48", "train.max_steps=2", *helpers.QUICK, timeout=180)
-    # torchrun reports its failed child with a traceback of its own; trainapp's is the one line, from rank 0.
-    lines = [line for line in r.output.splitlines() if line.startswith("trainapp train: error:")]
+    # torchrun reports its failed child with a traceback of its own; trainapp's is one line, the same from
+    # every rank that printed it before torchrun stopped the others.
+    lines = sorted({line for line in r.output.splitlines() if line.startswith("trainapp train: error:")})
     assert len(lines) == 1 and "model.sync_bn=true: the global batch 48 is 3 micro-batches of 16" in lines[0], r.output
     assert "over 2 ranks" in lines[0] and "exitcode  : 2" in r.output
     assert not helpers.metrics(tmp_path, "train")
@@ -259,3 +261,14 @@ def test_side_groups_are_gloo_and_time_out_after_dist_timeout_s():
     assert zero["backend"] == "gloo" and zero["distinct"] and zero["vote_backend"] == "gloo"
     for name in ("files", "vote"):
         assert zero[name][0] == "raised" and zero[name][1] < 4.5, zero  # 2 s, not torch's 30 minutes
+
+
+def test_doctor_says_where_a_rank_would_train_and_what_would_stop_it(tmp_path):
+    from trainapp import config
+    from trainapp.tools import doctor
+
+    here = doctor.check_device(config.load(None, [f"run.dir={tmp_path}"]))
+    assert here.status == doctor.OK and ("cpu (dist.device=auto" in here.detail or "cuda" in here.detail)
+    if not torch.cuda.is_available():
+        refused = doctor.check_device(config.load(None, [f"run.dir={tmp_path}", "dist.device=cuda"]))
+        assert refused.status == doctor.FAIL and refused.detail.startswith("dist.device=cuda: CUDA is not usable")

@@ -139,14 +139,14 @@ def header_problems(path: Path) -> list[str]:
     return []
 
 
-def interface_pins(paths: list[Path]) -> list[str]:
-    """Uncommented lines that mention NCCL_SOCKET_IFNAME or GLOO_SOCKET_IFNAME, in any form (a
-    ConfigMap or runtime-env key, an env entry's name, a `-e NAME=value` run option)."""
+def interface_pins(paths: list[Path], names: tuple[str, ...] = IFNAME_VARS) -> list[str]:
+    """Uncommented lines that mention one of `names` (default NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME), in
+    any form (a ConfigMap or runtime-env key, an env entry's name, a `-e NAME=value` run option)."""
     found = []
     for path in paths:
         for n, line in enumerate(path.read_text().splitlines(), 1):
             code = re.sub(r"(^|\s)#.*", "", line)  # YAML comments, also inside block scalars
-            found += [f"{rel(path)}:{n}: sets {var}: {line.strip()}" for var in IFNAME_VARS if var in code]
+            found += [f"{rel(path)}:{n}: sets {var}: {line.strip()}" for var in names if var in code]
     return found
 
 
@@ -722,16 +722,27 @@ def test_rayjob_cleans_up_retries_and_leaves_the_interface_to_network_interface_
 
     assert env.pop("RAY_JOB_STOP_WAIT_TIME_S") == str(STOP_WAIT_S)
     assert env and env == data, "runtime env and ConfigMap trainapp-nccl differ"
-    assert {"NCCL_IB_DISABLE", "NCCL_DEBUG"} <= set(data)
-    # The override stays documented: commented out in the ConfigMap, ready to uncomment.
+    # NCCL_DEBUG only: InfiniBand/RoCE stays on (NCCL_IB_DISABLE unset), no interface pinned.
+    assert set(data) == {"NCCL_DEBUG"}, f"ConfigMap trainapp-nccl sets {sorted(data)}"
+    # The overrides stay documented: commented out in the ConfigMap (and the RayJob), ready to uncomment.
     text = nccl_map.read_text()
     for var in IFNAME_VARS:
         assert re.search(rf"^ +# {var}: \S+$", text, re.M), f"{rel(nccl_map)}: no commented-out {var} example"
+    for path in (nccl_map, RAYJOB):
+        assert re.search(r'^ +# NCCL_IB_DISABLE: "1"$', path.read_text(), re.M), \
+            f"{rel(path)}: no commented-out NCCL_IB_DISABLE, the switch for clusters without working InfiniBand/RoCE"
 
 
 def test_no_uncommented_line_in_k8s_or_ray_cluster_pins_the_nccl_or_gloo_interface():
     assert any(p.is_relative_to(REPO / "ray_cluster") for p in PIN_SCANNED) and RAYJOB in PIN_SCANNED
     assert interface_pins(PIN_SCANNED) == []
+
+
+def test_no_uncommented_line_in_k8s_or_ray_cluster_disables_infiniband():
+    """NCCL_IB_DISABLE=1 forces TCP on RDMA-capable GPU nodes: it is the documented switch for clusters
+    without working InfiniBand/RoCE (network.nccl or the ConfigMap), never a default of ours."""
+    assert any(p.is_relative_to(OVERLAY) for p in PIN_SCANNED)  # the kind overlay is scanned too
+    assert interface_pins(PIN_SCANNED, ("NCCL_IB_DISABLE",)) == []
 
 
 # ------------------------------------------------------------------------------------- kind overlay

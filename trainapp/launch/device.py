@@ -82,6 +82,10 @@ def choose(setting: str, visible: Visible, local_rank: int, local_world_size: in
         return torch.device("cpu"), "dist.device=auto: no GPU allotted or visible"
     why = f"dist.device={setting}" + (f" ({given})" if given and setting == "auto" else "")
     if not visible.cuda_available:
+        shown = visible.env.get("CUDA_VISIBLE_DEVICES")
+        if shown is not None and shown.split(",")[0].strip() in NO_DEVICES:
+            raise ConfigError(f"{why}: CUDA_VISIBLE_DEVICES={shown!r} hides every GPU from this process; unset it, "
+                              "name the GPUs, or set dist.device=cpu")
         raise ConfigError(f"{why}: CUDA is not usable in this process ({visible.why_not or cuda_facts()}); install "
                           "the torch wheel for the node's driver (docker/README.md) or set dist.device=cpu")
     if ray_device is not None:

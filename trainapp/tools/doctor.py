@@ -54,6 +54,19 @@ def check_versions() -> list[Check]:
     return out
 
 
+def check_device(cfg: Config) -> Check:
+    """The device a rank of this node would train on (`dist.device`), or the line that would stop it."""
+    from trainapp.errors import ConfigError
+    from trainapp.launch import device
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    try:
+        chosen, why = device.choose(cfg.dist.device, device.Visible.here(), 0, local)
+    except ConfigError as e:
+        return Check("device", FAIL, str(e))
+    return Check("device", OK, f"{chosen} ({why})")
+
+
 def rendezvous(cfg: Config) -> tuple[str | None, int | None, str]:
     """(host, port, what it is): MASTER_ADDR under torchrun, else the Ray head, else none."""
     if os.environ.get("MASTER_ADDR"):
@@ -170,7 +183,7 @@ def check_lease(cfg: Config) -> Check:
 
 
 def run(cfg: Config) -> list[Check]:
-    checks = [*check_versions(), check_task(cfg), *check_network(cfg), check_shm(cfg),
+    checks = [*check_versions(), check_device(cfg), check_task(cfg), *check_network(cfg), check_shm(cfg),
               check_writable("run.dir", cfg.run.dir), check_lease(cfg),
               check_writable("ray.storage_path", cfg.ray.storage_path)]
     return checks
