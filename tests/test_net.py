@@ -246,6 +246,38 @@ def test_a_wrong_interface_stops_both_hosts_within_seconds(hosts, procs, tmp_pat
         assert "exitcode  : 2" in log, log[-2000:]
 
 
+@needs_netns
+@pytest.mark.slow
+def test_auto_over_loopback_on_a_node_of_two_hosts_is_refused(hosts, procs, tmp_path):
+    """Node 0's host name resolves to 127.0.1.1 on node 0 (Debian's /etc/hosts) and to its address on
+    the other node, and it is the rendezvous (MASTER_ADDR=host-a): `auto` on host-a would route it over
+    lo. Each host gets its own /etc/hosts as `ip netns exec` gives a namespace: /etc/netns/NS/hosts."""
+    made = [] if Path("/etc/netns").exists() else [Path("/etc/netns")]  # removed last, only if made here
+    try:
+        for host, line in ((hosts.a, "127.0.1.1 host-a"), (hosts.b, f"{hosts.a.train_ip} host-a")):
+            etc = Path("/etc/netns") / host.ns
+            etc.mkdir(parents=True)
+            made.append(etc)
+            (etc / "hosts").write_text(f"127.0.0.1 localhost\n{line}\n")
+        port, started = next(_PORTS), []
+        for rank, host in enumerate((hosts.a, hosts.b)):
+            cmd = [TORCHRUN, "--nnodes=2", f"--node-rank={rank}", "--nproc-per-node=1", "--master-addr=host-a",
+                   f"--master-port={port}", "-m", "trainapp", "train", f"run.dir={tmp_path / 'run'}", *QUICK]
+            started.append(procs.start(host, cmd, tmp_path / f"{host.hostname}.log"))
+        codes = _wait(started, 180)
+    finally:
+        for etc in reversed(made):
+            shutil.rmtree(etc, ignore_errors=True)
+    logs = {h: (tmp_path / f"{h}.log").read_text(errors="replace") for h in ("host-a", "host-b")}
+    assert codes[0] != 0 and codes[1] != 0, logs
+    wanted = ("network.interface=auto: rank 0 on host host-a reaches the rendezvous host-a over loopback (127.0.0.1) "
+              "while the ranks run on 2 hosts")
+    for name, log in logs.items():
+        errors = sorted({line for line in log.splitlines() if "trainapp train: error:" in line})
+        assert len(errors) == 1 and wanted in errors[0], (name, log[-3000:])
+        assert "exitcode  : 2" in log and not metrics(tmp_path / "run", "start", missing_ok=True), log[-2000:]
+
+
 @pytest.mark.e2e
 @needs_netns
 @pytest.mark.slow
