@@ -144,6 +144,20 @@ def test_sync_bn_with_an_uneven_split_stops_a_cpu_run_before_training(tmp_path):
     assert not helpers.metrics(tmp_path, "train", missing_ok=True)
 
 
+def test_a_snapshot_write_slower_than_dist_timeout_s_is_a_recorded_failure_with_its_line(tmp_path):
+    # Rank 1 waits on the Gloo side group while rank 0 writes (on NCCL's group torch's watchdog would end
+    # it from C++, without a word); the failure names the wait, the phase and the setting to raise.
+    r = helpers.torchrun(2, f"run.dir={tmp_path}", "dist.timeout_s=6", "drill.snapshot_write_delay_s=15",
+                         "train.max_steps=12", "snapshot.every_steps=5", *helpers.QUICK, timeout=180)
+    assert r.returncode != 0
+    waited = "waited dist.timeout_s=6 s for rank 0's file work"
+    assert f"trainapp: rank 1 on {os.uname().nodename} failed after step 5 in phase snapshot: timeout: " in r.output
+    assert f"trainapp train: error: {waited}" in r.output, r.output[-3000:]
+    failures = {f["rank"]: f for f in helpers.metrics(tmp_path, "failure")}
+    assert failures[1]["cause"] == "timeout" and failures[1]["phase"] == "snapshot" and waited in failures[1]["error"]
+    assert failures[0]["cause"] == "peer" and failures[0]["step"] == 5, failures
+
+
 # --- CUDA's generator: only the rank's own device --------------------------------------------------------
 
 class StandInCuda:
@@ -237,8 +251,8 @@ for name, wait in (("files", files.barrier), ("vote", lambda: tdist.all_reduce(t
     try:
         wait()
         result[name] = ["returned"]
-    except RuntimeError:  # Gloo's timeout raises; torch's default for a new group would wait 30 minutes
-        result[name] = ["raised", time.monotonic() - t0]
+    except Exception as e:  # Gloo's timeout raises; torch's default for a new group would wait 30 minutes
+        result[name] = ["raised", time.monotonic() - t0, type(e).__name__]
 print("RESULT", json.dumps(result), flush=True)
 os._exit(0)  # the groups are broken by design: no teardown
 """
@@ -261,6 +275,7 @@ def test_side_groups_are_gloo_and_time_out_after_dist_timeout_s():
     assert zero["backend"] == "gloo" and zero["distinct"] and zero["vote_backend"] == "gloo"
     for name in ("files", "vote"):
         assert zero[name][0] == "raised" and zero[name][1] < 4.5, zero  # 2 s, not torch's 30 minutes
+    assert zero["files"][2] == "WaitTimeout" and zero["vote"][2] == "RuntimeError", zero  # the wait named
 
 
 def test_doctor_says_where_a_rank_would_train_and_what_would_stop_it(tmp_path):

@@ -5,13 +5,22 @@ only reads it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+
+from trainapp.errors import Failure
+
+
+class WaitTimeout(Failure):
+    """A rank waited `dist.timeout_s` for another rank's work outside the process group (rank 0's disk)."""
+
+    cause = "timeout"
 
 
 @dataclass
@@ -45,6 +54,9 @@ class DistContext:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    waits_for: str = ""
+    """What this context's collectives wait for, when a timeout there has a cause to name (`files`)."""
+
     @property
     def files(self) -> DistContext:
         """The same rank, whose collectives run on the Gloo side group: for every wait on rank 0's file
@@ -54,7 +66,19 @@ class DistContext:
         group also stay on the CPU (no pickled bytes copied to the GPU and back)."""
         if self.side is None:
             return self
-        return dataclasses.replace(self, side=None, group=self.side)
+        return dataclasses.replace(self, side=None, group=self.side, waits_for="rank 0's file work (a snapshot "
+                                   "written, the newest one found, the lease, a download)")
+
+    @contextlib.contextmanager
+    def _waiting(self) -> Iterator[None]:
+        """A Gloo timeout while waiting for `waits_for`, said as what it is (the disk), not Gloo's words."""
+        try:
+            yield
+        except RuntimeError as e:
+            if not self.waits_for or "timed out" not in str(e).lower():
+                raise
+            raise WaitTimeout(f"waited dist.timeout_s={self.timeout_s:g} s for {self.waits_for}: its storage is slow or "
+                              "stuck; raise dist.timeout_s if it is this slow") from None
 
     def new_side_group(self):
         """Another Gloo group of every rank with `dist.timeout_s` (torch gives a new group 30 minutes), for
@@ -63,7 +87,8 @@ class DistContext:
 
     def barrier(self) -> None:
         if self.distributed:
-            dist.barrier(group=self.group)
+            with self._waiting():
+                dist.barrier(group=self.group)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum in place across ranks."""
@@ -84,7 +109,8 @@ class DistContext:
         if not self.distributed:
             return [obj]
         out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        with self._waiting():
+            dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def broadcast_object(self, obj):
@@ -92,7 +118,8 @@ class DistContext:
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        with self._waiting():
+            dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
     def gather_objects(self, obj) -> list | None:
@@ -100,5 +127,6 @@ class DistContext:
         if not self.distributed:
             return [obj]
         out = [None] * self.world_size if self.is_main else None
-        dist.gather_object(obj, out, dst=0, group=self.group)
+        with self._waiting():
+            dist.gather_object(obj, out, dst=0, group=self.group)
         return out

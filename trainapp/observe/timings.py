@@ -111,13 +111,12 @@ class PhaseClock:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """`name` inside the block, then back to the phase before it (evaluation, a snapshot)."""
+        """`name` inside the block, then back to the phase before it (evaluation, a snapshot). An error
+        leaves the phase as it is: the rank's failure record names the phase it failed in."""
         before = self.current
         self.enter(name)
-        try:
-            yield
-        finally:
-            self.enter(before)
+        yield
+        self.enter(before)
 
     def _leave_compute(self) -> None:
         """After forward and backward: comm until the wrapped model's forward began, compute until
