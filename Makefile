@@ -1,4 +1,4 @@
-# trainapp: one DDP + AMP training loop for a laptop, torchrun, Ray and Kubernetes.
+# trainapp: one training loop (DDP or FSDP2, mixed precision) for a laptop, torchrun, Slurm, Ray and Kubernetes.
 # `make help` lists the targets. Variables below can be overridden: `make run NPROC=4 ARGS="train.max_steps=50"`.
 
 SHELL := bash
@@ -67,7 +67,7 @@ $(TOOLS_STAMP): requirements-tools.txt
 	@touch $@
 
 .PHONY: tools
-tools: $(TOOLS_STAMP) ## Create .venv-tools with the static checkers (checkov, yamllint, hadolint, kubernetes-validate)
+tools: $(TOOLS_STAMP) ## Create .venv-tools with the static checkers (checkov, yamllint, hadolint, kubernetes-validate, ruff)
 
 ##@ Run
 
@@ -159,8 +159,12 @@ container-smoke: $(STAMP) ## Needs root, docker.io, debootstrap: CPU image, Ray 
 
 ##@ Test
 
+.PHONY: lint
+lint: $(TOOLS_STAMP) ## ruff over the package, tests, benchmarks and scripts (pyproject.toml: line length, complexity, arguments)
+	$(TOOLS)/bin/ruff check --output-format concise .
+
 .PHONY: test
-test: $(STAMP) $(TOOLS_STAMP) ## The suite: every subsystem end to end, but the long fault scenarios, benchmarks, real Slurm (PYTEST_ARGS="-k resume -x")
+test: $(STAMP) $(TOOLS_STAMP) lint ## The suite: every subsystem end to end, but the long fault scenarios, benchmarks, real Slurm (PYTEST_ARGS="-k resume -x")
 	$(BIN)/python -m pytest --durations=15 $(PYTEST_ARGS)
 
 .PHONY: test-e2e
@@ -201,7 +205,7 @@ test-ray-oldest: $(RAY_OLDEST_VENV)/.installed $(RAY_UNSUPPORTED_VENV)/.installe
 	  -k "compat or $(RAY_OLDEST_TESTS)" $(PYTEST_ARGS)
 
 .PHONY: test-fast
-test-fast: $(STAMP) $(TOOLS_STAMP) ## The edit-test loop: every test that starts no training process, cluster, namespace or container
+test-fast: $(STAMP) $(TOOLS_STAMP) lint ## The edit-test loop: ruff, then every test that starts no training process, cluster, namespace or container
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # No $(STAMP) prerequisite: a GPU machine gets a copy of .venv and no network, where a stamp older than

@@ -147,7 +147,8 @@ def main() -> int:
               "periodic_snapshot_seconds": med["periodic_snapshot_seconds"], "step_seconds": med["step_seconds"],
               "signal_to_exit_seconds": med["signal_to_exit_seconds"], "snapshot_bytes": int(med["snapshot_bytes"]),
               **vote, "vote_share": vote["vote_cpu_ms"] / (1000 * StopVote.INTERVAL_S),
-              "vote_interval_s": StopVote.INTERVAL_S, "runs": results, "model": model, "world_size": 2, "machine": describe(),
+              "vote_interval_s": StopVote.INTERVAL_S, "runs": results, "model": model, "world_size": 2,
+              "machine": describe(),
               "date": time.strftime("%Y-%m-%d"), "smoke": args.smoke, "target": "< preempt.grace_s (25 s)"}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

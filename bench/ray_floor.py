@@ -296,7 +296,8 @@ def main() -> int:
             result[f"minimal_other_threads_ms_per_step_{launcher}"] = (
                 result[f"minimal_cpu_ms_{launcher}"] - result[f"minimal_thread_cpu_ms_{launcher}"])
     if "minimal" in order:
-        result["minimal_training_in_main_thread"] = {l: runs["minimal"][l][0]["main_thread"] for l in order["minimal"]}
+        result["minimal_training_in_main_thread"] = {launcher: runs["minimal"][launcher][0]["main_thread"]
+                                                     for launcher in order["minimal"]}
         result["variants"] = {v: {"report_every": VARIANTS[v][0], "poll_s": VARIANTS[v][1]}
                               for v in order["minimal"][1:-1]}
     if "trainapp" in order:

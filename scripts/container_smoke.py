@@ -494,7 +494,8 @@ class Smoke:
             log("image: no local package folders in `pip config list`: pip's remote indexes only")
             if not remote:
                 return []
-            return ["--build-arg", f"PIP_INDEX_URL={remote[0]}", "--build-arg", f"PIP_EXTRA_INDEX_URL={' '.join(remote[1:])}",
+            return ["--build-arg", f"PIP_INDEX_URL={remote[0]}",
+                    "--build-arg", f"PIP_EXTRA_INDEX_URL={' '.join(remote[1:])}",
                     *(["--build-arg", f"PIP_FIND_LINKS={' '.join(remote_links)}"] if remote_links else [])]
         # Simple-index pages link ../../files/...: serve an index's parent folder, point at the index in it.
         urls = self.serve([p.parent for p in local_indexes] + local_links)
@@ -554,7 +555,8 @@ class Smoke:
             tail(r.stdout + r.stderr, 30, "task build: ")
             raise Failure(f"docker build of examples/tabular/Dockerfile on {self.image} failed (exit {r.returncode})")
         r = self.d("run", "--rm", "--label", self.label, "--network", "none", "--read-only",
-                   "--tmpfs", "/tmp:rw,nosuid,nodev,noexec,size=1g", "--cap-drop=ALL", "--security-opt=no-new-privileges",
+                   "--tmpfs", "/tmp:rw,nosuid,nodev,noexec,size=1g", "--cap-drop=ALL",
+                   "--security-opt=no-new-privileges",
                    self.task_image, "python", "-m", "trainapp", "train", "--config", "/home/trainapp/tasks/config.yaml",
                    "train.max_steps=20", "train.progress=false", "run.dir=/tmp/run", check=False, timeout=300)
         done = [line for line in r.stdout.splitlines() if line.startswith("trainapp: done steps=20")]
@@ -664,7 +666,8 @@ class Smoke:
         nets = [n for n in start.get("network") or [] if isinstance(n, dict)]
         if nets:
             log("ranks: " + ", ".join(f"{i} on {str(n.get('host')).removeprefix(f'trainapp-smoke-{self.id}-')} "
-                                      f"(gloo={n.get('gloo')}, nccl={n.get('nccl')}{', kept ' + ','.join(n['kept']) if n.get('kept') else ''})"
+                                      f"(gloo={n.get('gloo')}, nccl={n.get('nccl')}"
+                                      f"{', kept ' + ','.join(n['kept']) if n.get('kept') else ''})"
                                       for i, n in enumerate(nets)))
         auto = [n for n in nets if str(n.get("reason", "")).startswith("auto") and n.get("gloo") == "eth0"
                 and not n.get("kept")]

@@ -9,7 +9,8 @@ from scratch import scratch  # noqa: E402
 
 # Tests `make test` leaves to a CI step of their own: marker -> (option, the target that runs them).
 SEPARATE = {
-    "e2e": ("--e2e", "a long end-to-end fault scenario: make test-e2e runs it (CI does, last, where the CPU leaves room)"),
+    "e2e": ("--e2e", "a long end-to-end fault scenario: make test-e2e runs it "
+                     "(CI does, last, where the CPU leaves room)"),
     "slurm": ("--slurm", "starts a real Slurm: make slurm-smoke runs it (CI does, after make test)"),
     "bench": ("--bench", "a benchmark's smoke run: make bench-smoke runs it (CI does not)"),
 }

@@ -28,7 +28,8 @@ def test_comm_names_the_slow_host_among_three_and_a_slow_path_among_four():
     # all even: nothing; two nodes: only --min-bandwidth can judge.
     assert judge(list("abcd"), pairs(four), 0)[1] == []
     assert judge(["a", "b"], pairs({("a", "b"): 0.1}), 0)[1] == []
-    assert judge(["a", "b"], pairs({("a", "b"): 0.1}), 0.5)[1] == ["pair a <-> b: 0.100 GB/s; check the path between them"]
+    assert judge(["a", "b"], pairs({("a", "b"): 0.1}), 0.5)[1] == [
+        "pair a <-> b: 0.100 GB/s; check the path between them"]
 
 
 @pytest.mark.e2e

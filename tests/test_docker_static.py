@@ -299,7 +299,7 @@ def test_package_sources_are_args_without_machine_specific_defaults(dockerfile):
     assert effective(stages, "gpu", "ARG")["TORCH_INDEX_URL"] == TORCH_CUDA_INDEX  # the flavour's index
     text = DOCKERFILE.read_text()
     for bad in ("127.0.0.1", "localhost", "/work/", "/root/", "file://", "--trusted-host", "PIP_TRUSTED_HOST"):
-        assert bad not in "\n".join(l for l in text.splitlines() if not l.lstrip().startswith("#")), bad
+        assert bad not in "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#")), bad
 
 
 def test_final_stages_run_as_numeric_non_root_with_the_venv_first_on_path(dockerfile):
@@ -410,8 +410,8 @@ def dockerignore_excludes(path: str, patterns: list[str]) -> bool:
 
 
 def test_dockerignore_keeps_secrets_and_local_state_out_but_the_image_inputs_in(dockerfile):
-    patterns = [l.strip() for l in DOCKERIGNORE.read_text().splitlines()
-                if l.strip() and not l.lstrip().startswith("#")]
+    patterns = [line.strip() for line in DOCKERIGNORE.read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith("#")]
     for path in (".git/HEAD", ".venv/bin/python", ".venv-tools/bin/checkov", "runs/r1/metrics.jsonl",
                  "data/train/a.png", "trainapp/__pycache__/cli.cpython-311.pyc", ".pytest_cache/v",
                  "trainapp.egg-info/PKG-INFO"):

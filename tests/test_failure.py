@@ -118,12 +118,14 @@ def test_out_of_memory_drill_under_torchrun_is_explained_and_the_restart_finishe
     assert oom["host"] == os.uname().nodename and oom["exit_code"] == 1
     assert (peer["rank"], peer["cause"]) == (0, "peer") and "rank 1 on" in peer["error"] and "oom" in peer["error"]
     assert peer["time"] - oom["time"] < 10
-    assert "trainapp: rank 1 on" in r.stderr and "failed after step 15 in phase compute: oom: OutOfMemoryError" in r.stderr
+    assert "trainapp: rank 1 on" in r.stderr
+    assert "failed after step 15 in phase compute: oom: OutOfMemoryError" in r.stderr
     starts = metrics(run_dir, "start")
     assert [s["resumed_step"] for s in starts] == [None, 10] and metrics(run_dir, "end")[0]["steps"] == 30
     rep = trainapp("report", str(run_dir), timeout=120)
     assert rep.returncode == 0, rep.output
-    assert "failures       1\n  attempt 0: rank 1 on" in rep.stdout and "oom: OutOfMemoryError" in rep.stdout, rep.stdout
+    assert "failures       1\n  attempt 0: rank 1 on" in rep.stdout and "oom: OutOfMemoryError" in rep.stdout, \
+        rep.stdout
     assert "then rank 0 peer" in rep.stdout
 
 

@@ -166,7 +166,8 @@ def test_a_killed_rank_a_hang_and_a_preemption_in_one_run_are_each_accounted_and
 def test_an_uneven_split_is_no_straggler_but_a_slow_rank_still_is():
     def ranks(busy):
         return {"kind": "ranks", "time": 0.0, "step": 10,
-                "ranks": [{"rank": r, "steps": 10, "busy_ms": b, "phase_ms": {"data": 0.0}} for r, b in enumerate(busy)]}
+                "ranks": [{"rank": r, "steps": 10, "busy_ms": b, "phase_ms": {"data": 0.0}}
+                          for r, b in enumerate(busy)]}
 
     uneven = {"kind": "start", "layout": {"micro_steps": [2, 1]}}
     # Rank 0 runs two micro-batches of 50 ms, rank 1 one: the 50 ms rank 1 waits is the split's.

@@ -15,7 +15,7 @@ import helpers
 import pytest
 import torch
 
-from trainapp.config import ConfigError, DistSection, TrainSection
+from trainapp.config import ConfigError, TrainSection
 from trainapp.core import kernels, parallel
 from trainapp.core.amp import cuda_auto
 from trainapp.core.layout import Layout
@@ -51,7 +51,8 @@ def test_the_device_follows_dist_device_and_what_the_launcher_gave(setting, seen
 
 
 @pytest.mark.parametrize("setting, seen, local_world, needles", [
-    ("cuda", _seen(False, 0), 1, ["dist.device=cuda:", "CUDA is not usable", "built for CUDA 13.0", "no NVIDIA driver"]),
+    ("cuda", _seen(False, 0), 1, ["dist.device=cuda:", "CUDA is not usable", "built for CUDA 13.0",
+                                  "no NVIDIA driver"]),
     # GPUs allotted by the launcher but unusable: no silent fallback to the CPU and Gloo.
     ("auto", _seen(False, 0, CUDA_VISIBLE_DEVICES="0,1"), 2, ["dist.device=auto (CUDA_VISIBLE_DEVICES=0,1)",
                                                                "dist.device=cpu"]),
@@ -125,7 +126,8 @@ def test_syncbatchnorm_with_an_uneven_split_is_refused_on_every_device():
         parallel.check_sync_bn(plain, _layout(2, 24), requested=True)  # on CPU the image task keeps BatchNorm
     assert str(e.value).startswith("model.sync_bn=true: the global batch 24 is 3 micro-batches of 8")
     assert "set train.global_batch to a multiple of 16, or model.sync_bn=false" in str(e.value)
-    with pytest.raises(ConfigError, match=r"the model.s SyncBatchNorm layers \(features.0.1, ...\)"):  # a user's own model
+    # a user's own model
+    with pytest.raises(ConfigError, match=r"the model.s SyncBatchNorm layers \(features.0.1, ...\)"):
         parallel.check_sync_bn(synced, _layout(2, 24), requested=False)
     resumed = _layout(3, 32)  # a run of global batch 32 resumed on 3 ranks: 4 slots over 3
     resumed.resume(32, 2)
@@ -260,7 +262,8 @@ os._exit(0)  # the groups are broken by design: no teardown
 
 def test_side_groups_are_gloo_and_time_out_after_dist_timeout_s():
     port = free_port()
-    procs = [subprocess.Popen([helpers.PY, "-c", LATE_RANK], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    procs = [subprocess.Popen([helpers.PY, "-c", LATE_RANK], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True,
                               env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
                                    "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
              for r in range(2)]

@@ -131,7 +131,8 @@ def test_a_shard_write_slower_than_the_hang_timeout_is_no_hang_but_a_rank_stoppe
     try:
         snap = wait_for_record(run_dir, "snapshot", lambda r: r["step"] == 10, timeout=120)
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not list((run_dir / "snapshots").glob(".tmp-step_000000020-*/shards/__1_*")):
+        while (time.monotonic() < deadline
+               and not list((run_dir / "snapshots").glob(".tmp-step_000000020-*/shards/__1_*"))):
             time.sleep(0.05)
         os.kill(worker_pids(rt)[1], signal.SIGSTOP)
         stopped = time.time()

@@ -632,7 +632,8 @@ def test_network_policy_admits_only_pods_of_the_same_namespace_and_prometheus_to
         assert rule.get("from"), "a rule without `from` admits every source"
         for peer in rule["from"]:
             if set(peer) != {"podSelector"}:  # another namespace: the metrics port only, nothing else
-                assert set(peer) == {"namespaceSelector"} and rule.get("ports") == [{"port": 8080, "protocol": "TCP"}], \
+                assert (set(peer) == {"namespaceSelector"}
+                        and rule.get("ports") == [{"port": 8080, "protocol": "TCP"}]), \
                     f"{peer}: namespaceSelector/ipBlock admit other namespaces"
 
 
@@ -921,7 +922,7 @@ def _validate_unknown_field(tmp: Path) -> list[str]:
 def _header_without_clean(tmp: Path) -> list[str]:
     text = (K8S / "service.ray-head.yaml").read_text()
     path = tmp / "service.ray-head.yaml"
-    path.write_text("\n".join(l for l in text.splitlines() if not l.startswith("# Clean:")))
+    path.write_text("\n".join(line for line in text.splitlines() if not line.startswith("# Clean:")))
     return header_problems(path)
 
 

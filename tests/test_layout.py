@@ -14,8 +14,8 @@ PACKAGE = REPO / "trainapp"
 MODULES = sorted(PACKAGE.rglob("*.py"))
 MAX_FUNCTION_LINES = 50
 MAX_MODULE_LINES = 500
-LAYERS = ("errors", "config", "group", "tasks", "observe", "snapshots", "weights", "faults", "core", "launch", "tools", "cli",
-          "api", "__main__")
+LAYERS = ("errors", "config", "group", "tasks", "observe", "snapshots", "weights", "faults", "core", "launch", "tools",
+          "cli", "api", "__main__")
 """trainapp's subsystems from the bottom up: a module imports its own layer and the layers below it only."""
 
 
@@ -104,7 +104,8 @@ def _module_state(path: Path) -> list[str]:
     found = []
     tree = _tree(path)
     for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
         value = getattr(node, "value", None)
         for t in targets:
             names = [t.id] if isinstance(t, ast.Name) else []

@@ -76,7 +76,8 @@ def test_a_torchrun_runs_endpoint_is_scraped_over_http_while_it_trains_and_names
             if s and value(s, "trainapp_step", run=tmp_path.name):
                 scrapes.append(s)
             if len(scrapes) >= 2 and all(value(scrapes[-1], n, run=tmp_path.name, **labels) for n, labels in (
-                    ("trainapp_goodput_ratio", {}), ("trainapp_snapshot_step", {}), ("trainapp_straggler", {"rank": "1"}))):
+                    ("trainapp_goodput_ratio", {}), ("trainapp_snapshot_step", {}),
+                    ("trainapp_straggler", {"rank": "1"}))):
                 break
             time.sleep(0.5)
     finally:

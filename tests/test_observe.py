@@ -202,7 +202,8 @@ def test_a_slowed_rank_is_named_a_straggler_under_fsdp_too(tmp_path, phase):
     assert comm(0) > comm(1) + 40, ranks
     if phase == "optim":  # the wrapped FSDP methods and the drill's sleeps change no number
         off = tmp_path / "off"
-        assert torchrun(2, f"run.dir={off}", *RANKS_RUN, "parallel.strategy=fsdp", "observe.ranks=false").returncode == 0
+        assert torchrun(2, f"run.dir={off}", *RANKS_RUN, "parallel.strategy=fsdp",
+                        "observe.ranks=false").returncode == 0
         assert inspect(off)["params_sha256"] == inspect(tmp_path)["params_sha256"]
 
 

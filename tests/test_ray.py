@@ -142,7 +142,8 @@ def test_sigkilled_ray_worker_costs_at_most_one_snapshot_interval(cluster):
     starts = [r for r in records if r["kind"] == "start"]
     assert len(seen) == 1 and killed_at < seen[0]["time"] < starts[1]["time"], (seen, killed_at)
     # The killed worker fails Ray's health check (or its actor is seen dead); the other one loses its peer.
-    assert any(e.startswith(("WorkerHealthCheckFailedError", "ActorDiedError")) for e in seen[0]["errors"].values()), seen
+    assert any(e.startswith(("WorkerHealthCheckFailedError", "ActorDiedError"))
+               for e in seen[0]["errors"].values()), seen
     said = report.failures(records)
     assert len(said) == 1 and said[0].startswith("attempt 0: Ray Train saw rank"), said
     # The restarted group's start-up phases, for the recovery breakdown (trainapp/observe/timeline.py).
@@ -509,9 +510,10 @@ def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back_with_ever
     name, rows, gb = "elastic", 1024, 32
     run_dir = cluster.storage / name
     proc = subprocess.Popen(
-        _submit_cmd(cluster, name, "task.name=usertasks_ledger:Ledger", f"task.args.rows={rows}", "task.args.step_s=0.1",
-                    "train.batch_size=16", "train.epochs=10", "train.max_steps=300", "snapshot.every_steps=20",
-                    "train.progress=false", "train.log_every=1", "amp.dtype=off", "ray.num_workers=[1,2]",
+        _submit_cmd(cluster, name, "task.name=usertasks_ledger:Ledger", f"task.args.rows={rows}",
+                    "task.args.step_s=0.1", "train.batch_size=16", "train.epochs=10", "train.max_steps=300",
+                    "snapshot.every_steps=20", "train.progress=false", "train.log_every=1", "amp.dtype=off",
+                    "ray.num_workers=[1,2]",
                     "ray.worker_group_start_timeout_s=15", "ray.resize_check_s=5", ship="tests/usertasks"),
         cwd=REPO, env=cluster.env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True)

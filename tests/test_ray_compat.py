@@ -21,7 +21,8 @@ from trainapp.launch.ray import checks, compat
 
 @pytest.mark.parametrize("module, name", compat.PRIVATE_NAMES, ids=[n for _, n in compat.PRIVATE_NAMES])
 def test_every_private_ray_name_imports_on_the_installed_ray(module, name):
-    assert hasattr(importlib.import_module(module), name), f"{module}.{name} is gone: update trainapp/launch/ray/compat.py"
+    assert hasattr(importlib.import_module(module), name), \
+        f"{module}.{name} is gone: update trainapp/launch/ray/compat.py"
 
 
 def test_the_backend_config_stands_in_for_rays_torch_config():
@@ -61,7 +62,8 @@ def test_the_trainer_is_rays_torch_trainer_made_from_its_base_class():
     for use_gpu, backend in ((False, "gloo"), (True, "nccl")):
         scaling = ScalingConfig(num_workers=2, use_gpu=use_gpu)
         ours = compat.TorchTrainer(lambda config: None, scaling_config=scaling)
-        assert ours.backend_config.backend == TorchTrainer(lambda config: None, scaling_config=scaling).backend_config.backend == backend
+        theirs = TorchTrainer(lambda config: None, scaling_config=scaling)
+        assert ours.backend_config.backend == theirs.backend_config.backend == backend
 
 
 def test_the_callback_hooks_node_loss_watch_and_resize_snapshot_override_still_exist():

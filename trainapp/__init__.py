@@ -1,4 +1,4 @@
-"""trainapp: one DDP + mixed-precision training loop for a laptop, torchrun, a Ray cluster and Kubernetes.
+"""trainapp: one training loop (DDP or FSDP2, AMP) for a laptop, torchrun, Slurm, Ray and Kubernetes.
 
 Launch commands (the same loop every time; ranks come from the environment):
 

@@ -73,8 +73,8 @@ def _parser() -> argparse.ArgumentParser:
                                          "does (each trainapp run snapshots the step it reached) and wait for them")
     p.add_argument("--address", default="http://127.0.0.1:8265", help="the Ray dashboard (default: this head's)")
     p.add_argument("--wait-s", type=float, default=60.0, help="seconds to wait for the jobs to end (default 60)")
-    p = sub.add_parser("node", help="run a node's command (`ray start --block`, torchrun) as a container's main process; "
-                                    "on SIGTERM drain the node first (see drain), then stop the command")
+    p = sub.add_parser("node", help="run a node's command (`ray start --block`, torchrun) as a container's main "
+                                    "process; on SIGTERM drain the node first (see drain), then stop the command")
     _add_drain_args(p)
     p.add_argument("node_command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                    help="the node's command, after --")
@@ -165,7 +165,8 @@ def cmd_inspect(args) -> int:
         snap = store.resolve(path)
         meta = {"path": str(snap), **store.verify(snap)}
         state = store.load_state(snap)
-        if isinstance(state["model"], str) and state["model"] == store.SHARDED:  # an FSDP run's: the full model from every rank's shard
+        # An FSDP run's: the full model from every rank's shard.
+        if isinstance(state["model"], str) and state["model"] == store.SHARDED:
             state["model"] = store.full_sharded_model(snap)
     progress, written = state.get("progress", {}), state.get("config", {})
     task = written.get("task", {}).get("name")
@@ -294,7 +295,8 @@ def main(argv: list[str] | None = None, task=None) -> int:
     try:
         if args.command in ("train", "ray"):
             return {"train": cmd_train, "ray": cmd_ray}[args.command](args, task)
-        return {"inspect": cmd_inspect, "export": cmd_export, "config": cmd_config, "doctor": cmd_doctor, "report": cmd_report,
+        return {"inspect": cmd_inspect, "export": cmd_export, "config": cmd_config, "doctor": cmd_doctor,
+                "report": cmd_report,
                 "drain": cmd_drain, "node": cmd_node, "slurm-preflight": cmd_slurm_preflight,
                 "stop-jobs": cmd_stop_jobs}[args.command](args)
     except Failure as e:  # an ending trainapp explains: one line, its own exit code (trainapp.errors)

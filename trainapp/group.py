@@ -77,8 +77,8 @@ class DistContext:
         except RuntimeError as e:
             if not self.waits_for or "timed out" not in str(e).lower():
                 raise
-            raise WaitTimeout(f"waited dist.timeout_s={self.timeout_s:g} s for {self.waits_for}: its storage is slow or "
-                              "stuck; raise dist.timeout_s if it is this slow") from None
+            raise WaitTimeout(f"waited dist.timeout_s={self.timeout_s:g} s for {self.waits_for}: its storage is "
+                              "slow or stuck; raise dist.timeout_s if it is this slow") from None
 
     def new_side_group(self):
         """Another Gloo group of every rank with `dist.timeout_s` (torch gives a new group 30 minutes), for

@@ -227,8 +227,8 @@ class StopVote:
     (each rank proposes from its own step time; the MAX is what all adopt), every step once steps take
     that long. A vote costs a fraction of a millisecond of CPU (the wake-up of Gloo's thread and a
     round trip; bench/preempt.py measures it): nothing against a 100 ms step, percents against a 5 ms
-    one, so the loop votes by time, not by step. Under NCCL the vote runs on a Gloo group of its own, so it is a CPU tensor and never
-    synchronises the device.
+    one, so the loop votes by time, not by step. Under NCCL the vote runs on a Gloo group of its own, so it
+    is a CPU tensor and never synchronises the device.
 
     With `poll_s` > 0 the vote also carries whether `poll_s` has passed on any rank since the ranks
     last polled: `take_poll()` is then true at the same boundary on every rank (the boundary where

@@ -113,7 +113,8 @@ def judge(nodes: list[str], pairs: list[Pair], min_bandwidth: float) -> tuple[li
                        and all(bw < min_bandwidth for bw in per_host[h])]
     problems = [f"host {h}: its pairs reach a median {host_bw[h]:.3f} GB/s against {typical:.3f} GB/s over hosts"
                 + (f" (--min-bandwidth {min_bandwidth:g})" if min_bandwidth and host_bw[h] < min_bandwidth else "")
-                + "; check its link: the interface in network.interface, its speed and duplex, cabling, a traffic shaper"
+                + "; check its link: the interface in network.interface, its speed and duplex, cabling, "
+                  "a traffic shaper"
                 for h in slow_hosts]
     problems += [f"pair {p.a} <-> {p.b}: {p.busbw:.3f} GB/s; check the path between them"
                  for p in slow_pairs if p.a not in slow_hosts and p.b not in slow_hosts]

@@ -148,7 +148,6 @@ def setup(cfg: DistSection, network=None, ray_device: Callable[[], torch.device]
     group someone else created (Ray) was preceded by the same resolution in its backend hook, which
     left its choice in the environment. `ray_device`: under Ray Train, the device Ray gave the worker.
     """
-    resolution, scope, owns = None, "side", False
     adopted = dist.is_available() and dist.is_initialized()
     if adopted:
         rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -162,32 +161,36 @@ def setup(cfg: DistSection, network=None, ray_device: Callable[[], torch.device]
     if device.type == "cuda":
         # Bound before the group: NCCL creates its communicator on the current device.
         torch.cuda.set_device(device)
-    backend = dist.get_backend() if adopted else None
     if adopted:
-        resolution = net.Resolution.from_environ()
+        backend, resolution, scope, owns = dist.get_backend(), net.Resolution.from_environ(), "side", False
     elif world_size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
-        timeout = datetime.timedelta(seconds=cfg.timeout_s)
-        if "MASTER_ADDR" not in os.environ and "TORCHELASTIC_RESTART_COUNT" not in os.environ:
-            raise ConfigError(
-                f"environment WORLD_SIZE={world_size} without MASTER_ADDR/MASTER_PORT: launch with torchrun "
-                "(or set both) so the ranks can find each other"
-            )
-        store, scope = _elastic_store(timeout)
-        if store is None:
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 29500), world_size,
-                                  is_master=rank == 0, timeout=timeout)
-        if network is not None:
-            resolution = _check_network(network, store, rank, world_size)
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, store=store)
+        resolution, scope = _create_group(cfg, network, backend, rank, world_size)
         owns = True
-    elif network is not None:
-        resolution = net.apply(network, None)  # alone: nothing to choose, but a named interface must exist
+    else:  # alone: nothing to choose, but a named interface must exist
+        backend, scope, owns = None, "side", False
+        resolution = net.apply(network, None) if network is not None else None
     ctx = DistContext(rank, local_rank, world_size, device, backend, owns, resolution, scope, device_why=why,
                       timeout_s=cfg.timeout_s)
     if ctx.distributed:
         ctx.side = ctx.new_side_group()
     return ctx
+
+
+def _create_group(cfg: DistSection, network, backend: str, rank: int, world_size: int):
+    """The default process group, made by every rank after the network check: (the network
+    resolution or None, the store scope of this attempt)."""
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    if "MASTER_ADDR" not in os.environ and "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        raise ConfigError(f"environment WORLD_SIZE={world_size} without MASTER_ADDR/MASTER_PORT: launch with "
+                          "torchrun (or set both) so the ranks can find each other")
+    store, scope = _elastic_store(timeout)
+    if store is None:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 29500), world_size,
+                              is_master=rank == 0, timeout=timeout)
+    resolution = _check_network(network, store, rank, world_size) if network is not None else None
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, store=store)
+    return resolution, scope
 
 
 def teardown(ctx: DistContext) -> None:

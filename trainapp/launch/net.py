@@ -113,6 +113,15 @@ def _fail(request: str, host: str, what: str, ifaces: dict[str, Interface]) -> N
                         "name one of those, or use auto")
 
 
+def _check_named(request: str, host: str, names: list[str], ifaces: dict[str, Interface]) -> None:
+    """NetworkError unless every named interface exists here, up, with an IPv4 address."""
+    for n in names:
+        if n not in ifaces:
+            raise _fail(request, host, f"has no interface {n}", ifaces)
+        if not (ifaces[n].ipv4 and ifaces[n].up):
+            raise _fail(request, host, f"has interface {n} but it has no IPv4 address or is down", ifaces)
+
+
 def resolve(request: str, rendezvous: str | None, ifaces: dict[str, Interface] | None = None,
             host: str | None = None) -> Resolution:
     """Resolve `network.interface` on this node; NetworkError when it cannot be honoured here."""
@@ -148,11 +157,7 @@ def resolve(request: str, rendezvous: str | None, ifaces: dict[str, Interface] |
         return chosen(request, gloo, f"all but {','.join(excluded)}; Gloo uses {gloo} ({why})")
 
     names = [n.strip() for n in request.split(",")]
-    for n in names:
-        if n not in ifaces:
-            raise _fail(request, host, f"has no interface {n}", ifaces)
-        if n not in usable:
-            raise _fail(request, host, f"has interface {n} but it has no IPv4 address or is down", ifaces)
+    _check_named(request, host, names, ifaces)
     gloo = route_if if route_if in names else names[0]
     why = f"it carries {to}" if gloo == route_if else (f"{to} uses {route_if or 'none of them'}" if rendezvous
                                                       else "the first named")

@@ -234,7 +234,8 @@ def load_state(snap: Path, name: str = STATE) -> dict[str, Any]:
         raise
     except Exception as e:
         first = (str(e).strip().splitlines() or [""])[0]
-        raise SnapshotError(f"{snap / name}: cannot be loaded as a snapshot ({e.__class__.__name__}: {first})") from None
+        raise SnapshotError(f"{snap / name}: cannot be loaded as a snapshot ({e.__class__.__name__}: {first})") \
+            from None
     if not isinstance(state, dict) or state.get("model") is None:
         raise SnapshotError(f"{snap / name}: not a trainapp snapshot (no model state)")
     return state

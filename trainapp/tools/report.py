@@ -107,7 +107,8 @@ def rank_phases(records: list[dict]) -> dict[int, dict[str, Any]]:
     return {rank: {"host": entries[-1].get("host"),
                    "step_ms": statistics.median(e["step_ms"] for e in entries),
                    "busy_ms": statistics.median(e["busy_ms"] for e in entries),
-                   "cpu_ms": statistics.median(cpu) if (cpu := [e["cpu_ms"] for e in entries if "cpu_ms" in e]) else None,
+                   "cpu_ms": (statistics.median(cpu) if (cpu := [e["cpu_ms"] for e in entries if "cpu_ms" in e])
+                              else None),
                    "phase_ms": {p: statistics.median(e["phase_ms"].get(p, 0.0) for e in entries) for p in PHASES}}
             for rank, entries in sorted(by_rank.items())}
 
@@ -130,7 +131,8 @@ def _rank_lines(records: list[dict]) -> list[str]:
     found = [r for r in records if r.get("kind") == "straggler"]
     lines.append(f"stragglers     {len(found) or 'none'}")
     lines.extend(f"  rank {f['rank']} on {f['host']} from step {f['step']}: {f['ratio']:.2f}x the median step "
-                 f"without communication wait; {f['phase']} {f['phase_ms']:.1f} ms against {f['median_phase_ms']:.1f} ms"
+                 f"without communication wait; {f['phase']} {f['phase_ms']:.1f} ms against "
+                 f"{f['median_phase_ms']:.1f} ms"
                  for f in found)
     return lines
 
@@ -152,8 +154,8 @@ def _start_lines(starts: list[dict]) -> list[str]:
     for i, start in enumerate(starts):
         took = (start.get("lease") or {}).get("took_over")
         if took:
-            lines.append(f"take-over      attempt {i} took the run directory over from {describe(took['holder'] or {})}: "
-                         f"{took['why']}")
+            lines.append(f"take-over      attempt {i} took the run directory over from "
+                         f"{describe(took['holder'] or {})}: {took['why']}")
         if start.get("config_changes"):
             lines.append(f"config         attempt {i} resumed with {changes.line(start['config_changes'])}")
         layout, was = start.get("layout") or {}, (start.get("layout") or {}).get("resized_from")
@@ -173,7 +175,8 @@ def summarize(run_dir: Path, records: list[dict]) -> str:
     snaps = [r["blocking_s"] for r in records if r.get("kind") == "snapshot"]
     first = starts[0]
     lines = [f"run            {run_dir}"]
-    state = f"finished at step {end['steps']}" if end else f"not finished (last step {train[-1]['step'] if train else 0})"
+    last = train[-1]["step"] if train else 0
+    state = f"finished at step {end['steps']}" if end else f"not finished (last step {last})"
     lines.append(f"status         {state} of {first.get('total_steps')} planned")
     acc = goodput.account(records)
     if acc is not None:
@@ -205,8 +208,8 @@ def summarize(run_dir: Path, records: list[dict]) -> str:
         lines.append(f"{key:<14} final {seen[-1][key]:.4f} at step {seen[-1]['step']}; lowest {low[key]:.4f} at step "
                      f"{low['step']}, highest {high[key]:.4f} at step {high['step']}")
     if snaps:
-        lines.append(f"snapshots      {len(snaps)} written; training blocked a median {statistics.median(snaps) * 1000:.1f} "
-                     f"ms each")
+        lines.append(f"snapshots      {len(snaps)} written; training blocked a median "
+                     f"{statistics.median(snaps) * 1000:.1f} ms each")
     lines.extend(_rank_lines(records))
     network = [n for n in (first.get("network") or []) if n and n.get("gloo")]
     if network:

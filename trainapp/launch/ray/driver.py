@@ -126,7 +126,8 @@ def _callbacks(cfg: Config, storage: str, generation: int) -> list:
     from trainapp.launch.ray.resize import ResizeSnapshot
 
     # The workers' agreed stop and snapshot take at most preempt.grace_s; the margin is the polls'.
-    return [*callbacks, NodeLossWatch(cfg.ray.node_loss_wait_s), ResizeSnapshot(run_dir, cfg.preempt.grace_s + 5, cfg.ray.resize_check_s / 2)]
+    return [*callbacks, NodeLossWatch(cfg.ray.node_loss_wait_s),
+            ResizeSnapshot(run_dir, cfg.preempt.grace_s + 5, cfg.ray.resize_check_s / 2)]
 
 
 def _elastic_batch(cfg: Config):
@@ -156,10 +157,10 @@ def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, 
     worker_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir), train=_elastic_batch(cfg))
     threads = cfg.ray.threads_per_worker or max(1, int(needs.get("CPU", 1)))
     os.environ.update(compat.controller_env(cfg.ray.worker_group_start_timeout_s, cfg.ray.health_check_interval_s))
+    held = {"lease": {"fence": lease.fence.to_dict(), "summary": lease.summary()}} if lease else {}
     return compat.TorchTrainer(
         worker,
-        train_loop_config={"config": worker_cfg.to_dict(), "launch": timeline.marks(), **extra,
-                           **({"lease": {"fence": lease.fence.to_dict(), "summary": lease.summary()}} if lease else {})},
+        train_loop_config={"config": worker_cfg.to_dict(), "launch": timeline.marks(), **extra, **held},
         torch_config=_torch_config(cfg, threads, worker),
         scaling_config=ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=use_gpu, resources_per_worker=needs,
                                      **({"elastic_resize_monitor_interval_s": cfg.ray.resize_check_s}

@@ -177,7 +177,8 @@ def comm_worker(payload: dict[str, Any]) -> dict[str, Any]:
     from trainapp.launch import comm
 
     cfg = config.from_dict(payload["config"])
-    ctx = dist.setup(cfg.dist, ray_device=_ray_device)  # adopts the group Ray created, on the interface prepare_worker chose
+    # Adopts the group Ray created, on the interface prepare_worker chose.
+    ctx = dist.setup(cfg.dist, ray_device=_ray_device)
     nodes, pairs = comm.measure(ctx, payload["nbytes"], payload["iters"])
     via = ctx.network.summary() if ctx.network else "the default interface"
     return {"comm_nodes": nodes, "comm_pairs": [dataclasses.asdict(p) for p in pairs], "comm_backend": ctx.backend,
