@@ -156,3 +156,19 @@ def test_build_makes_the_parts_in_order_visiting_each_core_module_once():
         if module and (not seen or seen[-1] != module):
             seen.append(module)
     assert seen == ["task", "layout", "data", "amp", "optim", "state"], seen
+
+
+def test_the_loop_reads_no_notice_signal_launcher_or_ray():
+    """The boundary decides and the loop obeys (trainapp/faults/boundary.py's `Stop`): the loop's code
+    names no notice, signal, Ray or launcher, and imports nothing of the launchers or the preemption
+    machinery. A stop arrives as an object the loop executes."""
+    path = PACKAGE / "core" / "loop.py"
+    tree = _tree(path)
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    names |= {n.arg for n in ast.walk(tree) if isinstance(n, ast.arg)}
+    banned = {"notice", "notices", "signal", "signals", "signum", "ray", "launcher", "launch", "publish", "preempted",
+              "resized", "stopped", "stop_by", "stop_kind", "drain", "drains"}
+    found = sorted(n for n in names if banned & set(n.lower().split("_")) or n.lower() in banned)
+    assert not found, found
+    assert not [m for m in _imports(path) if m.startswith(("trainapp.launch", "trainapp.faults.preempt"))]

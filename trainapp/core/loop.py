@@ -11,7 +11,6 @@ started the process: the launcher seam (trainapp/launch/rank.py) hands it everyt
 from __future__ import annotations
 
 import logging
-import signal
 import warnings
 from typing import Any, Callable, Iterator
 
@@ -23,7 +22,7 @@ from trainapp.core import parallel
 from trainapp.core.build import Parts
 from trainapp.core.final import export_final
 from trainapp.core.layout import seed_slot
-from trainapp.faults.preempt import Preempted, Resized, Stopped
+from trainapp.faults.boundary import Stop
 from trainapp.observe.metrics import Throughput, val_metrics
 from trainapp.observe.records import Records
 from trainapp.observe.timings import PhaseClock
@@ -146,7 +145,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float] | None:
         """The task's evaluation over the whole validation set: each entry `evaluate` returns, summed
         over batches and ranks, over the summed `count`, recorded as `val_<name>` (`val_count`: the count)."""
-        parts, notices = self.parts, self.guard.notices
+        parts = self.parts
         model = parts.ema.module if parts.ema is not None else parts.model
         was_training = model.training
         model.eval()
@@ -156,7 +155,7 @@ class Trainer:
             # The stop comes after the next step, so a partial eval is not recorded. The last step's eval
             # runs to the end: no stop follows it, the run ends normally. A sharded model's ranks must run
             # their forwards together: its eval always runs to the end.
-            if notices.signum and parts.progress.global_step < parts.total_steps and not sharded:
+            if self.boundary.interrupts_eval() and parts.progress.global_step < parts.total_steps and not sharded:
                 interrupted = True
                 break
             self.guard.heartbeat.beat()
@@ -222,7 +221,7 @@ class Trainer:
                   "samples_per_s": samples_per_s}
         if self.last_eval is not None and self.last_eval["step"] == p.global_step:
             report.update(val_metrics(self.last_eval))
-        if self.records.last_ranks:  # under Ray these go with ray.train.report
+        if self.records.last_ranks:  # the ranks' step times travel with the snapshot's report
             keys = ("rank", "host", "step_ms", "busy_ms")
             report["ranks"] = [{k: r[k] for k in keys} for r in self.records.last_ranks]
         try:
@@ -239,30 +238,18 @@ class Trainer:
         finally:
             self.records.snapshot_failures(self.snapshots.failed)
 
-    def _stop(self, signum: int, meter: Throughput, bar: tqdm) -> None:
-        """Every rank, at the agreed step: the snapshot of this step (after any write in flight), a
-        `preempted` record, then `Preempted` out of train()."""
-        p, notices = self.parts.progress, self.guard.notices
+    def _stop(self, stop: Stop, meter: Throughput, bar: tqdm) -> None:
+        """Every rank, at the agreed step: the snapshot of this step (after any write in flight), the
+        stop's record, then its exception out of train()."""
         bar.close()
-        # Only rank 0 reads a stop the holder asked for; the vote told the others a signal number only.
-        by, kind = self.ctx.broadcast_object((notices.stop_by, notices.stop_kind))
         with meter.paused(), self.clock.phase("snapshot"):
-            # A resize's snapshot is not reported to Ray: its controller waits for it and cannot take a
-            # report meanwhile (a report would wait for the controller); the next group finds it on storage.
-            self._save(meter.overall(), final=True, announce=kind != "resize")
-            self._finish_snapshots(announce=kind != "resize")
+            self._save(meter.overall(), final=True, announce=stop.announce)
+            self._finish_snapshots(announce=stop.announce)
         self.boundary.close()
-        seconds, where = notices.seconds_since(), str(self.snapshots.path_for(p.global_step))
-        fields = {"step": p.global_step, "signal": signal.Signals(signum).name, "seconds": round(seconds, 3),
-                  "phase": notices.phase_at_signal, "snapshot": where}
-        if kind == "resize":  # Ray Train replaces the group, which resumes from this snapshot
-            self.records.resized(by=by, **fields)
-            raise Resized(signum, p.global_step, seconds, where, self.ctx.rank, by)
-        if by:  # asked for by the run's holder: the run ends here, nobody restarts it
-            self.records.stopped(by=by, **fields)
-            raise Stopped(signum, p.global_step, seconds, where, self.ctx.rank, by)
-        self.records.preempted(**fields)
-        raise Preempted(signum, p.global_step, seconds, where, self.ctx.rank)
+        step = self.parts.progress.global_step
+        fields, ending = stop.ending(step, str(self.snapshots.path_for(step)), self.ctx.rank)
+        self.records.stop(stop.kind, **fields)
+        raise ending
 
     def _finish(self, start_step: int, samples_per_s: float) -> dict[str, Any]:
         p = self.parts.progress
@@ -271,7 +258,7 @@ class Trainer:
         summary = {"steps": p.global_step, "steps_this_run": p.global_step - start_step, "final_loss": self.last_loss,
                    **val_metrics(self.last_eval), "world_size": self.ctx.world_size,
                    "samples_per_s": samples_per_s, "skipped_steps": int(p.skipped.item()),
-                   "snapshots": self.snapshots.publish.where,
+                   "snapshots": self.snapshots.where,
                    "state_bytes": parallel.state_bytes(self.parts.model, self.parts.optimizer, self.ctx)}
         self._finish_snapshots()  # the final snapshot is on disk before the run says it ended
         summary["model"] = export_final(self.cfg, self.ctx, self.parts, self.snapshots)  # run.export

@@ -1,15 +1,18 @@
 """The step boundary: asked once per step, on every rank at the same step, whether to go on, snapshot
 now, or stop. One object holds every decision a fault can change: the stop vote on signals
 (trainapp/faults/preempt.py), the poll of the launcher's drain notices (Ray's), and the snapshot
-cadence, so the training loop has one question to ask and no fault logic of its own.
+cadence, so the training loop has one question to ask and no fault logic of its own. A stop comes as
+a `Stop` that says everything the loop does with it: whether its snapshot is announced, which record
+it leaves and which exception ends training; the loop reads no notice, signal or launcher.
 """
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from trainapp.faults.preempt import Notices, StopVote
+from trainapp.faults.preempt import Notices, Preempted, Resized, Stopped, StopVote
 
 
 class DrainNotices(Protocol):
@@ -24,9 +27,39 @@ class DrainNotices(Protocol):
 
 
 @dataclass(frozen=True)
+class Stop:
+    """The agreed stop after this step, with a snapshot of it: a preemption notice (a signal), a stop the
+    run's holder asked for (`by`: `ray job stop`, a driver's Ctrl-C), or a live resize of a Ray group."""
+
+    signum: int
+    kind: str
+    """`preempted` (the launcher restarts the run), `stopped` (the run ends here, nobody restarts it) or
+    `resized` (Ray Train replaces the group, which resumes from this snapshot): the record's kind."""
+    by: str
+    notices: Notices
+
+    @property
+    def announce(self) -> bool:
+        """Whether the stop's snapshot is reported to Ray. A resize's is not: the controller waits for it
+        and cannot take a report meanwhile; the next group finds it on storage."""
+        return self.kind != "resized"
+
+    def ending(self, step: int, snapshot: str, rank: int) -> tuple[dict[str, Any], Preempted]:
+        """Once the snapshot is written: (the record's fields, the exception that ends training)."""
+        seconds = self.notices.seconds_since()
+        fields = {"step": step, "signal": signal.Signals(self.signum).name, "seconds": round(seconds, 3),
+                  "phase": self.notices.phase_at_signal, "snapshot": snapshot, **({"by": self.by} if self.by else {})}
+        if self.kind == "resized":
+            return fields, Resized(self.signum, step, seconds, snapshot, rank, self.by)
+        if self.kind == "stopped":
+            return fields, Stopped(self.signum, step, seconds, snapshot, rank, self.by)
+        return fields, Preempted(self.signum, step, seconds, snapshot, rank)
+
+
+@dataclass(frozen=True)
 class Decision:
-    stop: int = 0
-    """The agreed signal number: stop after this step with a snapshot of it; 0 to go on."""
+    stop: Stop | None = None
+    """Stop after this step with a snapshot of it; None to go on."""
     snapshot: bool = False
     """Snapshot this step."""
     urgent: bool = False
@@ -44,18 +77,28 @@ class StepBoundary:
 
     def __init__(self, ctx, notices: Notices, due: Callable[[int, bool], bool], drains: DrainNotices | None = None,
                  poll_s: float = 0.0, on_drain: Callable[[int, dict[str, Any]], None] = lambda step, notice: None):
-        self.due, self.drains, self.on_drain = due, drains, on_drain
+        self.ctx, self.notices, self.due, self.drains, self.on_drain = ctx, notices, due, drains, on_drain
         self.vote = StopVote(ctx, notices, poll_s if drains is not None else 0.0,
                              drains.pending if drains is not None else None)
 
     def decide(self, step: int, last: bool) -> Decision:
         signum = 0 if last else self.vote.stop(step)  # the last step ends the run anyway
         if signum:
-            return Decision(stop=signum)
+            return Decision(stop=self._stop(signum))
         drained = self._drained(step)  # every rank enters the agreed poll, snapshot due or not
         if drained:
             return Decision(snapshot=True, urgent=True)
         return Decision(snapshot=True) if self.due(step, last) else GO_ON
+
+    def _stop(self, signum: int) -> Stop:
+        """Every rank, at the agreed step. Only rank 0 reads a stop the holder asked for (through the
+        lease); the vote told the others a signal number only."""
+        by, kind = self.ctx.broadcast_object((self.notices.stop_by, self.notices.stop_kind))
+        return Stop(signum, "resized" if kind == "resize" else "stopped" if by else "preempted", by, self.notices)
+
+    def interrupts_eval(self) -> bool:
+        """A notice has come: an evaluation under way stops short (the stop follows the next step)."""
+        return bool(self.notices.signum)
 
     def _drained(self, step: int) -> bool:
         """True at every poll while a node of the run is being drained: snapshot now, keep training."""

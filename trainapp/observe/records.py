@@ -133,16 +133,12 @@ class Records:
         log.warning("preemption: %s; a snapshot now and about every %g s until the node is gone, training goes on",
                     notice.get("what", "node drained"), self.cfg.preempt.ray_poll_s)
 
-    def preempted(self, **fields: Any) -> None:
-        self.metrics.write("preempted", **fields)
-        self.metrics.close()
-
-    def stopped(self, **fields: Any) -> None:
-        self.metrics.write("stopped", **fields)
-
-    def resized(self, **fields: Any) -> None:
-        self.metrics.write("resized", **fields)
-        self.metrics.close()
+    def stop(self, kind: str, **fields: Any) -> None:
+        """An agreed stop's record: `preempted`, `stopped` or `resized` (trainapp/faults/boundary.py's
+        `Stop`). A stopped run's workers end normally, and its `end` record follows."""
+        self.metrics.write(kind, **fields)
+        if kind != "stopped":
+            self.metrics.close()
 
     def _account(self) -> dict[str, Any] | None:
         """Rank 0: the goodput account of the run so far, as if it ended now."""

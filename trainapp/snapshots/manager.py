@@ -122,6 +122,11 @@ class SnapshotManager:
     def due(self, step: int, last: bool) -> bool:
         return last or (self.every_steps > 0 and step % self.every_steps == 0)
 
+    @property
+    def where(self) -> str:
+        """Where the run's snapshots go (a directory, or a URI under Ray), for the run's summary."""
+        return self.publish.where
+
     def path_for(self, step: int) -> Path:
         return self.root / step_name(step)
 
