@@ -46,6 +46,7 @@ def train_here(capsys, tmp_path, *args) -> tuple[int, str]:
     ("usertasks_probe:Needy", [], "cannot be called with them (missing a required argument: 'width')"),
     ("usertasks_probe:Good", ["task.args.rows=4"], "rejected them (ValueError: rows=4: need at least 16)"),
     ("usertasks_probe:NoEvaluate", [], "has no evaluate method"),
+    ("usertasks_probe:UnitsList", [], "the task's shard_units is a list, not a method; the optional methods are"),
     ("usertasks_probe:NoLen", [], "a train set without len()"),
     ("usertasks_probe:VectorLoss", [], "returned a tensor of shape (8,); it must return a scalar"),
     ("usertasks_probe:DetachedLoss", [], "returned a tensor without grad"),

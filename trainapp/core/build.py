@@ -109,9 +109,10 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
     if ctx.is_main and layout.line():
         log.warning("%s", layout.line())
     ddp = None if fsdp else parallel.wrap_ddp(model, ctx)  # wrap last: the snapshot went into the plain module
-    return Parts(task, batches, val_loader, model, ddp or model, ddp, sharded, precision, opt.optimizer, opt.schedule,
-                 opt.ema, progress, state, opt.schedule.total_steps, opt.schedule.peak_lr,
-                 found[0] if found else None, diff, init, chosen)
+    return Parts(task=task, batches=batches, val_loader=val_loader, model=model, train_model=ddp or model, ddp=ddp,
+                 sharded=sharded, precision=precision, optimizer=opt.optimizer, schedule=opt.schedule, ema=opt.ema,
+                 progress=progress, state=state, total_steps=opt.schedule.total_steps, peak_lr=opt.schedule.peak_lr,
+                 resumed_from=found[0] if found else None, config_changes=diff, init=init, kernels=chosen)
 
 
 def _init(cfg: Config, ctx, model: torch.nn.Module, load: Callable[[Any], tuple[str, dict[str, Any]] | None]):

@@ -22,10 +22,13 @@ from trainapp.core import parallel
 from trainapp.core.build import Parts
 from trainapp.core.final import export_final
 from trainapp.core.layout import seed_slot
-from trainapp.faults.boundary import Stop
+from trainapp.faults.boundary import Stop, StepBoundary
+from trainapp.faults.guard import RankGuard
+from trainapp.group import DistContext
 from trainapp.observe.metrics import Throughput, val_metrics
 from trainapp.observe.records import Records
 from trainapp.observe.timings import PhaseClock
+from trainapp.snapshots.manager import SnapshotManager
 from trainapp.snapshots.store import params_sha256
 
 log = logging.getLogger(__name__)
@@ -40,8 +43,8 @@ class Trainer:
     `boundary` decides at each step boundary, `snapshots` writes them, `records` writes down what
     happened, and each of `step_hooks` is called with the step number after every step."""
 
-    def __init__(self, cfg: Config, ctx, parts: Parts, snapshots, guard, boundary, records: Records,
-                 step_hooks: tuple[Callable[[int], None], ...] = ()):
+    def __init__(self, cfg: Config, ctx: DistContext, parts: Parts, snapshots: SnapshotManager, guard: RankGuard,
+                 boundary: StepBoundary, records: Records, step_hooks: tuple[Callable[[int], None], ...] = ()):
         self.cfg, self.ctx, self.parts, self.snapshots = cfg, ctx, parts, snapshots
         self.guard, self.boundary, self.records, self.step_hooks = guard, boundary, records, step_hooks
         self.last_loss, self.last_eval = float("nan"), None

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from trainapp.errors import ConfigError
 from trainapp.snapshots.store import find_shared, list_snapshots, newest_valid, sweep_leftovers
 
 
-class Publish(Protocol):
+class Publish:
     """Where snapshots go and what makes one count. The manager writes each one atomically under
-    `root` (a local directory) on rank 0, then calls `commit`."""
+    `root` (a local directory) on rank 0, then calls `commit`. A publish step implements `commit`,
+    `make_room` and `find`; the other steps default to what storage every rank sees needs: nothing."""
 
     root: Path
     where: str
@@ -30,33 +31,40 @@ class Publish(Protocol):
     def commit(self, step: int, path: Path) -> Path | str:
         """Rank 0, after the write (in the writer's thread with `snapshot.async`): take the snapshot where
         it goes (an OSError here counts as a failed snapshot) and apply the retention; where it is now."""
+        raise NotImplementedError
+
+    def make_room(self) -> int:
+        """Rank 0, after ENOSPC: delete older snapshots (never the newest valid one); how many went."""
+        raise NotImplementedError
+
+    def find(self, ctx) -> tuple[str, dict[str, Any]] | None:
+        """(where, state) of the newest valid snapshot, the same on every rank; None to start fresh."""
+        raise NotImplementedError
 
     def push_shards(self, ctx, step: int, tmp: Path, own: list[str]) -> None:
         """Every rank, its shards of `step` written into `tmp` (`own`: the files it wrote, relative to
-        `tmp`): take them where the snapshot goes, if `commit` will not (an OSError: a failed snapshot)."""
+        `tmp`): take them where the snapshot goes, if `commit` will not (an OSError: a failed snapshot).
+        Default: they are in the staging directory every rank sees, published by the rename."""
 
     def discard(self, step: int) -> None:
         """Rank 0, after a failed sharded snapshot: remove what `push_shards` put where it goes."""
 
     def put_dir(self, name: str, local: Path) -> Path | str:
         """Rank 0: the directory `local` (under the run directory, e.g. the exported model) put beside the
-        snapshots as `name`; where it is now (an OSError: it could not be)."""
-
-    def make_room(self) -> int:
-        """Rank 0, after ENOSPC: delete older snapshots (never the newest valid one); how many went."""
+        snapshots as `name`; where it is now (an OSError: it could not be). Default: the run directory is
+        where the snapshots' directory is, so it is there already."""
+        return local
 
     def announce(self, ctx, report: dict[str, Any], urgent: bool) -> None:
         """Every rank, after each snapshot is written (or its background write started): make it known
-        where the launcher needs it; `urgent` (the same on every rank): at once."""
+        where the launcher needs it; `urgent` (the same on every rank): at once. Default: the rename
+        published it; the other ranks waited for rank 0's verdict in the manager."""
 
     def flush(self, ctx) -> None:
         """Every rank, once the last write is on storage (the end of a run, a stop): make it count too."""
 
-    def find(self, ctx) -> tuple[str, dict[str, Any]] | None:
-        """(where, state) of the newest valid snapshot, the same on every rank; None to start fresh."""
 
-
-class LocalPublish:
+class LocalPublish(Publish):
     """Snapshots in `root` (`run.dir/snapshots`) on storage every rank sees (one machine, NFS, a
     ReadWriteMany volume): the atomic rename publishes, the last `keep` stay."""
 
@@ -74,15 +82,6 @@ class LocalPublish:
         sweep_leftovers(self.root)
         return path
 
-    def push_shards(self, ctx, step: int, tmp: Path, own: list[str]) -> None:
-        pass  # in the staging directory every rank sees, published by the rename
-
-    def discard(self, step: int) -> None:
-        pass
-
-    def put_dir(self, name: str, local: Path) -> Path:
-        return local  # the run directory is where the snapshots' directory is
-
     def make_room(self) -> int:
         try:
             newest = newest_valid(self.root)
@@ -93,12 +92,6 @@ class LocalPublish:
             shutil.rmtree(old, ignore_errors=True)
         sweep_leftovers(self.root)
         return len(older)
-
-    def announce(self, ctx, report: dict[str, Any], urgent: bool) -> None:
-        pass  # the rename published it; the other ranks waited for rank 0's verdict in the manager
-
-    def flush(self, ctx) -> None:
-        pass
 
     def find(self, ctx) -> tuple[str, dict[str, Any]] | None:
         return find_shared(ctx, self.root)

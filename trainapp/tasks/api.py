@@ -21,7 +21,11 @@ if TYPE_CHECKING:  # torch is not imported with the contract: the Ray driver che
 REQUIRED = ("datasets", "model", "loss", "evaluate")
 """The methods every task has."""
 OPTIONAL = ("collate", "state_dict", "load_state_dict", "param_groups", "shard_units", "export")
-"""The methods a task may have."""
+"""The methods a task may have (None, or absent, is the same as not having one)."""
+ATTRIBUTES = ("random_items",)
+"""The plain attributes a task may have: `random_items` (default true): whether its train set's
+`__getitem__` draws random numbers, which trainapp then seeds per (seed, epoch, index); false spares the
+seeding for fixed items."""
 
 
 @dataclass(frozen=True)

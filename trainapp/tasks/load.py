@@ -16,7 +16,7 @@ from typing import Any, Callable
 from trainapp.config import IMPORT_PATH, Config, ConfigError
 from trainapp.config import load as config_load
 from trainapp.errors import first_line
-from trainapp.tasks.api import REQUIRED
+from trainapp.tasks.api import OPTIONAL, REQUIRED
 
 BUILTIN = MappingProxyType({
     "image_classification": ("trainapp.tasks.image:from_config", True),
@@ -80,6 +80,10 @@ def check(task: Any, name: str) -> Any:
         raise ConfigError(f"task.name={name!r}: the task ({type(task).__name__}) has no {', '.join(missing)} "
                           f"method; a task has datasets(ctx), model(ctx), loss(model, batch) and "
                           f"evaluate(model, batch) ({DOCS})")
+    odd = [m for m in OPTIONAL if getattr(task, m, None) is not None and not callable(getattr(task, m))]
+    if odd:
+        raise ConfigError(f"task.name={name!r}: the task's {odd[0]} is a {type(getattr(task, odd[0])).__name__}, not "
+                          f"a method; the optional methods are {', '.join(OPTIONAL)} ({DOCS})")
     halves = [callable(getattr(task, m, None)) for m in ("state_dict", "load_state_dict")]
     if any(halves) and not all(halves):
         raise ConfigError(f"task.name={name!r}: the task has only one of state_dict and load_state_dict; "

@@ -19,12 +19,13 @@ from typing import Any
 
 from trainapp.launch.ray.checks import run_store
 from trainapp.launch.ray.compat import drain_pending
+from trainapp.snapshots.publish import Publish
 from trainapp.snapshots.store import find_shared, list_snapshots, step_name, step_of, sweep_leftovers
 
 log = logging.getLogger(__name__)
 
 
-class RayPublish:
+class RayPublish(Publish):
     """The publish step of snapshots under Ray Train (trainapp/snapshots/publish.py's protocol):
     `ray.train.report` registers a snapshot with Ray as a checkpoint. A report is a barrier of every
     worker through Ray Train's synchronization actor, so every rank reports at the same snapshots:
