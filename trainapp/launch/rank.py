@@ -12,7 +12,7 @@ parts, watches the rank and trains. torchrun, Slurm (through torchrun) and a pla
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 from trainapp.config import Config
 from trainapp.core.build import build
@@ -31,33 +31,47 @@ from trainapp.snapshots.manager import SnapshotManager
 from trainapp.snapshots.publish import Publish
 
 
-class Launcher(Protocol):
-    """What differs between launchers, asked by `run_rank` in this order."""
+class Launcher:
+    """What differs between launchers, asked by `run_rank` in this order. A launcher implements `guard`,
+    `context`, `publish`, `lease` and `close`; the other steps default to a launcher that has none of
+    them (signals its only notices, no restarts of its own to count, nothing to watch, no live metrics)."""
 
     def guard(self, cfg: Config) -> RankGuard:
         """The process set up for training: the rank's guard, its signal handlers installed."""
+        raise NotImplementedError
 
     def context(self, cfg: Config, guard: RankGuard) -> DistContext:
         """The process group, created or adopted."""
-
-    def publish(self, cfg: Config, ctx: DistContext) -> Publish:
-        """Where snapshots go and what makes them count."""
-
-    def drains(self, cfg: Config) -> DrainNotices | None:
-        """Notices of a node going away, besides signals (None: signals only)."""
+        raise NotImplementedError
 
     def lease(self, cfg: Config, ctx: DistContext) -> RunLease:
         """The run's lease on its directory: taken (rank 0 holds it) or the driver's (under Ray)."""
+        raise NotImplementedError
 
-    def restart(self) -> int:
-        """How many times the launcher restarted this rank's group (for the start record)."""
+    def watch(self, cfg: Config, ctx: DistContext, held: RunLease) -> None:
+        """Start watching for requests that come as no signal (a stop or a resize written to the lease)."""
+
+    def publish(self, cfg: Config, ctx: DistContext) -> Publish:
+        """Where snapshots go and what makes them count."""
+        raise NotImplementedError
+
+    def drains(self, cfg: Config) -> DrainNotices | None:
+        """Notices of a node going away, besides signals (None: signals only)."""
+        return None
+
+    def restart(self) -> int | None:
+        """How many times the launcher restarted this rank's group, for the start record; None where the
+        launcher counts them elsewhere (Ray Train's attempts are the `start` records)."""
+        return None
 
     def live(self, cfg: Config, ctx: DistContext) -> LiveMetrics | None:
         """Where this rank's live metrics go (trainapp/observe/live.py), if anywhere; every rank calls it."""
+        return None
 
     def close(self, ctx: DistContext | None) -> None:
         """After training, whatever ended it: tear down what `guard` and `context` set up (a process that
         lives on, as a Ray worker does, also tells its guard that signals are no notices any more)."""
+        raise NotImplementedError
 
 
 def run_rank(launcher: Launcher, cfg: Config, task: Any = None) -> dict[str, Any]:
@@ -70,6 +84,7 @@ def run_rank(launcher: Launcher, cfg: Config, task: Any = None) -> dict[str, Any
         guard.timeline.mark("process_group")
         logs.setup(ctx.rank, ctx.world_size)
         held = launcher.lease(cfg, ctx)  # before anything is written to the run directory
+        launcher.watch(cfg, ctx, held)
         guard.failures.fence = held.fence
         attempt = len(metrics.read(cfg.run.dir, "start", missing_ok=True))
         with guard.watching(cfg, ctx, lambda: _side_store(ctx), attempt):

@@ -14,13 +14,14 @@ from trainapp.faults import drain
 from trainapp.faults.guard import RankGuard
 from trainapp.group import DistContext
 from trainapp.launch import dist
+from trainapp.launch.rank import Launcher
 from trainapp.observe import logs
 from trainapp.observe.live import LiveMetrics, serve
 from trainapp.snapshots.lease import RunLease, take_for_group
 from trainapp.snapshots.publish import LocalPublish
 
 
-class Torchrun:
+class Torchrun(Launcher):
     """`Launcher` (trainapp/launch/rank.py) for a process that torchrun, Slurm or a user started."""
 
     def __init__(self) -> None:
@@ -39,9 +40,6 @@ class Torchrun:
 
     def publish(self, cfg: Config, ctx: DistContext) -> LocalPublish:
         return LocalPublish(Path(cfg.run.dir) / "snapshots", cfg.snapshot.keep)
-
-    def drains(self, cfg: Config) -> None:
-        return None
 
     def lease(self, cfg: Config, ctx: DistContext) -> RunLease:
         kind = "slurm" if os.environ.get("SLURM_JOB_ID") else "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ \

@@ -23,7 +23,7 @@ from trainapp.faults.guard import RankGuard
 from trainapp.faults.preempt import Preempted, Resized, Stopped, StoppedBeforeStart
 from trainapp.group import DistContext
 from trainapp.launch import dist
-from trainapp.launch.rank import run_rank
+from trainapp.launch.rank import Launcher, run_rank
 from trainapp.launch.ray import metrics as ray_metrics
 from trainapp.launch.ray import resize, versions
 from trainapp.launch.ray.checks import is_uri
@@ -44,7 +44,7 @@ def _ray_device():
     return get_device()
 
 
-class RayWorker:
+class RayWorker(Launcher):
     """`Launcher` (trainapp/launch/rank.py) for a Ray Train worker; `payload` is what the driver sent."""
 
     def __init__(self, payload: dict[str, Any]) -> None:
@@ -76,13 +76,14 @@ class RayWorker:
         if asked:
             raise StoppedBeforeStart(f"trainapp: stopped ({asked['by']}) before this attempt trained a step; the "
                                      "newest snapshot is where the run resumes")
-        if ctx.rank == 0:  # the others hear of a stop or a resize through the stop vote
-            elastic = cfg.ray.min_workers != cfg.ray.max_workers  # only an elastic group is resized live
-            self._watch = StopWatch(held.fence, store_at(cfg.run.dir) if elastic else None, self._guard.notices)
         return held
 
-    def restart(self) -> int:
-        return 0  # Ray Train's restarts show as attempts in metrics.jsonl
+    def watch(self, cfg: config.Config, ctx: DistContext, held: RunLease) -> None:
+        """Rank 0 watches the lease for a stop (`ray job stop`) or a resize; the others hear of either
+        through the stop vote."""
+        if ctx.rank == 0:
+            elastic = cfg.ray.min_workers != cfg.ray.max_workers  # only an elastic group is resized live
+            self._watch = StopWatch(held.fence, store_at(cfg.run.dir) if elastic else None, self._guard.notices)
 
     def live(self, cfg: config.Config, ctx: DistContext) -> LiveMetrics | None:
         return ray_metrics.live(cfg, ctx, cfg.ray.name)
