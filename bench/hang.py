@@ -46,7 +46,7 @@ from trainapp.config import FaultSection
 
 # This checkout's trainapp: importing launchers put REPO first on sys.path.
 from trainapp.faults import drain
-from trainapp.launch.ray.cluster import LocalCluster, free_port
+from trainapp.tools.local_ray import LocalCluster, free_port
 
 LAUNCHERS = ("torchrun", "ray")
 

@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO))
 from machine import describe  # noqa: E402
 from scratch import scratch  # noqa: E402
 
-from trainapp.launch.ray.cluster import LocalCluster, free_port, proc_stat  # noqa: E402
+from trainapp.tools.local_ray import LocalCluster, free_port, proc_stat  # noqa: E402
 from trainapp.observe import metrics  # noqa: E402
 
 BIN = Path(sys.executable).parent

@@ -43,7 +43,7 @@ from launchers import first_step_start, overrides, records, wait_for  # noqa: E4
 from machine import describe  # noqa: E402
 from scratch import scratch  # noqa: E402
 
-from trainapp.launch.ray.cluster import RAY, LocalCluster, free_port  # noqa: E402
+from trainapp.tools.local_ray import RAY, LocalCluster, free_port  # noqa: E402
 from trainapp.launch.ray.stop import REQUESTS  # noqa: E402
 
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)

@@ -53,7 +53,7 @@ from launchers import BIN, records, wait_for  # noqa: E402
 from machine import describe  # noqa: E402
 from scratch import scratch  # noqa: E402
 
-from trainapp.launch.ray.cluster import RAY, LocalCluster, free_port  # noqa: E402
+from trainapp.tools.local_ray import RAY, LocalCluster, free_port  # noqa: E402
 
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

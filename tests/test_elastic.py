@@ -15,7 +15,7 @@ import torch
 import usertasks_ledger
 from helpers import REPO, TORCHRUN, USERTASKS, inspect, metrics, torchrun, trainapp, wait_for_record
 
-from trainapp.launch.ray.cluster import free_port
+from trainapp.tools.local_ray import free_port
 from trainapp.snapshots.store import list_snapshots
 
 pytestmark = pytest.mark.slow

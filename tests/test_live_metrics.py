@@ -13,7 +13,7 @@ import pytest
 from helpers import QUICK, REPO, metrics, torchrun_cmd, trainapp
 from prometheus_client.parser import text_string_to_metric_families
 
-from trainapp.launch.ray.cluster import free_port
+from trainapp.tools.local_ray import free_port
 from trainapp.observe.live import LiveMetrics
 
 

@@ -18,7 +18,7 @@ import usertasks_ledger
 from helpers import PY, QUICK, REPO, inspect, metrics, one_error_line, run_cmd, torchrun, trainapp, wait_for_record
 
 from trainapp.faults.preempt import StopVote
-from trainapp.launch.ray.cluster import RAY, LocalCluster, free_port, proc_stat
+from trainapp.tools.local_ray import RAY, LocalCluster, free_port, proc_stat
 from trainapp.observe.logs import FIRST_STEP
 from trainapp.snapshots.store import list_snapshots, step_of
 from trainapp.tools import report
@@ -320,7 +320,7 @@ def test_a_user_task_shipped_with_working_dir_resumes_a_killed_worker_bitwise_as
     SIGKILLs itself after step 13; the run ends where torchrun's straight run does."""
     task = USER_TASK
     # What `make ray-submit WORKING_DIR=examples/tabular` runs.
-    r = run_cmd([PY, "-m", "trainapp.launch.ray.cluster", "--dir", str(cluster.dir), "submit", "--working-dir",
+    r = run_cmd([PY, "-m", "trainapp.tools.local_ray", "--dir", str(cluster.dir), "submit", "--working-dir",
                  "examples/tabular", "--", "python", "-m", "trainapp", "ray", f"ray.storage_path={cluster.storage}",
                  "ray.name=usertask", *task, "drill.kill_at_step=13", "drill.rank=1"], timeout=400, env=cluster.env())
     assert r.returncode == 0, r.output[-4000:]

@@ -13,7 +13,7 @@ import pytest
 from helpers import QUICK, REPO
 from test_live_metrics import scrape
 
-from trainapp.launch.ray.cluster import RAY, LocalCluster, free_port
+from trainapp.tools.local_ray import RAY, LocalCluster, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
