@@ -14,6 +14,8 @@ from pathlib import Path
 from trainapp.observe.metrics import read as metrics  # noqa: F401  (the tests' name for the one reader)
 
 REPO = Path(__file__).resolve().parents[1]
+TOOLS = REPO / ".venv-tools" / "bin"
+"""The static checkers' venv (`make tools`): hadolint, checkov, yamllint, kubernetes-validate, ruff."""
 USERTASKS = REPO / "tests" / "usertasks"
 """Tasks a user might write (trainapp's tests import them: the sample ledger's checker)."""
 sys.path.insert(0, str(USERTASKS))
@@ -40,6 +42,16 @@ class Result:
     @property
     def output(self) -> str:
         return self.stdout + self.stderr
+
+
+def tool(name: str) -> Path:
+    """A static checker of `make tools`; the test is skipped, saying how to get it, where it is missing."""
+    import pytest
+
+    path = TOOLS / name
+    if not os.access(path, os.X_OK):
+        pytest.skip(f"{path} is missing (make tools installs it)")
+    return path
 
 
 def run_cmd(cmd: list[str], timeout: float = 300, env: dict | None = None) -> Result:

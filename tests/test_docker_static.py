@@ -4,23 +4,20 @@ and the layout the Kubernetes/KubeRay manifests rely on."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import subprocess
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import tomllib
-from helpers import PY, REPO
+from helpers import PY, REPO, tool
 
 from trainapp.launch.ray import checks
 
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
 EXAMPLE_DOCKERFILE = REPO / "examples" / "tabular" / "Dockerfile"  # a user's task added to the image
-TOOLS = REPO / ".venv-tools" / "bin"
 TARGETS = ("gpu", "cpu")
 # Checks skipped inline in docker/Dockerfile, each beside the instruction it concerns, with a reason.
 # A new skip must be added here too, so that it is reviewed.
@@ -140,13 +137,6 @@ def pinned(dist: str) -> str:
 
 
 # ------------------------------------------------------------------------------------- linters
-
-
-def tool(name: str) -> Path:
-    path = TOOLS / name
-    if not os.access(path, os.X_OK):
-        pytest.skip(f"{path} is missing (make tools installs it)")
-    return path
 
 
 @pytest.mark.parametrize("path", [DOCKERFILE, EXAMPLE_DOCKERFILE], ids=["docker", "example"])

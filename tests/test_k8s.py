@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
 import secrets
 import shlex
@@ -29,7 +28,7 @@ from typing import Any, Callable
 import pytest
 import tomllib
 import yaml
-from helpers import PY, REPO
+from helpers import PY, REPO, tool
 
 K8S = REPO / "k8s"
 PLAIN = sorted(K8S.glob("*.yaml"))  # `kubectl apply -f k8s/` applies exactly these
@@ -38,7 +37,6 @@ RAYJOB = K8S / "kuberay" / "rayjob.train.yaml"
 OVERLAY = K8S / "overlays" / "kind-cpu"
 KIND_CLUSTER = K8S / "kind" / "cluster.yaml"
 ALL_YAML = sorted(K8S.rglob("*.yaml"))
-TOOLS = REPO / ".venv-tools" / "bin"
 
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 VERSION = PROJECT["version"]
@@ -97,13 +95,6 @@ def ray_pin() -> str:
     from trainapp.launch.ray import checks
 
     return checks.check_version(checks.NEWEST_TESTED)
-
-
-def tool(name: str) -> Path:
-    path = TOOLS / name
-    if not os.access(path, os.X_OK):
-        pytest.skip(f"{path} is missing (make tools installs it)")
-    return path
 
 
 def walk(node: Any):
