@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import PY, REPO, TORCHRUN, USERTASKS, inspect, metrics, one_error_line, run_cmd, trainapp
+from helpers import PY, REPO, TORCHRUN, USERTASKS, inspect, metrics, one_error_line, run_cmd, torchrun_cmd, trainapp
 
 from trainapp import cli
 from trainapp.snapshots.store import load_state, newest_valid
@@ -94,7 +94,7 @@ def test_the_tasks_own_state_is_in_every_snapshot_and_resumes(on_path, capsys, t
 
 def test_a_user_exception_in_loss_mid_run_is_a_failure_record_with_rank_step_and_phase(tmp_path):
     run_dir = tmp_path / "run"
-    r = run_cmd([*_torchrun(2), f"run.dir={run_dir}", *SHORT, "task.name=usertasks_probe:Counting",
+    r = run_cmd([*torchrun_cmd(2), f"run.dir={run_dir}", *SHORT, "task.name=usertasks_probe:Counting",
                  "task.args.fail_at=4"], env={"PYTHONPATH": str(USERTASKS)})  # torchrun's workers inherit it
     assert r.returncode != 0
     assert "RuntimeError: user bug in loss at call 4" in r.stderr and "usertasks_probe.py" in r.stderr
@@ -111,9 +111,9 @@ def test_a_non_image_task_resumes_bitwise_after_a_sigkilled_rank_under_torchrun(
     args = {"example": TABULAR, "char_lm": CHAR_LM, "example-fsdp": [*TABULAR, *fsdp]}[which]
     env = {"PYTHONPATH": str(EXAMPLE)}
     clean, faulty = tmp_path / "clean", tmp_path / "faulty"
-    r = run_cmd([*_torchrun(2), f"run.dir={clean}", *FAULT, *args], env=env)
+    r = run_cmd([*torchrun_cmd(2), f"run.dir={clean}", *FAULT, *args], env=env)
     assert r.returncode == 0, r.output[-3000:]
-    r = run_cmd([*_torchrun(2, restarts=1), f"run.dir={faulty}", *FAULT, *args, "drill.kill_at_step=13",
+    r = run_cmd([*torchrun_cmd(2, max_restarts=1), f"run.dir={faulty}", *FAULT, *args, "drill.kill_at_step=13",
                  "drill.rank=1"], env=env)
     assert r.returncode == 0, r.output[-3000:]
     assert [s["resumed_step"] for s in metrics(faulty, "start")] == [None, 10]
@@ -122,11 +122,6 @@ def test_a_non_image_task_resumes_bitwise_after_a_sigkilled_rank_under_torchrun(
     assert b["task"] != "image_classification" and b["model"] is None  # not the image task's model.name
     done = [line for line in r.stdout.splitlines() if line.startswith("trainapp: done")][0]
     assert ("val_bpc=" in done and "val_loss=" in done) if which == "char_lm" else ("val_mse=" in done), done
-
-
-def _torchrun(nproc: int, restarts: int = 0) -> list[str]:
-    return [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={restarts}", "-m", "trainapp",
-            "train"]
 
 
 # --- every fault feature on a task that is not images -----------------------------------------------
@@ -160,8 +155,8 @@ def test_a_sigterm_preempted_user_task_resumes_with_zero_steps_redone_bitwise(tm
 @pytest.mark.e2e
 def test_a_hung_rank_of_a_user_task_is_found_and_the_restart_resumes_bitwise(tmp_path):
     straight, run_dir = tmp_path / "straight", tmp_path / "run"
-    assert run_cmd([*_torchrun(2), f"run.dir={straight}", *LONG], env=ON_PATH).returncode == 0
-    r = run_cmd([*_torchrun(2, restarts=1), f"run.dir={run_dir}", *LONG, "drill.hang_at_step=25", "drill.rank=1",
+    assert run_cmd([*torchrun_cmd(2), f"run.dir={straight}", *LONG], env=ON_PATH).returncode == 0
+    r = run_cmd([*torchrun_cmd(2, max_restarts=1), f"run.dir={run_dir}", *LONG, "drill.hang_at_step=25", "drill.rank=1",
                  "fault.hang_timeout_s=5"], env=ON_PATH)
     assert r.returncode == 0, r.output[-3000:]
     failures = {f["rank"]: f for f in metrics(run_dir, "failure")}
@@ -189,7 +184,7 @@ def test_a_full_disk_under_a_user_task_stops_after_max_failures_with_exit_3(tmp_
 
 @pytest.mark.e2e
 def test_a_slowed_rank_of_a_user_task_is_named_a_straggler(tmp_path):
-    r = run_cmd([*_torchrun(2), f"run.dir={tmp_path}", *LONG, "drill.slow_rank=1", "drill.slow_ms=60",
+    r = run_cmd([*torchrun_cmd(2), f"run.dir={tmp_path}", *LONG, "drill.slow_rank=1", "drill.slow_ms=60",
                  "observe.straggler_intervals=3", "train.max_steps=30"], env=ON_PATH)
     assert r.returncode == 0, r.output[-3000:]
     (found,) = metrics(tmp_path, "straggler")
