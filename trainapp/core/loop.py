@@ -79,18 +79,7 @@ class Trainer:
         t, p, total = self.cfg.train, self.parts.progress, self.parts.total_steps
         batches = None
         while p.global_step < total:
-            if batches is None:
-                batches = self.parts.batches.epoch(p.epoch, p.epoch_sample)
-            self._loss_sum += self._step(batches)
-            self._loss_steps += 1
-            meter.step()
-            if p.advance(self.parts.batches.steps_from):
-                batches = None  # the epoch is over: the next step starts the next one
-            bar.update(1)
-            self.guard.heartbeat.beat(p.global_step)
-            if self.snapshots.shards_in_flight:  # published once every rank's shards are written
-                with meter.paused(), self.clock.phase("snapshot"):
-                    self.snapshots.poll(self.ctx)
+            batches = self._counted_step(batches, meter, bar)
             last = p.global_step == total
             decision = self.boundary.decide(p.global_step, last)
             if decision.stop:
@@ -105,6 +94,24 @@ class Trainer:
             if decision.snapshot:
                 with meter.paused(), self.clock.phase("snapshot"):
                     self._save(meter.overall(), final=last, urgent=decision.urgent)
+
+    def _counted_step(self, batches: Iterator | None, meter: Throughput, bar: tqdm) -> Iterator | None:
+        """One step from `batches` (None: the next epoch's), counted, its progress beaten, a sharded
+        snapshot in flight polled; the batches of the next step (None when this one ended the epoch)."""
+        p = self.parts.progress
+        if batches is None:
+            batches = self.parts.batches.epoch(p.epoch, p.epoch_sample)
+        self._loss_sum += self._step(batches)
+        self._loss_steps += 1
+        meter.step()
+        if p.advance(self.parts.batches.steps_from):
+            batches = None  # the epoch is over: the next step starts the next one
+        bar.update(1)
+        self.guard.heartbeat.beat(p.global_step)
+        if self.snapshots.shards_in_flight:  # published once every rank's shards are written
+            with meter.paused(), self.clock.phase("snapshot"):
+                self.snapshots.poll(self.ctx)
+        return batches
 
     def _step(self, batches: Iterator) -> torch.Tensor:
         """One optimizer step over this rank's micro-batches of the global batch (trainapp/core/layout.py);
