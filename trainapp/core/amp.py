@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from trainapp.config import AmpSection
+from trainapp.core import torch_private
 
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 """CPU feature flags (/proc/cpuinfo) of bf16 arithmetic in hardware: AVX512_BF16 and AMX on x86,
@@ -34,15 +35,13 @@ def native_bf16_flags(cpuinfo: str) -> set[str]:
 def cpu_has_native_bf16(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
     """Whether this CPU does bf16 arithmetic in hardware and this torch build's oneDNN can use it.
     Without a /proc/cpuinfo to read (not Linux) the answer is no: fp32 is never the slow choice."""
-    try:
-        onednn = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a build without oneDNN
+    if not torch_private.onednn_bf16():  # a build without oneDNN, or a CPU it cannot run bf16 on
         return False
     try:
         flags = native_bf16_flags(Path(cpuinfo_path).read_text())
     except OSError:
         return False
-    return onednn and bool(flags)
+    return bool(flags)
 
 
 NATIVE_BF16_CAPABILITY = (8, 0)
@@ -106,4 +105,4 @@ class Precision:
     def scale_tensor(self) -> torch.Tensor | None:
         """The live loss-scale tensor (no host sync), or None when loss scaling is off."""
         # GradScaler.get_scale() would call .item() every step; its tensor is read only at log time.
-        return self.scaler._scale if self.scaler.is_enabled() else None
+        return torch_private.scale_tensor(self.scaler) if self.scaler.is_enabled() else None

@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainapp.config import Config, ConfigError
+from trainapp.core import torch_private
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ def shard(model: torch.nn.Module, cfg: Config, task: Any = None, copy: torch.nn.
                 p.data = p.data.contiguous()
         # A BatchNorm's fp32 running statistics need fp32 weights: with low-precision gathers each is a
         # unit of its own, kept fp32 (autocast casts what follows it back down).
-        norms = [m for m in module.modules() if low is not None and isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        norms = [m for m in module.modules() if low is not None and isinstance(m, torch_private.BatchNormBase)]
         for norm in norms:
             shard_as(norm, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
         # A unit inside another must be sharded first: fully_shard on the outer one then leaves its
@@ -158,7 +159,7 @@ _GROUP_WAITS = ("pre_backward", "post_backward", "finalize_backward")
 def _param_groups(fsdp_units: list[torch.nn.Module]) -> list[Any] | None:
     """Every unit's FSDP parameter groups, or None when this torch lays them out otherwise."""
     try:
-        groups = [g for u in fsdp_units for g in u._get_fsdp_state()._fsdp_param_groups]
+        groups = [g for u in fsdp_units for g in torch_private.fsdp_param_groups(u)]
     except (AttributeError, TypeError):
         return None
     return groups if all(callable(getattr(g, n, None)) for g in groups for n in _GROUP_WAITS) else None
