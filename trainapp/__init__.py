@@ -22,7 +22,8 @@ Launch commands (the same loop every time; ranks come from the environment):
     python -m trainapp export runs/ddp --out models/ddp
 
     # your own model: a task (docs/your-own-model.md), by import path or from your own script
-    torchrun --standalone --nproc_per_node=2 -m trainapp train task.name=mypkg.tasks:MyTask task.args.hidden=64
+    torchrun --standalone --nproc_per_node=2 -m trainapp train \\
+        task.name=mypkg.tasks:MyTask task.args.hidden=64
     python -c 'import trainapp, mypkg.tasks; trainapp.main(mypkg.tasks.MyTask())' train.max_steps=50
 
 Re-running a command with the same `run.dir` resumes from its newest valid snapshot.

@@ -1,4 +1,5 @@
-"""`python -m trainapp`: the command line (trainapp/cli.py); the launch commands are in trainapp/__init__.py."""
+"""`python -m trainapp`: the command line (trainapp/cli.py); the launch commands are in
+trainapp/__init__.py."""
 
 import sys
 

@@ -33,7 +33,8 @@ def fit(task: Any = None, config: str | Path | Mapping | None = None, overrides:
     return run_rank(Torchrun(), cfg, task)
 
 
-def fit_ray(task: Any = None, config: str | Path | Mapping | None = None, overrides: Iterable[str] = ()) -> dict:
+def fit_ray(task: Any = None, config: str | Path | Mapping | None = None,
+            overrides: Iterable[str] = ()) -> dict:
     """Drive a Ray Train run of `task` on the Ray cluster `ray.address` names (or the one this
     process runs in); rank 0's last report and `storage`. The task object travels to the workers
     pickled (cloudpickle): its class must be importable there or defined in the script itself."""

@@ -27,18 +27,21 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def _add_drain_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wait-s", type=float, default=30.0, metavar="S",
-                   help="wait at most this long for the training processes to exit (more than preempt.grace_s; "
-                        "default 30)")
+                   help="wait at most this long for the training processes to exit (more than "
+                        "preempt.grace_s; default 30)")
     p.add_argument("--ray-deadline-s", type=int, default=None, metavar="S",
-                   help="first drain this node's Ray node for preemption with this deadline (`ray drain-node`), "
-                        "so Ray Train knows it is a preemption and does not restart workers here")
+                   help="first drain this node's Ray node for preemption with this deadline "
+                        "(`ray drain-node`), so Ray Train knows it is a preemption and does not restart "
+                        "workers here")
 
 
 def _add_export_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", metavar="PATH", help="a run dir (its newest valid snapshot), a snapshots/ dir or a snapshot")
+    p.add_argument("path", metavar="PATH",
+                   help="a run dir (its newest valid snapshot), a snapshots/ dir or a snapshot")
     p.add_argument("--out", required=True, metavar="DIR", help="the export directory (new, or empty)")
     p.add_argument("--step", type=int, metavar="N", help="the snapshot of step N instead of the newest")
-    p.add_argument("--ema", action="store_true", help="the EMA copy's weights (a run with train.ema_decay > 0)")
+    p.add_argument("--ema", action="store_true",
+                   help="the EMA copy's weights (a run with train.ema_decay > 0)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="store floating tensors in this dtype (default fp32, as trained)")
     p.add_argument("--no-check", dest="check", action="store_false",
@@ -50,31 +53,39 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainapp", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_config_args(sub.add_parser("train", help="train (alone, or one rank under torchrun / Ray)"))
-    _add_config_args(sub.add_parser("ray", help="drive a Ray Train run of the same loop (what `ray job submit` runs)"))
+    _add_config_args(sub.add_parser("ray", help="drive a Ray Train run of the same loop "
+                                                "(what `ray job submit` runs)"))
     p = sub.add_parser("inspect", help="print a snapshot's step, world size and parameter hash as JSON")
     p.add_argument("path", metavar="PATH", help="a snapshot (dir or state.pt), a snapshots/ dir or a run dir")
-    _add_export_args(sub.add_parser("export", help="write a run's model as DIR/model.safetensors (the model's own "
-                                                  "names) and DIR/trainapp.json, checked by loading it back"))
+    _add_export_args(sub.add_parser("export", help="write a run's model as DIR/model.safetensors "
+                                                  "(the model's own names) and DIR/trainapp.json, "
+                                                  "checked by loading it back"))
     p = sub.add_parser("config", help="print the resolved config as YAML (checks it without training)")
     p.add_argument("--reference", action="store_true",
-                   help="instead: the reference of every key, default and meaning (docs/configuration.md's table)")
+                   help="instead: the reference of every key, default and meaning "
+                        "(docs/configuration.md's table)")
     _add_config_args(p)
-    p = sub.add_parser("report", help="plot a run: a wall-clock timeline of its attempts, then loss, validation, "
-                                      "samples/s, lr, loss scale and per-rank timings; print a summary with where "
-                                      "the wall time went (goodput)")
+    p = sub.add_parser("report", help="plot a run: a wall-clock timeline of its attempts, then loss, "
+                                      "validation, samples/s, lr, loss scale and per-rank timings; print "
+                                      "a summary with where the wall time went (goodput)")
     p.add_argument("run_dir", metavar="RUN_DIR", help="run.dir of a run (or STORAGE/NAME of a Ray run)")
     p.add_argument("--out", metavar="PNG", help="where the plot goes (default RUN_DIR/report.png)")
     p.add_argument("--compare", metavar="RUN_DIR", nargs="+", default=[],
                    help="other runs whose loss, validation, samples/s and lr are drawn over this run's")
-    p = sub.add_parser("drain", help="this node is going away (a pod's preStop, a container's stop): SIGTERM every "
-                                     "trainapp training process on it and wait for their snapshots")
+    p = sub.add_parser("drain", help="this node is going away (a pod's preStop, a container's stop): "
+                                     "SIGTERM every trainapp training process on it and wait for their "
+                                     "snapshots")
     _add_drain_args(p)
-    p = sub.add_parser("stop-jobs", help="a Ray head pod's preStop: stop every running Ray job as `ray job stop` "
-                                         "does (each trainapp run snapshots the step it reached) and wait for them")
-    p.add_argument("--address", default="http://127.0.0.1:8265", help="the Ray dashboard (default: this head's)")
-    p.add_argument("--wait-s", type=float, default=60.0, help="seconds to wait for the jobs to end (default 60)")
-    p = sub.add_parser("node", help="run a node's command (`ray start --block`, torchrun) as a container's main "
-                                    "process; on SIGTERM drain the node first (see drain), then stop the command")
+    p = sub.add_parser("stop-jobs", help="a Ray head pod's preStop: stop every running Ray job as "
+                                         "`ray job stop` does (each trainapp run snapshots the step it "
+                                         "reached) and wait for them")
+    p.add_argument("--address", default="http://127.0.0.1:8265",
+                   help="the Ray dashboard (default: this head's)")
+    p.add_argument("--wait-s", type=float, default=60.0,
+                   help="seconds to wait for the jobs to end (default 60)")
+    p = sub.add_parser("node", help="run a node's command (`ray start --block`, torchrun) as a container's "
+                                    "main process; on SIGTERM drain the node first (see drain), then stop "
+                                    "the command")
     _add_drain_args(p)
     p.add_argument("node_command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                    help="the node's command, after --")
@@ -85,16 +96,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--comm", action="store_true",
                    help="instead: all-reduce bandwidth between every pair of nodes (run under torchrun, one "
                         "process per node at least); exit 1 if a pair or host is slow")
-    p.add_argument("--size-mb", type=float, default=4.0, help="--comm: MiB per all-reduce (default 4)")
-    p.add_argument("--iters", type=int, default=5, help="--comm: timed all-reduces per pair (default 5)")
+    p.add_argument("--size-mb", type=float, default=4.0,
+                   help="--comm: MiB per all-reduce (default 4)")
+    p.add_argument("--iters", type=int, default=5,
+                   help="--comm: timed all-reduces per pair (default 5)")
     p.add_argument("--min-bandwidth", type=float, default=0.0,
-                   help="--comm: GB/s of bus bandwidth a pair must reach (default 0: only relative judgement)")
-    p = sub.add_parser("slurm-preflight", help="slurm/train.sbatch's check on every node before torchrun: run.dir "
-                                               "is storage every node sees, the interface exists (exit 2, one line)")
+                   help="--comm: GB/s of bus bandwidth a pair must reach (default 0: only relative "
+                        "judgement)")
+    p = sub.add_parser("slurm-preflight", help="slurm/train.sbatch's check on every node before torchrun: "
+                                               "run.dir is storage every node sees, the interface exists "
+                                               "(exit 2, one line)")
     _add_config_args(p)
-    p.add_argument("--mark", action="store_true", help="on the batch host: create run.dir and write the marker")
+    p.add_argument("--mark", action="store_true",
+                   help="on the batch host: create run.dir and write the marker")
     p.add_argument("--rendezvous", metavar="HOST", help="the rendezvous host: it must resolve, and "
-                                                        "network.interface must resolve against it, on this node")
+                                                        "network.interface must resolve against it, on "
+                                                        "this node")
     return parser
 
 
@@ -116,7 +133,7 @@ def cmd_train(args, task=None) -> int:
 
     try:
         summary = run_rank(Torchrun(), cfg, task)
-    except Preempted as e:  # a notice, handled: the snapshot is written, the scheduler sees "terminated"
+    except Preempted as e:  # a notice, handled: snapshot written, the scheduler sees "terminated"
         if e.rank == 0:
             print(e.line(), flush=True)
         else:
@@ -128,7 +145,8 @@ def cmd_train(args, task=None) -> int:
             f"samples_per_s={summary['samples_per_s']:.1f}",
             f"world_size={summary['world_size']}", f"skipped_steps={summary['skipped_steps']}",
             *([f"goodput={summary['goodput']:.3f}"] if "goodput" in summary else []),
-            f"snapshots={summary['snapshots']}", *([f"model={summary['model']}"] if summary.get("model") else []),
+            f"snapshots={summary['snapshots']}",
+            *([f"model={summary['model']}"] if summary.get("model") else []),
         ]), flush=True)
     return 0
 
@@ -144,8 +162,8 @@ def cmd_ray(args, task=None) -> int:
     s = driver.run(cfg, task)
     if s.get("stopped_by"):  # a notice, handled: the snapshot of the step reached is registered with Ray
         at = f" at step {s['step']}" if s.get("step") is not None else ""
-        print(f"trainapp ray: stopped ({s['stopped_by']}){at}; storage={s['storage']}; submit again with the same "
-              "ray.name to resume there", flush=True)
+        print(f"trainapp ray: stopped ({s['stopped_by']}){at}; storage={s['storage']}; "
+              "submit again with the same ray.name to resume there", flush=True)
         return s["exit_code"]
     print("trainapp ray: done " + " ".join([
         f"steps={s.get('step')}", f"final_loss={s.get('loss', float('nan')):.4f}", *_val_fields(s),
@@ -241,7 +259,8 @@ def cmd_stop_jobs(args) -> int:
     from trainapp.launch.ray.stop import stop_jobs
 
     if args.wait_s < 0:
-        raise config.ConfigError(f"--wait-s={args.wait_s:g}: give the seconds to wait for the jobs, 0 or more")
+        raise config.ConfigError(f"--wait-s={args.wait_s:g}: give the seconds to wait for the jobs, "
+                                 "0 or more")
     return stop_jobs(args.address, args.wait_s)
 
 
@@ -260,7 +279,7 @@ def cmd_doctor(args) -> int:
     cfg = config.load(args.config, args.overrides)
     if args.comm:
         if "WORLD_SIZE" not in os.environ and (cfg.ray.address or os.environ.get("RAY_ADDRESS")):
-            from trainapp.launch.ray import driver  # a Ray job (`ray job submit`): Ray Train starts the processes
+            from trainapp.launch.ray import driver  # a Ray job (`ray job submit`): Ray Train starts processes
             from trainapp.observe import logs
 
             logs.setup(0, 1)

@@ -38,7 +38,8 @@ class DistContext:
     """The prefix of this attempt of the group in its store, for word between ranks outside the group
     (trainapp/launch/dist.py's `side_store`)."""
     device_why: str = ""
-    """Why the rank trains on `device` (`dist.device` and what the launcher allotted), for the start record."""
+    """Why the rank trains on `device` (`dist.device` and what the launcher allotted), for the start
+    record."""
     side: Any = None
     """A Gloo group of every rank with `dist.timeout_s`, for waits on rank 0's file work (`files`)."""
     group: Any = None
@@ -66,8 +67,9 @@ class DistContext:
         group also stay on the CPU (no pickled bytes copied to the GPU and back)."""
         if self.side is None:
             return self
-        return dataclasses.replace(self, side=None, group=self.side, waits_for="rank 0's file work (a snapshot "
-                                   "written, the newest one found, the lease, a download)")
+        return dataclasses.replace(self, side=None, group=self.side,
+                                   waits_for="rank 0's file work (a snapshot written, the newest one found, "
+                                             "the lease, a download)")
 
     @contextlib.contextmanager
     def _waiting(self) -> Iterator[None]:
@@ -77,8 +79,8 @@ class DistContext:
         except RuntimeError as e:
             if not self.waits_for or "timed out" not in str(e).lower():
                 raise
-            raise WaitTimeout(f"waited dist.timeout_s={self.timeout_s:g} s for {self.waits_for}: its storage is "
-                              "slow or stuck; raise dist.timeout_s if it is this slow") from None
+            raise WaitTimeout(f"waited dist.timeout_s={self.timeout_s:g} s for {self.waits_for}: its storage "
+                              "is slow or stuck; raise dist.timeout_s if it is this slow") from None
 
     def new_side_group(self):
         """Another Gloo group of every rank with `dist.timeout_s` (torch gives a new group 30 minutes), for

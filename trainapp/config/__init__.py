@@ -21,8 +21,8 @@ from trainapp.config.run import (
 )
 from trainapp.errors import ConfigError
 
-__all__ = ["BUILTIN_TASKS", "IMPORT_PATH", "AmpSection", "Config", "ConfigError", "DataSection", "InitSection",
-           "DistSection", "ParallelSection", "DrillSection", "FaultSection", "ModelSection", "NetworkSection",
-           "ObserveSection", "OptimSection", "PreemptSection", "RaySection",
-           "RunSection", "SchedSection", "SnapshotSection", "TaskSection", "TrainSection", "from_dict", "leaves",
-           "load", "parse_override", "read_yaml"]
+__all__ = ["BUILTIN_TASKS", "IMPORT_PATH", "AmpSection", "Config", "ConfigError", "DataSection",
+           "InitSection", "DistSection", "ParallelSection", "DrillSection", "FaultSection", "ModelSection",
+           "NetworkSection", "ObserveSection", "OptimSection", "PreemptSection", "RaySection",
+           "RunSection", "SchedSection", "SnapshotSection", "TaskSection", "TrainSection", "from_dict",
+           "leaves", "load", "parse_override", "read_yaml"]

@@ -50,7 +50,8 @@ def line(diff: dict[str, list[Any]]) -> str:
     return ", ".join(f"{k} {show(a)} -> {show(b)}" for k, (a, b) in diff.items())
 
 
-def check_resume(old: dict[str, Any] | None, new: dict[str, Any], allow: list[str], where: str) -> dict[str, list]:
+def check_resume(old: dict[str, Any] | None, new: dict[str, Any], allow: list[str],
+                 where: str) -> dict[str, list]:
     """The changes from the snapshot's config `old` (at `where`) to this run's `new`; ConfigError naming
     the first key a resume may not change unless `allow` names it. A snapshot with no config (written
     by hand, or by an old trainapp) has nothing to compare."""
@@ -61,7 +62,8 @@ def check_resume(old: dict[str, Any] | None, new: dict[str, Any], allow: list[st
     if refused:
         key, (was, now) = next(iter(refused.items()))
         more = f" (and {', '.join(list(refused)[1:])})" if len(refused) > 1 else ""
-        raise ConfigError(f"{key}={now!r}: the snapshot {where} was trained with {key}={was!r}{more}; resumed "
-                          f"under another {key} its state means nothing. Keep {key}={was!r}, use a new run.dir "
-                          f"(ray.name under Ray) to start afresh, or add run.allow_changes=[{key}] if you mean it")
+        raise ConfigError(f"{key}={now!r}: the snapshot {where} was trained with {key}={was!r}{more}; "
+                          f"resumed under another {key} its state means nothing. Keep {key}={was!r}, use a "
+                          f"new run.dir (ray.name under Ray) to start afresh, or add "
+                          f"run.allow_changes=[{key}] if you mean it")
     return diff

@@ -85,8 +85,8 @@ class PreemptSection:
             name = raw.strip().upper()
             name = name if name.startswith("SIG") else "SIG" + name
             if name in _NOT_NOTICES or not isinstance(getattr(signal, name, None), signal.Signals):
-                raise ConfigError(f"preempt.signals: {raw!r} is not a signal a notice can use; name one such as "
-                                  "SIGUSR1, SIGUSR2 or SIGHUP")
+                raise ConfigError(f"preempt.signals: {raw!r} is not a signal a notice can use; name one such "
+                                  "as SIGUSR1, SIGUSR2 or SIGHUP")
             names.append(name)
         self.signals = names
 

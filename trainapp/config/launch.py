@@ -74,15 +74,16 @@ class NetworkSection:
         spec = self.interface.strip()
         names = [n.strip() for n in spec.removeprefix("^").split(",")]
         if spec != "auto" and (not spec or not all(_IFNAME.match(n) for n in names)):
-            raise ConfigError(f"network.interface={self.interface!r}: expected auto, an interface name or comma "
-                              "list (eth0, ens5,ens6) or an exclusion (^lo,docker0)")
+            raise ConfigError(f"network.interface={self.interface!r}: expected auto, an interface name or "
+                              "comma list (eth0, ens5,ens6) or an exclusion (^lo,docker0)")
         self.interface = spec
         bad = [k for k in self.nccl if not re.fullmatch(r"NCCL_[A-Z0-9_]+", k)]
         if bad:
             raise ConfigError(f"network.nccl.{bad[0]}: only NCCL_* variables go here; put other variables in "
                               "ray.env or the environment")
         if "NCCL_SOCKET_IFNAME" in self.nccl:
-            raise ConfigError("network.nccl.NCCL_SOCKET_IFNAME: set network.interface instead (it also sets Gloo's)")
+            raise ConfigError("network.nccl.NCCL_SOCKET_IFNAME: set network.interface instead "
+                              "(it also sets Gloo's)")
 
 
 @dataclass(config=STRICT)

@@ -69,10 +69,12 @@ class Config:
     def __post_init__(self) -> None:
         if self.data.name != "synthetic" and not self.data.root:
             raise ConfigError(f"data.root='': data.name={self.data.name} needs a dataset directory")
-        if self.data.name == "synthetic" and self.model.num_classes not in (None, self.data.synthetic_classes):
+        if (self.data.name == "synthetic"
+                and self.model.num_classes not in (None, self.data.synthetic_classes)):
             raise ConfigError(
                 f"model.num_classes={self.model.num_classes}: the synthetic dataset has "
-                f"data.synthetic_classes={self.data.synthetic_classes}; set them equal or leave num_classes empty"
+                f"data.synthetic_classes={self.data.synthetic_classes}; set them equal or "
+                "leave num_classes empty"
             )
 
     def to_dict(self) -> dict[str, Any]:
@@ -136,7 +138,8 @@ def from_dict(raw: dict[str, Any]) -> Config:
         for err in e.errors():
             msg = _format_error(err)
             head, _, tail = msg.partition(": ")
-            messages[head] = f"{messages[head]} or {tail}" if head in messages and tail else messages.get(head, msg)
+            messages[head] = (f"{messages[head]} or {tail}" if head in messages and tail
+                              else messages.get(head, msg))
         raise ConfigError("; ".join(messages.values())) from None
 
 

@@ -252,8 +252,9 @@ class ObserveSection:
     """Log intervals in a row a rank must be over `observe.straggler_ratio` to be named a straggler:
     one warning line and a `straggler` record naming the rank, host, slow phase and by how much."""
     tensorboard: bool = False
-    """Rank 0 also writes loss, lr, samples/s, loss scale, the task's val_* metrics and every rank's step time as
-    TensorBoard files under `run.dir/tb`, one timeline across restarts; needs `trainapp[tensorboard]`."""
+    """Rank 0 also writes loss, lr, samples/s, loss scale, the task's val_* metrics and every rank's step
+    time as TensorBoard files under `run.dir/tb`, one timeline across restarts; needs
+    `trainapp[tensorboard]`."""
     prometheus_port: int = Field(default=0, ge=0, le=65535)
     """Serve live metrics in Prometheus' format on this port of every node (0: off) under torchrun, Slurm
     or alone: the node's lowest rank serves `http://NODE:PORT/metrics`; rank 0's node adds the run's

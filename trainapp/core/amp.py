@@ -56,8 +56,8 @@ def cuda_auto(capability: tuple[int, int], name: str, hip: bool = False) -> tupl
     cc = f"compute capability {capability[0]}.{capability[1]}"
     if tuple(capability) >= NATIVE_BF16_CAPABILITY:
         return torch.bfloat16, f"amp.dtype=auto: bf16 ({name}, {cc}: bf16 tensor cores)"
-    return torch.float16, (f"amp.dtype=auto: fp16 with loss scaling ({name}, {cc}: no bf16 tensor cores before 8.0, "
-                           "Ampere; bf16 would be emulated)")
+    return torch.float16, (f"amp.dtype=auto: fp16 with loss scaling ({name}, {cc}: no bf16 tensor cores "
+                           "before 8.0, Ampere; bf16 would be emulated)")
 
 
 def resolve_dtype(choice: str, device: torch.device) -> tuple[torch.dtype | None, str]:
@@ -81,14 +81,16 @@ class Precision:
         """Why the dtype is not what the config suggests, for the run's log."""
         if device.type == "cpu" and not cpu_has_native_bf16():
             if cfg.dtype == "auto":
-                self.note = "amp.dtype=auto: this CPU has no bf16 instructions (AVX512_BF16, AMX), training in fp32"
+                self.note = ("amp.dtype=auto: this CPU has no bf16 instructions (AVX512_BF16, AMX), training "
+                             "in fp32")
             elif cfg.dtype == "bf16":
-                self.note = ("amp.dtype=bf16: this CPU has no bf16 instructions (AVX512_BF16, AMX), so bf16 is "
-                             "emulated and slower than fp32; amp.dtype=auto or off trains in fp32")
+                self.note = ("amp.dtype=bf16: this CPU has no bf16 instructions (AVX512_BF16, AMX), so bf16 "
+                             "is emulated and slower than fp32; amp.dtype=auto or off trains in fp32")
         elif device.type == "cuda" and cfg.dtype == "bf16" and cuda_auto(
-                torch.cuda.get_device_capability(device), "", bool(torch.version.hip))[0] is not torch.bfloat16:
-            self.note = ("amp.dtype=bf16: this GPU has no bf16 tensor cores (compute capability < 8.0), so bf16 is "
-                         "emulated and slow; amp.dtype=auto trains in fp16 with loss scaling")
+                torch.cuda.get_device_capability(device), "",
+                bool(torch.version.hip))[0] is not torch.bfloat16:
+            self.note = ("amp.dtype=bf16: this GPU has no bf16 tensor cores (compute capability < 8.0), so "
+                         "bf16 is emulated and slow; amp.dtype=auto trains in fp16 with loss scaling")
         self.device_type = device.type
         self.scaler = torch.amp.GradScaler(device.type, init_scale=cfg.init_scale,
                                            enabled=self.dtype is torch.float16)

@@ -1,7 +1,7 @@
 """`build(cfg, ctx, load)`: every part of a rank's run, made in the order the parts depend on each
 other (the task, its data and model, precision, optimizer, state), then resumed from the newest valid
-snapshot that `load` (the snapshot manager's) finds. The Trainer is handed the finished parts, as pytorch/examples'
-multinode.py does; it never builds or loads anything itself.
+snapshot that `load` (the snapshot manager's) finds. The Trainer is handed the finished parts, as
+pytorch/examples' multinode.py does; it never builds or loads anything itself.
 
 Order matters in three places, each said where it happens: the model is made from the same seed on
 every rank; the state's parts load in registration order, the data position first (the schedule's
@@ -73,15 +73,16 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
     task = bind(task, cfg, ctx, steps_done=lambda: made[0].global_step if made else 0)
     train_ds, val_ds = task.datasets()
     model = task.model()  # after the datasets: a task may size its model by its data (classes, vocabulary)
-    found, init = _init(cfg, ctx, model, load)  # before the EMA copy, the sharding and DDP: they start from it
+    found, init = _init(cfg, ctx, model, load)  # before the EMA copy, sharding and DDP: they start from it
     layout = Layout(cfg.train, ctx.world_size, ctx.rank, len(train_ds))
     if task.random_items:
         train_ds = data.SeededItems(train_ds, cfg.seed)
-    sampler = data.ResumableDistributedSampler(train_ds, ctx.world_size, ctx.rank, shuffle=True, seed=cfg.seed,
-                                               layout=layout)
-    val_sampler = data.ResumableDistributedSampler(val_ds, ctx.world_size, ctx.rank, shuffle=False, seed=cfg.seed)
-    val_loader = data.make_loader(val_ds, val_sampler, cfg.train.batch_size, cfg.data.num_workers, cuda, cfg.seed,
-                                  task.collate)
+    sampler = data.ResumableDistributedSampler(train_ds, ctx.world_size, ctx.rank, shuffle=True,
+                                               seed=cfg.seed, layout=layout)
+    val_sampler = data.ResumableDistributedSampler(val_ds, ctx.world_size, ctx.rank, shuffle=False,
+                                                   seed=cfg.seed)
+    val_loader = data.make_loader(val_ds, val_sampler, cfg.train.batch_size, cfg.data.num_workers, cuda,
+                                  cfg.seed, task.collate)
     batches = data.EpochBatches(train_ds, sampler, cfg.train.batch_size, cfg.data.num_workers, cuda, cfg.seed,
                                 task.collate)
     progress = data.Progress(layout, ctx.device)
@@ -95,9 +96,11 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
     ema = optim.build_ema(model, cfg.train.ema_decay)  # a copy of the whole model, so made before sharding
     if sharded:  # before the optimizer, which must hold the sharded parameters; the EMA copy sharded alike
         parallel.shard(model, cfg, task, ema.module if ema is not None else None, precision.dtype)
-    opt = optim.build(model, cfg.optim, cfg.sched, ema, horizon, progress, fused=cuda, groups=task.param_groups)
+    opt = optim.build(model, cfg.optim, cfg.sched, ema, horizon, progress, fused=cuda,
+                      groups=task.param_groups)
     weights = ShardedState(model, opt.optimizer) if fsdp else None  # model and optimizer, every rank's shard
-    state = TrainState({"progress": progress, "model": weights or model, "optimizer": None if fsdp else opt.optimizer,
+    state = TrainState({"progress": progress, "model": weights or model,
+                        "optimizer": None if fsdp else opt.optimizer,
                         "scheduler": opt.schedule, "scaler": precision.scaler, "task": task.state,
                         "ema": ShardedState(ema) if fsdp and ema is not None else ema,
                         "rng": RngState(ctx, cfg.seed, progress)},
@@ -108,10 +111,11 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
     parallel.check_sync_bn(model, layout, cfg.task.name == "image_classification" and cfg.model.sync_bn)
     if ctx.is_main and layout.line():
         log.warning("%s", layout.line())
-    ddp = None if fsdp else parallel.wrap_ddp(model, ctx)  # wrap last: the snapshot went into the plain module
-    return Parts(task=task, batches=batches, val_loader=val_loader, model=model, train_model=ddp or model, ddp=ddp,
-                 sharded=sharded, precision=precision, optimizer=opt.optimizer, schedule=opt.schedule, ema=opt.ema,
-                 progress=progress, state=state, total_steps=opt.schedule.total_steps, peak_lr=opt.schedule.peak_lr,
+    ddp = None if fsdp else parallel.wrap_ddp(model, ctx)  # wrap last: the snapshot is in the plain module
+    return Parts(task=task, batches=batches, val_loader=val_loader, model=model, train_model=ddp or model,
+                 ddp=ddp, sharded=sharded, precision=precision, optimizer=opt.optimizer,
+                 schedule=opt.schedule, ema=opt.ema, progress=progress, state=state,
+                 total_steps=opt.schedule.total_steps, peak_lr=opt.schedule.peak_lr,
                  resumed_from=found[0] if found else None, config_changes=diff, init=init, kernels=chosen)
 
 

@@ -134,8 +134,8 @@ class EpochBatches:
     """The training batches of an epoch from a global sample on: the sampler (and the augmentations) set
     to that position, and a fresh loader over it."""
 
-    def __init__(self, dataset: Dataset, sampler: ResumableDistributedSampler, batch_size: int, num_workers: int,
-                 pin_memory: bool, seed: int, collate: Callable | None = None):
+    def __init__(self, dataset: Dataset, sampler: ResumableDistributedSampler, batch_size: int,
+                 num_workers: int, pin_memory: bool, seed: int, collate: Callable | None = None):
         self.dataset, self.sampler, self.batch_size = dataset, sampler, batch_size
         self.num_workers, self.pin_memory, self.seed, self.collate = num_workers, pin_memory, seed, collate
 
@@ -144,8 +144,8 @@ class EpochBatches:
 
     def epoch(self, epoch: int, start: int) -> Iterator:
         set_epoch(self.dataset, self.sampler, epoch, start)
-        return iter(make_loader(self.dataset, self.sampler, self.batch_size, self.num_workers, self.pin_memory,
-                                self.seed * 100_003 + epoch, self.collate))
+        return iter(make_loader(self.dataset, self.sampler, self.batch_size, self.num_workers,
+                                self.pin_memory, self.seed * 100_003 + epoch, self.collate))
 
 
 class Progress:
@@ -173,10 +173,12 @@ class Progress:
                 "skipped_steps": int(self.skipped.item())}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.global_step, self.epoch, self.epoch_sample = state["global_step"], state["epoch"], state["epoch_sample"]
+        self.global_step, self.epoch, self.epoch_sample = (state["global_step"], state["epoch"],
+                                                           state["epoch_sample"])
         self.skipped.fill_(state.get("skipped_steps", 0))
         self.resumed = dict(state)
-        self.layout.resume(state["global_batch"], state["world_size"])  # before the schedule reads the horizon
+        # Before the schedule reads the horizon.
+        self.layout.resume(state["global_batch"], state["world_size"])
 
     def advance(self, steps_from: Callable[[int], int]) -> bool:
         """Count the step just taken; True when it was the epoch's last (`steps_from`: the sampler's)."""
@@ -192,6 +194,7 @@ def plan_total(sampler: ResumableDistributedSampler, progress: Progress, train: 
     """Steps done plus steps left: the rest of this epoch and the full epochs after it."""
     left = 0
     if progress.epoch < train.epochs:
-        left = sampler.steps_from(progress.epoch_sample) + (train.epochs - progress.epoch - 1) * sampler.steps_from(0)
+        left = (sampler.steps_from(progress.epoch_sample)
+                + (train.epochs - progress.epoch - 1) * sampler.steps_from(0))
     total = progress.global_step + left
     return min(total, train.max_steps) if train.max_steps is not None else total

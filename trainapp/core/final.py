@@ -61,12 +61,12 @@ def export_final(cfg, ctx, parts, snapshots) -> str | None:
     except OSError as e:
         if not is_storage_error(e):
             raise
-        log.warning("the final model was not exported to %s (%s); the final snapshot holds it: `trainapp export %s` "
-                    "writes it", out, e, cfg.run.dir)
+        log.warning("the final model was not exported to %s (%s); the final snapshot holds it: "
+                    "`trainapp export %s` writes it", out, e, cfg.run.dir)
         return None
     where = snapshots.publish.put_dir(DIR, out)
-    log.info("model exported: %s (%s, %.2f s)", where, "its EMA copy" if parts.ema is not None else "the model",
-             time.perf_counter() - t0)
+    log.info("model exported: %s (%s, %.2f s)", where,
+             "its EMA copy" if parts.ema is not None else "the model", time.perf_counter() - t0)
     return str(where)
 
 
@@ -109,8 +109,10 @@ def _check(artifact: ArtifactDir, digest: str) -> dict[str, Any]:
     """The file read back with safetensors' reader: its tensors are the ones written."""
     again = file_digest(artifact.file)
     if again != digest:
-        raise RuntimeError(f"{artifact.file}: reads back other tensors than were written ({again} != {digest})")
-    return {"tensors": "read back equal to the trained model's", "outputs": "not run (trainapp export runs it)"}
+        raise RuntimeError(f"{artifact.file}: reads back other tensors than were written "
+                           f"({again} != {digest})")
+    return {"tensors": "read back equal to the trained model's",
+            "outputs": "not run (trainapp export runs it)"}
 
 
 def _task_export(parts, model: torch.nn.Module, artifact: ArtifactDir) -> str:
@@ -137,5 +139,5 @@ def _about(cfg, parts, snapshots) -> dict[str, Any]:
     dtype = next((p.dtype for p in parts.model.parameters()), torch.float32)
     return {"run_dir": cfg.run.dir, "step": step, "ema": parts.ema is not None, "source": source,
             "dtype": {v: k for k, v in DTYPE_NAMES.items()}.get(dtype, str(dtype)),
-            "task": {"name": cfg.task.name, "args": cfg.task.args}, "config": cfg.to_dict(), "init": parts.init,
-            "written_by": "the end of the run", **versions()}
+            "task": {"name": cfg.task.name, "args": cfg.task.args}, "config": cfg.to_dict(),
+            "init": parts.init, "written_by": "the end of the run", **versions()}

@@ -70,7 +70,8 @@ class Layout:
         `train.global_batch` says otherwise)."""
         if saved_world_size != self.world_size:
             self.resized_from = {"world_size": saved_world_size, "global_batch": saved_global_batch}
-        if self.train.on_resize == "keep" and not self.train.global_batch and saved_global_batch != self.global_batch:
+        if (self.train.on_resize == "keep" and not self.train.global_batch
+                and saved_global_batch != self.global_batch):
             self.global_batch = saved_global_batch
             self._check("train.on_resize=keep")
 
@@ -81,12 +82,12 @@ class Layout:
                               f"train.batch_size={b}; set train.global_batch to a multiple of {b}, or "
                               "train.on_resize=rescale")
         if self.slots < W:
-            raise ConfigError(f"{key}: the global batch {G} is {self.slots} micro-batch(es) of {b}, fewer than the "
-                              f"{W} ranks; set train.global_batch to at least {b * W}, lower train.batch_size, run "
-                              "on fewer workers, or set train.on_resize=rescale")
+            raise ConfigError(f"{key}: the global batch {G} is {self.slots} micro-batch(es) of {b}, fewer "
+                              f"than the {W} ranks; set train.global_batch to at least {b * W}, lower "
+                              "train.batch_size, run on fewer workers, or set train.on_resize=rescale")
         if G > self.samples:
-            raise ConfigError(f"{key}: the global batch {G} exceeds the {self.samples} training samples; lower "
-                              "train.batch_size, train.grad_accum or train.global_batch")
+            raise ConfigError(f"{key}: the global batch {G} exceeds the {self.samples} training samples; "
+                              "lower train.batch_size, train.grad_accum or train.global_batch")
 
     def line(self) -> str | None:
         """One line for the start of a run whose world size changed, or whose slots do not divide evenly."""
@@ -95,8 +96,9 @@ class Layout:
         G, S, W = self.global_batch, self.slots, self.world_size
         if self.resized_from is not None:
             was = self.resized_from
-            how = ("kept" if G == was["global_batch"] else f"{was['global_batch']} -> {G}, peak lr rescaled by "
-                   "optim.lr_scaling (train.on_resize=rescale)")
+            how = ("kept" if G == was["global_batch"]
+                   else f"{was['global_batch']} -> {G}, peak lr rescaled by "
+                        "optim.lr_scaling (train.on_resize=rescale)")
             head = f"world size {was['world_size']} -> {W}: global batch {how}"
         else:
             head = f"global batch {G} over {W} ranks"

@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 # With fp16 the GradScaler skips the optimizer step on overflow; the schedule must still advance, and
 # torch's "scheduler.step() before optimizer.step()" warning is a false alarm then.
-warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
+warnings.filterwarnings("ignore",
+                        message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
 
 
 class Trainer:
@@ -43,8 +44,9 @@ class Trainer:
     `boundary` decides at each step boundary, `snapshots` writes them, `records` writes down what
     happened, and each of `step_hooks` is called with the step number after every step."""
 
-    def __init__(self, cfg: Config, ctx: DistContext, parts: Parts, snapshots: SnapshotManager, guard: RankGuard,
-                 boundary: StepBoundary, records: Records, step_hooks: tuple[Callable[[int], None], ...] = ()):
+    def __init__(self, cfg: Config, ctx: DistContext, parts: Parts, snapshots: SnapshotManager,
+                 guard: RankGuard, boundary: StepBoundary, records: Records,
+                 step_hooks: tuple[Callable[[int], None], ...] = ()):
         self.cfg, self.ctx, self.parts, self.snapshots = cfg, ctx, parts, snapshots
         self.guard, self.boundary, self.records, self.step_hooks = guard, boundary, records, step_hooks
         self.last_loss, self.last_eval = float("nan"), None
@@ -142,8 +144,10 @@ class Trainer:
             parts.progress.skipped += (parts.precision.scale_tensor() < before).to(torch.int64)
         parts.optimizer.zero_grad(set_to_none=True)
         parts.schedule.step()
-        if parts.sharded:  # the step's running statistics are rank 0's, as DDP's broadcast_buffers makes them,
-            with clock.waiting():  # before the EMA averages them; a peer late for it is waited for here
+        # The step's running statistics are rank 0's, as DDP's broadcast_buffers makes them, before the EMA
+        # averages them; a peer late for it is waited for here.
+        if parts.sharded:
+            with clock.waiting():
                 parallel.buffers_from_rank0(parts.model, self.ctx)
         if parts.ema is not None:
             parts.ema.update_parameters(parts.model)
@@ -165,7 +169,8 @@ class Trainer:
             # The stop comes after the next step, so a partial eval is not recorded. The last step's eval
             # runs to the end: no stop follows it, the run ends normally. A sharded model's ranks must run
             # their forwards together: its eval always runs to the end.
-            if self.boundary.interrupts_eval() and parts.progress.global_step < parts.total_steps and not sharded:
+            if (self.boundary.interrupts_eval() and parts.progress.global_step < parts.total_steps
+                    and not sharded):
                 interrupted = True
                 break
             self.guard.heartbeat.beat()
@@ -184,7 +189,8 @@ class Trainer:
         vector = torch.stack([sums.get(k, zero) for k in keys] + [zero + interrupted])
         totals = dict(zip(keys + ["_interrupted"], self.ctx.all_reduce_sum(vector).tolist()))
         if totals.pop("_interrupted"):
-            log.warning("eval at step %d cut short by a preemption notice; not recorded", parts.progress.global_step)
+            log.warning("eval at step %d cut short by a preemption notice; not recorded",
+                        parts.progress.global_step)
             return self.last_eval
         count = totals.pop("count", 0.0)
         self.last_eval = {"step": parts.progress.global_step,
@@ -199,14 +205,15 @@ class Trainer:
         p, precision, ctx = self.parts.progress, self.parts.precision, self.ctx
         row = torch.cat([torch.tensor(self.clock.collect(), dtype=torch.float64, device=ctx.device),
                          torch.stack([self._loss_sum.double(),
-                                      torch.tensor(float(self._loss_steps), dtype=torch.float64, device=ctx.device)])])
+                                      torch.tensor(float(self._loss_steps), dtype=torch.float64,
+                                                  device=ctx.device)])])
         rows = ctx.all_gather(row).cpu()
         self.last_loss = (rows[:, -2].sum() / rows[:, -1].sum()).item()
         if self.clock.enabled:
             self.records.ranks(p.global_step, rows[:, :-2].tolist())
         record = {"step": p.global_step, "epoch": p.epoch, "loss": self.last_loss, "lr": self._current_lr(),
-                  "samples_per_s": samples_per_s, "world_size": ctx.world_size, "epoch_sample": p.epoch_sample,
-                  "skipped_steps": int(p.skipped.item())}
+                  "samples_per_s": samples_per_s, "world_size": ctx.world_size,
+                  "epoch_sample": p.epoch_sample, "skipped_steps": int(p.skipped.item())}
         if precision.scaler.is_enabled():
             record["loss_scale"] = float(precision.scale_tensor().item())
         self.records.train(record)
@@ -218,17 +225,19 @@ class Trainer:
         groups = self.parts.optimizer.param_groups
         return next((g["lr"] for g in groups if g["lr_mult"] == 1.0), groups[0]["lr"])
 
-    def _save(self, samples_per_s: float, final: bool = False, urgent: bool = False, announce: bool = True) -> None:
+    def _save(self, samples_per_s: float, final: bool = False, urgent: bool = False,
+              announce: bool = True) -> None:
         p = self.parts.progress
         state = self.parts.state.state_dict(self.ctx.is_main)  # every rank: the RNG part gathers all ranks'
         shards = self.parts.state.shards()  # every rank's shard of an FSDP model and optimizer
         # A sharded model's digest would gather the whole model onto rank 0 at every snapshot, what FSDP is
         # used to avoid: `trainapp inspect` computes it from the shards instead.
-        digest = {} if state is None or self.parts.sharded else {"params_sha256": params_sha256(self.parts.model)}
+        digest = ({} if state is None or self.parts.sharded
+                  else {"params_sha256": params_sha256(self.parts.model)})
         init = {"init": self.parts.init} if self.parts.init else {}  # where the run's weights started from
         meta = {**state["progress"], **digest, **init} if state is not None else None
-        report = {"step": p.global_step, "epoch": p.epoch, "loss": self.last_loss, "world_size": self.ctx.world_size,
-                  "samples_per_s": samples_per_s}
+        report = {"step": p.global_step, "epoch": p.epoch, "loss": self.last_loss,
+                  "world_size": self.ctx.world_size, "samples_per_s": samples_per_s}
         if self.last_eval is not None and self.last_eval["step"] == p.global_step:
             report.update(val_metrics(self.last_eval))
         if self.records.last_ranks:  # the ranks' step times travel with the snapshot's report
@@ -265,10 +274,10 @@ class Trainer:
         p = self.parts.progress
         if self.last_eval is None or self.last_eval["step"] != p.global_step:
             self.evaluate()
-        summary = {"steps": p.global_step, "steps_this_run": p.global_step - start_step, "final_loss": self.last_loss,
-                   **val_metrics(self.last_eval), "world_size": self.ctx.world_size,
-                   "samples_per_s": samples_per_s, "skipped_steps": int(p.skipped.item()),
-                   "snapshots": self.snapshots.where,
+        summary = {"steps": p.global_step, "steps_this_run": p.global_step - start_step,
+                   "final_loss": self.last_loss, **val_metrics(self.last_eval),
+                   "world_size": self.ctx.world_size, "samples_per_s": samples_per_s,
+                   "skipped_steps": int(p.skipped.item()), "snapshots": self.snapshots.where,
                    "state_bytes": parallel.state_bytes(self.parts.model, self.parts.optimizer, self.ctx)}
         self._finish_snapshots()  # the final snapshot is on disk before the run says it ended
         summary["model"] = export_final(self.cfg, self.ctx, self.parts, self.snapshots)  # run.export

@@ -42,15 +42,17 @@ def param_groups(model: nn.Module, cfg: OptimSection) -> list[dict]:
     for prefix in cfg.lr_mult:
         if not any(n == prefix or n.startswith(prefix + ".") for n in names):
             tops = sorted({n.split(".")[0] for n in names})
-            raise ConfigError(f"optim.lr_mult key {prefix!r} matches no parameter; names start with {', '.join(tops)}")
+            raise ConfigError(f"optim.lr_mult key {prefix!r} matches no parameter; "
+                              f"names start with {', '.join(tops)}")
     groups: dict[tuple[bool, float], dict] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         decay = p.ndim > 1
         mult = _lr_mult(name, cfg.lr_mult)
-        g = groups.setdefault((decay, mult), {"params": [], "weight_decay": cfg.weight_decay if decay else 0.0,
-                                                "lr_mult": mult})
+        g = groups.setdefault((decay, mult), {"params": [],
+                                              "weight_decay": cfg.weight_decay if decay else 0.0,
+                                              "lr_mult": mult})
         g["params"].append(p)
     return list(groups.values())
 
@@ -116,7 +118,8 @@ def rescale(opt: torch.optim.Optimizer, sched: LambdaLR, cfg: OptimSection, glob
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank, sharing its storage
+    # A DTensor's shard on this rank, sharing its storage.
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def ema_multi_avg_fn(decay: float) -> Callable[..., None]:
@@ -149,7 +152,8 @@ class Schedule:
 
     def __init__(self, optimizer: torch.optim.Optimizer, optim: OptimSection, sched: SchedSection,
                  horizon: Callable[[], int], progress) -> None:
-        self.optimizer, self.optim, self.sched, self.horizon, self.progress = optimizer, optim, sched, horizon, progress
+        (self.optimizer, self.optim, self.sched,
+         self.horizon, self.progress) = optimizer, optim, sched, horizon, progress
         self.total_steps = horizon()
         self.scheduler = build_scheduler(optimizer, sched, self.total_steps)
 
@@ -173,8 +177,8 @@ class Schedule:
         before = p.resumed["global_batch"]
         if before != p.global_batch:
             peak = rescale(self.optimizer, self.scheduler, self.optim, p.global_batch)
-            log.info("global batch %d -> %d (world size %d -> %d): peak lr rescaled to %.4g", before, p.global_batch,
-                     p.resumed["world_size"], p.world_size, peak)
+            log.info("global batch %d -> %d (world size %d -> %d): peak lr rescaled to %.4g", before,
+                     p.global_batch, p.resumed["world_size"], p.world_size, peak)
 
 
 @dataclass

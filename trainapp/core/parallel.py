@@ -53,10 +53,11 @@ def check_sync_bn(model: torch.nn.Module, layout: Any, requested: bool) -> None:
     G, b, W = layout.global_batch, layout.micro_batch, layout.world_size
     at = (f" (resumed at world size {W} from {layout.resized_from['world_size']}, train.on_resize=keep)"
           if layout.resized_from else "")
-    raise ConfigError(f"{what}: the global batch {G} is {layout.slots} micro-batches of {b}, which do not split evenly "
-                      f"over {W} ranks{at}; SyncBatchNorm needs every rank in every forward and backward, so the "
-                      f"ranks would hang; set train.global_batch to a multiple of {b * W}, or "
-                      + ("model.sync_bn=false" if requested else "convert the SyncBatchNorm layers to BatchNorm"))
+    raise ConfigError(f"{what}: the global batch {G} is {layout.slots} micro-batches of {b}, which do not "
+                      f"split evenly over {W} ranks{at}; SyncBatchNorm needs every rank in every forward and "
+                      f"backward, so the ranks would hang; set train.global_batch to a multiple of {b * W}, "
+                      "or " + ("model.sync_bn=false" if requested
+                               else "convert the SyncBatchNorm layers to BatchNorm"))
 
 
 def units(model: torch.nn.Module, names: list[str], task: Any = None) -> list[torch.nn.Module]:
@@ -68,8 +69,8 @@ def units(model: torch.nn.Module, names: list[str], task: Any = None) -> list[to
         missing = sorted(set(names) - {type(m).__name__ for m in found})
         if missing:
             have = sorted({type(m).__name__ for m in model.modules()})
-            raise ConfigError(f"parallel.fsdp_units={names}: no module of class {', '.join(missing)} in the model; "
-                              f"its module classes are {', '.join(have)}")
+            raise ConfigError(f"parallel.fsdp_units={names}: no module of class {', '.join(missing)} in the "
+                              f"model; its module classes are {', '.join(have)}")
         return found
     chosen = task.shard_units(model) if task is not None and hasattr(task, "shard_units") else None
     if chosen is not None:
@@ -81,7 +82,8 @@ def units(model: torch.nn.Module, names: list[str], task: Any = None) -> list[to
         counts[id(p)] = counts.get(id(p), 0) + 1
     out = []
     for child in model.children():
-        items = list(child.children()) if isinstance(child, (torch.nn.Sequential, torch.nn.ModuleList)) else [child]
+        items = (list(child.children()) if isinstance(child, (torch.nn.Sequential, torch.nn.ModuleList))
+                 else [child])
         out.extend(m for m in items if any(True for _ in m.parameters())
                    and all(counts[id(p)] == 1 for p in m.parameters()))
     return out
@@ -98,12 +100,14 @@ def shard(model: torch.nn.Module, cfg: Config, task: Any = None, copy: torch.nn.
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
     shard_as = functools.partial(fully_shard, reshard_after_forward=cfg.parallel.reshard_after_forward)
     for module in (model, copy) if copy is not None else (model,):
-        for p in module.parameters():  # FSDP2 shards contiguous parameters only (a channels-last conv's are not)
+        # FSDP2 shards contiguous parameters only (a channels-last conv's are not).
+        for p in module.parameters():
             if not p.is_contiguous():
                 p.data = p.data.contiguous()
         # A BatchNorm's fp32 running statistics need fp32 weights: with low-precision gathers each is a
         # unit of its own, kept fp32 (autocast casts what follows it back down).
-        norms = [m for m in module.modules() if low is not None and isinstance(m, torch_private.BatchNormBase)]
+        norms = [m for m in module.modules()
+                 if low is not None and isinstance(m, torch_private.BatchNormBase)]
         for norm in norms:
             shard_as(norm, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
         # A unit inside another must be sharded first: fully_shard on the outer one then leaves its
@@ -144,8 +148,8 @@ def time_waits(model: torch.nn.Module, begin: Callable[[], None], end: Callable[
         unit.register_forward_pre_hook(after)
     groups = _param_groups(fsdp_units)
     if groups is None:
-        log.warning("FSDP's parameter groups are not where trainapp looks for them in torch %s: the backward's "
-                    "waits for peers count as compute in the rank timings", torch.__version__)
+        log.warning("FSDP's parameter groups are not where trainapp looks for them in torch %s: the "
+                    "backward's waits for peers count as compute in the rank timings", torch.__version__)
         return
     for group in groups:
         for name in _GROUP_WAITS:
@@ -165,7 +169,8 @@ def _param_groups(fsdp_units: list[torch.nn.Module]) -> list[Any] | None:
     return groups if all(callable(getattr(g, n, None)) for g in groups for n in _GROUP_WAITS) else None
 
 
-def _bracketed(method: Callable[..., Any], begin: Callable[[], None], end: Callable[[], None]) -> Callable[..., Any]:
+def _bracketed(method: Callable[..., Any], begin: Callable[[], None],
+               end: Callable[[], None]) -> Callable[..., Any]:
     @functools.wraps(method)
     def timed(*args: Any, **kwargs: Any) -> Any:
         begin()

@@ -55,7 +55,8 @@ class ShardedState:
 
         if self.optimizer is None:
             return {"model": get_model_state_dict(self.model)}
-        model, optim = get_state_dict(self.model, self.optimizer)  # the optimizer's state made if not yet there
+        # The optimizer's state is made if not yet there.
+        model, optim = get_state_dict(self.model, self.optimizer)
         return {"model": model, "optimizer": optim}
 
     def load_from(self, path: Path, name: str) -> None:
@@ -95,7 +96,8 @@ class TrainState:
 
     def shards(self) -> dict[str, Any] | None:
         """Every rank: this rank's shard of every sharded part (DCP's state dict), None without one."""
-        out = {name: part.state_dict() for name, part in self.parts.items() if getattr(part, "sharded", False)}
+        out = {name: part.state_dict() for name, part in self.parts.items()
+               if getattr(part, "sharded", False)}
         return out or None
 
     def resume(self, found: tuple[str, dict[str, Any]], run_dir: str) -> None:
@@ -106,10 +108,11 @@ class TrainState:
             self.load_state_dict(snap, Path(snap.get(LOCAL_COPY, where)))  # a URI's: downloaded
         except (RuntimeError, ValueError, KeyError) as e:
             first = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
-            raise ConfigError(f"run.dir={run_dir}: snapshot {where} does not fit this config ({first}); use a new "
-                              "run.dir or the config it was written with") from None
+            raise ConfigError(f"run.dir={run_dir}: snapshot {where} does not fit this config ({first}); "
+                              "use a new run.dir or the config it was written with") from None
         p = self.parts["progress"]
-        log.info("resumed from %s: step=%d epoch=%d epoch_sample=%d", where, p.global_step, p.epoch, p.epoch_sample)
+        log.info("resumed from %s: step=%d epoch=%d epoch_sample=%d", where, p.global_step, p.epoch,
+                 p.epoch_sample)
 
     def load_state_dict(self, state: dict[str, Any], where: Path | None = None) -> None:
         """`where`: the snapshot's directory, whose shards a sharded part loads."""
@@ -120,8 +123,8 @@ class TrainState:
                 raise ValueError(f"the snapshot has no {name} state")
             sharded = isinstance(state[name], str) and state[name] == SHARDED
             if getattr(part, "sharded", False) != sharded:
-                raise ValueError(f"its {name} state is {'sharded' if sharded else 'whole'}, this run's is not "
-                                 "(parallel.strategy changed)")
+                raise ValueError(f"its {name} state is {'sharded' if sharded else 'whole'}, this run's is "
+                                 "not (parallel.strategy changed)")
             if sharded:
                 part.load_from(where / SHARDS, name)
             else:

@@ -64,8 +64,8 @@ class BoundTask:
         torch.manual_seed(self.ctx.seed)  # the same initial weights on every rank and in every run
         model = self.task.model(self.ctx)
         if not isinstance(model, torch.nn.Module):
-            raise ConfigError(f"task.name={self.name!r}: model(ctx) returned {_what(model)}; it must return a "
-                              "torch.nn.Module")
+            raise ConfigError(f"task.name={self.name!r}: model(ctx) returned {_what(model)}; it must return "
+                              "a torch.nn.Module")
         if not any(p.requires_grad for p in model.parameters()):
             raise ConfigError(f"task.name={self.name!r}: model(ctx) has no trainable parameters")
         return model.to(self.ctx.device)
@@ -87,9 +87,11 @@ class BoundTask:
             return None
         out = list(units(model))
         inside = {id(m) for m in model.modules()}
-        if not out or not all(isinstance(m, torch.nn.Module) and id(m) in inside and m is not model for m in out):
-            raise ConfigError(f"task.name={self.name!r}: shard_units(model) must return a non-empty list of the "
-                              "model's own submodules (the units FSDP shards, e.g. its transformer blocks)")
+        if not out or not all(isinstance(m, torch.nn.Module) and id(m) in inside and m is not model
+                              for m in out):
+            raise ConfigError(f"task.name={self.name!r}: shard_units(model) must return a non-empty list of "
+                              "the model's own submodules (the units FSDP shards, e.g. its transformer "
+                              "blocks)")
         return out
 
     def to_device(self, batch: Any) -> Any:
@@ -103,14 +105,15 @@ class BoundTask:
 
     def _check_loss(self, loss: Any) -> None:
         if not isinstance(loss, torch.Tensor):
-            raise ConfigError(f"task.name={self.name!r}: loss(model, batch) returned {_what(loss)}; it must return "
-                              "a scalar tensor")
+            raise ConfigError(f"task.name={self.name!r}: loss(model, batch) returned {_what(loss)}; it must "
+                              "return a scalar tensor")
         if loss.ndim != 0:
             raise ConfigError(f"task.name={self.name!r}: loss(model, batch) returned a tensor of shape "
                               f"{tuple(loss.shape)}; it must return a scalar (reduce it, e.g. with .mean())")
         if not loss.requires_grad:
-            raise ConfigError(f"task.name={self.name!r}: loss(model, batch) returned a tensor without grad; compute "
-                              "it from the model's output, without .item(), .detach() or torch.no_grad()")
+            raise ConfigError(f"task.name={self.name!r}: loss(model, batch) returned a tensor without grad; "
+                              "compute it from the model's output, without .item(), .detach() or "
+                              "torch.no_grad()")
         self._loss_checked = True
 
     def evaluate(self, model: torch.nn.Module, batch: Any) -> dict[str, Any]:
@@ -118,15 +121,18 @@ class BoundTask:
         if not self._eval_checked:
             if not isinstance(sums, dict) or "count" not in sums:
                 got = f"keys {sorted(sums)}" if isinstance(sums, dict) else _what(sums)
-                raise ConfigError(f"task.name={self.name!r}: evaluate(model, batch) returned {got}; it must return "
-                                  "a dict of sums over the batch with a 'count' entry (samples or tokens)")
+                raise ConfigError(f"task.name={self.name!r}: evaluate(model, batch) returned {got}; it must "
+                                  "return a dict of sums over the batch with a 'count' entry "
+                                  "(samples or tokens)")
             for key, value in sums.items():
                 if not (isinstance(key, str) and key.isidentifier()):
-                    raise ConfigError(f"task.name={self.name!r}: evaluate(model, batch) returned the key {key!r}; "
-                                      "keys are names (letters, digits, _)")
-                if not (isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1)):
-                    raise ConfigError(f"task.name={self.name!r}: evaluate(model, batch)[{key!r}] is {_what(value)}; "
-                                      "each entry is a number or a one-element tensor (a sum over the batch)")
+                    raise ConfigError(f"task.name={self.name!r}: evaluate(model, batch) returned the key "
+                                      f"{key!r}; keys are names (letters, digits, _)")
+                if not (isinstance(value, (int, float))
+                        or (isinstance(value, torch.Tensor) and value.numel() == 1)):
+                    raise ConfigError(f"task.name={self.name!r}: evaluate(model, batch)[{key!r}] is "
+                                      f"{_what(value)}; each entry is a number or a one-element tensor "
+                                      "(a sum over the batch)")
             self._eval_checked = True
         return sums
 
@@ -141,9 +147,9 @@ class _DefaultCollate:
         try:
             return default_collate(items)
         except (TypeError, RuntimeError) as e:
-            raise ConfigError(f"task.name={self.name!r}: the default collate cannot batch the items ({first_line(e)}); "
-                              f"give the task a collate(items) method that makes one batch of a list of items "
-                              f"({DOCS})") from None
+            raise ConfigError(f"task.name={self.name!r}: the default collate cannot batch the items "
+                              f"({first_line(e)}); give the task a collate(items) method that makes one "
+                              f"batch of a list of items ({DOCS})") from None
 
 
 def _what(value: Any) -> str:

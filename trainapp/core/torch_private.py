@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 
-PRIVATE = ("torch.nn.modules.batchnorm._BatchNorm", "GradScaler._scale", "torch.ops.mkldnn._is_mkldnn_bf16_supported",
-           "FSDPModule._get_fsdp_state", "FSDPState._fsdp_param_groups")
+PRIVATE = ("torch.nn.modules.batchnorm._BatchNorm", "GradScaler._scale",
+           "torch.ops.mkldnn._is_mkldnn_bf16_supported", "FSDPModule._get_fsdp_state",
+           "FSDPState._fsdp_param_groups")
 """Every private name read here; tests/test_torch_private.py checks each on the installed torch."""
 
 __all__ = ["BatchNormBase", "PRIVATE", "fsdp_param_groups", "onednn_bf16", "scale_tensor"]

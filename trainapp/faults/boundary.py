@@ -48,7 +48,8 @@ class Stop:
         """Once the snapshot is written: (the record's fields, the exception that ends training)."""
         seconds = self.notices.seconds_since()
         fields = {"step": step, "signal": signal.Signals(self.signum).name, "seconds": round(seconds, 3),
-                  "phase": self.notices.phase_at_signal, "snapshot": snapshot, **({"by": self.by} if self.by else {})}
+                  "phase": self.notices.phase_at_signal, "snapshot": snapshot,
+                  **({"by": self.by} if self.by else {})}
         if self.kind == "resized":
             return fields, Resized(self.signum, step, seconds, snapshot, rank, self.by)
         if self.kind == "stopped":
@@ -75,8 +76,9 @@ class StepBoundary:
     (`preempt.ray_poll_s`) while some rank has one pending; `on_drain(step, notice)` hears of each
     drain seen (the run's records)."""
 
-    def __init__(self, ctx, notices: Notices, due: Callable[[int, bool], bool], drains: DrainNotices | None = None,
-                 poll_s: float = 0.0, on_drain: Callable[[int, dict[str, Any]], None] = lambda step, notice: None):
+    def __init__(self, ctx, notices: Notices, due: Callable[[int, bool], bool],
+                 drains: DrainNotices | None = None, poll_s: float = 0.0,
+                 on_drain: Callable[[int, dict[str, Any]], None] = lambda step, notice: None):
         self.ctx, self.notices, self.due, self.drains, self.on_drain = ctx, notices, due, drains, on_drain
         self.vote = StopVote(ctx, notices, poll_s if drains is not None else 0.0,
                              drains.pending if drains is not None else None)
@@ -94,7 +96,8 @@ class StepBoundary:
         """Every rank, at the agreed step. Only rank 0 reads a stop the holder asked for (through the
         lease); the vote told the others a signal number only."""
         by, kind = self.ctx.broadcast_object((self.notices.stop_by, self.notices.stop_kind))
-        return Stop(signum, "resized" if kind == "resize" else "stopped" if by else "preempted", by, self.notices)
+        return Stop(signum, "resized" if kind == "resize" else "stopped" if by else "preempted", by,
+                    self.notices)
 
     def interrupts_eval(self) -> bool:
         """A notice has come: an evaluation under way stops short (the stop follows the next step)."""

@@ -60,7 +60,8 @@ def register() -> Path | None:
         entry.write_text(f"{_start_time(os.getpid())}\n")
         return entry
     except OSError as e:
-        log.warning("preemption: cannot register this worker under %s (%s); `trainapp drain` will not see it", d, e)
+        log.warning("preemption: cannot register this worker under %s (%s); `trainapp drain` will not see it",
+                    d, e)
         return None
 
 
@@ -93,7 +94,8 @@ def _ray_drain(deadline_s: int) -> str:
     """Tell Ray this node is being preempted, so Ray Train snapshots in time and restarts elsewhere."""
     ray = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
     cmd = [ray, "drain-node", "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message",
-           "trainapp drain (pod deleted or container stopped)", "--deadline-remaining-seconds", str(deadline_s)]
+           "trainapp drain (pod deleted or container stopped)",
+           "--deadline-remaining-seconds", str(deadline_s)]
     try:
         # Bounded: the drain wait that follows must still fit the platform's grace period.
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
@@ -105,7 +107,8 @@ def _ray_drain(deadline_s: int) -> str:
     return f"Ray node drained for preemption, deadline {deadline_s} s"
 
 
-def drain(wait_s: float, ray_deadline_s: int | None = None, poll_s: float = 0.1) -> tuple[list[int], list[int], str]:
+def drain(wait_s: float, ray_deadline_s: int | None = None,
+          poll_s: float = 0.1) -> tuple[list[int], list[int], str]:
     """This node is going away: drain its Ray node (when asked), send every registered training process
     on it SIGTERM, and wait up to `wait_s` for them to exit. (stopped PIDs, still running PIDs, what the
     Ray drain said)."""
@@ -138,7 +141,8 @@ def supervise(cmd: list[str], wait_s: float, ray_deadline_s: int | None) -> int:
     try:
         child = subprocess.Popen(cmd)
     except OSError as e:
-        raise ConfigError(f"trainapp node: cannot run {cmd[0]!r} ({e.strerror}); give the node's command after --")
+        raise ConfigError(f"trainapp node: cannot run {cmd[0]!r} ({e.strerror}); "
+                          "give the node's command after --")
     while child.poll() is None and not got:
         time.sleep(0.2)
     if not got:

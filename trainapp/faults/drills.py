@@ -49,7 +49,8 @@ class _SlowBatches:
 class Drills:
     """This rank's drills. Raises ConfigError when a drill names a rank the run does not have."""
 
-    def __init__(self, cfg: DrillSection, rank: int, world_size: int, run_dir: str | Path, heartbeat: Heartbeat):
+    def __init__(self, cfg: DrillSection, rank: int, world_size: int, run_dir: str | Path,
+                 heartbeat: Heartbeat):
         step_drill = any(at is not None for at in (cfg.kill_at_step, cfg.hang_at_step, cfg.oom_at_step))
         if step_drill and cfg.rank >= world_size:
             raise ConfigError(f"drill.rank={cfg.rank}: must be < world size {world_size}")
@@ -57,7 +58,8 @@ class Drills:
             raise ConfigError(f"drill.slow_rank={cfg.slow_rank}: must be < world size {world_size}")
         self.cfg, self.rank, self.run_dir, self.heartbeat = cfg, rank, Path(run_dir), heartbeat
         self.at_step = {at: name for name, at in (("kill", cfg.kill_at_step), ("hang", cfg.hang_at_step),
-                                                  ("oom", cfg.oom_at_step)) if at is not None and cfg.rank == rank}
+                                                  ("oom", cfg.oom_at_step))
+                        if at is not None and cfg.rank == rank}
         """This rank's step drills by step: one dict lookup per step."""
 
     def attach(self, parts) -> None:
@@ -81,20 +83,22 @@ class Drills:
         if what is None or not self._first_time(what, step):
             return
         if what == "hang":
-            log.warning("fault drill: rank %d stops making progress after step %d (a stuck data loader)", self.rank,
-                        step)
+            log.warning("fault drill: rank %d stops making progress after step %d (a stuck data loader)",
+                        self.rank, step)
             self.heartbeat.set_phase("data")
             while True:
                 time.sleep(3600)
         if what == "oom":
             self.heartbeat.set_phase("compute")
-            raise torch.OutOfMemoryError(f"fault drill (drill.oom_at_step={step}): rank {self.rank} ran out of memory")
+            raise torch.OutOfMemoryError(f"fault drill (drill.oom_at_step={step}): rank {self.rank} ran out "
+                                         "of memory")
         log.warning("fault drill: rank %d kills itself with SIGKILL at step %d", self.rank, step)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def _first_time(self, what: str, step: int) -> bool:
         """Leave the drill's marker in run.dir; False when it is there already (fired before this restart)."""
-        marker = self.run_dir / f"fault-fired-{'' if what == 'kill' else what + '-'}step{step}-rank{self.rank}"
+        marker = self.run_dir / (f"fault-fired-{'' if what == 'kill' else what + '-'}"
+                                 f"step{step}-rank{self.rank}")
         if marker.exists():
             return False
         marker.parent.mkdir(parents=True, exist_ok=True)

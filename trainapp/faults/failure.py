@@ -69,7 +69,8 @@ class FailureLog:
     def what(self, cause: str, error: str) -> str:
         """'rank R on HOST failed after step S in phase P: CAUSE: ERROR' (what peers are told)."""
         hb = self.heartbeat
-        return f"rank {self.rank} on {host()} failed after step {hb.step} in phase {hb.phase}: {cause}: {error}"
+        return (f"rank {self.rank} on {host()} failed after step {hb.step} in phase {hb.phase}: "
+                f"{cause}: {error}")
 
     def line_for(self, cause: str, error: str, code: int) -> str:
         return f"trainapp: {self.what(cause, error)}; exiting with {code}"
@@ -83,8 +84,9 @@ class FailureLog:
                 return ""
             self.done = True
         line = self.line_for(cause, error, exit_code)
-        fields = {"rank": self.rank, "host": host(), "step": self.heartbeat.step, "phase": self.heartbeat.phase,
-                  "cause": cause, "error": error, "exit_code": exit_code, "attempt": self.attempt, **extra}
+        fields = {"rank": self.rank, "host": host(), "step": self.heartbeat.step,
+                  "phase": self.heartbeat.phase, "cause": cause, "error": error, "exit_code": exit_code,
+                  "attempt": self.attempt, **extra}
         if self.run_dir is not None and not self._fenced():
             try:
                 metrics.append(self.run_dir, "failure", **fields)
@@ -126,8 +128,8 @@ class FailureLog:
             if peer:
                 return "peer", f"{peer} (here: {error})", {"peer": peer}
             if any(s in str(e) for s in PEER_GONE):
-                return "peer", f"a peer's connection closed: it died without a word (SIGKILL, the OOM killer, a " \
-                               f"lost node) ({error})", {"peer": "unknown"}
+                return "peer", f"a peer's connection closed: it died without a word (SIGKILL, the OOM " \
+                               f"killer, a lost node) ({error})", {"peer": "unknown"}
         return cause, error, extra
 
     def _peer_line(self) -> str:
@@ -136,7 +138,8 @@ class FailureLog:
         return ""
 
     @contextlib.contextmanager
-    def watching(self, run_dir: str | Path, ctx, store: Callable[[], Any], attempt: int = 0) -> Iterator[None]:
+    def watching(self, run_dir: str | Path, ctx, store: Callable[[], Any],
+                 attempt: int = 0) -> Iterator[None]:
         """The run of this rank: exceptions out of the block are recorded (and re-raised), and peers'
         failures are watched for through the store `store()` returns (the group's, None alone). Leave the
         block before the process group goes away: rank 0 may host the store."""
@@ -151,7 +154,8 @@ class FailureLog:
             if explained is not None:
                 cause, error, extra = explained
                 everywhere = isinstance(e, Failure) and e.everywhere
-                self.record(cause, error, e.exit_code if isinstance(e, Failure) else 1, post=not everywhere, **extra)
+                self.record(cause, error, e.exit_code if isinstance(e, Failure) else 1, post=not everywhere,
+                            **extra)
             raise
         finally:
             if watch is not None:
@@ -181,8 +185,8 @@ class PeerWatch:
             except Exception as e:
                 misses += 1
                 if misses >= STORE_MISSES and not self.stop.is_set():
-                    self._leave(f"the group's store stopped answering ({first_line(e)}): its host, rank 0 or the "
-                                "launcher, is gone")
+                    self._leave(f"the group's store stopped answering ({first_line(e)}): its host, rank 0 or "
+                                "the launcher, is gone")
                 continue
             if peer and not self.stop.is_set():
                 self._leave(peer)

@@ -64,7 +64,8 @@ class RankGuard:
         Leave the block before the process group goes away: rank 0 may host the store."""
         run_dir = Path(cfg.run.dir)
         self.watchdog = Watchdog(self.heartbeat, cfg.fault.hang_timeout_s, cfg.fault.hang_startup_s,
-                                 run_dir / "hangs" / f"rank-{ctx.rank}-attempt-{attempt}.txt", ctx.rank, self._hung)
+                                 run_dir / "hangs" / f"rank-{ctx.rank}-attempt-{attempt}.txt", ctx.rank,
+                                 self._hung)
         try:
             with self.failures.watching(run_dir, ctx, store, attempt):
                 yield
@@ -78,8 +79,8 @@ class RankGuard:
             self.watchdog.start()
 
     def _hung(self, silent: float) -> None:
-        error = (f"no progress for {silent:.0f} s (fault.hang_timeout_s={self.watchdog.timeout_s:g}); stacks in "
-                 f"{self.watchdog.path}; the launcher restarts the group from the newest snapshot")
+        error = (f"no progress for {silent:.0f} s (fault.hang_timeout_s={self.watchdog.timeout_s:g}); "
+                 f"stacks in {self.watchdog.path}; the launcher restarts the group from the newest snapshot")
         error += self.watchdog.dump_stacks(self.failures.line_for("hang", error, HUNG_EXIT))
         self.failures.end("hang", error, HUNG_EXIT, silent_s=round(silent, 1))
 

@@ -78,8 +78,9 @@ class Heartbeat:
         peer) goes silent and is found `fault.hang_timeout_s` after its last byte. The fsync of each file
         moves none: on a disk that takes longer than the timeout to flush one shard, raise the timeout."""
         stop = threading.Event()
-        watcher = threading.Thread(target=self._beat_while_moving, args=(where, threading.get_native_id(), stop,
-                                                                         poll_s), name="shard-write-beats", daemon=True)
+        watcher = threading.Thread(target=self._beat_while_moving,
+                                   args=(where, threading.get_native_id(), stop, poll_s),
+                                   name="shard-write-beats", daemon=True)
         watcher.start()
         try:
             yield
@@ -118,7 +119,8 @@ class Watchdog:
                  fire: Callable[[float], None]):
         self.heartbeat, self.timeout_s, self.startup_s = heartbeat, timeout_s, startup_s
         self.path, self.rank, self.fire = path, rank, fire
-        self._first_step: int | None = None  # the step the run started at; past it, the normal timeout applies
+        # The step the run started at; past it, the normal timeout applies.
+        self._first_step: int | None = None
         self._stop = threading.Event()
 
     def start(self) -> Watchdog:

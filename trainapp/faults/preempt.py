@@ -62,7 +62,8 @@ class Stopped(Preempted):
     foreground): the same agreed step and snapshot as a preemption, on record as `stopped`; the workers
     then end normally, so Ray Train ends the run instead of restarting it."""
 
-    def __init__(self, signum: int, step: int, seconds: float, snapshot: str | None, rank: int = 0, by: str = ""):
+    def __init__(self, signum: int, step: int, seconds: float, snapshot: str | None, rank: int = 0,
+                 by: str = ""):
         self.by = by
         super().__init__(signum, step, seconds, snapshot, rank)
 
@@ -76,13 +77,14 @@ class Resized(Preempted):
     same agreed step and snapshot as a preemption, on record as `resized`; the workers then wait for Ray
     Train to replace the group, which resumes from that snapshot."""
 
-    def __init__(self, signum: int, step: int, seconds: float, snapshot: str | None, rank: int = 0, by: str = ""):
+    def __init__(self, signum: int, step: int, seconds: float, snapshot: str | None, rank: int = 0,
+                 by: str = ""):
         self.by = by
         super().__init__(signum, step, seconds, snapshot, rank)
 
     def line(self) -> str:
-        return (f"trainapp: {self.by}: snapshot of step {self.step} after {self.seconds:.1f} s ({self.snapshot}); "
-                "the new worker group resumes there")
+        return (f"trainapp: {self.by}: snapshot of step {self.step} after {self.seconds:.1f} s "
+                f"({self.snapshot}); the new worker group resumes there")
 
 
 class StoppedBeforeStart(Failure):
@@ -98,7 +100,8 @@ class Notices:
     `expire(cause, error, code)` ends the process when the deadline runs out or a notice comes before
     any step (the guard's failure log)."""
 
-    def __init__(self, heartbeat: Heartbeat, expire: Callable[[str, str, int], None], grace_s: float = 25.0) -> None:
+    def __init__(self, heartbeat: Heartbeat, expire: Callable[[str, str, int], None],
+                 grace_s: float = 25.0) -> None:
         self.heartbeat, self.expire, self.grace_s = heartbeat, expire, grace_s
         self.signum = 0
         """The signal number of the first notice, 0 if none."""
@@ -132,8 +135,8 @@ class Notices:
         self.grace_s = grace_s
         nums = {signal.Signals[n] for n in (*ALWAYS, *names)}
         if threading.current_thread() is not threading.main_thread():
-            log.warning("preemption: signal handlers can only be installed from the main thread; %s will end this "
-                        "process without a snapshot", ", ".join(sorted(n.name for n in nums)))
+            log.warning("preemption: signal handlers can only be installed from the main thread; %s will end "
+                        "this process without a snapshot", ", ".join(sorted(n.name for n in nums)))
             return False
         for s in nums:
             signal.signal(s, handler)
@@ -185,25 +188,27 @@ class Notices:
         with self.lock:
             first = not self.armed
             self.armed = True
-            self._record(signum)  # the watcher may see a signal before the blocked main thread runs the handler
+            # The watcher may see a signal before the blocked main thread runs the handler.
+            self._record(signum)
         name = signal.Signals(signum).name
         if first and self.heartbeat.phase == "start":  # no step trained yet in this process: nothing to save
             self.expire("signal", f"{name} before training started; nothing to save", 128 + signum)
             return
         if not first:
-            log.warning("preemption: %s again; already stopping (the snapshot is on its way; exit at the latest %.0f "
-                        "s after the first notice)", name, self.grace_s)
+            log.warning("preemption: %s again; already stopping (the snapshot is on its way; exit at the "
+                        "latest %.0f s after the first notice)", name, self.grace_s)
             return
         what = f"stop asked for by {self.stop_by}" if self.stop_by else f"preemption: {name} received"
-        log.warning("%s; stopping after the next step with a snapshot (preempt.grace_s=%g)", what, self.grace_s)
+        log.warning("%s; stopping after the next step with a snapshot (preempt.grace_s=%g)", what,
+                    self.grace_s)
         timer = threading.Timer(max(0.0, self.grace_s - self.seconds_since()), self._deadline)
         timer.daemon = True
         timer.start()
 
     def _deadline(self) -> None:
-        self.expire("signal", f"{signal.Signals(self.signum).name}: preempt.grace_s={self.grace_s:g} ran out before "
-                    f"the stop was agreed and its snapshot written (a peer gone or hung?); the newest valid snapshot "
-                    f"in {self.snapshots} is unchanged", 128 + self.signum)
+        self.expire("signal", f"{signal.Signals(self.signum).name}: preempt.grace_s={self.grace_s:g} ran out "
+                    f"before the stop was agreed and its snapshot written (a peer gone or hung?); the newest "
+                    f"valid snapshot in {self.snapshots} is unchanged", 128 + self.signum)
 
     def _watch(self, fd: int) -> None:
         while True:
@@ -243,7 +248,8 @@ class StopVote:
     platform's grace period."""
     MAX_EVERY = 50
 
-    def __init__(self, ctx, notices: Notices, poll_s: float = 0.0, pending: Callable[[], bool] | None = None) -> None:
+    def __init__(self, ctx, notices: Notices, poll_s: float = 0.0,
+                 pending: Callable[[], bool] | None = None) -> None:
         self.ctx, self.notices = ctx, notices
         self.group = None
         if ctx.distributed and tdist.get_backend() != "gloo":
@@ -257,7 +263,8 @@ class StopVote:
         self._poll = False  # the ranks agreed to poll at this boundary; cleared by take_poll
 
     def _poll_due(self, now: float) -> bool:
-        return self.poll_s > 0 and now - self.polled_t >= self.poll_s and (self.pending is None or self.pending())
+        return (self.poll_s > 0 and now - self.polled_t >= self.poll_s
+                and (self.pending is None or self.pending()))
 
     def _polls(self, agreed: bool, now: float) -> None:
         if agreed:

@@ -111,8 +111,10 @@ def judge(nodes: list[str], pairs: list[Pair], min_bandwidth: float) -> tuple[li
     if min_bandwidth and len(nodes) >= 3:
         slow_hosts += [h for h in nodes if h not in slow_hosts and per_host[h]
                        and all(bw < min_bandwidth for bw in per_host[h])]
-    problems = [f"host {h}: its pairs reach a median {host_bw[h]:.3f} GB/s against {typical:.3f} GB/s over hosts"
-                + (f" (--min-bandwidth {min_bandwidth:g})" if min_bandwidth and host_bw[h] < min_bandwidth else "")
+    problems = [f"host {h}: its pairs reach a median {host_bw[h]:.3f} GB/s against "
+                f"{typical:.3f} GB/s over hosts"
+                + (f" (--min-bandwidth {min_bandwidth:g})"
+                   if min_bandwidth and host_bw[h] < min_bandwidth else "")
                 + "; check its link: the interface in network.interface, its speed and duplex, cabling, "
                   "a traffic shaper"
                 for h in slow_hosts]
@@ -123,14 +125,17 @@ def judge(nodes: list[str], pairs: list[Pair], min_bandwidth: float) -> tuple[li
 
 def check_args(size_mb: float, iters: int, min_bandwidth: float) -> None:
     if size_mb <= 0 or iters < 1 or min_bandwidth < 0:
-        raise ConfigError(f"doctor --comm: --size-mb={size_mb:g}, --iters={iters}, --min-bandwidth={min_bandwidth:g}: "
-                          "need a size > 0, at least 1 iteration and a bandwidth >= 0")
+        raise ConfigError(f"doctor --comm: --size-mb={size_mb:g}, --iters={iters}, "
+                          f"--min-bandwidth={min_bandwidth:g}: need a size > 0, at least 1 iteration and a "
+                          "bandwidth >= 0")
 
 
-def show(backend: str, processes: int, via: str, nodes: list[str], pairs: list[Pair], min_bandwidth: float) -> int:
+def show(backend: str, processes: int, via: str, nodes: list[str], pairs: list[Pair],
+         min_bandwidth: float) -> int:
     """Print the result (rank 0, or the Ray driver); the exit code: 1 when something is slow."""
     lines, problems = judge(nodes, pairs, min_bandwidth)
-    print(f"comm  {backend} across {len(nodes)} node(s) ({', '.join(nodes)}), {processes} process(es); rank 0 {via}")
+    print(f"comm  {backend} across {len(nodes)} node(s) ({', '.join(nodes)}), {processes} process(es); "
+          f"rank 0 {via}")
     if len(nodes) < 2:
         print("comm  one node: no node pairs to measure")
     for line in lines:

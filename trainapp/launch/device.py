@@ -84,10 +84,11 @@ def choose(setting: str, visible: Visible, local_rank: int, local_world_size: in
     if not visible.cuda_available:
         shown = visible.env.get("CUDA_VISIBLE_DEVICES")
         if shown is not None and shown.split(",")[0].strip() in NO_DEVICES:
-            raise ConfigError(f"{why}: CUDA_VISIBLE_DEVICES={shown!r} hides every GPU from this process; unset it, "
-                              "name the GPUs, or set dist.device=cpu")
-        raise ConfigError(f"{why}: CUDA is not usable in this process ({visible.why_not or cuda_facts()}); install "
-                          "the torch wheel for the node's driver (docker/README.md) or set dist.device=cpu")
+            raise ConfigError(f"{why}: CUDA_VISIBLE_DEVICES={shown!r} hides every GPU from this process; "
+                              "unset it, name the GPUs, or set dist.device=cpu")
+        raise ConfigError(f"{why}: CUDA is not usable in this process ({visible.why_not or cuda_facts()}); "
+                          "install the torch wheel for the node's driver (docker/README.md) or set "
+                          "dist.device=cpu")
     if ray_device is not None:
         device = ray_device()
         if device.type != "cuda":
@@ -95,11 +96,13 @@ def choose(setting: str, visible: Visible, local_rank: int, local_world_size: in
                               "ray.resources_per_worker) or dist.device=cpu")
         return device, f"{why}: the GPU Ray reserved for this worker"
     if visible.device_count >= local_world_size:
-        return torch.device("cuda", local_rank), f"{why}: GPU {local_rank} of {visible.device_count} on this node"
+        return (torch.device("cuda", local_rank),
+                f"{why}: GPU {local_rank} of {visible.device_count} on this node")
     if visible.device_count == 1 and "CUDA_VISIBLE_DEVICES" in visible.env:
         # A launcher that shows each process only its own GPU (Slurm --gpus-per-task, a per-rank
         # CUDA_VISIBLE_DEVICES): it is cuda:0 in every process.
         return torch.device("cuda", 0), f"{why}: the one GPU this process is shown ({given})"
-    raise ConfigError(f"{why}: {local_world_size} ranks on this node but {visible.device_count} GPU(s) visible to "
-                      "them, so ranks would share a GPU; start one rank per GPU (torchrun --nproc-per-node="
-                      f"{visible.device_count}) or show each rank its own GPU with CUDA_VISIBLE_DEVICES")
+    raise ConfigError(f"{why}: {local_world_size} ranks on this node but {visible.device_count} GPU(s) "
+                      "visible to them, so ranks would share a GPU; start one rank per GPU (torchrun "
+                      f"--nproc-per-node={visible.device_count}) or show each rank its own GPU with "
+                      "CUDA_VISIBLE_DEVICES")

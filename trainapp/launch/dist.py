@@ -34,7 +34,8 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise ConfigError(f"environment {name}={raw!r}: must be an integer (set by torchrun or Ray)") from None
+        raise ConfigError(f"environment {name}={raw!r}: must be an integer "
+                          "(set by torchrun or Ray)") from None
 
 
 def _check_network(network, store, rank: int, world_size: int) -> net.Resolution:
@@ -55,8 +56,9 @@ def _check_network(network, store, rank: int, world_size: int) -> net.Resolution
         store.wait(keys, datetime.timedelta(seconds=network.check_timeout_s))
     except Exception:  # the store raises its own timeout type (DistStoreError or RuntimeError by version)
         missing = [k.split("/")[1] for k in keys if not store.check([k])]
-        raise net.NetworkError(f"network.check_timeout_s={network.check_timeout_s:g}: rank(s) {','.join(missing)} "
-                               "never reported their interface check; are all nodes started?") from None
+        raise net.NetworkError(f"network.check_timeout_s={network.check_timeout_s:g}: "
+                               f"rank(s) {','.join(missing)} never reported their interface check; are all "
+                               "nodes started?") from None
     reports = [json.loads(store.get(k)) for k in keys]
     for r, report in enumerate(reports):
         if "error" in report:
@@ -86,7 +88,8 @@ def _elastic_store(timeout: datetime.timedelta):
     return dist.PrefixStore(f"trainapp/{run_id}/{name}", store), f"{run_id}/{name}/side"
 
 
-def _agree_on_round(store, rank: int, world_size: int, timeout: datetime.timedelta, poll_s: float = 0.02) -> str:
+def _agree_on_round(store, rank: int, world_size: int, timeout: datetime.timedelta,
+                    poll_s: float = 0.02) -> str:
     """A fresh name for this attempt of the group, the same on every rank.
 
     Not TORCHELASTIC_RESTART_COUNT: across nodes it differs after a restart. The agent whose worker
@@ -108,12 +111,13 @@ def _agree_on_round(store, rank: int, world_size: int, timeout: datetime.timedel
         for r in sorted(waiting):
             if store.check([f"ack/{name}/{r}"]):
                 waiting.discard(r)
-            elif store.check([f"hello/{r}"]) and answered.get(r) != (nonce := store.get(f"hello/{r}").decode()):
+            elif (store.check([f"hello/{r}"])
+                    and answered.get(r) != (nonce := store.get(f"hello/{r}").decode())):
                 store.set(f"welcome/{nonce}", name)
                 answered[r] = nonce
         if waiting and time.monotonic() > deadline:
-            raise RuntimeError(f"dist: rank(s) {sorted(waiting)} did not join this attempt of the group within "
-                               f"dist.timeout_s={timeout.total_seconds():.0f}")
+            raise RuntimeError(f"dist: rank(s) {sorted(waiting)} did not join this attempt of the group "
+                               f"within dist.timeout_s={timeout.total_seconds():.0f}")
         if waiting:
             time.sleep(poll_s)
     return name
@@ -139,7 +143,8 @@ def side_store(ctx: DistContext, timeout_s: float = 10.0):
     return dist.PrefixStore(f"trainapp/{ctx.store_scope}", store)
 
 
-def setup(cfg: DistSection, network=None, ray_device: Callable[[], torch.device] | None = None) -> DistContext:
+def setup(cfg: DistSection, network=None,
+          ray_device: Callable[[], torch.device] | None = None) -> DistContext:
     """Read ranks from the environment, choose the device (`dist.device`, trainapp/launch/device.py) and
     make sure a process group exists when world size > 1, with a Gloo side group beside it for the
     waits on rank 0's file work.

@@ -140,7 +140,8 @@ def resolve(request: str, rendezvous: str | None, ifaces: dict[str, Interface] |
             return Resolution(host, request, None, None, None, None,
                               "auto: no rendezvous address (a single process): nothing to choose")
         if route_if is None:
-            raise _fail(request, host, f"has no interface on {to} (source address {route_ip or 'none'})", ifaces)
+            raise _fail(request, host, f"has no interface on {to} (source address {route_ip or 'none'})",
+                        ifaces)
         return chosen(route_if, route_if, f"auto: {route_if} carries {to}")
 
     if request.startswith("^"):
@@ -165,7 +166,8 @@ def resolve(request: str, rendezvous: str | None, ifaces: dict[str, Interface] |
     return chosen("=" + ",".join(names), gloo, f"named; Gloo uses {gloo} ({why})")
 
 
-def apply(section: NetworkSection, rendezvous: str | None, environ=os.environ, host: str | None = None) -> Resolution:
+def apply(section: NetworkSection, rendezvous: str | None, environ=os.environ,
+          host: str | None = None) -> Resolution:
     """Resolve, then export the variables (and `network.nccl`) unless the environment already has them;
     the choice itself goes to TRAINAPP_NETWORK for `Resolution.from_environ`. `host`: this node's name
     in messages (default: the host name)."""
@@ -177,8 +179,8 @@ def apply(section: NetworkSection, rendezvous: str | None, environ=os.environ, h
         ifaces = interfaces()
         if env_gloo not in ifaces or not ifaces[env_gloo].ipv4:
             raise NetworkError(f"environment {GLOO_IFNAME}={env_gloo}: host {host} has no such "
-                               f"interface with an IPv4 address (it has: {describe_all(ifaces)}); unset it or "
-                               "name one of those")
+                               f"interface with an IPv4 address (it has: {describe_all(ifaces)}); unset it "
+                               "or name one of those")
     res = resolve(section.interface, rendezvous, host=host)
     wanted = {NCCL_IFNAME: res.nccl, GLOO_IFNAME: res.gloo, **section.nccl}
     for key, value in wanted.items():
@@ -205,10 +207,11 @@ def check_hosts(reports: list[dict]) -> None:
         return
     for rank, r in enumerate(reports):
         if r.get("request") == "auto" and str(r.get("address") or "").startswith("127."):
-            raise NetworkError(f"network.interface=auto: rank {rank} on host {r['host']} reaches the rendezvous "
-                               f"{r.get('rendezvous')} over loopback ({r['address']}) while the ranks run on "
-                               f"{len(hosts)} hosts; set MASTER_ADDR to an address the other nodes reach (not a "
-                               "name that resolves to 127.x here) or name the interface (network.interface=eth0)")
+            raise NetworkError(f"network.interface=auto: rank {rank} on host {r['host']} reaches the "
+                               f"rendezvous {r.get('rendezvous')} over loopback ({r['address']}) while the "
+                               f"ranks run on {len(hosts)} hosts; set MASTER_ADDR to an address the other "
+                               "nodes reach (not a name that resolves to 127.x here) or name the interface "
+                               "(network.interface=eth0)")
 
 
 def rendezvous_from_env(environ=os.environ) -> str | None:

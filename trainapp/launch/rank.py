@@ -98,8 +98,8 @@ def _side_store(ctx: DistContext):
     try:
         return dist.side_store(ctx)
     except Exception as e:  # the group formed a moment ago: its store's host died since
-        raise StoreGone(f"the group's store is unreachable ({first_line(e)}): its host, rank 0 or the launcher, "
-                        "is gone") from None
+        raise StoreGone(f"the group's store is unreachable ({first_line(e)}): its host, rank 0 or the "
+                        "launcher, is gone") from None
 
 
 class StoreGone(Failure):
@@ -126,4 +126,5 @@ def trainer(launcher: Launcher, cfg: Config, ctx: DistContext, guard: RankGuard,
     boundary = StepBoundary(ctx, guard.notices, snapshots.due, launcher.drains(cfg), cfg.preempt.ray_poll_s,
                             records.drain_notice)
     records.start(parts, dist.placement(ctx), launcher.restart(), guard.timeline.marks())
-    return Trainer(cfg, ctx, parts, snapshots, guard, boundary, records, (drills.after_step, records.after_step))
+    return Trainer(cfg, ctx, parts, snapshots, guard, boundary, records,
+                   (drills.after_step, records.after_step))

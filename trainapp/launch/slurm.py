@@ -76,8 +76,9 @@ def check_network(cfg: Config, rendezvous: str) -> net.Resolution:
     try:
         socket.getaddrinfo(rendezvous, None, socket.AF_INET)
     except OSError as e:
-        raise ConfigError(f"rendezvous host {rendezvous} does not resolve on node {_node()} ({e}); set RDZV_HOST "
-                          "in slurm/train.sbatch to a name or address every node resolves") from None
+        raise ConfigError(f"rendezvous host {rendezvous} does not resolve on node {_node()} ({e}); "
+                          "set RDZV_HOST in slurm/train.sbatch to a name or address every node "
+                          "resolves") from None
     try:
         return net.apply(cfg.network, rendezvous, environ=dict(os.environ), host=_node())
     except net.NetworkError as e:

@@ -42,8 +42,8 @@ class Torchrun(Launcher):
         return LocalPublish(Path(cfg.run.dir) / "snapshots", cfg.snapshot.keep)
 
     def lease(self, cfg: Config, ctx: DistContext) -> RunLease:
-        kind = "slurm" if os.environ.get("SLURM_JOB_ID") else "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ \
-            else "alone"
+        kind = ("slurm" if os.environ.get("SLURM_JOB_ID")
+                else "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "alone")
         return take_for_group(ctx, cfg.run.dir, kind, cfg.run.lease_s, cfg.run.take_over)
 
     def restart(self) -> int:

@@ -171,10 +171,12 @@ def account(records: list[dict[str, Any]]) -> dict[str, Any] | None:
         for cause in ("startup", "data", "stragglers", "snapshot", "eval", "detection", "notice"):
             bad[cause] += p.get(cause, 0.0)
         bad["redone"] += redone * a.step_s
-        explained = p["startup"] + p["steps"] + p["snapshot"] + p["eval"] + p.get("detection", 0) + p.get("notice", 0)
+        explained = (p["startup"] + p["steps"] + p["snapshot"] + p["eval"] + p.get("detection", 0)
+                     + p.get("notice", 0))
         bad["other"] += (a.end - a.launch) - explained
         if nxt is not None:
-            bad["restart" if same_job(start[0], nstart[0]) else "between_attempts"] += max(0.0, nxt.launch - a.end)
+            bad["restart" if same_job(start[0], nstart[0])
+                else "between_attempts"] += max(0.0, nxt.launch - a.end)
     wall = attempts[-1].end - attempts[0].launch
     return {"wall_s": wall, "goodput_s": good, "goodput": good / wall if wall > 0 else 0.0,
             "badput_s": {k: round(v, 3) for k, v in bad.items()}, "steps_redone": int(redone_steps),
@@ -185,8 +187,8 @@ def account(records: list[dict[str, Any]]) -> dict[str, Any] | None:
 def table(acc: dict[str, Any]) -> list[str]:
     """The account as report lines: goodput, then each cause with seconds and share of the wall time."""
     wall = acc["wall_s"] or 1.0
-    lines = [f"goodput        {acc['goodput']:.1%} of {acc['wall_s']:.1f} s ({acc['goodput_s']:.1f} s in steps the "
-             f"final model kept; {acc['steps_redone']} steps redone)"]
+    lines = [f"goodput        {acc['goodput']:.1%} of {acc['wall_s']:.1f} s ({acc['goodput_s']:.1f} s in "
+             f"steps the final model kept; {acc['steps_redone']} steps redone)"]
     for cause in CAUSES:
         s = acc["badput_s"].get(cause, 0.0)
         if abs(s) >= 0.05:

@@ -29,13 +29,15 @@ RUN = (
     ("snapshot_step", "Step of the newest snapshot written"),
     ("snapshot_timestamp_seconds", "Unix time the newest snapshot was written"),
     ("snapshot_age_seconds", "Seconds since the newest snapshot was written (as of the last update)"),
-    ("goodput_ratio", "Share of the run's wall time so far, over every attempt, spent in steps the model kept"),
+    ("goodput_ratio",
+     "Share of the run's wall time so far, over every attempt, spent in steps the model kept"),
     ("wall_seconds", "The run's wall time so far, over every attempt"),
     ("restarts", "Attempts of this run before the current one"),
     ("steps_redone", "Steps trained again because a restart resumed from an earlier snapshot"),
 )
 """The run's gauges (`trainapp_` + name), label `run`; rank 0 only."""
-BADPUT = ("badput_seconds", "Seconds of the run's wall time lost so far, by cause (trainapp report lists them)")
+BADPUT = ("badput_seconds",
+          "Seconds of the run's wall time lost so far, by cause (trainapp report lists them)")
 """The gauge with a `cause` label beside `run`."""
 RANK = (
     ("rank_step_seconds", "A rank's mean step time over the last log interval"),
@@ -67,7 +69,8 @@ class PromSink:
                        for n, h in RUN}
         self.gauges["trainapp_" + BADPUT[0]] = Gauge("trainapp_" + BADPUT[0], BADPUT[1], ["run", "cause"],
                                                      registry=self.registry)
-        self.gauges.update({f"trainapp_{n}": Gauge(f"trainapp_{n}", h, ["run", "rank"], registry=self.registry)
+        self.gauges.update({f"trainapp_{n}": Gauge(f"trainapp_{n}", h, ["run", "rank"],
+                                                   registry=self.registry)
                             for n, h in RANK})
         self.server, self.thread = start_http_server(port, addr, registry=self.registry)
         self.port = self.server.server_address[1]
@@ -161,8 +164,8 @@ def serve(port: int, run: str, ctx) -> LiveMetrics | None:
     try:
         sink = PromSink(port)
     except OSError as e:
-        log.warning("observe.prometheus_port=%d: cannot serve metrics on %s (%s); this node's metrics are not "
-                    "served, training goes on; pick a free port", port, key[0], e.strerror or e)
+        log.warning("observe.prometheus_port=%d: cannot serve metrics on %s (%s); this node's metrics are "
+                    "not served, training goes on; pick a free port", port, key[0], e.strerror or e)
         return None
     log.info("metrics: http://%s:%d/metrics serves rank(s) %s%s", key[0], sink.port,
              ",".join(map(str, sorted(mine))), " and the run's figures" if ctx.is_main else "")

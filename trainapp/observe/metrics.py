@@ -1,5 +1,5 @@
-"""metrics.jsonl: the writer (rank 0 appends one JSON record per line; any rank its `failure`), the one reader, and the
-throughput meter behind every `samples_per_s`.
+"""metrics.jsonl: the writer (rank 0 appends one JSON record per line; any rank its `failure`), the one
+reader, and the throughput meter behind every `samples_per_s`.
 
 Standard library only: scripts/smoke_assert.py imports this module with a bare python3, beside the
 report, the benchmarks and the tests.

@@ -53,7 +53,8 @@ class Records:
         self.hosts = [pl["host"] for pl in placed or []]
         self.stragglers.work = [p.layout.micro_steps(r) for r in range(ctx.world_size)]
         resumed = p.resumed or {}
-        if cfg.observe.tensorboard and ctx.is_main:  # from where this attempt starts: one timeline across restarts
+        # From where this attempt starts: one timeline across restarts.
+        if cfg.observe.tensorboard and ctx.is_main:
             self.board = tboard.Board(cfg.run.dir, resumed.get("global_step"))
         self.metrics.write("start", step=p.global_step, epoch=p.epoch, epoch_sample=p.epoch_sample,
                            world_size=ctx.world_size, global_batch=p.global_batch, layout=p.layout.to_dict(),
@@ -61,23 +62,26 @@ class Records:
                            amp_why=parts.precision.why, backend=ctx.backend, device=str(ctx.device),
                            device_why=ctx.device_why, kernels=parts.kernels,
                            threads=torch.get_num_threads(), interop_threads=torch.get_num_interop_threads(),
-                           restart=restart, resumed_from=parts.resumed_from, resumed_step=resumed.get("global_step"),
+                           restart=restart, resumed_from=parts.resumed_from,
+                           resumed_step=resumed.get("global_step"),
                            resumed_world_size=resumed.get("world_size"), network=network, placement=placed,
-                           startup=startup, lease=self.lease, config_changes=parts.config_changes, init=parts.init,
-                           config=cfg.to_dict())
+                           startup=startup, lease=self.lease, config_changes=parts.config_changes,
+                           init=parts.init, config=cfg.to_dict())
         if self.live is not None:
             self.live.started(p.global_step, parts.total_steps, ctx.world_size)
             self._account_live()
         self._started_at = time.monotonic()
         log.info("config %s", json.dumps(cfg.to_dict(), separators=(",", ":")))
-        log.info(logs.kv(world_size=ctx.world_size, backend=ctx.backend, device=ctx.device, amp=parts.precision.name,
-                         global_batch=p.global_batch, total_steps=parts.total_steps, start_step=p.global_step))
+        log.info(logs.kv(world_size=ctx.world_size, backend=ctx.backend, device=ctx.device,
+                         amp=parts.precision.name, global_batch=p.global_batch, total_steps=parts.total_steps,
+                         start_step=p.global_step))
 
     def after_step(self, step: int) -> None:
         """A step hook: after this attempt's first step, rank 0 says so, with how long it took (its first
         loss is checked, a compiled model compiled); nothing after."""
         if self._started_at is not None:
-            log.info("%s: step %d, %.1f s after the start", logs.FIRST_STEP, step, time.monotonic() - self._started_at)
+            log.info("%s: step %d, %.1f s after the start", logs.FIRST_STEP, step,
+                     time.monotonic() - self._started_at)
             self._started_at = None
 
     def train(self, record: dict[str, Any]) -> None:
@@ -130,7 +134,8 @@ class Records:
 
     def drain_notice(self, step: int, notice: dict[str, Any]) -> None:
         self.metrics.write("drain_notice", step=step, **notice)
-        log.warning("preemption: %s; a snapshot now and about every %g s until the node is gone, training goes on",
+        log.warning("preemption: %s; a snapshot now and about every %g s until the node is gone, training "
+                    "goes on",
                     notice.get("what", "node drained"), self.cfg.preempt.ray_poll_s)
 
     def stop(self, kind: str, **fields: Any) -> None:
@@ -143,7 +148,8 @@ class Records:
     def _account(self) -> dict[str, Any] | None:
         """Rank 0: the goodput account of the run so far, as if it ended now."""
         try:  # information: an account that cannot be made must not fail the run
-            return goodput.account(read(self.cfg.run.dir, missing_ok=True) + [{"kind": "end", "time": time.time()}])
+            return goodput.account(read(self.cfg.run.dir, missing_ok=True)
+                                   + [{"kind": "end", "time": time.time()}])
         except Exception as e:
             log.warning("no goodput account for %s: %s: %s", self.cfg.run.dir, e.__class__.__name__, e)
             return None

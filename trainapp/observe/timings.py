@@ -58,7 +58,8 @@ class PhaseClock:
     thread does from now on and tells `on_phase` (the heartbeat's `set_phase`) even when the timings
     are off."""
 
-    def __init__(self, device: torch.device, enabled: bool = True, on_phase: Callable[[str], None] = lambda p: None):
+    def __init__(self, device: torch.device, enabled: bool = True,
+                 on_phase: Callable[[str], None] = lambda p: None):
         self.enabled, self.on_phase = enabled, on_phase
         self.current = "other"
         self.cuda = device.type == "cuda"
@@ -90,7 +91,8 @@ class PhaseClock:
             self.totals[phase] += sign * (end - start)
 
     def restart(self) -> None:
-        """Drop the time since the last `enter`: the first interval starts at the first step, not at set-up."""
+        """Drop the time since the last `enter`: the first interval starts at the first step, not at
+        set-up."""
         if self.enabled:
             self._last = self._now()
             self._cpu = time.process_time()
@@ -147,7 +149,8 @@ class PhaseClock:
         if self._depth == 0 and self._wait is not None:
             now, begin, self._wait = self._now(), self._wait, None
             self._add("comm", begin, now)
-            self._add(self.current, begin, now, sign=-1.0)  # the phase's own lap, added on leaving it, includes it
+            # The phase's own lap, added on leaving it, includes it.
+            self._add(self.current, begin, now, sign=-1.0)
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:
@@ -190,7 +193,8 @@ class PhaseClock:
                 self.totals[phase] += sign * start.elapsed_time(end) / 1000
             self._pending.clear()
         start, self._cpu = self._cpu, time.process_time()
-        row = [float(self.steps), *(self.totals[p] for p in TIMED), self._cpu - start if self.enabled else 0.0]
+        row = [float(self.steps), *(self.totals[p] for p in TIMED),
+               self._cpu - start if self.enabled else 0.0]
         self.totals = dict.fromkeys(TIMED, 0.0)
         self.steps = 0
         return row
@@ -233,7 +237,8 @@ class Stragglers:
             return []
         if self.work and len(set(self.work)) > 1 and len(self.work) == len(ranks):
             ranks = [{**r, "busy_ms": r["busy_ms"] / self.work[r["rank"]],
-                      "phase_ms": {p: v / self.work[r["rank"]] for p, v in r["phase_ms"].items()}} for r in ranks]
+                      "phase_ms": {p: v / self.work[r["rank"]] for p, v in r["phase_ms"].items()}}
+                     for r in ranks]
         median = statistics.median(r["busy_ms"] for r in ranks)
         found = []
         for r in ranks:
@@ -248,7 +253,8 @@ class Stragglers:
                 found.append(self._record(step, r, ranks, median))
         return found
 
-    def _record(self, step: int, r: dict[str, Any], ranks: list[dict[str, Any]], median: float) -> dict[str, Any]:
+    def _record(self, step: int, r: dict[str, Any], ranks: list[dict[str, Any]],
+                median: float) -> dict[str, Any]:
         medians = {p: statistics.median(x["phase_ms"][p] for x in ranks) for p in BUSY}
         phase = max(BUSY, key=lambda p: r["phase_ms"][p] - medians[p])
         return {"step": step, "rank": r["rank"], "host": r["host"], "ratio": round(r["busy_ms"] / median, 3),
@@ -259,5 +265,6 @@ class Stragglers:
 
 def straggler_line(s: dict[str, Any], ratio: float) -> str:
     return (f"straggler: rank {s['rank']} on {s['host']} took {s['ratio']:.2f}x the median step time without "
-            f"communication wait for {s['intervals']} log intervals (observe.straggler_ratio={ratio:g}); slowest "
-            f"phase {s['phase']}: {s['phase_ms']:.1f} ms per step against a median {s['median_phase_ms']:.1f} ms")
+            f"communication wait for {s['intervals']} log intervals (observe.straggler_ratio={ratio:g}); "
+            f"slowest phase {s['phase']}: {s['phase_ms']:.1f} ms per step against a median "
+            f"{s['median_phase_ms']:.1f} ms")

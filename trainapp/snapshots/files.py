@@ -40,15 +40,18 @@ def is_storage_error(e: BaseException) -> bool:
 
 
 def storage_hint(e: OSError, root: Path | str, size: int | None, setting: str = "run.dir") -> str:
-    """What would fix a storage error, for its one-line message (`setting`: the key that names the storage)."""
+    """What would fix a storage error, for its one-line message (`setting`: the key that names the
+    storage)."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         need = f" (a snapshot takes about {size / 1e6:.1f} MB)" if size else ""
         return f"free space under {root}{need} or point {setting} at a larger volume"
     if e.errno == errno.EROFS:
         return f"{root} is on a read-only filesystem: remount it read-write or point {setting} elsewhere"
     if e.errno in (errno.EACCES, errno.EPERM):
-        return f"{_writer()} may not write there: fix the directory's owner or mode, or point {setting} elsewhere"
-    return f"the storage under {root} reports I/O errors: check the disk, the network filesystem or the object store"
+        return (f"{_writer()} may not write there: fix the directory's owner or mode, or point {setting} "
+                "elsewhere")
+    return (f"the storage under {root} reports I/O errors: check the disk, the network filesystem or the "
+            "object store")
 
 
 def _writer() -> str:
@@ -232,7 +235,8 @@ def _copy(obj: Any, into: Any, cuda: list[bool]) -> Any:
         if (isinstance(into, torch.Tensor) and into.shape == src.shape and into.dtype == src.dtype
                 and into.stride() == src.stride()):
             return into.copy_(src, non_blocking=src.is_cuda)
-        dst = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
+        dst = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="cpu",
+                                  pin_memory=src.is_cuda)
         return dst.copy_(src, non_blocking=src.is_cuda)
     if isinstance(obj, dict):
         into = into if isinstance(into, dict) else {}

@@ -121,7 +121,8 @@ def gone(holder: dict[str, Any]) -> bool:
 
 def describe(holder: dict[str, Any]) -> str:
     """'torchrun pid 123 on host h (job J) since 2026-11-26 20:01:02 UTC'."""
-    since = datetime.fromtimestamp(holder.get("started_at", 0), timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    since = (datetime.fromtimestamp(holder.get("started_at", 0), timezone.utc)
+             .strftime("%Y-%m-%d %H:%M:%S UTC"))
     return (f"{holder.get('launcher', '?')} pid {holder.get('pid', '?')} on host {holder.get('host', '?')} "
             f"(job {holder.get('job', '?')}) since {since}")
 
@@ -156,7 +157,8 @@ class Fence:
 
     def lost(self) -> bool:
         """True once another run took the lease over (then for good)."""
-        if self.lost_to is None and self.store is not None and self.store.exists(gen_name(self.generation + 1)):
+        if (self.lost_to is None and self.store is not None
+                and self.store.exists(gen_name(self.generation + 1))):
             self.lost_to = parse_record(self.store.read(gen_name(self.generation + 1))) or {}
         return self.lost_to is not None
 
@@ -167,8 +169,9 @@ class Fence:
 
     def line(self, what: str = "write") -> str:
         holder = describe((self.lost_to or {}).get("holder", {}))
-        return (f"run directory {self.run_dir} was taken over by {holder} (lease generation {self.generation + 1}; "
-                f"this run's was {self.generation}): this run stops before its next {what} and publishes nothing more")
+        return (f"run directory {self.run_dir} was taken over by {holder} "
+                f"(lease generation {self.generation + 1}; this run's was {self.generation}): "
+                f"this run stops before its next {what} and publishes nothing more")
 
 
 def parse_record(raw: bytes | None) -> dict[str, Any] | None:
@@ -198,8 +201,8 @@ class Lease:
 
     def summary(self) -> dict[str, Any]:
         """For the start record."""
-        return {"generation": self.generation, "term_s": self.record["term_s"], "holder": self.record["holder"],
-                "took_over": self.took_over}
+        return {"generation": self.generation, "term_s": self.record["term_s"],
+                "holder": self.record["holder"], "took_over": self.took_over}
 
     @classmethod
     def take(cls, run_dir: str, launcher: str, term_s: float, take_over: bool = False,
@@ -210,8 +213,9 @@ class Lease:
         try:
             return _Taking(store, run_dir, holder, term_s, take_over, sleep).run()
         except OSError as e:
-            raise ConfigError(f"run.dir={run_dir}: cannot take the run's lease in {store.where} ({e.strerror or e}); "
-                              "use a directory this user can write, or run.lease_s=0 to run without a lease") from None
+            raise ConfigError(f"run.dir={run_dir}: cannot take the run's lease in {store.where} "
+                              f"({e.strerror or e}); use a directory this user can write, "
+                              "or run.lease_s=0 to run without a lease") from None
 
     def start(self) -> Lease:
         self._thread = threading.Thread(target=self._renew, name="run-lease", daemon=True)
@@ -227,7 +231,7 @@ class Lease:
                     return
                 self._write(renew=True)
                 warned = False
-            except OSError as e:  # a full disk: training goes on; the term may run out, and fencing stops it then
+            except OSError as e:  # a full disk: training goes on; the term may run out, then fencing stops it
                 if not warned:
                     log.warning("run lease %s: cannot renew (%s); another run may take it over after %g s",
                                 self.store.where, e, self.record["term_s"])
@@ -236,7 +240,8 @@ class Lease:
     def _write(self, renew: bool = False, **changes: Any) -> None:
         with self._lock:  # the renewal thread and a stop request (a signal handler) both write
             renewals = self.record["renewals"] + renew
-            self.record = {**self.record, **changes, "renewals": renewals, "renewed_at": round(time.time(), 3)}
+            self.record = {**self.record, **changes, "renewals": renewals,
+                           "renewed_at": round(time.time(), 3)}
             self.store.replace(gen_name(self.generation), json.dumps(self.record).encode())
 
     def request_stop(self, signal_name: str, by: str) -> None:
@@ -290,9 +295,10 @@ def status(run_dir: str) -> str:
     if gone(holder):
         return f"held by {describe(holder)}, whose process is gone: the next run takes it over at once"
     if age > float(lease.get("term_s", 0)):
-        return f"held by {describe(holder)}, silent for {age:.0f} s (term {lease.get('term_s')} s): the next run " \
-               "takes it over"
-    return f"in use by {describe(holder)}, renewed {age:.1f} s ago: another run started on it now stops (exit 2)"
+        return f"held by {describe(holder)}, silent for {age:.0f} s (term {lease.get('term_s')} s): " \
+               "the next run takes it over"
+    return (f"in use by {describe(holder)}, renewed {age:.1f} s ago: another run started on it now stops "
+            "(exit 2)")
 
 
 class _Taking:
@@ -300,8 +306,10 @@ class _Taking:
 
     POLL_S = 0.25
 
-    def __init__(self, store, run_dir: str, holder: dict[str, Any], term_s: float, take_over: bool, sleep) -> None:
-        self.store, self.run_dir, self.holder, self.term_s, self.take_over = store, run_dir, holder, term_s, take_over
+    def __init__(self, store, run_dir: str, holder: dict[str, Any], term_s: float, take_over: bool,
+                 sleep) -> None:
+        (self.store, self.run_dir, self.holder,
+         self.term_s, self.take_over) = store, run_dir, holder, term_s, take_over
         self.sleep = sleep
         self.seen: dict[tuple, float] = {}  # (generation, renewals) -> when this contender first saw it
         self.said = False
@@ -326,25 +334,26 @@ class _Taking:
         if record.get("released"):
             return "", None
         if record and old.get("job") == self.holder["job"]:
-            log.info("run lease %s: generation %d was this job's (%s): a restart takes it", self.store.where, gen,
-                     old.get("job"))
+            log.info("run lease %s: generation %d was this job's (%s): a restart takes it",
+                     self.store.where, gen, old.get("job"))
             return "", None
         if record and gone(old):
             return "its process is gone", old
         if self.take_over:
             return "run.take_over=true", old
         if any(k[0] == gen and k != key for k in self.seen):
-            raise LeaseHeld(f"run.dir={self.run_dir} is in use by another run: {describe(old)}, lease renewed "
-                            f"{_age(record):.1f} s ago; wait for it to end, use another run.dir, or, if that run is "
-                            f"dead, rerun with run.take_over=true (a live holder then stops at its next write)")
+            raise LeaseHeld(f"run.dir={self.run_dir} is in use by another run: {describe(old)}, "
+                            f"lease renewed {_age(record):.1f} s ago; wait for it to end, use another "
+                            f"run.dir, or, if that run is dead, rerun with run.take_over=true (a live "
+                            f"holder then stops at its next write)")
         term, age, watched = float(record.get("term_s", self.term_s)), _age(record), now - first_seen
         long_enough = watched >= 2 * float(record.get("renew_s", 1.0))  # a live holder renewed meanwhile
         if watched > term or (long_enough and age > term):
             return f"its heartbeat stopped {max(age, watched):.0f} s ago (term {term:g} s)", old
         if long_enough and not self.said:
             self.said = True
-            log.warning("run.dir=%s is held by %s, last renewed %.0f s ago; waiting up to %.0f s for it to renew "
-                        "(another run: this one stops) or to expire (it is taken over)", self.run_dir,
+            log.warning("run.dir=%s is held by %s, last renewed %.0f s ago; waiting up to %.0f s for it to "
+                        "renew (another run: this one stops) or to expire (it is taken over)", self.run_dir,
                         describe(old), age, term)
         return None
 
@@ -361,8 +370,8 @@ class _Taking:
         took_over = None
         if reason:
             took_over = {"holder": old, "why": reason, "generation": gen - 1}
-            log.warning("run.dir=%s: took over the lease of %s: %s (generation %d; that run, if it still runs, "
-                        "publishes nothing more)", self.run_dir, describe(old or {}), reason, gen)
+            log.warning("run.dir=%s: took over the lease of %s: %s (generation %d; that run, if it still "
+                        "runs, publishes nothing more)", self.run_dir, describe(old or {}), reason, gen)
         return Lease(self.store, self.run_dir, gen, record, took_over)
 
 
@@ -376,7 +385,8 @@ class RunLease:
     """What a rank knows of its run's lease: the `fence` every writer checks, the start record's
     `summary`, and on the holder the `lease` itself, renewed until `release`."""
 
-    def __init__(self, fence: Fence, summary: dict[str, Any] | None = None, lease: Lease | None = None) -> None:
+    def __init__(self, fence: Fence, summary: dict[str, Any] | None = None,
+                 lease: Lease | None = None) -> None:
         self.fence, self.summary, self.lease = fence, summary, lease
 
     @classmethod

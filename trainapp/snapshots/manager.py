@@ -86,8 +86,9 @@ class SnapshotManager:
     differs between launchers (LocalPublish, or Ray Train's). The loop calls `due`, then `save` on every
     rank; rank 0 does the file work. `heartbeat` (the rank guard's) hears of every chunk written."""
 
-    def __init__(self, publish: Publish, every_steps: int = 50, async_write: bool = False, max_failures: int = 3,
-                 write_delay_s: float = 0.0, heartbeat: Any = None, fence: Fence | None = None) -> None:
+    def __init__(self, publish: Publish, every_steps: int = 50, async_write: bool = False,
+                 max_failures: int = 3, write_delay_s: float = 0.0, heartbeat: Any = None,
+                 fence: Fence | None = None) -> None:
         self.publish, self.root = publish, publish.root
         self.fence = fence or Fence.none()
         """The run's lease: checked before a snapshot is published (trainapp/snapshots/lease.py)."""
@@ -113,11 +114,12 @@ class SnapshotManager:
         self._groups: tuple[Any, Any] | None = None  # Gloo groups of DCP's writer thread and of `poll`
 
     @classmethod
-    def from_config(cls, cfg, publish: Publish, heartbeat: Any = None, fence: Fence | None = None) -> SnapshotManager:
+    def from_config(cls, cfg, publish: Publish, heartbeat: Any = None,
+                    fence: Fence | None = None) -> SnapshotManager:
         """The one place a run's snapshot manager is made from its config (`publish`: the launcher's)."""
         s = cfg.snapshot
-        return cls(publish, s.every_steps, s.async_, s.max_failures, cfg.drill.snapshot_write_delay_s, heartbeat,
-                   fence)
+        return cls(publish, s.every_steps, s.async_, s.max_failures, cfg.drill.snapshot_write_delay_s,
+                   heartbeat, fence)
 
     def due(self, step: int, last: bool) -> bool:
         return last or (self.every_steps > 0 and step % self.every_steps == 0)
@@ -224,7 +226,8 @@ class SnapshotManager:
                       shards: dict[str, Any]) -> None:
         """Every rank: its shards of `step` copied to CPU memory, their write started in DCP's thread;
         rank 0 keeps a copy of the rest of the state for `settle`."""
-        if self._groups is None and ctx.distributed:  # collectives: every rank makes them at the same snapshot
+        # Collectives: every rank makes them at the same snapshot.
+        if self._groups is None and ctx.distributed:
             self._groups = (ctx.new_side_group(), ctx.new_side_group())
         tmp = self._staging_dir(ctx, step)
         copy = self._staging = cpu_copy(state, into=self._staging) if ctx.is_main else None
@@ -271,7 +274,8 @@ class SnapshotManager:
             except OSError as e:
                 if shards or e.errno not in (errno.ENOSPC, errno.EDQUOT) or not self.publish.make_room():
                     raise
-                log.warning("snapshot step=%d: %s; deleted older snapshots to make room, writing it again", step, e)
+                log.warning("snapshot step=%d: %s; deleted older snapshots to make room, writing it again",
+                            step, e)
                 where = self.write(step, state, meta)
         except OSError as e:
             if not is_storage_error(e):
@@ -287,8 +291,8 @@ class SnapshotManager:
             e = OSError(e.errno, e.strerror, str(self.path_for(step)))
         self.failures += 1
         self._last = (step, e)
-        self.failed.append({"step": step, "errno": errno.errorcode.get(e.errno, str(e.errno)), "error": str(e),
-                            "path": e.filename, "in_a_row": self.failures})
+        self.failed.append({"step": step, "errno": errno.errorcode.get(e.errno, str(e.errno)),
+                            "error": str(e), "path": e.filename, "in_a_row": self.failures})
         log.warning("snapshot step=%d failed: %s; nothing half-written is left; training goes on (%d of "
                     "snapshot.max_failures=%d in a row)", step, e, self.failures, self.max_failures)
 
@@ -307,12 +311,13 @@ class SnapshotManager:
             newest = newest_valid(self.root)
         except ConfigError:  # none is valid: nothing to name
             newest = None
-        if newest is None and self.last_written is not None:  # published elsewhere (a URI): this process wrote it
+        # Published elsewhere (a URI): this process wrote it.
+        if newest is None and self.last_written is not None:
             newest = (self.last_written, {})
         size = newest[1].get("bytes") if newest else None
         why = (f"the final snapshot (step {step}) failed" if final and self.failures < self.max_failures
-               else f"snapshot.max_failures={self.max_failures}: {self.failures} snapshots in a row failed, the last "
-                    f"at step {step}")
+               else f"snapshot.max_failures={self.max_failures}: {self.failures} snapshots in a row failed, "
+                    f"the last at step {step}")
         kept = f"the newest valid snapshot is {newest[0]}" if newest else "there is no valid snapshot yet"
         hint = storage_hint(e, self.publish.where, size, self.publish.setting)
         return f"{why}: {e}; {hint}; {kept}; rerun to resume from it"

@@ -111,9 +111,10 @@ def check_seen(ctx, tmp: Path, setting: str, where: str) -> None:
     if blind:
         if ctx.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise ConfigError(f"{where}: not the same directory on every node ({', '.join(blind)} cannot see rank 0's "
-                          f"snapshot directory {tmp.name}); sharded snapshots (parallel.strategy=fsdp) need storage "
-                          f"every node sees: point {setting} at a shared filesystem (NFS, a shared volume)")
+        raise ConfigError(f"{where}: not the same directory on every node ({', '.join(blind)} cannot see "
+                          f"rank 0's snapshot directory {tmp.name}); sharded snapshots "
+                          f"(parallel.strategy=fsdp) need storage every node sees: point {setting} at a "
+                          f"shared filesystem (NFS, a shared volume)")
 
 
 def write_shards(tmp: Path, shards: dict[str, Any], delay_s: float = 0.0) -> None:
@@ -164,7 +165,8 @@ def merged(everyone: list[dict[str, Any]] | None) -> dict[str, Any] | None:
 
 def write_dir(final: Path, state: dict[str, Any], meta: dict[str, Any], delay_s: float = 0.0,
               progress: Callable[[], None] = lambda: None, buffers: Buffers | None = None,
-              before_publish: Callable[[], None] = lambda: None, shards: dict[str, Any] | None = None) -> Path:
+              before_publish: Callable[[], None] = lambda: None,
+              shards: dict[str, Any] | None = None) -> Path:
     """Write `state` and `meta` as the snapshot directory `final`, atomically (`delay_s`: a drill's
     pause between the state file and the meta file that completes it; `progress`: called as the
     write goes, for the hang watchdog; `before_publish`: the last word before the rename, which may
@@ -181,7 +183,8 @@ def write_dir(final: Path, state: dict[str, Any], meta: dict[str, Any], delay_s:
         while time.monotonic() < end:  # a slow write, not a hung one: it beats as a real one does
             time.sleep(max(0.0, min(0.5, end - time.monotonic())))
             progress()
-        meta = {**meta, "format": FORMAT, "xxh3_128": digest, "bytes": size, **({SHARDS: shards} if shards else {})}
+        meta = {**meta, "format": FORMAT, "xxh3_128": digest, "bytes": size,
+                **({SHARDS: shards} if shards else {})}
         write_bytes(tmp / META, lambda f: f.write(json.dumps(meta, indent=2).encode()))
         fsync_dir(tmp)
         before_publish()
@@ -220,7 +223,8 @@ def verify(snap: Path) -> dict[str, Any]:
         if not path.is_file():
             raise SnapshotError(f"{path}: missing (a shard of this snapshot)")
         if path.stat().st_size != want["bytes"]:
-            raise SnapshotError(f"{path}: {path.stat().st_size} bytes, expected {want['bytes']} (a torn shard)")
+            raise SnapshotError(f"{path}: {path.stat().st_size} bytes, expected {want['bytes']} "
+                                "(a torn shard)")
         if file_digest(path) != want["xxh3_128"]:
             raise SnapshotError(f"{path}: checksum mismatch (xxh3_128; a corrupt shard)")
     return meta
@@ -234,8 +238,8 @@ def load_state(snap: Path, name: str = STATE) -> dict[str, Any]:
         raise
     except Exception as e:
         first = (str(e).strip().splitlines() or [""])[0]
-        raise SnapshotError(f"{snap / name}: cannot be loaded as a snapshot ({e.__class__.__name__}: {first})") \
-            from None
+        raise SnapshotError(f"{snap / name}: cannot be loaded as a snapshot "
+                            f"({e.__class__.__name__}: {first})") from None
     if not isinstance(state, dict) or state.get("model") is None:
         raise SnapshotError(f"{snap / name}: not a trainapp snapshot (no model state)")
     return state

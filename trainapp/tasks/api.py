@@ -80,7 +80,8 @@ class Task(Protocol):
 # The optional methods, for reference (a Protocol's members would all be required):
 #   collate(items: list) -> batch                       instead of torch's default_collate
 #   state_dict() -> dict / load_state_dict(state)       the task's own state, in every snapshot
-#   param_groups(model) -> list[dict]                    optimizer groups ({"params": [...], options})
-#   shard_units(model) -> list[nn.Module]                 the submodules FSDP shards as units (parallel.strategy=fsdp)
-#   export(model, out_dir: Path)                          the task's own format beside model.safetensors in an
-#                                                         export directory (e.g. save_pretrained; docs/export.md)
+#   param_groups(model) -> list[dict]                   optimizer groups ({"params": [...], options})
+#   shard_units(model) -> list[nn.Module]               the submodules FSDP shards as units
+#                                                       (parallel.strategy=fsdp)
+#   export(model, out_dir: Path)                        its own format beside model.safetensors in the export
+#                                                       directory (e.g. save_pretrained; docs/export.md)

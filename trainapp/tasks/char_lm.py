@@ -60,7 +60,8 @@ class Block(nn.Module):
         b, t, c = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
         return x + self.mlp(self.ln2(x))
 
@@ -87,8 +88,9 @@ class CharLM:
 
     random_items = False  # windows of a fixed text: nothing random in reading one
 
-    def __init__(self, text: str | None = None, block_size: int = 64, stride: int = 16, val_fraction: float = 0.1,
-                 n_layer: int = 2, n_head: int = 4, n_embd: int = 96, dropout: float = 0.0):
+    def __init__(self, text: str | None = None, block_size: int = 64, stride: int = 16,
+                 val_fraction: float = 0.1, n_layer: int = 2, n_head: int = 4, n_embd: int = 96,
+                 dropout: float = 0.0):
         if n_embd % n_head:
             raise ValueError(f"n_embd={n_embd} is not a multiple of n_head={n_head}")
         if not 0 < val_fraction < 1:
@@ -107,8 +109,9 @@ class CharLM:
         cut = int(len(ids) * (1 - self.val_fraction))
         train, val = Windows(ids[:cut], self.block, self.stride), Windows(ids[cut:], self.block, self.block)
         if len(val) == 0:
-            raise ConfigError(f"task.args.text={self.text}: {len(text)} characters are too few for a validation "
-                              f"window of block_size={self.block}; use a longer text or a larger val_fraction")
+            raise ConfigError(f"task.args.text={self.text}: {len(text)} characters are too few for a "
+                              f"validation window of block_size={self.block}; use a longer text or a larger "
+                              f"val_fraction")
         return train, val
 
     def model(self, ctx) -> nn.Module:

@@ -34,7 +34,8 @@ class SyntheticImages(Dataset):
     noise strong enough that a small CNN needs a few hundred steps to separate the classes.
     """
 
-    def __init__(self, size: int, num_classes: int, image_size: int, seed: int, split: str, noise: float = 6.0):
+    def __init__(self, size: int, num_classes: int, image_size: int, seed: int, split: str,
+                 noise: float = 6.0):
         protos_gen = torch.Generator().manual_seed(seed)
         coarse = torch.randn(num_classes, 3, 4, 4, generator=protos_gen)
         protos = torch.nn.functional.interpolate(coarse, size=(image_size, image_size), mode="bilinear",
@@ -42,7 +43,8 @@ class SyntheticImages(Dataset):
         # Train and val share the prototypes but not the samples.
         gen = torch.Generator().manual_seed(seed * 1_000_003 + (1 if split == "train" else 2))
         self.targets = torch.randint(num_classes, (size,), generator=gen)
-        self.images = protos[self.targets] + noise * torch.randn(size, 3, image_size, image_size, generator=gen)
+        self.images = protos[self.targets] + noise * torch.randn(size, 3, image_size, image_size,
+                                                                 generator=gen)
         self.classes = [f"class{i}" for i in range(num_classes)]
 
     def __len__(self) -> int:
@@ -129,8 +131,8 @@ def _imagefolder(cfg: DataSection):
     for split in ("train", "val"):
         d = root / split
         if not d.is_dir():
-            raise ConfigError(f"data.root={root}: missing {d}/ (imagefolder expects {root}/train/<class>/*.jpg "
-                              f"and {root}/val/<class>/*.jpg)")
+            raise ConfigError(f"data.root={root}: missing {d}/ (imagefolder expects "
+                              f"{root}/train/<class>/*.jpg and {root}/val/<class>/*.jpg)")
         try:
             parts[split] = ImageFolder(str(d))
         except (FileNotFoundError, OSError) as e:
@@ -208,8 +210,8 @@ class ImageClassification:
     def datasets(self, ctx):
         train, val, num_classes = build_datasets(self.data, ctx.seed, ctx.is_main, ctx.barrier)
         if self.arch.num_classes is not None and self.arch.num_classes != num_classes:
-            raise ConfigError(f"model.num_classes={self.arch.num_classes}: the dataset has {num_classes} classes; "
-                              "set it equal or leave it empty")
+            raise ConfigError(f"model.num_classes={self.arch.num_classes}: the dataset has {num_classes} "
+                              "classes; set it equal or leave it empty")
         self.num_classes = num_classes
         return train, val
 

@@ -22,7 +22,8 @@ BUILTIN = MappingProxyType({
     "image_classification": ("trainapp.tasks.image:from_config", True),
     "char_lm": ("trainapp.tasks.char_lm:CharLM", False),
 })
-"""Built-in task name -> (its factory, whether the factory takes the config first: factory(cfg, **task.args))."""
+"""Built-in task name -> (its factory, whether the factory takes the config first:
+factory(cfg, **task.args))."""
 DOCS = "docs/your-own-model.md"
 
 
@@ -32,8 +33,9 @@ def find(path: str) -> Callable:
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # any import-time error of the user's module: its own message says what
-        raise ConfigError(f"task.name={path!r}: cannot import {module_name} ({first_line(e)}); put its package "
-                          f"on PYTHONPATH, pip install it, or under Ray ship it with --working-dir ({DOCS})") from None
+        raise ConfigError(f"task.name={path!r}: cannot import {module_name} ({first_line(e)}); put its "
+                          f"package on PYTHONPATH, pip install it, or under Ray ship it with --working-dir "
+                          f"({DOCS})") from None
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
@@ -41,8 +43,8 @@ def find(path: str) -> Callable:
             raise ConfigError(f"task.name={path!r}: {module_name} ({where}) has no attribute {attr}")
         target = getattr(target, part)
     if not callable(target):
-        raise ConfigError(f"task.name={path!r}: {attr} is a {type(target).__name__}, not callable; name a class or "
-                          "a function that returns the task")
+        raise ConfigError(f"task.name={path!r}: {attr} is a {type(target).__name__}, not callable; name a "
+                          "class or a function that returns the task")
     return target
 
 
@@ -82,8 +84,9 @@ def check(task: Any, name: str) -> Any:
                           f"evaluate(model, batch) ({DOCS})")
     odd = [m for m in OPTIONAL if getattr(task, m, None) is not None and not callable(getattr(task, m))]
     if odd:
-        raise ConfigError(f"task.name={name!r}: the task's {odd[0]} is a {type(getattr(task, odd[0])).__name__}, not "
-                          f"a method; the optional methods are {', '.join(OPTIONAL)} ({DOCS})")
+        raise ConfigError(f"task.name={name!r}: the task's {odd[0]} is a "
+                          f"{type(getattr(task, odd[0])).__name__}, not a method; the optional methods are "
+                          f"{', '.join(OPTIONAL)} ({DOCS})")
     halves = [callable(getattr(task, m, None)) for m in ("state_dict", "load_state_dict")]
     if any(halves) and not all(halves):
         raise ConfigError(f"task.name={name!r}: the task has only one of state_dict and load_state_dict; "
@@ -100,11 +103,12 @@ def configure(config: Any, overrides: list[str], task: Any = None) -> tuple[Conf
         return config_load(config, overrides), None
     cls = type(task)
     path = f"{cls.__module__}:{cls.__qualname__}"
-    cfg = config_load(config, [*([f"task.name={path}"] if IMPORT_PATH.fullmatch(path) else []), "task.args={}",
-                               *overrides])
+    cfg = config_load(config, [*([f"task.name={path}"] if IMPORT_PATH.fullmatch(path) else []),
+                               "task.args={}", *overrides])
     if cfg.task.args:
-        raise ConfigError(f"task.args={cfg.task.args}: the task comes made by the script ({type(task).__name__}); "
-                          "pass its arguments there, or name it with task.name instead of handing it over")
+        raise ConfigError(f"task.args={cfg.task.args}: the task comes made by the script "
+                          f"({type(task).__name__}); pass its arguments there, or name it with task.name "
+                          "instead of handing it over")
     return cfg, check(task, cfg.task.name)
 
 

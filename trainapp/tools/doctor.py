@@ -94,17 +94,18 @@ def check_network(cfg: Config) -> list[Check]:
         out.append(Check("interface", FAIL, str(e)))
     for key in (net.NCCL_IFNAME, net.GLOO_IFNAME):
         if key in os.environ:
-            out.append(Check("environment", WARN, f"{key}={os.environ[key]} is set and wins over network.interface"))
+            out.append(Check("environment", WARN,
+                             f"{key}={os.environ[key]} is set and wins over network.interface"))
     if host and port:
         try:
             with socket.create_connection((host, port), timeout=3):
                 out.append(Check("rendezvous", OK, f"{host}:{port} ({what}) accepts connections"))
         except ConnectionRefusedError:
-            out.append(Check("rendezvous", WARN, f"{host}:{port} ({what}): reachable, but nothing listens yet "
-                                                 "(fine before rank 0 / the head starts)"))
+            out.append(Check("rendezvous", WARN, f"{host}:{port} ({what}): reachable, but nothing listens "
+                                                 "yet (fine before rank 0 / the head starts)"))
         except OSError as e:
-            out.append(Check("rendezvous", FAIL, f"{host}:{port} ({what}): {e.strerror or e}; check the address, "
-                                                 "routes and firewalls between the nodes"))
+            out.append(Check("rendezvous", FAIL, f"{host}:{port} ({what}): {e.strerror or e}; check the "
+                                                 "address, routes and firewalls between the nodes"))
     return out
 
 
@@ -121,12 +122,12 @@ def check_shm(cfg: Config) -> Check:
         usage = shutil.disk_usage("/dev/shm")
     except OSError:
         return Check("shm", WARN if need == 0 else FAIL, "no /dev/shm on this host")
-    detail = (f"/dev/shm {usage.total / 2**20:.0f} MiB, {usage.free / 2**20:.0f} MiB free; DataLoader workers need "
-              f"~{need / 2**20:.0f} MiB ({local} process(es) x data.num_workers={cfg.data.num_workers} x "
-              f"{_PREFETCH} batches of {cfg.train.batch_size})")
+    detail = (f"/dev/shm {usage.total / 2**20:.0f} MiB, {usage.free / 2**20:.0f} MiB free; DataLoader "
+              f"workers need ~{need / 2**20:.0f} MiB ({local} process(es) x "
+              f"data.num_workers={cfg.data.num_workers} x {_PREFETCH} batches of {cfg.train.batch_size})")
     if need > usage.free:
-        return Check("shm", FAIL, detail + "; raise the container's shm size (--shm-size, a Memory emptyDir) or "
-                                           "lower data.num_workers")
+        return Check("shm", FAIL, detail + "; raise the container's shm size (--shm-size, a Memory emptyDir) "
+                                           "or lower data.num_workers")
     return Check("shm", OK, detail)
 
 
@@ -174,7 +175,8 @@ def check_lease(cfg: Config) -> Check:
     from trainapp.snapshots import lease
 
     if cfg.run.lease_s <= 0:
-        return Check("lease", WARN, "run.lease_s=0: no lease; two runs on one run.dir would mix their snapshots")
+        return Check("lease", WARN,
+                     "run.lease_s=0: no lease; two runs on one run.dir would mix their snapshots")
     try:
         said = lease.status(cfg.run.dir)
     except OSError as e:

@@ -50,10 +50,11 @@ class CheckFailed(Failure):
 def _bound(source: Source, task: Any = None, setting: str = "PATH") -> tuple[Any, BoundTask]:
     """The run's config and its task bound to one CPU process, from what `source` says of its run."""
     if source.config is None and task is None:
-        raise ConfigError(f"{setting}={source.path}: a safetensors file without trainapp.json names no task; pass "
-                          "task= (trainapp.load_model(path, task=MyTask())) or use an export directory")
+        raise ConfigError(f"{setting}={source.path}: a safetensors file without trainapp.json names no task; "
+                          "pass task= (trainapp.load_model(path, task=MyTask())) or use an export directory")
     cfg = from_dict(source.config) if source.config is not None else from_dict({})
-    ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None, owns_group=False)
+    ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None,
+                      owns_group=False)
     return cfg, bind(task, cfg, ctx)
 
 
@@ -92,7 +93,8 @@ def _flat(out: Any) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def outputs(bound: BoundTask, model: torch.nn.Module, batch: Any) -> tuple[list[torch.Tensor], dict[str, float]]:
+def outputs(bound: BoundTask, model: torch.nn.Module,
+            batch: Any) -> tuple[list[torch.Tensor], dict[str, float]]:
     """The tensors `model`'s forward returns while the task evaluates `batch`, and the evaluation's sums."""
     seen: list[Any] = []
     hook = model.register_forward_hook(lambda module, args, out: seen.append(out))
@@ -117,8 +119,8 @@ def compare(ref: tuple[list, dict], got: tuple[list, dict], dtype: str) -> dict[
             "metrics": {k: [a_sums[k], b_sums.get(k)] for k in a_sums}}
 
 
-def export(path: str | Path, out: str | Path, step: int | None = None, ema: bool = False, dtype: str | None = None,
-           check: bool = True, force: bool = False, task: Any = None) -> Path:
+def export(path: str | Path, out: str | Path, step: int | None = None, ema: bool = False,
+           dtype: str | None = None, check: bool = True, force: bool = False, task: Any = None) -> Path:
     """`trainapp export`: the export directory `out` of the snapshot at `path`; where it went."""
     t0 = time.perf_counter()
     if dtype is not None and dtype not in DTYPE_NAMES:
@@ -136,7 +138,8 @@ def export(path: str | Path, out: str | Path, step: int | None = None, ema: bool
     return where
 
 
-def _write(bound: BoundTask, source: Source, artifact: ArtifactDir, cfg, dtype: str, check: bool) -> dict[str, Any]:
+def _write(bound: BoundTask, source: Source, artifact: ArtifactDir, cfg, dtype: str,
+           check: bool) -> dict[str, Any]:
     """The file (then the task's format) into `artifact`, checked; the record."""
     _, val = bound.datasets()
     model = _model(bound, source, "PATH")
@@ -154,7 +157,8 @@ def _write(bound: BoundTask, source: Source, artifact: ArtifactDir, cfg, dtype: 
         hook(model, artifact.stage)
     del state, model
     gc.collect()
-    result = _check(bound, artifact, digest, batch, ref, dtype) if check else {"outputs": "not run (--no-check)"}
+    result = (_check(bound, artifact, digest, batch, ref, dtype) if check
+              else {"outputs": "not run (--no-check)"})
     return {"run_dir": _run_dir(source),
             "step": source.record.get("step"), "ema": bool(source.record.get("ema")), "source": source.record,
             "params_sha256": params, "tensors_sha256": digest, "tied": drop, "dtype": dtype, "check": result,
@@ -182,5 +186,6 @@ def _check(bound: BoundTask, artifact: ArtifactDir, digest: str, batch, ref, dty
         raise CheckFailed(f"the export does not load into a fresh model of the task: {e}") from None
     result = compare(ref, outputs(bound, fresh, batch), dtype)
     if not result["passed"]:
-        raise CheckFailed(f"the export does not give the snapshot's model back: {result}; nothing was written")
+        raise CheckFailed(f"the export does not give the snapshot's model back: {result}; "
+                          "nothing was written")
     return {"tensors": "read back equal to the written ones", "outputs": result}

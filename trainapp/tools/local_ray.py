@@ -190,8 +190,9 @@ class LocalCluster:
             # runs are short, and a person watching one wants the step to move between two looks.
             **({"RAY_metrics_report_interval_ms": "2000"} if self.metrics
                else {"RAY_enable_metrics_collection": "false"}),
-            # A daemon gives the GCS 5 s to answer its first call, then exits (the dashboard: "Failed to connect
-            # to GCS ... within 5 seconds", and the head never comes up); a busy 2-core machine can take longer.
+            # A daemon gives the GCS 5 s to answer its first call, then exits (the dashboard: "Failed to
+            # connect to GCS ... within 5 seconds", and the head never comes up); a busy 2-core machine can
+            # take longer.
             "RAY_gcs_rpc_server_connect_timeout_s": "30",
             # The dashboard's modules are processes that must be up within 30 s, or the head fails to start
             # ("Module MetricsHead failed to start"): seen with a second test suite beside this one's cluster.
@@ -215,9 +216,10 @@ class LocalCluster:
         # A short per-node temp directory: Ray's socket paths under it must stay under 108 bytes.
         temp = self.dir / ("r" if not self.nodes else f"n{len(self.nodes)}")
         # Not the ports this node's arguments (the head's GCS, dashboard, client) or the cluster already name.
-        named = {int(a.rsplit("=", 1)[1]) for a in args if a.startswith("--") and a.split("=")[0].endswith("-port")
-                 and a.rsplit("=", 1)[1].isdigit()}
-        ports = free_ports(4, named | {self.gcs_port, self.dashboard_port} | {n.metrics_port for n in self.nodes})
+        named = {int(a.rsplit("=", 1)[1]) for a in args if a.startswith("--")
+                 and a.split("=")[0].endswith("-port") and a.rsplit("=", 1)[1].isdigit()}
+        ports = free_ports(4, named | {self.gcs_port, self.dashboard_port}
+                           | {n.metrics_port for n in self.nodes})
         with open(log, "ab") as out:
             proc = subprocess.Popen([RAY, "start", "--block", f"--node-ip-address={ip}", f"--temp-dir={temp}",
                                      "--disable-usage-stats", *_own_ports(*ports), *args],
@@ -247,11 +249,13 @@ class LocalCluster:
         system_config = json.dumps({"health_check_period_ms": self.health_check_period_ms,
                                     "health_check_failure_threshold": self.health_check_failure_threshold})
         try:
-            self._start("head", ["--head", "--num-cpus=0", f"--port={self.gcs_port}", "--dashboard-host=127.0.0.1",
+            self._start("head", ["--head", "--num-cpus=0", f"--port={self.gcs_port}",
+                                 "--dashboard-host=127.0.0.1",
                                  f"--dashboard-port={self.dashboard_port}", "--include-dashboard=true",
                                  f"--ray-client-server-port={free_port()}",
                                  f"--system-config={system_config}"], cwd, nice=self.head_nice)
-            if not _wait_port(self.gcs_port, timeout, self.node_ip) or not _wait_port(self.dashboard_port, timeout):
+            if (not _wait_port(self.gcs_port, timeout, self.node_ip)
+                    or not _wait_port(self.dashboard_port, timeout)):
                 raise RuntimeError(f"head did not come up; see {self.nodes[0].log}")
             # One at a time: on a small machine several raylets starting at once can miss their
             # registration deadline ("The current node timed out during startup").
@@ -272,14 +276,18 @@ class LocalCluster:
 
     def add_worker(self, name: str, cwd: Path | None = None) -> Node:
         """Start one more worker node (e.g. to replace a lost one)."""
-        return self._start(name, [f"--address={self.address}", f"--num-cpus={self.cpus:g}"], cwd or Path.cwd())
+        return self._start(name, [f"--address={self.address}", f"--num-cpus={self.cpus:g}"],
+                           cwd or Path.cwd())
 
     def state(self, resource: str, **filters: str) -> list[dict] | None:
         """Ray's state API over HTTP (`/api/v0/nodes`, `/api/v0/actors`, ...) with this cluster's
         token; None while the dashboard does not answer."""
-        query = "&".join(f"filter_keys={k}&filter_predicates=%3D&filter_values={v}" for k, v in filters.items())
-        req = urllib.request.Request(f"{self.dashboard_url}/api/v0/{resource}?limit=10000&detail=true&{query}",
-                                     headers={"Authorization": f"Bearer {self.token_path.read_text().strip()}"})
+        query = "&".join(f"filter_keys={k}&filter_predicates=%3D&filter_values={v}"
+                         for k, v in filters.items())
+        req = urllib.request.Request(f"{self.dashboard_url}/api/v0/{resource}"
+                                     f"?limit=10000&detail=true&{query}",
+                                     headers={"Authorization":
+                                              f"Bearer {self.token_path.read_text().strip()}"})
         try:
             with urllib.request.urlopen(req, timeout=10) as r:
                 return json.load(r)["data"]["result"]["result"]
@@ -297,7 +305,8 @@ class LocalCluster:
             if self.alive_nodes() >= count:
                 return
             time.sleep(0.5)
-        tails = "\n".join(f"--- {n.log}\n" + "".join(Path(n.log).read_text(errors="replace").splitlines(True)[-8:])
+        tails = "\n".join(f"--- {n.log}\n"
+                          + "".join(Path(n.log).read_text(errors="replace").splitlines(True)[-8:])
                           for n in self.nodes if Path(n.log).exists())
         raise RuntimeError(f"the cluster did not reach {count} alive nodes in {timeout:.0f}s (saw "
                            f"{self.alive_nodes()}); logs in {self.dir / 'logs'}\n{tails}")
@@ -306,13 +315,15 @@ class LocalCluster:
         """Until a no-op job runs: the head's job agent registers some seconds after the node."""
         deadline, last = time.monotonic() + timeout, ""
         while time.monotonic() < deadline:
-            r = subprocess.run([RAY, "job", "submit", "--address", self.dashboard_url, "--entrypoint-num-cpus=0",
-                                "--", "true"], env=self.env(), capture_output=True, text=True, timeout=120)
+            r = subprocess.run([RAY, "job", "submit", "--address", self.dashboard_url,
+                                "--entrypoint-num-cpus=0", "--", "true"],
+                               env=self.env(), capture_output=True, text=True, timeout=120)
             if r.returncode == 0:
                 return
             last = (r.stderr or r.stdout).strip().splitlines()[-1:]
             time.sleep(2)
-        raise RuntimeError(f"the cluster accepts no jobs after {timeout:.0f}s ({last}); logs in {self.dir / 'logs'}")
+        raise RuntimeError(f"the cluster accepts no jobs after {timeout:.0f}s ({last}); "
+                           f"logs in {self.dir / 'logs'}")
 
     def pids(self) -> list[int]:
         """Every process of every node."""
@@ -353,7 +364,8 @@ class LocalCluster:
     def load(cls, directory: Path) -> "LocalCluster":
         path = directory / STATE
         if not path.exists():
-            raise SystemExit(f"local ray cluster: no cluster recorded in {directory}; start one with `make ray-up`")
+            raise SystemExit(f"local ray cluster: no cluster recorded in {directory}; "
+                             "start one with `make ray-up`")
         data = json.loads(path.read_text())
         data["dir"] = Path(data["dir"])
         data["nodes"] = [Node(**n) for n in data["nodes"]]
@@ -361,8 +373,10 @@ class LocalCluster:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainapp.tools.local_ray", description=__doc__.splitlines()[0])
-    p.add_argument("--dir", type=Path, default=DEFAULT_DIR, help=f"cluster state, token, logs (default {DEFAULT_DIR})")
+    p = argparse.ArgumentParser(prog="python -m trainapp.tools.local_ray",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--dir", type=Path, default=DEFAULT_DIR,
+                   help=f"cluster state, token, logs (default {DEFAULT_DIR})")
     sub = p.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="start a head and N worker nodes on loopback (127.0.0.2, .3, ...)")
     up.add_argument("--workers", type=int, default=2)
@@ -372,17 +386,19 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--health-check-period-ms", type=int, default=LocalCluster.health_check_period_ms)
     up.add_argument("--health-check-failure-threshold", type=int,
                     default=LocalCluster.health_check_failure_threshold)
-    up.add_argument("--metrics", action="store_true", help="keep Ray's metrics export on (Prometheus/Grafana)")
+    up.add_argument("--metrics", action="store_true",
+                    help="keep Ray's metrics export on (Prometheus/Grafana)")
     sub.add_parser("down", help="end exactly the processes `up` started")
     sub.add_parser("status", help="alive nodes and how to reach the cluster")
     sb = sub.add_parser("submit", help="ray job submit to this cluster (token passed along)")
-    sb.add_argument("--working-dir", metavar="DIR", help="ship DIR with the job (your task's package): Ray uploads "
-                                                          "it and every worker imports from it")
+    sb.add_argument("--working-dir", metavar="DIR", help="ship DIR with the job (your task's package): "
+                                                          "Ray uploads it and every worker imports from it")
     sb.add_argument("entrypoint", nargs=argparse.REMAINDER, help="-- python -m trainapp ray ...")
     args = p.parse_args(argv)
 
     if args.cmd == "up":
-        c = LocalCluster(args.dir, args.workers, args.cpus, gcs_port=args.port, dashboard_port=args.dashboard_port,
+        c = LocalCluster(args.dir, args.workers, args.cpus,
+                         gcs_port=args.port, dashboard_port=args.dashboard_port,
                          health_check_period_ms=args.health_check_period_ms,
                          health_check_failure_threshold=args.health_check_failure_threshold,
                          metrics=args.metrics).up()
@@ -396,17 +412,19 @@ def main(argv: list[str] | None = None) -> int:
         c.down()
         print(f"local ray cluster: stopped {c.dir}")
     elif args.cmd == "status":
-        print(f"local ray cluster: {c.alive_nodes()} alive nodes; GCS {c.address}; dashboard {c.dashboard_url}; "
-              f"token {c.token_path}")
+        print(f"local ray cluster: {c.alive_nodes()} alive nodes; GCS {c.address}; "
+              f"dashboard {c.dashboard_url}; token {c.token_path}")
     elif args.cmd == "submit":
         entry = args.entrypoint[1:] if args.entrypoint[:1] == ["--"] else args.entrypoint
         if not entry:
-            raise SystemExit("local ray cluster submit: give the entrypoint after --, e.g. -- python -m trainapp ray")
+            raise SystemExit("local ray cluster submit: give the entrypoint after --, "
+                             "e.g. -- python -m trainapp ray")
         ship = ["--working-dir", args.working_dir] if args.working_dir else []
-        # `ray job stop` waits this long for the stop snapshot before it kills the job (trainapp/launch/ray/stop.py).
+        # `ray job stop` waits this long for the stop snapshot before it kills the job
+        # (trainapp/launch/ray/stop.py).
         wait = json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S)}})
-        return subprocess.call([RAY, "job", "submit", "--address", c.dashboard_url, *ship, "--runtime-env-json", wait,
-                                "--", *entry], env=c.env())
+        return subprocess.call([RAY, "job", "submit", "--address", c.dashboard_url, *ship,
+                                "--runtime-env-json", wait, "--", *entry], env=c.env())
     return 0
 
 

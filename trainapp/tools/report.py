@@ -48,8 +48,8 @@ def restarts(records: list[dict]) -> list[dict]:
             starts += 1
             if starts > 1:
                 resumed = r.get("resumed_step") or 0
-                out.append({"resumed_step": resumed, "trained_to": highest, "redone": max(0, highest - resumed),
-                            "world_size": r.get("world_size")})
+                out.append({"resumed_step": resumed, "trained_to": highest,
+                            "redone": max(0, highest - resumed), "world_size": r.get("world_size")})
     return out
 
 
@@ -85,8 +85,9 @@ def failures(records: list[dict]) -> list[str]:
         elif mine:
             first = mine[0]
             also = "; ".join(f"rank {f['rank']} {f['cause']}" for f in mine[1:])
-            out.append(f"attempt {k}: rank {first['rank']} on {first['host']} after step {first['step']} (phase "
-                       f"{first['phase']}): {first['cause']}: {first['error']}" + (f"; then {also}" if also else "")
+            out.append(f"attempt {k}: rank {first['rank']} on {first['host']} after step {first['step']} "
+                       f"(phase {first['phase']}): {first['cause']}: {first['error']}"
+                       + (f"; then {also}" if also else "")
                        + (f"; Ray Train saw {silent}" if silent else ""))
         elif k + 1 < len(starts) and not ended:
             out.append(f"attempt {k}: ended without a failure record (SIGKILL: a lost node, the OOM killer)")
@@ -107,9 +108,10 @@ def rank_phases(records: list[dict]) -> dict[int, dict[str, Any]]:
     return {rank: {"host": entries[-1].get("host"),
                    "step_ms": statistics.median(e["step_ms"] for e in entries),
                    "busy_ms": statistics.median(e["busy_ms"] for e in entries),
-                   "cpu_ms": (statistics.median(cpu) if (cpu := [e["cpu_ms"] for e in entries if "cpu_ms" in e])
-                              else None),
-                   "phase_ms": {p: statistics.median(e["phase_ms"].get(p, 0.0) for e in entries) for p in PHASES}}
+                   "cpu_ms": (statistics.median(cpu)
+                              if (cpu := [e["cpu_ms"] for e in entries if "cpu_ms" in e]) else None),
+                   "phase_ms": {p: statistics.median(e["phase_ms"].get(p, 0.0) for e in entries)
+                                for p in PHASES}}
             for rank, entries in sorted(by_rank.items())}
 
 
@@ -124,14 +126,15 @@ def _rank_lines(records: list[dict]) -> list[str]:
     fast_rank, fast = min(ranks.items(), key=lambda kv: kv[1]["busy_ms"])
     busy = {p: slow["phase_ms"][p] for p in BUSY}
     phase = max(busy, key=busy.get)
-    lines = [f"ranks          {len(ranks)}; median step {slow['step_ms']:.1f} ms; slowest rank {slow_rank} on "
-             f"{slow['host']}: {slow['busy_ms']:.1f} ms of its own work per step, most of it {phase} "
-             f"({busy[phase]:.1f} ms)" + ("" if slow["cpu_ms"] is None else f", {slow['cpu_ms']:.1f} ms of CPU")
+    lines = [f"ranks          {len(ranks)}; median step {slow['step_ms']:.1f} ms; slowest rank {slow_rank} "
+             f"on {slow['host']}: {slow['busy_ms']:.1f} ms of its own work per step, most of it {phase} "
+             f"({busy[phase]:.1f} ms)"
+             + ("" if slow["cpu_ms"] is None else f", {slow['cpu_ms']:.1f} ms of CPU")
              + ("" if len(ranks) < 2 else f"; fastest rank {fast_rank}: {fast['busy_ms']:.1f} ms")]
     found = [r for r in records if r.get("kind") == "straggler"]
     lines.append(f"stragglers     {len(found) or 'none'}")
-    lines.extend(f"  rank {f['rank']} on {f['host']} from step {f['step']}: {f['ratio']:.2f}x the median step "
-                 f"without communication wait; {f['phase']} {f['phase_ms']:.1f} ms against "
+    lines.extend(f"  rank {f['rank']} on {f['host']} from step {f['step']}: {f['ratio']:.2f}x the median "
+                 f"step without communication wait; {f['phase']} {f['phase_ms']:.1f} ms against "
                  f"{f['median_phase_ms']:.1f} ms"
                  for f in found)
     return lines
@@ -162,8 +165,9 @@ def _start_lines(starts: list[dict]) -> list[str]:
         if was:
             kept = "kept" if was["global_batch"] == layout["global_batch"] else \
                 f"{was['global_batch']} -> {layout['global_batch']} (rescaled)"
-            lines.append(f"resize         attempt {i} at step {start['step']}: world size {was['world_size']} -> "
-                         f"{start['world_size']}, global batch {kept}, micro-batches per rank {layout['micro_steps']}")
+            lines.append(f"resize         attempt {i} at step {start['step']}: world size "
+                         f"{was['world_size']} -> {start['world_size']}, global batch {kept}, "
+                         f"micro-batches per rank {layout['micro_steps']}")
     return lines
 
 
@@ -182,7 +186,8 @@ def summarize(run_dir: Path, records: list[dict]) -> str:
     if acc is not None:
         lines.append(f"wall time      {acc['wall_s']:.1f} s from the first launch to the last record")
     sizes = sorted({s.get("world_size") for s in starts})
-    lines.append(f"world size     {', '.join(map(str, sizes))}; amp {first.get('amp')}; backend {first.get('backend')}")
+    lines.append(f"world size     {', '.join(map(str, sizes))}; amp {first.get('amp')}; "
+                 f"backend {first.get('backend')}")
     rs = restarts(records)
     if rs:
         what = "; ".join(f"resumed at {r['resumed_step']} after {r['trained_to']} ({r['redone']} redone, "
@@ -197,23 +202,24 @@ def summarize(run_dir: Path, records: list[dict]) -> str:
     lines.append(f"failures       {len(fails) or 'none'}")
     lines.extend(f"  {f}" for f in fails)
     if train:
-        lines.append(f"loss           {train[0]['loss']:.4f} at step {train[0]['step']} -> {train[-1]['loss']:.4f} "
-                     f"at step {train[-1]['step']}")
+        lines.append(f"loss           {train[0]['loss']:.4f} at step {train[0]['step']} -> "
+                     f"{train[-1]['loss']:.4f} at step {train[-1]['step']}")
         sps = [r["samples_per_s"] for r in train if r.get("samples_per_s")]
         if sps:
             lines.append(f"samples/s      median {statistics.median(sps):.1f} over {len(sps)} records")
     for key in val_keys(records):
         seen = [r for r in evals if key in r]
         low, high = min(seen, key=lambda r: r[key]), max(seen, key=lambda r: r[key])
-        lines.append(f"{key:<14} final {seen[-1][key]:.4f} at step {seen[-1]['step']}; lowest {low[key]:.4f} at step "
-                     f"{low['step']}, highest {high[key]:.4f} at step {high['step']}")
+        lines.append(f"{key:<14} final {seen[-1][key]:.4f} at step {seen[-1]['step']}; lowest {low[key]:.4f} "
+                     f"at step {low['step']}, highest {high[key]:.4f} at step {high['step']}")
     if snaps:
         lines.append(f"snapshots      {len(snaps)} written; training blocked a median "
                      f"{statistics.median(snaps) * 1000:.1f} ms each")
     lines.extend(_rank_lines(records))
     network = [n for n in (first.get("network") or []) if n and n.get("gloo")]
     if network:
-        lines.append("network        " + ", ".join(f"{n['host']} {n['gloo']} ({n['address']})" for n in network))
+        lines.append("network        "
+                     + ", ".join(f"{n['host']} {n['gloo']} ({n['address']})" for n in network))
     return "\n".join(lines)
 
 
@@ -326,7 +332,8 @@ def _pyplot():
         matplotlib.use("Agg")  # files only, no display
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ConfigError("matplotlib is not installed (the report extra): pip install 'trainapp[report]'") from None
+        raise ConfigError("matplotlib is not installed (the report extra): "
+                          "pip install 'trainapp[report]'") from None
     return plt
 
 
@@ -340,8 +347,8 @@ def figure(records: list[dict], title: str, compare: dict[str, list[dict]] | Non
     attempts = sum(r.get("kind") == "start" for r in records)
     heights = [1.9 + 0.45 * min(attempts, 8)] + [2.3] * (len(panels) + 2 * ranks)
     # Constrained layout gives each panel the room its own legend and labels take, the title included.
-    fig, all_axes = plt.subplots(len(heights), 1, figsize=(9, sum(heights)), height_ratios=heights, squeeze=False,
-                                 layout="constrained")
+    fig, all_axes = plt.subplots(len(heights), 1, figsize=(9, sum(heights)), height_ratios=heights,
+                                 squeeze=False, layout="constrained")
     axes = list(all_axes[:, 0])
     timeline_plot.draw(axes[0], records)
     step_axes = axes[1:len(panels) + 1 + ranks]

@@ -25,9 +25,9 @@ ENDED = MappingProxyType({"failure": "failed", "notice": "stopped on notice", "e
                          "": "records stop"})
 """How an attempt ended (the account's `ended_by`), as its bar's note says it."""
 
-COLOURS = MappingProxyType({"steps": "tab:green", "startup": "silver", "redone": "tab:orange", "hang": "tab:red",
-                           "failure detection": "darkred", "notice": "tab:purple", "restart": "tab:red",
-                           "relaunch": "tab:gray"})
+COLOURS = MappingProxyType({"steps": "tab:green", "startup": "silver", "redone": "tab:orange",
+                           "hang": "tab:red", "failure detection": "darkred", "notice": "tab:purple",
+                           "restart": "tab:red", "relaunch": "tab:gray"})
 
 
 def _clock(recs: list[dict[str, Any]], start_step: int) -> tuple[list[int], list[float], float]:
@@ -141,8 +141,8 @@ def draw(ax, records: list[dict[str, Any]]):
     t0 = ss[0]["launch"]
     name = _Legend()
     rows = list(range(len(ss)))
-    bars = ax.barh(rows, [s["end"] - s["launch"] for s in ss], left=[s["launch"] - t0 for s in ss], height=0.6,
-                   color=COLOURS["steps"], alpha=0.8, label="attempt (training, the rest)")
+    bars = ax.barh(rows, [s["end"] - s["launch"] for s in ss], left=[s["launch"] - t0 for s in ss],
+                   height=0.6, color=COLOURS["steps"], alpha=0.8, label="attempt (training, the rest)")
     for row, s in zip(rows, ss):
         _marks(ax, row, s, t0, name)
         ax.annotate(f"steps {s['start_step']}-{s['last_step']}, {ENDED.get(s['ended_by'], s['ended_by'])}",
@@ -150,7 +150,8 @@ def draw(ax, records: list[dict[str, Any]]):
                     fontsize="x-small")
     for prev, s in zip(ss, ss[1:]):
         ax.axvline(s["launch"] - t0, color=COLOURS["restart" if s["restart"] else "relaunch"], linestyle="--",
-                   linewidth=1, label=name("restart (the same job)" if s["restart"] else "relaunch (a new job)"))
+                   linewidth=1,
+                   label=name("restart (the same job)" if s["restart"] else "relaunch (a new job)"))
         gap = s["launch"] - prev["end"]
         if gap >= 0.02 * (ss[-1]["end"] - t0):  # a restart's second needs no words; a requeue's wait does
             ax.annotate(f"{gap:.0f} s\n" + ("restarting" if s["restart"] else "nothing ran"),

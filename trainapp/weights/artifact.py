@@ -46,7 +46,8 @@ def _storage_key(t: torch.Tensor) -> tuple | None:
     local = t.to_local() if hasattr(t, "to_local") else t
     if local.numel() == 0:
         return None
-    return (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), local.stride(), local.dtype)
+    return (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), local.stride(),
+            local.dtype)
 
 
 def tied(state: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -91,8 +92,8 @@ class ArtifactDir:
         if self.out.exists() and not self.out.is_dir():
             raise ConfigError(f"{setting} {self.out}: exists and is not a directory; choose another path")
         if self.out.is_dir() and any(self.out.iterdir()) and not force:
-            raise ConfigError(f"{setting} {self.out}: exists and is not empty; choose another path or pass --force "
-                              "to replace it")
+            raise ConfigError(f"{setting} {self.out}: exists and is not empty; choose another path or pass "
+                              "--force to replace it")
         self.out.parent.mkdir(parents=True, exist_ok=True)
         for left in self.out.parent.glob(f".tmp-{self.out.name}-*"):  # an export killed half-way left it
             shutil.rmtree(left, ignore_errors=True)

@@ -50,7 +50,8 @@ def fit(model: torch.nn.Module, source: Source, exclude: list[str], strict: bool
     if strict and (missing or unexpected or shape):
         parts = [f"{len(missing)} missing ({_names(missing)})" if missing else "",
                  f"{len(unexpected)} unexpected ({_names(unexpected)})" if unexpected else "",
-                 "another shape: " + ", ".join(f"{n} {tuple(have[n].shape)} vs the model's {tuple(target[n].shape)}"
+                 "another shape: " + ", ".join(f"{n} {tuple(have[n].shape)} vs the model's "
+                                              f"{tuple(target[n].shape)}"
                                               for n in sorted(shape)[:SHOWN]) if shape else ""]
         raise ConfigError(f"{setting}={source.path}: its weights do not fit the task's model: "
                           f"{'; '.join(p for p in parts if p)}; leave the parts the task makes new out with "
@@ -75,10 +76,11 @@ def apply(model: torch.nn.Module, path: str, exclude: list[str], strict: bool) -
     source = open_source(path, setting="init.from")
     names, skipped = fit(model, source, exclude, strict)
     if not names:
-        raise ConfigError(f"init.from={path}: no weight of it fits the task's model (none has the model's names "
-                          "and shapes); is it the model of another task?")
+        raise ConfigError(f"init.from={path}: no weight of it fits the task's model (none has the model's "
+                          "names and shapes); is it the model of another task?")
     load_into(model, source, names)
     if skipped:
-        log.warning("init.from=%s: %d of the model's tensors keep the task's initialisation (%s)", path, len(skipped),
-                    _names(skipped))
-    return {**source.record, "loaded": len(names), "kept": len(skipped), "exclude": list(exclude), "strict": strict}
+        log.warning("init.from=%s: %d of the model's tensors keep the task's initialisation (%s)", path,
+                    len(skipped), _names(skipped))
+    return {**source.record, "loaded": len(names), "kept": len(skipped), "exclude": list(exclude),
+            "strict": strict}

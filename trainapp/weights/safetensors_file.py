@@ -30,8 +30,9 @@ import torch
 from trainapp.errors import ConfigError
 
 DTYPES = MappingProxyType({
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
     torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"})
 """torch dtype -> the format's name for it."""
 NAMES = MappingProxyType({v: k for k, v in DTYPES.items()})
@@ -63,7 +64,8 @@ def header(entries: list[Entry], metadata: dict[str, str]) -> bytes:
         if e.dtype not in DTYPES:
             raise ConfigError(f"{e.name}: dtype {e.dtype} has no safetensors name; export it as one of "
                               f"{', '.join(sorted(set(DTYPES.values())))}")
-        table[e.name] = {"dtype": DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [at, at + e.nbytes]}
+        table[e.name] = {"dtype": DTYPES[e.dtype], "shape": list(e.shape),
+                         "data_offsets": [at, at + e.nbytes]}
         at += e.nbytes
     raw = json.dumps(table, separators=(",", ":")).encode()
     raw += b" " * (-(len(raw) + 8) % 8)
@@ -140,7 +142,8 @@ def read_header(path: Path) -> tuple[dict[str, Entry], dict[str, str]]:
     except OSError as e:
         raise ConfigError(f"{path}: cannot be read ({e.strerror or e})") from None
     except (ValueError, KeyError, TypeError, struct.error) as e:
-        raise ConfigError(f"{path}: not a safetensors file or corrupt ({e.__class__.__name__}: {e})") from None
+        raise ConfigError(f"{path}: not a safetensors file or corrupt "
+                          f"({e.__class__.__name__}: {e})") from None
     if 8 + n + end != size:
         raise ConfigError(f"{path}: {size} bytes, its header describes {8 + n + end} (truncated or corrupt)")
     return entries, meta

@@ -86,8 +86,8 @@ def open_source(path: str | Path, ema: bool = False, step: int | None = None, se
     safetensors file's tensors' digest, when known)."""
     p = Path(path)
     if not p.exists():
-        raise ConfigError(f"{setting}={path}: no such file or directory; give an export directory, a .safetensors "
-                          "file, a run directory or a snapshot")
+        raise ConfigError(f"{setting}={path}: no such file or directory; give an export directory, "
+                          "a .safetensors file, a run directory or a snapshot")
     if p.is_file() and p.suffix == ".safetensors" or (p / FILE).is_file():
         if ema or step is not None:
             raise ConfigError(f"{setting}={path}: an exported model has no {'EMA copy' if ema else 'steps'}; "
@@ -108,8 +108,8 @@ def _safetensors(p: Path, digest: str | None = None) -> Source:
         record = _read_record(file.parent / RECORD)
         want = record.get("tensors_sha256")
         if want and file_digest(file) != want:
-            raise ConfigError(f"{file}: its tensors do not match {RECORD} (tensors_sha256 differs: a corrupt or "
-                              "replaced file); export it again")
+            raise ConfigError(f"{file}: its tensors do not match {RECORD} (tensors_sha256 differs: a corrupt "
+                              "or replaced file); export it again")
         config = record.get("config")
 
     def read(names: list[str]) -> dict[str, torch.Tensor]:
@@ -118,14 +118,16 @@ def _safetensors(p: Path, digest: str | None = None) -> Source:
 
     digest = digest or record.get("tensors_sha256") or file_digest(file)
     return Source(str(file), kind, entries, read, {"path": str(file), "kind": kind, "tensors_sha256": digest,
-                                                   **({"step": record["step"]} if "step" in record else {})}, config)
+                                                   **({"step": record["step"]} if "step" in record else {})},
+                  config)
 
 
 def _read_record(path: Path) -> dict[str, Any]:
     try:
         out = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: unreadable ({e.__class__.__name__}: {e}); export the model again") from None
+        raise ConfigError(f"{path}: unreadable ({e.__class__.__name__}: {e}); "
+                          "export the model again") from None
     if not isinstance(out, dict):
         raise ConfigError(f"{path}: not a trainapp export record")
     return out
@@ -140,8 +142,8 @@ def _find_snapshot(p: Path, step: int | None, setting: str) -> Path:
         if store.step_of(snap.name) == step:
             return snap
     have = sorted({store.step_of(s.name) for s in snaps})
-    raise ConfigError(f"--step {step}: {p} has no snapshot of that step (it has {have or 'none'}); pick one of those "
-                      "or leave --step out for the newest")
+    raise ConfigError(f"--step {step}: {p} has no snapshot of that step (it has {have or 'none'}); "
+                      "pick one of those or leave --step out for the newest")
 
 
 def _snapshot(snap: Path, ema: bool, setting: str) -> Source:
@@ -149,13 +151,16 @@ def _snapshot(snap: Path, ema: bool, setting: str) -> Source:
     state = torch.load(snap / store.STATE, map_location="cpu", weights_only=True, mmap=True)
     part = "ema" if ema else "model"
     if state.get(part) is None:
-        raise ConfigError(f"--ema: the run of {snap} has no EMA copy (train.ema_decay was 0); export without --ema")
-    record = {"path": str(snap), "kind": "snapshot", "step": meta.get("global_step"), "xxh3_128": meta.get("xxh3_128"),
+        raise ConfigError(f"--ema: the run of {snap} has no EMA copy (train.ema_decay was 0); "
+                          "export without --ema")
+    record = {"path": str(snap), "kind": "snapshot", "step": meta.get("global_step"),
+              "xxh3_128": meta.get("xxh3_128"),
               **({"params_sha256": meta["params_sha256"]} if "params_sha256" in meta else {}), "ema": ema}
     config = state.get("config")
     if isinstance(state[part], str) and state[part] == store.SHARDED:
         entries, reader = _sharded(snap, part, ema)
-        return Source(str(snap), "sharded snapshot", entries, reader, {**record, "kind": "sharded snapshot"}, config)
+        return Source(str(snap), "sharded snapshot", entries, reader, {**record, "kind": "sharded snapshot"},
+                      config)
     raw = {plain_name(k, ema): k for k, v in state[part].items() if torch.is_tensor(v) and k != "n_averaged"}
     entries = {n: Entry(n, state[part][k].dtype, tuple(state[part][k].shape)) for n, k in raw.items()}
     del state  # mapped afresh for each batch: a page read stays in the RSS only while its batch is alive
@@ -176,7 +181,8 @@ def _sharded(snap: Path, part: str, ema: bool) -> tuple[dict[str, Entry], Callab
     metadata = dcp.FileSystemReader(shards).read_metadata().state_dict_metadata
     prefix = f"{part}.model."
     raw = {plain_name(k[len(prefix):], ema): k[len(prefix):] for k, m in metadata.items()
-           if k.startswith(prefix) and isinstance(m, TensorStorageMetadata) and k[len(prefix):] != "n_averaged"}
+           if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
+           and k[len(prefix):] != "n_averaged"}
     entries = {n: Entry(n, metadata[prefix + k].properties.dtype, tuple(metadata[prefix + k].size))
                for n, k in raw.items()}
 

@@ -59,22 +59,24 @@ def check_version(version: str | None = None) -> str:
     version = version or importlib.metadata.version("ray")
     lo, hi = SUPPORTED
     if not _version_tuple(lo) <= _version_tuple(version) < _version_tuple(hi):
-        raise ConfigError(f"ray {version}: trainapp's Ray launcher supports Ray >={lo},<{hi} (it uses Ray's private "
-                          f"API, see trainapp/launch/ray/compat.py); run a cluster and driver on a Ray in that range, "
-                          f"e.g. pip install 'ray[default,train]>={lo},<{hi}'")
+        raise ConfigError(f"ray {version}: trainapp's Ray launcher supports Ray >={lo},<{hi} (it uses Ray's "
+                          f"private API, see trainapp/launch/ray/compat.py); run a cluster and driver on a "
+                          f"Ray in that range, e.g. pip install 'ray[default,train]>={lo},<{hi}'")
     return version
 
 
 def _check_reachable(address: str) -> None:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
-        raise ConfigError(f"ray.address={address!r}: expected host:port of the Ray head (GCS), e.g. 127.0.0.1:6379")
+        raise ConfigError(f"ray.address={address!r}: expected host:port of the Ray head (GCS), "
+                          "e.g. 127.0.0.1:6379")
     try:
         with socket.create_connection((host, int(port)), timeout=5):
             pass
     except OSError as e:
-        raise ConfigError(f"ray.address={address}: no Ray cluster answers there ({e.strerror or e}); start one "
-                          "(make ray-up) or leave ray.address empty for an embedded local Ray") from None
+        raise ConfigError(f"ray.address={address}: no Ray cluster answers there ({e.strerror or e}); "
+                          "start one (make ray-up) or leave ray.address empty for an embedded "
+                          "local Ray") from None
 
 
 def ray_address(cfg: Config) -> str:
@@ -98,11 +100,13 @@ def check_global_batch(cfg: Config) -> None:
     if not t.global_batch:
         return
     if t.global_batch % t.batch_size:
-        raise ConfigError(f"train.global_batch={t.global_batch}: not a multiple of train.batch_size={t.batch_size}")
+        raise ConfigError(f"train.global_batch={t.global_batch}: not a multiple of "
+                          f"train.batch_size={t.batch_size}")
     if t.global_batch // t.batch_size < most:
-        raise ConfigError(f"train.global_batch={t.global_batch}: {t.global_batch // t.batch_size} micro-batch(es) of "
-                          f"train.batch_size={t.batch_size}, fewer than the {most} workers ray.num_workers allows; "
-                          f"set it to at least {t.batch_size * most}, or lower train.batch_size")
+        raise ConfigError(f"train.global_batch={t.global_batch}: {t.global_batch // t.batch_size} "
+                          f"micro-batch(es) of train.batch_size={t.batch_size}, fewer than the {most} "
+                          f"workers ray.num_workers allows; set it to at least {t.batch_size * most}, or "
+                          f"lower train.batch_size")
 
 
 def worker_needs(cfg: Config, use_gpu: bool) -> dict[str, float]:
@@ -124,8 +128,8 @@ def check_capacity(cfg: Config, needs: dict[str, float]) -> int:
     if cfg.ray.check_resources and capacity < cfg.ray.min_workers:
         have = ", ".join(f"{n.get('NodeManagerAddress')}: {int(n.get('Resources', {}).get('CPU', 0))} CPU "
                          f"{int(n.get('Resources', {}).get('GPU', 0))} GPU" for n in nodes)
-        raise ConfigError(f"ray.num_workers={cfg.ray.min_workers}: the cluster can hold at most {capacity} workers "
-                          f"needing {needs} ({have}); add nodes, lower ray.num_workers, or set "
+        raise ConfigError(f"ray.num_workers={cfg.ray.min_workers}: the cluster can hold at most {capacity} "
+                          f"workers needing {needs} ({have}); add nodes, lower ray.num_workers, or set "
                           "ray.check_resources=false on an autoscaling cluster")
     return capacity
 
@@ -180,9 +184,10 @@ class Preflight:
         self.storage, self.nodes = storage, [n for n in ray.nodes() if n.get("Alive")]
         network, env = dataclasses.asdict(cfg.network), dict(cfg.ray.env)
         task = ray.remote(num_cpus=0, max_retries=0)(probe_node)
-        self.trains = [n["Resources"].get("CPU", 0) > 0 or n["Resources"].get("GPU", 0) > 0 for n in self.nodes]
-        self.refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
-                         None if is_uri(storage) else storage, network if trains else None, env)
+        self.trains = [n["Resources"].get("CPU", 0) > 0 or n["Resources"].get("GPU", 0) > 0
+                       for n in self.nodes]
+        self.refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+                     .remote(None if is_uri(storage) else storage, network if trains else None, env)
                      for n, trains in zip(self.nodes, self.trains)]
 
     def wait(self) -> list[str]:
@@ -192,13 +197,13 @@ class Preflight:
         try:
             results: list[Any] = ray.get(self.refs, timeout=PROBE_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
-            raise ConfigError(f"ray.storage_path={self.storage}, network.interface: the checks did not finish on "
-                              f"every node within {PROBE_TIMEOUT_S} s") from None
+            raise ConfigError(f"ray.storage_path={self.storage}, network.interface: the checks did not "
+                              f"finish on every node within {PROBE_TIMEOUT_S} s") from None
         for n, (err, _, _) in zip(self.nodes, results):
             if err:
-                raise ConfigError(f"ray.storage_path={self.storage}: not writable on node {n['NodeManagerAddress']} "
-                                  f"{n['NodeID'][:8]} ({err}); use a path every node can write (shared storage) "
-                                  "or a URI")
+                raise ConfigError(f"ray.storage_path={self.storage}: not writable on node "
+                                  f"{n['NodeManagerAddress']} {n['NodeID'][:8]} ({err}); use a path every "
+                                  "node can write (shared storage) or a URI")
         for n, (_, err, _) in zip(self.nodes, results):
             if err:
                 raise ConfigError(f"node {n['NodeManagerAddress']}: {err}")

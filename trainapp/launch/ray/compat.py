@@ -75,7 +75,8 @@ PRIVATE_NAMES = (
     ("ray.train.v2._internal.execution.callback", "ControllerCallback"),
     ("ray.train.v2._internal.execution.callback", "WorkerGroupCallback"),
     ("ray.train.v2._internal.execution.failure_handling", "FailureDecision"),
-    ("ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator", "get_or_create_autoscaling_coordinator"),
+    ("ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator",
+     "get_or_create_autoscaling_coordinator"),
     ("ray.train.v2._internal.constants", "WORKER_GROUP_START_TIMEOUT_S_ENV_VAR"),
     ("ray.train.v2._internal.constants", "HEALTH_CHECK_INTERVAL_S_ENV_VAR"),
     ("ray.train.v2._internal.constants", "ENABLE_PRINT_PATCH_ENV_VAR"),
@@ -113,8 +114,8 @@ try:  # an import error here is a Ray version trainapp was not written for, said
 
     from trainapp.launch.ray import versions
 except ImportError as e:
-    raise ConfigError(f"ray: cannot import a name trainapp needs ({e}); trainapp's Ray launcher was written for "
-                      f"Ray >={SUPPORTED[0]},<{SUPPORTED[1]} (trainapp/launch/ray/compat.py)") from None
+    raise ConfigError(f"ray: cannot import a name trainapp needs ({e}); trainapp's Ray launcher was written "
+                      f"for Ray >={SUPPORTED[0]},<{SUPPORTED[1]} (trainapp/launch/ray/compat.py)") from None
 
 
 PREEMPTION_POLL_S = 1.0
@@ -175,7 +176,8 @@ class _TorchBackendWithSetup(Backend):
     def on_start(self, worker_group, backend_config: TorchConfigWithSetup) -> None:
         if backend_config.setup is not None:
             worker_group.execute(backend_config.setup, **backend_config.setup_kwargs)
-        addr, port = worker_group.execute_single(0, _in_worker, "ray.train._internal.utils", "get_address_and_port")
+        addr, port = worker_group.execute_single(0, _in_worker, "ray.train._internal.utils",
+                                                 "get_address_and_port")
         worker_group.execute(_in_worker, _TORCH_CONFIG, "_set_torch_distributed_env_vars",
                              env={"MASTER_ADDR": addr, "MASTER_PORT": str(port)})
         ray.get([worker_group.execute_single_async(i, _in_worker, _TORCH_CONFIG, "_setup_torch_process_group",
@@ -324,7 +326,7 @@ class NodeLossWatch(ControllerCallback, WorkerGroupCallback):
         if lost and not self._wait_until_dead(lost):
             return
         names = ", ".join(f"{ip} ({nid[:8]})" for nid, ip in {**dead, **lost}.items())
-        if versions.cluster_reread():  # else the driver said what is lost; the coordinator refreshes by itself
+        if versions.cluster_reread():  # else the driver said what is lost; the coordinator refreshes itself
             versions.reread_cluster("trainapp-node-loss-watch")
         # The elastic policy caches the coordinator's answer briefly, and last asked before t0.
         time.sleep(max(0.0, versions.RESERVED_CACHE_S - (time.monotonic() - t0)))
@@ -334,8 +336,8 @@ class NodeLossWatch(ControllerCallback, WorkerGroupCallback):
     def _wait_until_dead(self, lost: dict[str, str]) -> bool:
         """Until Ray has declared every node of `lost` dead (True), or `wait_s` has passed (False)."""
         names = ", ".join(f"{ip} ({nid[:8]})" for nid, ip in lost.items())
-        say(f"node {names} stopped answering; waiting up to {self.wait_s:.0f}s (ray.node_loss_wait_s) for Ray "
-             "to declare it dead, so the restart is sized for the nodes that are left")
+        say(f"node {names} stopped answering; waiting up to {self.wait_s:.0f}s (ray.node_loss_wait_s) for "
+             "Ray to declare it dead, so the restart is sized for the nodes that are left")
         t0 = time.monotonic()
         while time.monotonic() - t0 < self.wait_s:
             if not any(n.get("Alive") for n in ray.nodes() if n["NodeID"] in lost):
@@ -365,10 +367,11 @@ def check_run_record(storage: str, name: str) -> None:
     infos = fs.get_file_info([f"{run}/{n}" for n in names])
     gone = [n for n, info in zip(names, infos) if info.type != FileType.Directory]
     if gone:
-        raise ConfigError(f"ray.name={name}: Ray's record of this run ({shown}/{CHECKPOINT_MANAGER_SNAPSHOT_FILENAME}) "
-                          f"names {', '.join(gone)}, gone from {shown}, and Ray Train will not resume it; restore "
-                          f"the snapshot, or move the record aside to resume from the newest snapshot left there "
-                          f"(Ray forgets the metrics it recorded), or use a new ray.name to start afresh")
+        raise ConfigError(f"ray.name={name}: Ray's record of this run "
+                          f"({shown}/{CHECKPOINT_MANAGER_SNAPSHOT_FILENAME}) names {', '.join(gone)}, gone "
+                          f"from {shown}, and Ray Train will not resume it; restore the snapshot, or move "
+                          f"the record aside to resume from the newest snapshot left there (Ray forgets "
+                          f"the metrics it recorded), or use a new ray.name to start afresh")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -447,7 +450,7 @@ def cancel_resource_requests(ids: list[str]) -> list[str]:
         ray.get([coordinator.cancel_request.remote(requester_id=i) for i in ids], timeout=10)
     except Exception as e:
         logging.getLogger("trainapp.ray").warning(
-            "could not cancel the resource requests earlier attempts left (%s: %s): an elastic run may wait up to "
-            "180 s for them to expire", e.__class__.__name__, e)
+            "could not cancel the resource requests earlier attempts left (%s: %s): an elastic run may wait "
+            "up to 180 s for them to expire", e.__class__.__name__, e)
         return []
     return ids

@@ -61,7 +61,8 @@ def connect(address: str) -> str:
         ray.init(logging_level=logging.WARNING)
         return "embedded local Ray"
     except ConnectionError as e:
-        raise ConfigError(f"ray.address={address}: cannot join the Ray cluster ({str(e).splitlines()[0]})") from None
+        raise ConfigError(f"ray.address={address}: cannot join the Ray cluster "
+                          f"({str(e).splitlines()[0]})") from None
 
 
 def _error_in(exc: BaseException) -> Failure | None:
@@ -80,7 +81,8 @@ def _error_in(exc: BaseException) -> Failure | None:
             found = seen.cause if isinstance(seen, RayTaskError) and isinstance(seen.cause, Failure) else seen
             if isinstance(found, Failure):
                 plain = Failure(str(found))
-                plain.cause, plain.exit_code, plain.everywhere = found.cause, found.exit_code, found.everywhere
+                (plain.cause, plain.exit_code,
+                 plain.everywhere) = found.cause, found.exit_code, found.everywhere
                 return plain
             if isinstance(seen, ControllerError):
                 seen = seen.controller_failure
@@ -119,7 +121,8 @@ def _callbacks(cfg: Config, storage: str, generation: int) -> list:
     run_dir = f"{storage}/{cfg.ray.name}"
     callbacks = [] if is_uri(storage) else [_group_failure_log(run_dir)]
     if generation and not is_uri(storage):
-        callbacks.append(RequesterLog(functools.partial(note_request, storage, run_dir=run_dir, generation=generation)))
+        callbacks.append(RequesterLog(functools.partial(note_request, storage, run_dir=run_dir,
+                                                        generation=generation)))
     if cfg.ray.min_workers == cfg.ray.max_workers:
         return callbacks
     from trainapp.launch.ray.compat import NodeLossWatch
@@ -140,8 +143,8 @@ def _elastic_batch(cfg: Config):
     return dataclasses.replace(t, global_batch=t.batch_size * t.grad_accum * cfg.ray.max_workers)
 
 
-def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, timeline: Timeline, worker=None,
-             lease=None, **extra):
+def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, timeline: Timeline,
+             worker=None, lease=None, **extra):
     """Ray Train's TorchTrainer over `worker` (`train_worker`), with the run directory at STORAGE/NAME;
     the driver's `timeline`, its `lease` (the workers' fence) and `extra` go into each worker's payload."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -149,20 +152,24 @@ def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, 
     from trainapp.launch.ray import compat, versions
     from trainapp.launch.ray.setup import train_worker
 
-    for line in versions.lost(drains=bool(cfg.preempt.ray_poll_s), elastic=cfg.ray.min_workers != cfg.ray.max_workers):
+    for line in versions.lost(drains=bool(cfg.preempt.ray_poll_s),
+                              elastic=cfg.ray.min_workers != cfg.ray.max_workers):
         log.warning("%s", line)  # what this Ray cannot do for the run, once, before it starts
 
     worker = worker or train_worker
     run_dir = f"{storage}/{cfg.ray.name}" if not is_uri(storage) else cfg.run.dir
-    worker_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir), train=_elastic_batch(cfg))
+    worker_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir),
+                                     train=_elastic_batch(cfg))
     threads = cfg.ray.threads_per_worker or max(1, int(needs.get("CPU", 1)))
-    os.environ.update(compat.controller_env(cfg.ray.worker_group_start_timeout_s, cfg.ray.health_check_interval_s))
+    os.environ.update(compat.controller_env(cfg.ray.worker_group_start_timeout_s,
+                                            cfg.ray.health_check_interval_s))
     held = {"lease": {"fence": lease.fence.to_dict(), "summary": lease.summary()}} if lease else {}
     return compat.TorchTrainer(
         worker,
         train_loop_config={"config": worker_cfg.to_dict(), "launch": timeline.marks(), **extra, **held},
         torch_config=_torch_config(cfg, threads, worker),
-        scaling_config=ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=use_gpu, resources_per_worker=needs,
+        scaling_config=ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=use_gpu,
+                                     resources_per_worker=needs,
                                      **({"elastic_resize_monitor_interval_s": cfg.ray.resize_check_s}
                                         if cfg.ray.min_workers != cfg.ray.max_workers else {})),
         run_config=RunConfig(
@@ -207,11 +214,13 @@ def run_comm(cfg: Config, size_mb: float, iters: int, min_bandwidth: float) -> i
 
     comm.check_args(size_mb, iters, min_bandwidth)
     # A run of its own (NAME-comm), not retried: a failure is the answer.
-    cfg = dataclasses.replace(cfg, ray=dataclasses.replace(cfg.ray, name=f"{cfg.ray.name}-comm", max_failures=0))
+    cfg = dataclasses.replace(cfg, ray=dataclasses.replace(cfg.ray, name=f"{cfg.ray.name}-comm",
+                                                           max_failures=0))
     result, _, _ = _fit(cfg, worker=comm_worker, nbytes=int(size_mb * 2**20), iters=iters)
     m = result.return_value  # rank 0's
     pairs = [comm.Pair(**p) for p in m["comm_pairs"]]
-    return comm.show(m["comm_backend"], m["comm_processes"], m["comm_via"], m["comm_nodes"], pairs, min_bandwidth)
+    return comm.show(m["comm_backend"], m["comm_processes"], m["comm_via"], m["comm_nodes"], pairs,
+                     min_bandwidth)
 
 
 def _fit(cfg: Config, worker=None, **extra):
@@ -259,7 +268,8 @@ def _fit_connected(cfg: Config, timeline: Timeline, gate: StartGate, address: st
         return _fit_checked(cfg, timeline, storage, needs, use_gpu, worker, **extra)
     except Failure as e:
         if e.exit_code == 2:
-            gate.discard()  # before Ray shuts down: what it still prints of the failed start stays in its logs
+            # Before Ray shuts down: what it still prints of the failed start stays in its logs.
+            gate.discard()
         raise
     finally:
         gate.release()
@@ -271,8 +281,8 @@ def gpus_for_workers(cfg: Config, cluster_gpus: float) -> bool:
     whether the cluster has GPUs. ConfigError where the two keys contradict each other."""
     use_gpu, device = cfg.ray.use_gpu, cfg.dist.device
     if use_gpu is not None and device != "auto" and use_gpu != (device == "cuda"):
-        raise ConfigError(f"dist.device={device} with ray.use_gpu={str(use_gpu).lower()}: workers train where "
-                          "Ray puts them; set ray.use_gpu=" + ("true" if device == "cuda" else "false")
+        raise ConfigError(f"dist.device={device} with ray.use_gpu={str(use_gpu).lower()}: workers train "
+                          "where Ray puts them; set ray.use_gpu=" + ("true" if device == "cuda" else "false")
                           + " or dist.device=auto")
     if use_gpu is not None:
         return use_gpu
@@ -288,7 +298,8 @@ def _preflight(cfg: Config, timeline: Timeline, where: str) -> tuple[str, dict[s
     use_gpu = gpus_for_workers(cfg, resources.get("GPU", 0))
     needs = worker_needs(cfg, use_gpu)
     check_capacity(cfg, needs)
-    storage = cfg.ray.storage_path if is_uri(cfg.ray.storage_path) else str(Path(cfg.ray.storage_path).resolve())
+    storage = (cfg.ray.storage_path if is_uri(cfg.ray.storage_path)
+               else str(Path(cfg.ray.storage_path).resolve()))
     checks = Preflight(cfg, storage)
     # Ray Train takes seconds to import: while the probes start on the nodes. Nothing the
     # driver imports brings in torch (trainapp/launch/ray/compat.py, trainapp/launch/ray/setup.py).
@@ -297,13 +308,14 @@ def _preflight(cfg: Config, timeline: Timeline, where: str) -> tuple[str, dict[s
     compat.check_run_record(storage, cfg.ray.name)
     for line in checks.wait():
         log.info("network %s", line)
-    log.info("%s: %s workers, %s per worker, storage %s/%s", where, cfg.ray.num_workers, needs, storage, cfg.ray.name)
+    log.info("%s: %s workers, %s per worker, storage %s/%s", where, cfg.ray.num_workers, needs, storage,
+             cfg.ray.name)
     timeline.mark("driver_checked")
     return storage, needs, use_gpu
 
 
-def _fit_checked(cfg: Config, timeline: Timeline, storage: str, needs: dict[str, float], use_gpu: bool, worker=None,
-                 **extra):
+def _fit_checked(cfg: Config, timeline: Timeline, storage: str, needs: dict[str, float], use_gpu: bool,
+                 worker=None, **extra):
     """Ray Train's fit, under the run's lease; (its Result, the storage path, the stop's summary)."""
     lease = _take_lease(cfg, storage) if worker is None else None
     stop = None
@@ -332,8 +344,8 @@ def _release_left_behind(storage: str) -> None:
         return
     released = release_left_behind(storage)
     if released:
-        log.info("released the resource request(s) %s that runs killed before they ended left with Ray's autoscaling "
-                 "coordinator", ", ".join(released))
+        log.info("released the resource request(s) %s that runs killed before they ended left with Ray's "
+                 "autoscaling coordinator", ", ".join(released))
 
 
 def _take_lease(cfg: Config, storage: str):

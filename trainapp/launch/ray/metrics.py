@@ -18,7 +18,8 @@ class RaySink:
         from ray.util.metrics import Gauge
 
         self.gauges = {f"trainapp_{n}": Gauge(f"trainapp_{n}", h, tag_keys=("run",)) for n, h in RUN}
-        self.gauges["trainapp_" + BADPUT[0]] = Gauge("trainapp_" + BADPUT[0], BADPUT[1], tag_keys=("run", "cause"))
+        self.gauges["trainapp_" + BADPUT[0]] = Gauge("trainapp_" + BADPUT[0], BADPUT[1],
+                                                     tag_keys=("run", "cause"))
         self.gauges.update({f"trainapp_{n}": Gauge(f"trainapp_{n}", h, tag_keys=("run", "rank"))
                             for n, h in RANK})
 

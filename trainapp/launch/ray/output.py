@@ -133,5 +133,5 @@ class StartGate:
             with self._lock:
                 lines = sum(text.count("\n") for _, text in self.held) if self.state == "holding" else None
             if lines is not None:
-                log.info("starting for %.0f s: Ray's output (%d lines so far) is shown once the first step is "
-                         "trained", time.monotonic() - self._started, lines)
+                log.info("starting for %.0f s: Ray's output (%d lines so far) is shown once the first step "
+                         "is trained", time.monotonic() - self._started, lines)

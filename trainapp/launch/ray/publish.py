@@ -62,7 +62,8 @@ class RayPublish(Publish):
     def __init__(self, run_dir: Path, uri: str | None, async_write: bool, name: str, report_s: float = 0.0):
         self.uri, self.async_write, self.report_s = uri, async_write, report_s
         self.fs = None
-        self.root, self.where = Path(run_dir), str(run_dir)  # Ray stores the checkpoints as STORAGE/NAME/step_*
+        # Ray stores the checkpoints as STORAGE/NAME/step_*.
+        self.root, self.where = Path(run_dir), str(run_dir)
         if uri is not None:
             self.fs, self.experiment, self.where = run_store(uri, name)
             # Written here first, then uploaded (`commit`).
@@ -189,7 +190,8 @@ class RayPublish(Publish):
         ckpt = None
         if newest is not None:
             where = newest[1]
-            ckpt = Checkpoint(where, filesystem=self.fs) if self.fs is not None else Checkpoint.from_directory(where)
+            ckpt = (Checkpoint(where, filesystem=self.fs) if self.fs is not None
+                    else Checkpoint.from_directory(where))
         ray.train.report(metrics, checkpoint=ckpt, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
                          checkpoint_dir_name=step_name(newest[0]) if newest is not None else None)
         self.reported_t = time.monotonic()
@@ -273,6 +275,7 @@ class RayDrainNotice:
         key = (tuple(info.preempted_node_ids), info.deadline_ms)
         new, self.seen = key != self.seen, key
         left = round(info.deadline_ms / 1000 - time.time(), 1) if info.deadline_ms else None
-        return {"new": new, "nodes": info.preempted_node_ids, "ranks": info.preempted_ranks, "deadline_in_s": left,
-                "what": f"Ray node(s) {', '.join(n[:12] for n in info.preempted_node_ids)} drained for preemption "
-                        f"(ranks {info.preempted_ranks}, deadline in {left} s)"}
+        return {"new": new, "nodes": info.preempted_node_ids, "ranks": info.preempted_ranks,
+                "deadline_in_s": left,
+                "what": f"Ray node(s) {', '.join(n[:12] for n in info.preempted_node_ids)} drained for "
+                        f"preemption (ranks {info.preempted_ranks}, deadline in {left} s)"}

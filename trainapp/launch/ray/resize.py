@@ -30,7 +30,8 @@ DONE = "resize-done.json"
 def ask(store, was: int, to: int) -> str:
     """Ask the running workers to stop for a resize from `was` to `to` workers; the request's id."""
     rid = uuid.uuid4().hex[:12]
-    store.replace(REQUEST, json.dumps({"id": rid, "from": was, "to": to, "at": round(time.time(), 3)}).encode())
+    store.replace(REQUEST,
+                  json.dumps({"id": rid, "from": was, "to": to, "at": round(time.time(), 3)}).encode())
     return rid
 
 
@@ -85,7 +86,8 @@ class ResizeSnapshot(ControllerCallback, WorkerGroupCallback):
             import ray
 
             alive = sum(1 for n in ray.nodes() if n.get("Alive"))
-            grew, self._nodes = self._nodes and alive > self._nodes, alive  # said once per join, not per check
+            # Said once per join, not per check.
+            grew, self._nodes = self._nodes and alive > self._nodes, alive
             if grew:
                 versions.reread_cluster("trainapp-resize-snapshot")
         except Exception as e:  # information only: Ray Train's own view catches up by itself
@@ -123,10 +125,10 @@ class ResizeSnapshot(ControllerCallback, WorkerGroupCallback):
         finally:
             clear(store, rid)
         if done is None:
-            say(f"resizing {was} -> {to} workers: no snapshot within {self.wait_s:.0f}s; the new group resumes "
-                "from the newest snapshot")
+            say(f"resizing {was} -> {to} workers: no snapshot within {self.wait_s:.0f}s; the new group "
+                "resumes from the newest snapshot")
         elif done["step"] is None:
             say(f"resizing {was} -> {to} workers: the group had trained no step yet")
         else:
-            say(f"resizing {was} -> {to} workers: step {done['step']} snapshotted in {time.monotonic() - t0:.1f}s; "
-                "the new group resumes there")
+            say(f"resizing {was} -> {to} workers: step {done['step']} snapshotted in "
+                f"{time.monotonic() - t0:.1f}s; the new group resumes there")

@@ -55,7 +55,8 @@ def prepare_worker(env: dict[str, str], threads: int, network: dict[str, Any], p
     summary = net.apply(config.NetworkSection(**network), net.ray_head_host()).summary()
     # Ray forms the process group next, a few round trips through its controller in which the worker
     # mostly waits: the worker function's imports go in that time, in a thread it joins first.
-    guard.before_training = threading.Thread(target=_import, args=(imports,), name="trainapp-imports", daemon=True)
+    guard.before_training = threading.Thread(target=_import, args=(imports,), name="trainapp-imports",
+                                             daemon=True)
     guard.before_training.start()
     guard.timeline.mark("worker_setup_done")
     return summary

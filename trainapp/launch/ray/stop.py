@@ -80,9 +80,9 @@ class DriverStop:
         try:
             self.lease.request_stop(name, self.by())
         except OSError as e:
-            log.warning("%s: could not ask the workers to stop through the run's lease in %s (%s): the job ends "
-                        "without a stop snapshot; the resubmission resumes from the newest one", self.by(),
-                        self.lease.store.where, e)
+            log.warning("%s: could not ask the workers to stop through the run's lease in %s (%s): the job "
+                        "ends without a stop snapshot; the resubmission resumes from the newest one",
+                        self.by(), self.lease.store.where, e)
             return
         log.warning("%s", self.line())
 
@@ -94,9 +94,9 @@ class DriverStop:
         wait = os.environ.get("RAY_JOB_STOP_WAIT_TIME_S", str(RAY_DEFAULT_STOP_WAIT_S))
         line += f"; Ray kills the job {wait} s after its stop (RAY_JOB_STOP_WAIT_TIME_S)"
         if float(wait) < STOP_WAIT_S:
-            line += (f": if the snapshot is not registered by then, the resubmission resumes from the one before; "
-                     f"set RAY_JOB_STOP_WAIT_TIME_S={STOP_WAIT_S} in the job's runtime_env env_vars (make ray-submit "
-                     f"and k8s/kuberay/rayjob.train.yaml do)")
+            line += (f": if the snapshot is not registered by then, the resubmission resumes from the one "
+                     f"before; set RAY_JOB_STOP_WAIT_TIME_S={STOP_WAIT_S} in the job's runtime_env env_vars "
+                     f"(make ray-submit and k8s/kuberay/rayjob.train.yaml do)")
         return line
 
     def close(self) -> None:
@@ -169,7 +169,8 @@ def stop_jobs(address: str, wait_s: float, poll_s: float = 1.0) -> int:
     ids = [j.submission_id for j in client.list_jobs() if j.status in live and j.submission_id]
     for sid in ids:
         client.stop_job(sid)
-    print(f"trainapp stop-jobs: asked {len(ids)} job(s) to stop: {', '.join(ids) or 'none running'}", flush=True)
+    print(f"trainapp stop-jobs: asked {len(ids)} job(s) to stop: {', '.join(ids) or 'none running'}",
+          flush=True)
     deadline = time.monotonic() + wait_s
     left = list(ids)
     while left and time.monotonic() < deadline:

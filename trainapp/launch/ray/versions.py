@@ -52,7 +52,8 @@ RESERVED_CACHE_S = float(getattr(_POLICY, "GET_RESERVED_RESOURCES_INTERVAL_S", N
 
 def drain_notices() -> bool:
     """Ray Train tells the workers of a drained node, and trainapp can read it."""
-    return PREEMPTION_POLL_INTERVAL_S_ENV_VAR is not None and _attr("ray.train", "get_preemption_info") is not None
+    return (PREEMPTION_POLL_INTERVAL_S_ENV_VAR is not None
+            and _attr("ray.train", "get_preemption_info") is not None)
 
 
 def cluster_reread() -> bool:
@@ -77,12 +78,13 @@ def lost(drains: bool, elastic: bool) -> list[str]:
     on; `elastic`: a [min, max] ray.num_workers)."""
     v, out = ray.__version__, []
     if drains and not drain_notices():
-        out.append(f"ray {v}: no drain notices reach the training loop (Ray Train reads them from Ray 2.58 on): "
-                   "a drained node's workers snapshot when they get SIGTERM (trainapp drain/node, a pod's "
-                   "preStop), not at the drain; preempt.ray_poll_s has no effect")
+        out.append(f"ray {v}: no drain notices reach the training loop (Ray Train reads them from Ray 2.58 "
+                   "on): a drained node's workers snapshot when they get SIGTERM (trainapp drain/node, a "
+                   "pod's preStop), not at the drain; preempt.ray_poll_s has no effect")
     if elastic and not cluster_reread():
-        out.append(f"ray {v}: Ray Data's autoscaling coordinator cannot be asked to re-read the cluster: an elastic "
-                   "run sees a lost or returning node at the coordinator's own refresh, up to 20 s later")
+        out.append(f"ray {v}: Ray Data's autoscaling coordinator cannot be asked to re-read the cluster: an "
+                   "elastic run sees a lost or returning node at the coordinator's own refresh, up to 20 s "
+                   "later")
     return out
 
 

@@ -63,7 +63,8 @@ class RayWorker(Launcher):
 
     def publish(self, cfg: config.Config, ctx: DistContext) -> RayPublish:
         uri = cfg.ray.storage_path if is_uri(cfg.ray.storage_path) else None
-        return RayPublish(Path(cfg.run.dir), uri, cfg.snapshot.async_, cfg.ray.name, cfg.ray.report_interval_s)
+        return RayPublish(Path(cfg.run.dir), uri, cfg.snapshot.async_, cfg.ray.name,
+                          cfg.ray.report_interval_s)
 
     def drains(self, cfg: config.Config) -> RayDrainNotice | None:
         return RayDrainNotice() if cfg.preempt.ray_poll_s and versions.drain_notices() else None
@@ -74,8 +75,8 @@ class RayWorker(Launcher):
         # A stop asked for before this attempt started (during a restart of the group): every rank ends.
         asked = ctx.files.broadcast_object(stop_request(held.fence) if ctx.rank == 0 else None)
         if asked:
-            raise StoppedBeforeStart(f"trainapp: stopped ({asked['by']}) before this attempt trained a step; the "
-                                     "newest snapshot is where the run resumes")
+            raise StoppedBeforeStart(f"trainapp: stopped ({asked['by']}) before this attempt trained a step; "
+                                     "the newest snapshot is where the run resumes")
         return held
 
     def watch(self, cfg: config.Config, ctx: DistContext, held: RunLease) -> None:
@@ -83,7 +84,8 @@ class RayWorker(Launcher):
         through the stop vote."""
         if ctx.rank == 0:
             elastic = cfg.ray.min_workers != cfg.ray.max_workers  # only an elastic group is resized live
-            self._watch = StopWatch(held.fence, store_at(cfg.run.dir) if elastic else None, self._guard.notices)
+            self._watch = StopWatch(held.fence, store_at(cfg.run.dir) if elastic else None,
+                                    self._guard.notices)
 
     def live(self, cfg: config.Config, ctx: DistContext) -> LiveMetrics | None:
         return ray_metrics.live(cfg, ctx, cfg.ray.name)
@@ -143,7 +145,8 @@ class StopWatch:
             self._answered.add(req["id"])
             return False
         self.resize_id = req["id"]
-        self.notices.request(signal.SIGTERM, f"resize from {req['from']} to {req['to']} workers", kind="resize")
+        self.notices.request(signal.SIGTERM, f"resize from {req['from']} to {req['to']} workers",
+                             kind="resize")
         return True
 
 
@@ -182,5 +185,5 @@ def comm_worker(payload: dict[str, Any]) -> dict[str, Any]:
     ctx = dist.setup(cfg.dist, ray_device=_ray_device)
     nodes, pairs = comm.measure(ctx, payload["nbytes"], payload["iters"])
     via = ctx.network.summary() if ctx.network else "the default interface"
-    return {"comm_nodes": nodes, "comm_pairs": [dataclasses.asdict(p) for p in pairs], "comm_backend": ctx.backend,
-            "comm_processes": ctx.world_size, "comm_via": via}
+    return {"comm_nodes": nodes, "comm_pairs": [dataclasses.asdict(p) for p in pairs],
+            "comm_backend": ctx.backend, "comm_processes": ctx.world_size, "comm_via": via}
