@@ -230,12 +230,14 @@ def test_two_hosts_train_over_the_training_link(hosts, procs, tmp_path, iface):
 @pytest.mark.slow
 def test_a_wrong_interface_stops_both_hosts_within_seconds(hosts, procs, tmp_path):
     t0 = time.monotonic()
-    codes = _wait(_torchrun_on(hosts, procs, tmp_path, tmp_path / "run", "trn0", "trn1", "dist.timeout_s=600"), 120)
+    codes = _wait(_torchrun_on(hosts, procs, tmp_path, tmp_path / "run", "trn0", "trn1", "dist.timeout_s=600",
+                               "network.check_timeout_s=300"), 240)
     elapsed = time.monotonic() - t0
     logs = {h: (tmp_path / f"{h}.log").read_text(errors="replace") for h in ("host-a", "host-b")}
     assert codes[0] != 0 and codes[1] != 0, logs
-    # Long before dist.timeout_s (600 s) or network.check_timeout_s (60 s).
-    assert elapsed < 45, f"took {elapsed:.0f}s"
+    # Long before network.check_timeout_s (300 s) or dist.timeout_s (600 s): the stop did not wait for either.
+    # (About 8 s on an idle 2-core machine; 50 s seen with a container build beside it.)
+    assert elapsed < 150, f"took {elapsed:.0f}s"
     wanted = "network.interface=trn1: host host-b has no interface trn1 (it has: lo 127.0.0.1, trn0 10.123.0.2, " \
              "eth0 10.124.0.2)"
     errors_b = [line for line in logs["host-b"].splitlines() if "trainapp train: error:" in line]
