@@ -79,18 +79,15 @@ class Precision:
         """The dtype and why it is the one (the `start` record's `amp_why`)."""
         self.note = ""
         """Why the dtype is not what the config suggests, for the run's log."""
-        if device.type == "cpu" and not cpu_has_native_bf16():
-            if cfg.dtype == "auto":
-                self.note = ("amp.dtype=auto: this CPU has no bf16 instructions (AVX512_BF16, AMX), training "
-                             "in fp32")
-            elif cfg.dtype == "bf16":
-                self.note = ("amp.dtype=bf16: this CPU has no bf16 instructions (AVX512_BF16, AMX), so bf16 "
-                             "is emulated and slower than fp32; amp.dtype=auto or off trains in fp32")
-        elif device.type == "cuda" and cfg.dtype == "bf16" and cuda_auto(
-                torch.cuda.get_device_capability(device), "",
-                bool(torch.version.hip))[0] is not torch.bfloat16:
-            self.note = ("amp.dtype=bf16: this GPU has no bf16 tensor cores (compute capability < 8.0), so "
-                         "bf16 is emulated and slow; amp.dtype=auto trains in fp16 with loss scaling")
+        auto = resolve_dtype("auto", device)[0] if cfg.dtype in ("auto", "bf16") else None
+        cuda = device.type == "cuda"
+        lacks = ("this GPU has no bf16 tensor cores (compute capability < 8.0)" if cuda else
+                 "this CPU has no bf16 instructions (AVX512_BF16, AMX)")
+        if cfg.dtype == "auto" and not cuda and auto is None:
+            self.note = f"amp.dtype=auto: {lacks}, training in fp32"
+        elif cfg.dtype == "bf16" and auto is not torch.bfloat16:  # what auto would not pick is emulated
+            self.note = (f"amp.dtype=bf16: {lacks}, so bf16 is emulated and slower; amp.dtype=auto trains in "
+                         + ("fp16 with loss scaling" if cuda else "fp32"))
         self.device_type = device.type
         self.scaler = torch.amp.GradScaler(device.type, init_scale=cfg.init_scale,
                                            enabled=self.dtype is torch.float16)
