@@ -5,8 +5,8 @@ oneDNN emulates it) and on the model. This measures it here, so `amp.dtype=auto`
 judged: one process, the machine's cores as intra-op threads, fp32 and bf16 rounds alternating, the
 median step time of each. A ratio below 1 means bf16 is faster.
 
-    python bench/amp_cpu.py            # writes bench/results/amp_cpu.json
-    python bench/amp_cpu.py --smoke    # seconds; for CI, writes bench/results/smoke/
+    python -m bench.amp_cpu            # writes bench/results/amp_cpu.json
+    python -m bench.amp_cpu --smoke    # seconds; for CI, writes bench/results/smoke/
 """
 
 from __future__ import annotations
@@ -18,11 +18,9 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-from machine import describe, simd_flags
-
-HERE = Path(__file__).resolve().parent
+from bench.common import result_path
+from bench.machine import describe, simd_flags
 
 
 def measure(model_name: str, batch: int, image_size: int, rounds: int, steps: int) -> dict:
@@ -67,7 +65,7 @@ def main() -> int:
     args = p.parse_args()
     if args.smoke:
         args.rounds, args.steps, args.models = 1, 2, "smallcnn:8"
-    out = Path(args.out or HERE / "results" / ("smoke" if args.smoke else "") / "amp_cpu.json")
+    out = result_path("amp_cpu.json", args.smoke, args.out)
     import torch
 
     torch.set_num_threads(args.threads)

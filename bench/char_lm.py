@@ -6,8 +6,8 @@ command to its exit (`wall_seconds`, the issue's "about a minute"), the steps an
 much it learned: the final `val_loss` (nats per character) and `val_bpc` against the uniform guess over
 the text's characters, log(vocabulary) (`val_loss_vs_uniform`: the share of the uniform loss left).
 
-    python bench/char_lm.py            # writes bench/results/char_lm.json
-    python bench/char_lm.py --smoke    # 20 steps; for CI, writes bench/results/smoke/
+    python -m bench.char_lm            # writes bench/results/char_lm.json
+    python -m bench.char_lm --smoke    # 20 steps; for CI, writes bench/results/smoke/
 """
 
 from __future__ import annotations
@@ -21,15 +21,13 @@ import sys
 import time
 from pathlib import Path
 
-from machine import describe
-from scratch import scratch
+from bench.common import REPO, result_path
+from bench.machine import describe
+from bench.scratch import scratch
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(REPO))
 
-from trainapp.observe.metrics import read  # noqa: E402
-from trainapp.tasks.char_lm import read_text  # noqa: E402
+from trainapp.observe.metrics import read
+from trainapp.tasks.char_lm import read_text
 
 
 def main() -> int:
@@ -37,7 +35,7 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true", help="20 steps: only checks that the benchmark works")
     p.add_argument("--out", help="result file (default bench/results/char_lm.json)")
     args = p.parse_args()
-    out = Path(args.out or HERE / "results" / ("smoke" if args.smoke else "") / "char_lm.json")
+    out = result_path("char_lm.json", args.smoke, args.out)
     vocab = len(set(read_text(None)))
     with scratch("ta-bench-charlm-") as tmp:
         run_dir = Path(tmp) / "run"

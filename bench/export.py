@@ -22,8 +22,8 @@ fp32 bytes, per round against that round's baseline of the same snapshot; median
 `export_s` is the export's own time (its record's `seconds`), `process_s` the process's, imports
 included (5-8 s of torch's import on a 2-core machine).
 
-    python bench/export.py            # writes bench/results/export.json (3 rounds of 10 processes: 6-11 min, 2 cores)
-    python bench/export.py --smoke    # a 20 MiB model, one round of 5 processes, bench/results/smoke/
+    python -m bench.export            # writes bench/results/export.json (3 rounds of 10 processes: 6-11 min, 2 cores)
+    python -m bench.export --smoke    # a 20 MiB model, one round of 5 processes, bench/results/smoke/
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ import threading
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+from bench.common import REPO, result_path
+
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 TASK = "bench.export_task:WideMLP"
 FULL = {"width": 2048, "depth": 18}
@@ -140,7 +140,7 @@ def child(result_file: str, argv: list[str]) -> int:
 # --- the benchmark --------------------------------------------------------------------------------------
 
 def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return dict(os.environ)  # bench.common put this checkout on PYTHONPATH
 
 
 def train(strategy: str, size: dict, out: Path) -> float:
@@ -162,7 +162,7 @@ def measure(args: list[str], tmp: Path, name: str) -> dict:
     """One fresh process of `child(args)`: its result and its wall time."""
     result = tmp / f"{name}.json"
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, __file__, "--child", str(result), *args], cwd=REPO, env=env(),
+    r = subprocess.run([sys.executable, "-m", "bench.export", "--child", str(result), *args], cwd=REPO, env=env(),
                        capture_output=True, text=True, timeout=1200)
     wall = time.perf_counter() - t0
     if r.returncode != 0 or not result.exists():
@@ -246,7 +246,7 @@ def main() -> int:
     names = list(SMOKE_VARIANTS if args.smoke else VARIANTS)
     if args.smoke:
         args.rounds = 1
-    folder = HERE / "results" / ("smoke" if args.smoke else "")
+    folder = result_path("", args.smoke)
     folder.mkdir(parents=True, exist_ok=True)
     with scratch("ta-bench-export-") as tmp_name:
         tmp = Path(tmp_name)

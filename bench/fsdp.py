@@ -9,8 +9,8 @@ rounds of one run per strategy.
   evaluation left out), the ratio FSDP / DDP per round, then the median over rounds: for information (on
   CPU each FSDP unit's all-gather and reduce-scatter cost more than DDP's one bucketed all-reduce).
 
-    python bench/fsdp.py             # writes bench/results/fsdp.json
-    python bench/fsdp.py --smoke     # one short round, bench/results/smoke/
+    python -m bench.fsdp             # writes bench/results/fsdp.json
+    python -m bench.fsdp --smoke     # one short round, bench/results/smoke/
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-from machine import describe
-from scratch import scratch
+from bench.common import REPO, result_path
+from bench.machine import describe
+from bench.scratch import scratch
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
@@ -37,7 +36,7 @@ def run(strategy: str, steps: int, out: Path) -> dict:
            "task.name=char_lm", "optim.name=adamw", f"parallel.strategy={strategy}", f"train.max_steps={steps}",
            "train.epochs=1000", "train.log_every=5", "train.eval_every=0", "snapshot.every_steps=0",
            "train.progress=false"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     if r.returncode != 0:
         raise SystemExit(f"bench/fsdp.py: the {strategy} run failed:\n{r.stdout[-2000:]}{r.stderr[-3000:]}")
@@ -58,7 +57,7 @@ def main() -> int:
     args = p.parse_args()
     if args.smoke:
         args.rounds, args.steps = 1, 15
-    folder = HERE / "results" / ("smoke" if args.smoke else "")
+    folder = result_path("", args.smoke)
     folder.mkdir(parents=True, exist_ok=True)
     rounds = []
     with scratch("ta-bench-fsdp-") as tmp:

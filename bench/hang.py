@@ -20,8 +20,8 @@ Medians over `--rounds` rounds, with every round's values. A round that did not 
 (a second `start` record with `resumed_step` > 0) or did not finish (an `end` record at
 `train.max_steps`) fails the benchmark.
 
-    python bench/hang.py            # 3 rounds per launcher (about 10 min), writes bench/results/hang.json
-    python bench/hang.py --smoke    # one round per launcher at fault.hang_timeout_s=5 (about 100 s, most
+    python -m bench.hang            # 3 rounds per launcher (about 10 min), writes bench/results/hang.json
+    python -m bench.hang --smoke    # one round per launcher at fault.hang_timeout_s=5 (about 100 s, most
                                     # of it Ray's cluster and job startup); writes bench/results/smoke/
 """
 
@@ -38,13 +38,12 @@ import time
 import uuid
 from pathlib import Path
 
-from launchers import HERE, REPO, first_step_after_restart, launch_cmd, overrides, records
-from machine import describe
-from scratch import scratch
+from bench.common import REPO, first_step_after_restart, launch_cmd, overrides, records, result_path
+from bench.machine import describe
+from bench.scratch import scratch
 
 from trainapp.config import FaultSection
 
-# This checkout's trainapp: importing launchers put REPO first on sys.path.
 from trainapp.faults import drain
 from trainapp.tools.local_ray import LocalCluster, free_port
 
@@ -168,7 +167,7 @@ def main() -> int:
     if args.smoke:
         args.rounds = 1
         args.hang_timeout = 5.0 if args.hang_timeout is None else args.hang_timeout
-    out = Path(args.out or HERE / "results" / ("smoke" if args.smoke else "") / "hang.json")
+    out = result_path("hang.json", args.smoke, args.out)
     rounds: dict[str, list[dict]] = {name: [] for name in args.launchers}
     cluster = None
     with scratch("ta-bench-hang-") as tmp:

@@ -22,8 +22,8 @@ every step in the fault runs):
 - node loss: an elastic run (`ray.num_workers=[1,2]`) loses a whole worker node (its raylet is
   SIGKILLed); seconds until the first step on the remaining worker.
 
-    python bench/launchers.py            # writes bench/results/launchers.json
-    python bench/launchers.py --smoke    # one short run per launcher, no faults
+    python -m bench.launchers            # writes bench/results/launchers.json
+    python -m bench.launchers --smoke    # one short run per launcher, no faults
 """
 
 from __future__ import annotations
@@ -40,57 +40,20 @@ import time
 import uuid
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(REPO))
-
-from machine import describe  # noqa: E402
-from scratch import scratch  # noqa: E402
-
-from trainapp.tools.local_ray import LocalCluster, free_port, proc_stat  # noqa: E402
-from trainapp.observe import metrics  # noqa: E402
-
-BIN = Path(sys.executable).parent
-
-# Ray's worker processes do not start in this checkout: make them import its trainapp (a worktree's,
-# say), not whichever one the venv's editable install points at.
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-
-
-def overrides(steps: int, snapshot_every: int, *extra: str) -> list[str]:
-    """The benchmarks' run: the built-in model on 2048 synthetic images, `steps` steps."""
-    return [f"train.max_steps={steps}", "train.epochs=100", f"snapshot.every_steps={snapshot_every}",
-            "train.progress=false", "data.train_size=2048", "data.val_size=256", *extra]
-
-
-def launch_cmd(launcher: str, run_dir: Path, args: list[str], cluster: LocalCluster | None,
-               max_failures: int, workers: int = 2) -> tuple[list[str], dict[str, str]]:
-    """(command, environment) running trainapp with `args` under torchrun (`workers` processes of one
-    thread, one restart) or as a `workers`-worker `ray job submit` to `cluster` (one CPU, so one
-    thread, each) with `ray.max_failures`."""
-    if launcher == "torchrun":
-        return ([str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={workers}", "--max-restarts=1", "-m",
-                 "trainapp", "train", f"run.dir={run_dir}", *args], {**os.environ, "OMP_NUM_THREADS": "1"})
-    return ([str(BIN / "ray"), "job", "submit", "--address", cluster.dashboard_url, "--", "python", "-m", "trainapp",
-             "ray", f"ray.storage_path={run_dir.parent}", f"ray.name={run_dir.name}",
-             f"ray.max_failures={max_failures}", f"ray.num_workers={workers}", *args], cluster.env())
-
-
-def records(run_dir: Path) -> list[dict]:
-    return metrics.read(run_dir, missing_ok=True)
-
-
-def train_records(run_dir: Path) -> list[dict]:
-    return [r for r in records(run_dir) if r["kind"] == "train"]
-
-
-def wait_for(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"timed out waiting for {what}")
+from bench.common import (
+    REPO,
+    first_step_after_restart,
+    first_step_start,
+    launch_cmd,
+    overrides,
+    records,
+    result_path,
+    train_records,
+    wait_for,
+)
+from bench.machine import describe
+from bench.scratch import scratch
+from trainapp.tools.local_ray import LocalCluster, free_port, proc_stat
 
 
 def step_times(recs: list[dict]) -> list[float]:
@@ -120,13 +83,6 @@ def cpu_per_step(recs: list[dict]) -> float | None:
         if r["kind"] == "ranks":
             per_interval.append(statistics.fmean(x["cpu_ms"] for x in r["ranks"]))
     return statistics.median(per_interval[1:]) if len(per_interval) > 1 else None
-
-
-def first_step_start(recs: list[dict]) -> float:
-    """Wall-clock time the first optimizer step began: the first record's time less its interval."""
-    start = next(r for r in recs if r["kind"] == "start")
-    first = next(r for r in recs if r["kind"] == "train")
-    return first["time"] - (first["step"] - start["step"]) * start["global_batch"] / first["samples_per_s"]
 
 
 PHASES = [  # (phase, the mark that ends it), in launch order; a launcher's missing marks are skipped
@@ -260,16 +216,6 @@ class CpuSampler(threading.Thread):
                     main += used if ray_main else 0.0
         n = len(both) or 1
         return 1000 * total / dt / n, 1000 * main / dt / n
-
-
-def first_step_after_restart(run_dir: Path) -> float | None:
-    seen_start = 0
-    for r in records(run_dir):
-        if r["kind"] == "start":
-            seen_start += 1
-        elif r["kind"] == "train" and seen_start >= 2:
-            return r["time"]
-    return None
 
 
 class Bench:
@@ -538,7 +484,7 @@ def main() -> int:
         # 120 steps: a steady window of a few seconds, long enough for the Ray worker's main thread (about
         # 7 ms of CPU a second) to show in /proc's 10 ms ticks now that a run reports about once in 5 s.
         args.rounds, args.spare_core_rounds, args.steps = 1, 1, 120
-    out = Path(args.out or HERE / "results" / ("smoke" if args.smoke else "") / "launchers.json")
+    out = result_path("launchers.json", args.smoke, args.out)
     with scratch("ta-bench-") as tmp:
         b = Bench(args, Path(tmp))
         try:

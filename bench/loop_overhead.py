@@ -19,8 +19,8 @@ same in CPU time per step (all threads of rank 0's process; not stretched by wai
 rank, so it resolves smaller costs; `cpu_control_ratio` is its noise floor); `ranks_cost_ratio` and
 `ranks_cpu_ratio` are the same for the per-rank timings.
 
-    python bench/loop_overhead.py            # writes bench/results/loop_overhead.json
-    python bench/loop_overhead.py --smoke    # seconds; for CI, writes bench/results/smoke/
+    python -m bench.loop_overhead            # writes bench/results/loop_overhead.json
+    python -m bench.loop_overhead --smoke    # seconds; for CI, writes bench/results/smoke/
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ import sys
 import time
 from pathlib import Path
 
-from machine import describe
-from scratch import scratch
+from bench.common import result_path
+from bench.machine import describe
+from bench.scratch import scratch
 
-HERE = Path(__file__).resolve().parent
 
 
 def minimal_round(ctx, steps: int, batch: int, train_ds, val_ds, out_dir: Path, seed: int, amp: str) -> float:
@@ -202,12 +202,12 @@ def main() -> int:
     args = p.parse_args()
     if args.smoke:
         args.rounds, args.steps, args.train_size, args.val_size = 1, 4, 512, 64
-    args.out = args.out or str(HERE / "results" / ("smoke" if args.smoke else "") / "loop_overhead.json")
+    args.out = args.out or str(result_path("loop_overhead.json", args.smoke))
     if args.worker:
         worker(args)
         return 0
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    cmd = [torchrun, "--standalone", f"--nproc_per_node={args.nproc}", __file__, "--worker",
+    cmd = [torchrun, "--standalone", f"--nproc_per_node={args.nproc}", "-m", "bench.loop_overhead", "--worker",
            *[a for a in sys.argv[1:] if a != "--worker"], "--out", args.out]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     rc = subprocess.call(cmd, env=env)

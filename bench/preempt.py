@@ -15,8 +15,8 @@ voting at every step; `vote_cpu_ms` / `vote_wall_ms` are the extra CPU and wall 
 (medians of alternating blocks). The loop votes about every `StopVote.INTERVAL_S`, so
 `vote_share` (vote CPU over that interval) is what it costs a run.
 
-    python bench/preempt.py            # writes bench/results/preempt.json
-    python bench/preempt.py --smoke    # smallcnn, one run; for CI, writes bench/results/smoke/
+    python -m bench.preempt            # writes bench/results/preempt.json
+    python -m bench.preempt --smoke    # smallcnn, one run; for CI, writes bench/results/smoke/
 """
 
 from __future__ import annotations
@@ -31,14 +31,12 @@ import sys
 import time
 from pathlib import Path
 
-from machine import describe
-from scratch import scratch
+from bench.common import REPO, result_path
+from bench.machine import describe
+from bench.scratch import scratch
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(REPO))
 
-from trainapp.observe.metrics import read  # noqa: E402
+from trainapp.observe.metrics import read
 
 
 def one_run(run_dir: Path, model: str, signal_after: int, timeout: float = 600) -> dict:
@@ -131,7 +129,7 @@ def main() -> int:
         vote_worker(args.vote_worker, steps=200)
         return 0
     model, runs = ("smallcnn", 1) if args.smoke else ("resnet18", args.runs)
-    out = Path(args.out or HERE / "results" / ("smoke" if args.smoke else "") / "preempt.json")
+    out = result_path("preempt.json", args.smoke, args.out)
     results = []
     with scratch("ta-bench-preempt-") as tmp:
         for i in range(runs):

@@ -20,10 +20,10 @@ the loop with a report every 10 steps at trainapp's poll interval. trainapp's ar
 `ray.report_interval_s`; `ray_every` registers every snapshot (10 steps), the rate of the minimal
 loop's `ray_report`.
 
-    python bench/ray_floor.py            # writes bench/results/ray_floor.json
-    python bench/ray_floor.py --smoke    # one short round
-    python bench/ray_floor.py --no-trainapp --variants ray,ray_poll,ray_report,ray_report50
-    python bench/ray_floor.py --no-minimal --trainapp-variants ray,ray_every
+    python -m bench.ray_floor            # writes bench/results/ray_floor.json
+    python -m bench.ray_floor --smoke    # one short round
+    python -m bench.ray_floor --no-trainapp --variants ray,ray_poll,ray_report,ray_report50
+    python -m bench.ray_floor --no-minimal --trainapp-variants ray,ray_every
 """
 
 from __future__ import annotations
@@ -37,12 +37,11 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
-from launchers import BIN, REPO, Bench, paired, parser  # noqa: E402
-from machine import describe  # noqa: E402
-from scratch import scratch  # noqa: E402
+from bench.common import BIN, REPO, result_path
+from bench.launchers import Bench, paired, parser
+from bench.machine import describe
+from bench.scratch import scratch
 
 
 def floor_loop(cfg: dict) -> None:
@@ -170,14 +169,13 @@ class Floor:
         report_every, poll_s = VARIANTS.get(launcher, (0, None))
         cfg = {"steps": self.args.steps, "warmup": self.args.warmup, "batch": 64, "train_size": 2048,
                "workers": 2, "out": str(out), "report_every": report_every, "poll_s": poll_s}
-        script = str(HERE / "ray_floor.py")
         if launcher == "torchrun":
-            cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={cfg['workers']}", script, "--worker",
-                   json.dumps(cfg)]
+            cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={cfg['workers']}", "-m", "bench.ray_floor",
+                   "--worker", json.dumps(cfg)]
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
         else:
             cmd = [str(BIN / "ray"), "job", "submit", "--address", self.b.cluster.dashboard_url, "--", "python",
-                   script, "--driver", json.dumps(cfg), "--storage", str(out)]
+                   "-m", "bench.ray_floor", "--driver", json.dumps(cfg), "--storage", str(out)]
             env = self.b.cluster.env()
         p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)
@@ -225,7 +223,7 @@ def main() -> int:
         p.error("--no-trainapp and --no-minimal: nothing left to run; drop one")
     if args.smoke:
         args.rounds, args.steps, args.warmup, args.trainapp_steps = 1, 60, 20, 40
-    out = Path(args.out or HERE / "results" / ("smoke" if args.smoke else "") / "ray_floor.json")
+    out = result_path("ray_floor.json", args.smoke, args.out)
     # The `launchers` Bench with that benchmark's defaults: its cluster and its trainapp runs.
     bench_args = parser().parse_args(["--steps", str(args.trainapp_steps)] + ["--smoke"] * args.smoke)
     # Each loop's contestants in a round; the first and last (torchrun) are each Ray run's neighbours.

@@ -17,8 +17,8 @@ step (from the run's own metrics.jsonl), in rounds of three, side by side:
 
 Also: seconds from `ray job stop` to the job's end, and the steps the resubmission redid (0 expected).
 
-    python bench/ray_stop.py            # writes bench/results/ray_stop.json
-    python bench/ray_stop.py --smoke    # one round, no kill case
+    python -m bench.ray_stop            # writes bench/results/ray_stop.json
+    python -m bench.ray_stop --smoke    # one round, no kill case
 """
 
 from __future__ import annotations
@@ -35,18 +35,14 @@ import time
 import uuid
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(REPO))
 
-from launchers import first_step_start, overrides, records, wait_for  # noqa: E402
-from machine import describe  # noqa: E402
-from scratch import scratch  # noqa: E402
+from bench.common import REPO, first_step_start, overrides, records, result_path, wait_for
+from bench.machine import describe
+from bench.scratch import scratch
 
-from trainapp.tools.local_ray import RAY, LocalCluster, free_port  # noqa: E402
-from trainapp.launch.ray.stop import REQUESTS  # noqa: E402
+from trainapp.tools.local_ray import RAY, LocalCluster, free_port
+from trainapp.launch.ray.stop import REQUESTS
 
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
 
 
 class Stops:
@@ -163,7 +159,7 @@ def main() -> int:
     args = p.parse_args()
     if args.smoke:
         args.rounds, args.steps = 1, 120
-    out = Path(args.out or HERE / "results" / ("smoke" if args.smoke else "") / "ray_stop.json")
+    out = result_path("ray_stop.json", args.smoke, args.out)
     with scratch("ta-bench-") as tmp:
         s = Stops(args, Path(tmp) / "storage")
         try:

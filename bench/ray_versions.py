@@ -9,8 +9,8 @@ makes .venv-ray-oldest), in alternating rounds of one run each on a local multi-
   coordinator's tick instead of `recompute=True`) would cost seconds if it cost any;
 - grow-back: `ray start` of a node again, to the first step on two workers.
 
-    python bench/ray_versions.py                 # writes bench/results/ray_versions.json
-    python bench/ray_versions.py --rounds 1
+    python -m bench.ray_versions                 # writes bench/results/ray_versions.json
+    python -m bench.ray_versions --rounds 1
 """
 
 from __future__ import annotations
@@ -24,11 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(REPO))
 
-from machine import describe  # noqa: E402
+from bench.common import REPO, result_path
+from bench.machine import describe
 
 KEYS = ("startup_s", "node_lost_to_one_worker_s", "grow_back_seconds")
 
@@ -45,8 +43,8 @@ def child(storage: Path) -> None:
 
 def run(python: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="ta-bench-rayv-") as tmp:
-        r = subprocess.run([python, str(Path(__file__)), "--child", tmp], cwd=REPO, capture_output=True, text=True,
-                           timeout=1800)
+        r = subprocess.run([python, "-m", "bench.ray_versions", "--child", tmp], cwd=REPO, capture_output=True,
+                           text=True, timeout=1800)
     if r.returncode != 0:
         raise SystemExit(f"bench/ray_versions.py: the run with {python} failed:\n{r.stdout[-2000:]}{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -66,7 +64,7 @@ def main() -> int:
     p.add_argument("--oldest-python", default=str(REPO / ".venv-ray-oldest" / "bin" / "python"),
                    help="a python whose Ray is the oldest supported (make test-ray-oldest makes it)")
     p.add_argument("--child", metavar="STORAGE", help=argparse.SUPPRESS)
-    p.add_argument("--out", default=str(HERE / "results" / "ray_versions.json"))
+    p.add_argument("--out", default=str(result_path("ray_versions.json", False)))
     args = p.parse_args()
     if args.child:
         child(Path(args.child))

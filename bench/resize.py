@@ -27,8 +27,8 @@ that command to the first step on two workers are measured, split at the node's 
 Ray and at the `resized` record (the snapshot of the step reached). Not in --smoke: the e2e test
 (tests/test_ray.py) runs the same cycle.
 
-    python bench/resize.py            # writes bench/results/resize.json and resize.png
-    python bench/resize.py --smoke    # the math on 30 steps only
+    python -m bench.resize            # writes bench/results/resize.json and resize.png
+    python -m bench.resize --smoke    # the math on 30 steps only
 """
 
 from __future__ import annotations
@@ -45,17 +45,13 @@ import time
 import uuid
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(REPO))
 
-from launchers import BIN, records, wait_for  # noqa: E402
-from machine import describe  # noqa: E402
-from scratch import scratch  # noqa: E402
+from bench.common import BIN, REPO, records, result_path, wait_for
+from bench.machine import describe
+from bench.scratch import scratch
 
-from trainapp.tools.local_ray import RAY, LocalCluster, free_port  # noqa: E402
+from trainapp.tools.local_ray import RAY, LocalCluster, free_port
 
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
@@ -230,7 +226,7 @@ def main() -> int:
     p.add_argument("--cycles", type=int, default=3, help="lost-and-back cycles on the Ray cluster")
     p.add_argument("--out", help="result file (default bench/results/resize.json)")
     args = p.parse_args()
-    folder = HERE / "results" / ("smoke" if args.smoke else "")
+    folder = result_path("", args.smoke)
     out = Path(args.out or folder / "resize.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     steps, every = (30, 10) if args.smoke else (100, 33)

@@ -17,8 +17,8 @@ snapshots of a real model's state (weights, SGD momentum, progress) to a directo
    percent, is larger than the effect.) Measured twice: training on every core (the writer's CPU work
    then comes straight out of training's), and with one core left free, as on a GPU node.
 
-    python bench/snapshot_cost.py            # writes bench/results/snapshot_cost.json
-    python bench/snapshot_cost.py --smoke    # seconds; for CI, writes bench/results/smoke/
+    python -m bench.snapshot_cost            # writes bench/results/snapshot_cost.json
+    python -m bench.snapshot_cost --smoke    # seconds; for CI, writes bench/results/smoke/
 """
 
 from __future__ import annotations
@@ -34,9 +34,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from machine import describe
-
-HERE = Path(__file__).resolve().parent
+from bench.common import result_path
+from bench.machine import describe
 ALONE = SimpleNamespace(is_main=True, distributed=False, rank=0, broadcast_object=lambda obj: obj)  # one process
 ALONE.files = ALONE
 
@@ -168,7 +167,7 @@ def main() -> int:
     if args.smoke:
         args.reps, args.intervals, args.steps, args.window, args.batch = 1, 1, 8, 2, 2
         args.models = args.throughput_models = "resnet18"
-    out = Path(args.out or HERE / "results" / ("smoke" if args.smoke else "") / "snapshot_cost.json")
+    out = result_path("snapshot_cost.json", args.smoke, args.out)
     import torch
 
     torch.set_num_threads(args.threads)

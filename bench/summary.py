@@ -1,7 +1,7 @@
 """One table of every benchmark's headline numbers, from bench/results/*.json.
 
-    python bench/summary.py                  # prints it and writes bench/results/summary.md
-    python bench/summary.py --results DIR    # another results folder (e.g. bench/results/smoke)
+    python -m bench.summary                  # prints it and writes bench/results/summary.md
+    python -m bench.summary --results DIR    # another results folder (e.g. bench/results/smoke)
 
 A row per headline metric: the value, its target where the issue set one, whether it is met, and when
 and on which CPU it was measured (the CPU of the project's machine type changes between sessions).

@@ -1,11 +1,9 @@
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import FAULT_RUN, FSDP_RUN, torchrun
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from helpers import FAULT_RUN, FSDP_RUN, torchrun  # noqa: E402
-from scratch import scratch  # noqa: E402
+from bench.scratch import scratch
 
 # Tests `make test` leaves to a CI step of their own: marker -> (option, the target that runs them).
 SEPARATE = {

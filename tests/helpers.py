@@ -8,11 +8,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from trainapp.observe.metrics import read as metrics  # noqa: F401  (the tests' name for the one reader)
 
+T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]
 TOOLS = REPO / ".venv-tools" / "bin"
 """The static checkers' venv (`make tools`): hadolint, checkov, yamllint, kubernetes-validate, ruff."""
@@ -101,15 +104,40 @@ def torchrun(nproc: int, *args: str, max_restarts: int = 0, timeout: float = 300
     return run_cmd(torchrun_cmd(nproc, *args, max_restarts=max_restarts), timeout=timeout, env=env)
 
 
-def wait_for_record(run_dir: Path, kind: str, match, timeout: float = 240) -> dict:
-    """The first `kind` record of RUN_DIR/metrics.jsonl that `match`es, once there is one."""
+def wait_until(pred: Callable[[], T], what: str, timeout: float = 120, gone: Callable[[], str | None] | None = None,
+               interval: float = 0.05) -> T:
+    """The tests' one wait: poll `pred` until it returns something truthy and return that. Fails naming
+    `what` after `timeout` seconds, or as soon as `gone()` gives a reason (what was awaited ended first:
+    see `exited`)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = [r for r in metrics(run_dir, kind, missing_ok=True) if match(r)]
-        if found:
-            return found[0]
-        time.sleep(0.05)
-    raise AssertionError(f"{run_dir}: no matching {kind} record in {timeout}s")
+    while True:
+        got = pred()
+        if got:
+            return got
+        reason = gone() if gone else None
+        if reason:
+            raise AssertionError(f"{what}: {reason}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        time.sleep(interval)
+
+
+def exited(proc: subprocess.Popen, output: Callable[[], str] = str) -> Callable[[], str | None]:
+    """For `wait_until(gone=...)`: the reason once `proc` has exited (its exit code and the tail of
+    `output()`), None while it runs."""
+    return lambda: None if proc.poll() is None else f"exit {proc.returncode} first\n{output()[-3000:]}"
+
+
+def at_step(run_dir: Path, kind: str, step: int) -> Callable[[], bool]:
+    """For `wait_until`: whether RUN_DIR/metrics.jsonl has a `kind` record at `step` or later."""
+    return lambda: any(r["step"] >= step for r in metrics(run_dir, kind, missing_ok=True))
+
+
+def wait_for_record(run_dir: Path, kind: str, match: Callable[[dict], bool], timeout: float = 240,
+                    gone: Callable[[], str | None] | None = None) -> dict:
+    """The first `kind` record of RUN_DIR/metrics.jsonl that `match`es, once there is one."""
+    return wait_until(lambda: next((r for r in metrics(run_dir, kind, missing_ok=True) if match(r)), None),
+                      f"{run_dir}: a matching {kind} record", timeout, gone)
 
 
 def inspect(path: Path) -> dict:

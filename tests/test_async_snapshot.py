@@ -5,11 +5,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 
 import pytest
 import torch
-from helpers import PY, QUICK, REPO, inspect, metrics, torchrun, trainapp
+from helpers import PY, QUICK, REPO, exited, inspect, metrics, torchrun, trainapp, wait_until
 
 from trainapp.group import DistContext
 from trainapp.snapshots import store as snapshot
@@ -110,16 +109,10 @@ def test_sigkill_during_a_background_write_leaves_the_previous_snapshot_intact(t
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     snaps = run_dir / "snapshots"
     try:
-        deadline = time.monotonic() + 120
-        # Wait for a complete step_5 and the state file of step_10 written but not yet completed.
-        while time.monotonic() < deadline:
-            tmp = [p for p in snaps.glob(".tmp-step_000000010-*") if (p / snapshot.STATE).exists()]
-            if tmp and (snaps / "step_000000005").exists():
-                break
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            time.sleep(0.1)
-        else:
-            pytest.fail("never saw step 10 mid-write")
+        # A complete step_5 and the state file of step_10 written but not yet completed.
+        wait_until(lambda: (snaps / "step_000000005").exists() and [
+            p for p in snaps.glob(".tmp-step_000000010-*") if (p / snapshot.STATE).exists()],
+            "step 10 mid-write", 120, gone=exited(proc, proc.stderr.read), interval=0.1)
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
         try:

@@ -15,10 +15,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.bench]
 
 
 def smoke(name: str, tmp_path, *args: str, timeout: int = 300):
-    """Run bench/NAME.py in its smoke mode; (its result, the run). The run must succeed."""
+    """Run the benchmark bench.NAME in its smoke mode; (its result, the run). The run must succeed."""
     out = tmp_path / f"{name}.json"
-    r = run_cmd([sys.executable, str(REPO / "bench" / f"{name}.py"), "--smoke", *args, "--out", str(out)],
-                timeout=timeout)
+    r = run_cmd([sys.executable, "-m", f"bench.{name}", "--smoke", *args, "--out", str(out)], timeout=timeout)
     assert r.returncode == 0, r.output[-4000:]
     return json.loads(out.read_text()), r
 
@@ -97,7 +96,7 @@ def test_amp_cpu_benchmark_smoke_and_the_summary_table(tmp_path):
     assert result["bf16_vs_fp32_step_ratio"]["smallcnn"] > 0
     for name in ("loop_overhead", "launchers"):
         (tmp_path / f"{name}.json").write_text((REPO / "bench" / "results" / f"{name}.json").read_text())
-    r = run_cmd([sys.executable, str(REPO / "bench" / "summary.py"), "--results", str(tmp_path)], timeout=60)
+    r = run_cmd([sys.executable, "-m", "bench.summary", "--results", str(tmp_path)], timeout=60)
     assert r.returncode == 0, r.output
     table = (tmp_path / "summary.md").read_text()
     assert "| `loop_overhead` |" in table and "| `amp_cpu` | smallcnn" in table

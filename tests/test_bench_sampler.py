@@ -4,7 +4,7 @@ import os
 import threading
 import time
 
-from launchers import CpuSampler
+from bench.launchers import CpuSampler
 
 
 def test_a_thread_using_two_milliseconds_is_read_as_that_not_as_zero_or_a_clock_tick():

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import QUICK, REPO, kill_registered, metrics, run_cmd, torchrun_cmd
+from helpers import QUICK, REPO, at_step, exited, kill_registered, metrics, run_cmd, torchrun_cmd, wait_until
 
 from trainapp.observe import goodput
 from trainapp.tools import report
@@ -82,12 +82,8 @@ def _preempt_after(cmd: list[str], run_dir: Path, env: dict, tmp: Path, step: in
     with open(tmp / "first.err", "w+") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
         try:
-            deadline = time.monotonic() + 120
-            while not any(r["step"] >= step for r in metrics(run_dir, "train", missing_ok=True)):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    err.seek(0)
-                    raise AssertionError(f"exit {proc.returncode} before step {step}: {err.read()[-3000:]}")
-                time.sleep(0.05)
+            wait_until(at_step(run_dir, "train", step), f"step {step}", 120,
+                       gone=exited(proc, lambda: (err.seek(0), err.read())[1]))
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=60)
         finally:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import PY, QUICK, REPO, inspect, run_cmd, trainapp
+from helpers import PY, QUICK, REPO, at_step, exited, inspect, run_cmd, trainapp, wait_until
 
 from trainapp import config
 from trainapp.config import changes
@@ -61,19 +61,8 @@ def train_cmd(run_dir: Path, *args: str) -> list[str]:
     return [PY, "-m", "trainapp", "train", f"run.dir={run_dir}", *RUN, *args]
 
 
-def wait_until(what, timeout: float = 120, job: Background | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = what()
-        if got:
-            return got
-        assert job is None or job.proc.poll() is None, job.output()[-3000:]
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting{': ' + job.output()[-2000:] if job else ''}")
-
-
-def snapshot_at(run_dir: Path, step: int):
-    return lambda: any(r.get("step", 0) >= step for r in metrics.read(run_dir, "snapshot", missing_ok=True))
+def wait(what, job: Background | None = None, timeout: float = 120, name: str = "the lease test's condition"):
+    return wait_until(what, name, timeout, gone=exited(job.proc, job.output) if job else None)
 
 
 def final_sha(run_dir: Path) -> str:
@@ -116,7 +105,7 @@ HOLD = textwrap.dedent("""
 
 def hold(run_dir: Path, term_s: float, log: Path) -> Background:
     job = Background([PY, "-c", HOLD, str(run_dir), str(term_s)], log)
-    wait_until(lambda: "held" in job.output(), job=job)
+    wait(lambda: "held" in job.output(), job, name="held")
     return job
 
 
@@ -233,7 +222,7 @@ def test_a_stop_request_in_the_lease_reaches_a_writers_notices(tmp_path):
     notices.heartbeat.phase = "compute"  # a step is under way: the stop comes after it
     watch = StopWatch(writer, None, notices, poll_s=0.05)
     held.request_stop("SIGTERM", "ray job stop (SIGTERM to the job's driver)")
-    wait_until(lambda: notices.signum)
+    wait(lambda: notices.signum, name="a notice")
     watch.stop.set()
     assert notices.signum == signal.SIGTERM and notices.stop_by.startswith("ray job stop") and not ended
     assert notices.stop_kind == "stop" and lease.stop_request(writer)["signal"] == "SIGTERM"
@@ -255,11 +244,11 @@ def test_a_resize_request_becomes_a_notice_once_training_and_is_answered_at_once
     notices = Notices(Heartbeat(), lambda *a: None)
     notices.heartbeat.phase = "compute"
     watch = StopWatch(Fence.none(), store, notices, poll_s=0.02)
-    wait_until(lambda: resize.wait(store, old, 0.05) is not None)
+    wait(lambda: resize.wait(store, old, 0.05) is not None, name="a resize")
     assert resize.wait(store, old, 0.05)["step"] is None and not notices.signum
     resize.clear(store, old)
     rid = resize.ask(store, 1, 2)
-    wait_until(lambda: notices.signum)
+    wait(lambda: notices.signum, name="a notice")
     watch.stop.set()
     assert (notices.stop_kind, notices.stop_by, watch.resize_id) == ("resize", "resize from 1 to 2 workers", rid)
 
@@ -319,7 +308,7 @@ def test_a_second_run_on_a_held_dir_exits_2_in_seconds_and_the_first_is_unharmed
     run_dir = tmp_path / "run"
     first = Background(train_cmd(run_dir), tmp_path / "first.log")
     try:
-        wait_until(lambda: (run_dir / "lease" / "gen-000000001.json").exists(), job=first)
+        wait(lambda: (run_dir / "lease" / "gen-000000001.json").exists(), first, name="lease generation 1")
         t0 = time.monotonic()
         r = run_cmd(train_cmd(run_dir, "seed=2"))
         took = time.monotonic() - t0
@@ -346,7 +335,7 @@ def test_a_sigkilled_holder_on_another_host_is_taken_over_after_its_term(tmp_pat
     holder = Background(["unshare", "--pid", "--fork", "--kill-child", *train_cmd(run_dir, "run.lease_s=4")],
                         tmp_path / "holder.log")
     try:
-        wait_until(snapshot_at(run_dir, 50), job=holder)
+        wait(at_step(run_dir, "snapshot", 50), holder, name="snapshot 50")
     finally:
         holder.kill()
     holder.proc.wait()
@@ -368,13 +357,13 @@ def test_a_sigstopped_holder_resumed_after_the_take_over_publishes_nothing_and_e
     zombie = Background(train_cmd(run_dir, "run.lease_s=3"), tmp_path / "zombie.log")
     heir = None
     try:
-        wait_until(snapshot_at(run_dir, 50), job=zombie)
+        wait(at_step(run_dir, "snapshot", 50), zombie, name="snapshot 50")
         os.kill(zombie.proc.pid, signal.SIGSTOP)
         stopped_at = max(r["step"] for r in metrics.read(run_dir, "snapshot"))
         heir = Background(train_cmd(run_dir, "run.lease_s=3"), tmp_path / "heir.log")
-        wait_until(lambda: "took over the lease" in heir.output(), job=heir)
-        wait_until(lambda: len(metrics.read(run_dir, "train", missing_ok=True)) and
-                   metrics.read(run_dir)[-1]["pid"] == heir.proc.pid, job=heir)
+        wait(lambda: "took over the lease" in heir.output(), heir, name="the takeover")
+        wait(lambda: len(metrics.read(run_dir, "train", missing_ok=True)) and
+             metrics.read(run_dir)[-1]["pid"] == heir.proc.pid, heir, name="the heir's first step")
         os.kill(zombie.proc.pid, signal.SIGCONT)
         assert zombie.wait(60) == 2, zombie.output()[-3000:]
         assert heir.wait() == 0, heir.output()[-3000:]

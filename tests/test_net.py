@@ -17,7 +17,7 @@ from pathlib import Path
 
 import netns
 import pytest
-from helpers import QUICK, REPO, TORCHRUN, metrics, trainapp
+from helpers import QUICK, REPO, TORCHRUN, metrics, trainapp, wait_until
 
 from trainapp.config import NetworkSection
 from trainapp.launch import net
@@ -200,9 +200,7 @@ def _torchrun_on(hosts, procs, tmp_path, run_dir, iface_a: str, iface_b: str, *e
 
 
 def _wait(ps: list[subprocess.Popen], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    for p in ps:
-        p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    wait_until(lambda: all(p.poll() is not None for p in ps), "every host's torchrun to exit", timeout, interval=0.2)
     return [p.returncode for p in ps]
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import helpers
 import pytest
-from helpers import PY, REPO, inspect, kill_registered, metrics, run_cmd
+from helpers import PY, REPO, at_step, exited, inspect, kill_registered, metrics, run_cmd, wait_until
 
 import trainapp
 from trainapp.faults import drain, preempt
@@ -39,19 +39,18 @@ class Job:
 
     def workers(self, n: int, timeout: float = 120) -> dict[int, int]:
         """{rank: pid} of the `n` training processes, from the worker registry."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            d = self.runtime / "workers"
+        d = self.runtime / "workers"
+
+        def registered() -> list[int] | None:
             pids = [int(p.name) for p in d.iterdir()] if d.is_dir() else []
-            if len(pids) == n:
-                ranks = {}
-                for pid in pids:
-                    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                    rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), 0)
-                    ranks[rank] = pid
-                return ranks
-            time.sleep(0.05)
-        raise AssertionError(f"{n} workers never registered in {self.runtime}")
+            return pids if len(pids) == n else None
+
+        pids = wait_until(registered, f"{n} workers registered in {self.runtime}", timeout)
+        ranks = {}
+        for pid in pids:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            ranks[next((int(e[5:]) for e in env if e.startswith(b"RANK=")), 0)] = pid
+        return ranks
 
     def wait(self, timeout: float = 240) -> int:
         try:
@@ -97,15 +96,8 @@ def torchrun_cmd(run_dir: Path, *args: str) -> list[str]:
 
 
 def wait_for(run_dir: Path, kind: str, step: int, job: Job, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if job.proc.poll() is not None:
-            raise AssertionError(f"{job.name} ended (exit {job.proc.returncode}) before a {kind} record at "
-                                 f"step {step}: {job.output()[1][-3000:]}")
-        if any(r["step"] >= step for r in metrics(run_dir, kind, missing_ok=True)):
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"no {kind} record at step >= {step} in {timeout}s")
+    wait_until(at_step(run_dir, kind, step), f"{job.name}: a {kind} record at step {step} or later", timeout,
+               gone=exited(job.proc, lambda: job.output()[1]))
 
 
 def straight_sha(tmp: Path, cmd, *args: str) -> str:

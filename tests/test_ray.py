@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import subprocess
+import contextlib
 import tempfile
 import time
 import uuid
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import usertasks_ledger
-from helpers import PY, QUICK, REPO, inspect, metrics, one_error_line, run_cmd, torchrun, trainapp, wait_for_record
+from helpers import (PY, QUICK, REPO, inspect, metrics, one_error_line, run_cmd, torchrun, trainapp, wait_for_record,
+                     wait_until)
 
 from trainapp.faults.preempt import StopVote
 from trainapp.tools.local_ray import RAY, LocalCluster, free_port, proc_stat
@@ -612,9 +614,9 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
                          "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "test: spot reclaim",
                          "--deadline-remaining-seconds", "120"], env=cluster.env(), timeout=60)
         assert drain.returncode == 0, drain.output
-        deadline = time.monotonic() + (60 if versions.drain_notices() else 6 * poll_s)
-        while not metrics(run_dir, "drain_notice") and time.monotonic() < deadline:
-            time.sleep(0.1)
+        with contextlib.suppress(AssertionError):  # the Rays without drain notices write none
+            wait_until(lambda: metrics(run_dir, "drain_notice"), "a drain notice",
+                       60 if versions.drain_notices() else 6 * poll_s, interval=0.1)
         notices = metrics(run_dir, "drain_notice")
         assert bool(notices) == versions.drain_notices(), "no drain_notice record within 60 s of the drain"
         time.sleep(6 * poll_s)  # a few polls into the drain

@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import time
 from pathlib import Path
 
 import helpers
 import pytest
-from helpers import PY, REPO, inspect, metrics, run_cmd
+from helpers import PY, REPO, at_step, inspect, metrics, run_cmd, wait_until
 from test_preempt import RUN, straight_sha, torchrun_cmd  # the preemption tests' run and its straight twin
 
 from trainapp.config import PreemptSection
@@ -124,14 +123,11 @@ def straight(tmp_path_factory) -> str:
 
 
 def wait_for_step(slurm, job: str, run_dir: Path, step: int, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(r["step"] >= step for r in metrics(run_dir, "train", missing_ok=True)):
-            return
+    def ended() -> str | None:
         state = slurm.job(job)["JobState"]
-        assert state in ("PENDING", "RUNNING"), f"job {job} {state} before step {step}\n{slurm.logs()}"
-        time.sleep(0.1)
-    raise AssertionError(f"job {job}: no step {step} in {timeout} s\n{slurm.logs()}")
+        return None if state in ("PENDING", "RUNNING") else f"{state} first\n{slurm.logs()}"
+
+    wait_until(at_step(run_dir, "train", step), f"job {job}: step {step}", timeout, gone=ended, interval=0.1)
 
 
 def stop_mid_run(slurm, tmp: Path, name: str, notice, extra: tuple[str, ...] = (), at_step: int = 30,
@@ -154,10 +150,8 @@ def shorten_the_time_limit(slurm, job: str) -> None:
     --signal=B:USR1@120, so slurmctld sends USR1 at its next time-limit check (every 30 s). Once the
     job is requeued, give it room to finish."""
     slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=1")
-    deadline = time.monotonic() + 120
-    while slurm.job(job)["Restarts"] == "0":
-        assert time.monotonic() < deadline, f"no requeue 120 s after the time limit was shortened\n{slurm.logs()}"
-        time.sleep(0.5)
+    wait_until(lambda: slurm.job(job)["Restarts"] != "0", "a requeue after the time limit was shortened", 120,
+               interval=0.5)
     slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=10")
 
 
