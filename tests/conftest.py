@@ -1,7 +1,8 @@
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import FAULT_RUN, FSDP_RUN, torchrun
+from helpers import FAULT_RUN, FSDP_RUN, run_cmd, torchrun2
 
 from bench.scratch import scratch
 
@@ -43,32 +44,45 @@ def run_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def straight_run(tmp_path_factory) -> Callable[..., Path]:
+    """`straight_run(cmd, *args, env=None)`: the run directory of `cmd(run_dir, *args)` trained to its
+    end, never interrupted: the twin an interrupted run must end bitwise equal to. Each distinct command
+    runs once per session, so every test (in any file) that needs the same twin shares one run."""
+    runs: dict[tuple, Path] = {}
+
+    def get(cmd: Callable[..., list[str]], *args: str, env: dict | None = None) -> Path:
+        key = (*cmd(Path("RUN_DIR"), *args), *sorted((env or {}).items()))
+        if key not in runs:
+            run_dir = tmp_path_factory.mktemp("straight") / "run"
+            r = run_cmd(cmd(run_dir, *args), timeout=600, env=env)
+            assert r.returncode == 0, r.output[-3000:]
+            runs[key] = run_dir
+        return runs[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def torchrun_restarted(tmp_path_factory) -> Path:
     """One run several test files read: 2 ranks under torchrun, rank 1 SIGKILLed at step 13 by the drill
     and the group restarted from the step-10 snapshot, a record and TensorBoard scalars at every step.
     tests/test_loop.py checks its resume is bitwise, tests/test_report.py its report and TensorBoard files."""
     run_dir = tmp_path_factory.mktemp("restarted") / "run"
-    r = torchrun(2, f"run.dir={run_dir}", *FAULT_RUN, "drill.kill_at_step=13", "drill.rank=1", "train.log_every=1",
-                 "observe.tensorboard=true", max_restarts=1)
+    r = run_cmd(torchrun2(run_dir, *FAULT_RUN, "drill.kill_at_step=13", "drill.rank=1", "train.log_every=1",
+                          "observe.tensorboard=true"))
     assert r.returncode == 0, r.output[-3000:]
     return run_dir
 
 
 @pytest.fixture(scope="session")
-def fsdp_straight(tmp_path_factory) -> Path:
+def fsdp_straight(straight_run) -> Path:
     """One FSDP run several test files read (2 ranks, sharded snapshots every 5 steps, EMA): tests/test_fsdp.py
     resumes against it, tests/test_export.py exports from its shards."""
-    run_dir = tmp_path_factory.mktemp("fsdp-straight") / "run"
-    r = torchrun(2, f"run.dir={run_dir}", *FSDP_RUN)
-    assert r.returncode == 0, r.output[-3000:]
-    return run_dir
+    return straight_run(torchrun2, *FSDP_RUN)
 
 
 @pytest.fixture(scope="session")
-def torchrun_straight(tmp_path_factory) -> Path:
+def torchrun_straight(straight_run) -> Path:
     """`torchrun_restarted`'s twin that nobody killed: tests/test_loop.py compares their parameters,
-    tests/test_export.py their exported models."""
-    run_dir = tmp_path_factory.mktemp("straight") / "run"
-    r = torchrun(2, f"run.dir={run_dir}", *FAULT_RUN)
-    assert r.returncode == 0, r.output[-3000:]
-    return run_dir
+    tests/test_export.py their exported models, tests/test_hang.py a hung rank's restarted run."""
+    return straight_run(torchrun2, *FAULT_RUN)

@@ -32,8 +32,7 @@ QUICK = ["train.progress=false", "train.log_every=5", "data.train_size=1024", "d
 FAULT_RUN = ["train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5", "train.grad_accum=2",
              "train.ema_decay=0.9", "train.eval_every=10", *QUICK]
 # The same under FSDP (sharded snapshots): conftest.py's `fsdp_straight`, tests/test_fsdp.py.
-FSDP_RUN = ["parallel.strategy=fsdp", "train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5",
-            "snapshot.keep=10", "train.grad_accum=2", "train.eval_every=10", "train.ema_decay=0.9", *QUICK]
+FSDP_RUN = [*FAULT_RUN, "parallel.strategy=fsdp", "snapshot.keep=10"]
 
 
 @dataclass
@@ -102,6 +101,12 @@ def torchrun_cmd(nproc: int, *args: str, max_restarts: int = 0) -> list[str]:
 
 def torchrun(nproc: int, *args: str, max_restarts: int = 0, timeout: float = 300, env: dict | None = None) -> Result:
     return run_cmd(torchrun_cmd(nproc, *args, max_restarts=max_restarts), timeout=timeout, env=env)
+
+
+def torchrun2(run_dir: Path, *args: str) -> list[str]:
+    """2 ranks under torchrun on RUN_DIR, one restart allowed (the drills' kills use it; a run nobody
+    kills never restarts): the command of the shared runs (conftest.py's `straight_run`)."""
+    return torchrun_cmd(2, f"run.dir={run_dir}", *args, max_restarts=1)
 
 
 def wait_until(pred: Callable[[], T], what: str, timeout: float = 120, gone: Callable[[], str | None] | None = None,

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import FSDP_RUN, PY, QUICK, REPO, inspect, metrics, torchrun
+from helpers import FSDP_RUN, PY, QUICK, REPO, inspect, metrics, run_cmd, torchrun, torchrun2
 from test_preempt import Job, check_preempted, rerun_resumes_exactly, straight_sha
 from test_preempt import torchrun_cmd as preempt_cmd
 from test_storage import mounts, no_leftovers, tmpfs  # noqa: F401  (mounts: the fixture)
@@ -23,11 +23,10 @@ FSDP = FSDP_RUN
 LM = ["task.name=char_lm", "amp.dtype=fp16", "amp.init_scale=1e6", *FSDP]
 
 
-def trained(run, *args: str, kill: bool = False):
-    """`run`, trained by 2 torchrun workers with `args`; with `kill`, rank 1 SIGKILLed after step 13 and
-    the group restarted once."""
-    kills = ["drill.kill_at_step=13", "drill.rank=1"] if kill else []
-    r = torchrun(2, f"run.dir={run}", *args, *kills, max_restarts=1 if kill else 0)
+def killed(run, *args: str):
+    """`run`, trained by 2 torchrun workers with `args`, rank 1 SIGKILLed after step 13 and the group
+    restarted once (its twin: `straight_run(torchrun2, *args)`)."""
+    r = run_cmd(torchrun2(run, *args, "drill.kill_at_step=13", "drill.rank=1"))
     assert r.returncode == 0, r.output[-3000:]
     return run
 
@@ -39,7 +38,7 @@ def straight(fsdp_straight):
 
 @pytest.mark.slow
 def test_a_killed_rank_restarted_by_torchrun_ends_bitwise_equal_to_a_straight_fsdp_run(straight, tmp_path):
-    trained(tmp_path, *FSDP, kill=True)
+    killed(tmp_path, *FSDP)
     starts = metrics(tmp_path, "start")
     assert [s["resumed_step"] for s in starts] == [None, 10]
     # Every rank wrote its shard; meta.json lists every file with its size and checksum.
@@ -51,18 +50,18 @@ def test_a_killed_rank_restarted_by_torchrun_ends_bitwise_equal_to_a_straight_fs
 
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_in_fp32_too_a_killed_rank_ends_bitwise_equal_to_a_straight_fsdp_run(tmp_path):
+def test_in_fp32_too_a_killed_rank_ends_bitwise_equal_to_a_straight_fsdp_run(straight_run, tmp_path):
     """The test above runs under autocast (bf16 where the CPU has it); this one without (`amp.dtype=off`)."""
     fp32 = [*FSDP, "amp.dtype=off"]
-    straight, killed = trained(tmp_path / "straight", *fp32), trained(tmp_path / "killed", *fp32, kill=True)
-    assert [s["resumed_step"] for s in metrics(killed, "start")] == [None, 10]
-    assert metrics(killed, "start")[0]["amp"] == "fp32"
-    assert inspect(killed)["params_sha256"] == inspect(straight)["params_sha256"]
+    run = killed(tmp_path, *fp32)
+    assert [s["resumed_step"] for s in metrics(run, "start")] == [None, 10]
+    assert metrics(run, "start")[0]["amp"] == "fp32"
+    assert inspect(run)["params_sha256"] == inspect(straight_run(torchrun2, *fp32))["params_sha256"]
 
 
 @pytest.fixture(scope="module")
-def straight_lm(tmp_path_factory):
-    return trained(tmp_path_factory.mktemp("fsdp-lm"), *LM)
+def straight_lm(straight_run):
+    return straight_run(torchrun2, *LM)
 
 
 @pytest.mark.slow
@@ -71,14 +70,14 @@ def test_char_lm_with_fp16_and_ema_resumes_a_killed_rank_bitwise_and_its_snapsho
     """The character transformer sharded: a rank SIGKILLed after step 13 and restarted ends equal to the
     straight run, bit for bit (parameters, the EMA model's evaluation, the steps fp16 skipped); the
     straight run's step-10 snapshot, resharded onto one rank, goes on at the same global sample."""
-    killed = trained(tmp_path / "killed", *LM, kill=True)
-    assert [s["resumed_step"] for s in metrics(killed, "start")] == [None, 10]
-    ends = [metrics(run, "end")[0] for run in (killed, straight_lm)]
+    run = killed(tmp_path / "killed", *LM)
+    assert [s["resumed_step"] for s in metrics(run, "start")] == [None, 10]
+    ends = [metrics(r, "end")[0] for r in (run, straight_lm)]
     assert ends[0]["skipped_steps"] > 0  # the overflowing first steps were skipped, by every rank at once
     for key in ("skipped_steps", "val_loss", "val_bpc", "final_loss"):
         assert ends[0][key] == ends[1][key], (key, ends)
-    assert inspect(killed)["params_sha256"] == inspect(straight_lm)["params_sha256"]
-    state = torch.load(killed / "snapshots" / "step_000000024" / "state.pt", weights_only=False)
+    assert inspect(run)["params_sha256"] == inspect(straight_lm)["params_sha256"]
+    state = torch.load(run / "snapshots" / "step_000000024" / "state.pt", weights_only=False)
     assert state["model"] == state["ema"] == "sharded"  # the EMA copy in the shards, not rank 0's part of it
 
     one = tmp_path / "one"
@@ -99,7 +98,7 @@ def test_asynchronous_shard_writes_publish_every_snapshot_whole_and_a_killed_ran
     """`snapshot.async=true`: every rank's shards written by DCP's thread while training goes on, each
     snapshot published once every rank's are on disk; a rank SIGKILLed after step 13 resumes from the
     newest published one and ends equal to the synchronous straight run."""
-    trained(tmp_path, *LM, "snapshot.async=true", kill=True)
+    killed(tmp_path, *LM, "snapshot.async=true")
     resumed = [s["resumed_step"] for s in metrics(tmp_path, "start")]
     assert resumed[0] is None and resumed[1] in (5, 10), resumed  # step 10's may still be in flight at the kill
     assert inspect(tmp_path)["params_sha256"] == inspect(straight_lm)["params_sha256"]
@@ -163,7 +162,7 @@ def fsdp_preempt_cmd(run_dir, *args):
 
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_sigterm_to_one_fsdp_worker_snapshots_the_step_reached_and_the_rerun_is_bitwise_equal(tmp_path):
+def test_sigterm_to_one_fsdp_worker_snapshots_the_step_reached_and_the_rerun_is_bitwise_equal(straight_run, tmp_path):
     """The preemption path of test_preempt.py with sharded snapshots (and low-precision gathers): the notice
     reaches rank 1, both ranks stop at the agreed step, every rank writes its shard of that step; zero
     steps redone."""
@@ -174,7 +173,7 @@ def test_sigterm_to_one_fsdp_worker_snapshots_the_step_reached_and_the_rerun_is_
     rec = check_preempted(run_dir, job, None)
     meta = json.loads((run_dir / "snapshots" / f"step_{rec['step']:09d}" / "meta.json").read_text())
     assert sorted(meta["shards"]) == ["shards/.metadata", "shards/__0_0.distcp", "shards/__1_0.distcp"]
-    rerun_resumes_exactly(run_dir, fsdp_preempt_cmd, rec["step"], straight_sha(tmp_path, fsdp_preempt_cmd))
+    rerun_resumes_exactly(run_dir, fsdp_preempt_cmd, rec["step"], straight_sha(straight_run, fsdp_preempt_cmd))
 
 
 @pytest.mark.slow

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import (PY, QUICK, REPO, inspect, kill_registered, metrics, run_cmd, torchrun_cmd, wait_for_record,
-                     wait_until)
+from helpers import (FAULT_RUN, PY, QUICK, REPO, inspect, kill_registered, metrics, run_cmd, torchrun2, torchrun_cmd,
+                     wait_for_record, wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -25,29 +25,28 @@ def torchrun(run_dir: Path, *args: str, restarts: int = 1) -> list[str]:
     return torchrun_cmd(2, f"run.dir={run_dir}", *RUN, *args, max_restarts=restarts)
 
 
-def test_a_hung_rank_is_found_by_both_ranks_and_the_restart_resumes_bitwise(tmp_path):
-    straight = tmp_path / "straight"
-    r = run_cmd(torchrun(straight, restarts=0))
-    assert r.returncode == 0, r.output[-3000:]
+def test_a_hung_rank_is_found_by_both_ranks_and_the_restart_resumes_bitwise(torchrun_straight, tmp_path):
+    """FAULT_RUN (accumulation, EMA, evaluation), rank 1 hung after step 13: its twin is the shared
+    straight run."""
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
-    r = run_cmd(torchrun(run_dir, "drill.hang_at_step=25", "drill.rank=1", "fault.hang_timeout_s=5"))
+    r = run_cmd(torchrun2(run_dir, *FAULT_RUN, "drill.hang_at_step=13", "drill.rank=1", "fault.hang_timeout_s=5"))
     assert r.returncode == 0, r.output[-3000:]
     assert time.monotonic() - t0 < 120
     hung = (run_dir / "hangs" / "rank-1-attempt-0.txt").read_text()
-    assert "rank 1 on" in hung and "after step 25 in phase data: hang: no progress" in hung, hung[:2000]
+    assert "rank 1 on" in hung and "after step 13 in phase data: hang: no progress" in hung, hung[:2000]
     assert "Thread 0x" in hung and "in after_step" in hung  # the hung thread's own stack (the drill's) is in the dump
     # Rank 0 waits for rank 1 in the all-reduce: its own watchdog finds that, or rank 1's word reaches it first.
     failures = {f["rank"]: f for f in metrics(run_dir, "failure")}
-    assert failures[1]["cause"] == "hang" and failures[1]["phase"] == "data" and failures[1]["step"] == 25
-    # Rank 0 is blocked in the gradient all-reduce of the next step's backward: the phase clock's compute.
+    assert failures[1]["cause"] == "hang" and failures[1]["phase"] == "data" and failures[1]["step"] == 13
+    # Rank 0 is blocked in the gradient all-reduce of the next step's last micro-batch: the phase clock's compute.
     assert failures[0]["cause"] in ("hang", "peer") and failures[0]["phase"] == "compute", failures[0]
     blocked = run_dir / "hangs" / "rank-0-attempt-0.txt"
-    assert failures[0]["cause"] == "peer" or "after step 25 in phase compute" in blocked.read_text()
+    assert failures[0]["cause"] == "peer" or "after step 13 in phase compute" in blocked.read_text()
     assert "exitcode: 124" in r.stderr or "exitcode  : 124" in r.stderr, r.stderr[-3000:]
     starts = metrics(run_dir, "start")
-    assert [s["resumed_step"] for s in starts] == [None, 20]
-    assert inspect(run_dir)["params_sha256"] == inspect(straight)["params_sha256"]
+    assert [s["resumed_step"] for s in starts] == [None, 10]
+    assert inspect(run_dir)["params_sha256"] == inspect(torchrun_straight)["params_sha256"]
 
 
 @pytest.mark.e2e

@@ -100,25 +100,15 @@ def wait_for(run_dir: Path, kind: str, step: int, job: Job, timeout: float = 120
                gone=exited(job.proc, lambda: job.output()[1]))
 
 
-def straight_sha(tmp: Path, cmd, *args: str) -> str:
-    """params_sha256 of the same run never stopped."""
-    run_dir = tmp / "straight"
-    r = run_cmd(cmd(run_dir, *args), timeout=300)
-    assert r.returncode == 0, r.output[-3000:]
-    return inspect(run_dir)["params_sha256"]
+def straight_sha(straight_run, cmd, *args: str) -> str:
+    """params_sha256 of the same run never stopped (conftest.py's `straight_run`: once per session)."""
+    return inspect(straight_run(cmd, *args))["params_sha256"]
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """`straight(cmd)`: straight_sha of RUN under `cmd`, run once per module and shared by its tests."""
-    shas: dict = {}
-
-    def get(cmd) -> str:
-        if cmd not in shas:
-            shas[cmd] = straight_sha(tmp_path_factory.mktemp("straight"), cmd)
-        return shas[cmd]
-
-    return get
+@pytest.fixture
+def straight(straight_run):
+    """`straight(cmd)`: straight_sha of RUN under `cmd`."""
+    return lambda cmd: straight_sha(straight_run, cmd)
 
 
 def check_preempted(run_dir: Path, job: Job, rc: int | None, signum: int = signal.SIGTERM, grace_s: float = 25) -> dict:

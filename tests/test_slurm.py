@@ -117,9 +117,9 @@ def submit(slurm, tmp: Path, name: str, via_make: bool = False, **env: str) -> t
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> str:
+def straight(straight_run) -> str:
     """params_sha256 of the same run on one machine, never stopped (torchrun, 2 processes)."""
-    return straight_sha(tmp_path_factory.mktemp("straight"), torchrun_cmd)
+    return straight_sha(straight_run, torchrun_cmd)
 
 
 def wait_for_step(slurm, job: str, run_dir: Path, step: int, timeout: float = 180) -> None:
@@ -213,7 +213,8 @@ FSDP_RUN = ("parallel.strategy=fsdp", "train.max_steps=40")  # sharded, and shor
 @pytest.mark.slow
 @pytest.mark.slurm
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_killed_rank_is_restarted_inside_the_allocation_by_torchrun(slurm, straight, tmp_path, strategy):
+def test_a_killed_rank_is_restarted_inside_the_allocation_by_torchrun(slurm, straight, straight_run, tmp_path,
+                                                                       strategy):
     """Rank 1 (on node2) SIGKILLs itself after step 13: both nodes' torchrun agents meet again at the
     rendezvous on node1, and the group resumes from the snapshot of step 10 in the same job. Under FSDP
     each node's rank writes its shard into the shared RUN_DIR and loads it back after the restart."""
@@ -232,7 +233,7 @@ def test_a_killed_rank_is_restarted_inside_the_allocation_by_torchrun(slurm, str
         return
     meta = json.loads((run_dir / "snapshots" / "step_000000040" / "meta.json").read_text())
     assert {"shards/__0_0.distcp", "shards/__1_0.distcp"} <= set(meta["shards"]), meta
-    assert inspect(run_dir)["params_sha256"] == straight_sha(tmp_path, torchrun_cmd, *FSDP_RUN)
+    assert inspect(run_dir)["params_sha256"] == straight_sha(straight_run, torchrun_cmd, *FSDP_RUN)
 
 
 @pytest.mark.slow
