@@ -10,7 +10,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import PY, REPO, TORCHRUN, USERTASKS, inspect, metrics, one_error_line, run_cmd, torchrun_cmd, trainapp
+from helpers import (PY, REPO, TORCHRUN, USERTASKS, inspect, metrics, one_error_line, run_cmd, torchrun2, torchrun_cmd,
+                     trainapp)
 
 from trainapp import cli
 from trainapp.snapshots.store import load_state, newest_valid
@@ -105,16 +106,13 @@ def test_a_user_exception_in_loss_mid_run_is_a_failure_record_with_rank_step_and
 
 @pytest.mark.parametrize("which", ["example", pytest.param("char_lm", marks=pytest.mark.e2e),
                                    pytest.param("example-fsdp", marks=pytest.mark.e2e)])
-def test_a_non_image_task_resumes_bitwise_after_a_sigkilled_rank_under_torchrun(tmp_path, which):
+def test_a_non_image_task_resumes_bitwise_after_a_sigkilled_rank_under_torchrun(straight_run, tmp_path, which):
     # example-fsdp: the user's model sharded by the default units, gathered in bf16, with an EMA copy
     fsdp = ["parallel.strategy=fsdp", "parallel.fsdp_param_dtype=amp", "amp.dtype=bf16", "train.ema_decay=0.9"]
     args = {"example": TABULAR, "char_lm": CHAR_LM, "example-fsdp": [*TABULAR, *fsdp]}[which]
     env = {"PYTHONPATH": str(EXAMPLE)}
-    clean, faulty = tmp_path / "clean", tmp_path / "faulty"
-    r = run_cmd([*torchrun_cmd(2), f"run.dir={clean}", *FAULT, *args], env=env)
-    assert r.returncode == 0, r.output[-3000:]
-    r = run_cmd([*torchrun_cmd(2, max_restarts=1), f"run.dir={faulty}", *FAULT, *args, "drill.kill_at_step=13",
-                 "drill.rank=1"], env=env)
+    clean, faulty = straight_run(torchrun2, *FAULT, *args, env=env), tmp_path / "faulty"
+    r = run_cmd(torchrun2(faulty, *FAULT, *args, "drill.kill_at_step=13", "drill.rank=1"), env=env)
     assert r.returncode == 0, r.output[-3000:]
     assert [s["resumed_step"] for s in metrics(faulty, "start")] == [None, 10]
     a, b = inspect(clean), inspect(faulty)
@@ -132,13 +130,12 @@ ON_PATH = {"PYTHONPATH": str(EXAMPLE)}
 
 
 @pytest.mark.e2e
-def test_a_sigterm_preempted_user_task_resumes_with_zero_steps_redone_bitwise(tmp_path):
+def test_a_sigterm_preempted_user_task_resumes_with_zero_steps_redone_bitwise(straight_run, tmp_path):
     from test_preempt import Job
 
     args = [*TABULAR, "train.epochs=100", "train.max_steps=200", "snapshot.every_steps=100", "train.progress=false",
             "train.log_every=5", "task.args.dropout=0.2"]  # dropout: the model draws random numbers every step
-    straight = tmp_path / "straight"
-    assert run_cmd(_alone(straight, *args), env=ON_PATH).returncode == 0
+    straight = straight_run(_alone, *args, env=ON_PATH)
     run_dir = tmp_path / "run"
     job = Job(["env", f"PYTHONPATH={EXAMPLE}", *_alone(run_dir, *args)], tmp_path, "alone")
     rc = job.signal_after(run_dir, "train", 60, job.proc.pid)
@@ -153,11 +150,10 @@ def test_a_sigterm_preempted_user_task_resumes_with_zero_steps_redone_bitwise(tm
 
 
 @pytest.mark.e2e
-def test_a_hung_rank_of_a_user_task_is_found_and_the_restart_resumes_bitwise(tmp_path):
-    straight, run_dir = tmp_path / "straight", tmp_path / "run"
-    assert run_cmd([*torchrun_cmd(2), f"run.dir={straight}", *LONG], env=ON_PATH).returncode == 0
-    r = run_cmd([*torchrun_cmd(2, max_restarts=1), f"run.dir={run_dir}", *LONG, "drill.hang_at_step=25", "drill.rank=1",
-                 "fault.hang_timeout_s=5"], env=ON_PATH)
+def test_a_hung_rank_of_a_user_task_is_found_and_the_restart_resumes_bitwise(straight_run, tmp_path):
+    straight, run_dir = straight_run(torchrun2, *LONG, env=ON_PATH), tmp_path / "run"
+    r = run_cmd(torchrun2(run_dir, *LONG, "drill.hang_at_step=25", "drill.rank=1", "fault.hang_timeout_s=5"),
+                env=ON_PATH)
     assert r.returncode == 0, r.output[-3000:]
     failures = {f["rank"]: f for f in metrics(run_dir, "failure")}
     assert failures[1]["cause"] == "hang" and failures[1]["step"] == 25, failures
