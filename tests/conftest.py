@@ -1,8 +1,12 @@
+import contextlib
+import os
+import subprocess
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import FAULT_RUN, FSDP_RUN, run_cmd, torchrun2
+from helpers import FAULT_RUN, FSDP_RUN, RANKS_RUN, REPO, run_cmd, scrape, torchrun2, torchrun_cmd, value, wait_until
 
 from bench.scratch import scratch
 
@@ -86,3 +90,46 @@ def torchrun_straight(straight_run) -> Path:
     """`torchrun_restarted`'s twin that nobody killed: tests/test_loop.py compares their parameters,
     tests/test_export.py their exported models, tests/test_hang.py a hung rank's restarted run."""
     return straight_run(torchrun2, *FAULT_RUN)
+
+
+@dataclass
+class SlowedRun:
+    run_dir: Path
+    output: str
+    port: int
+    scrapes: list[dict]
+    """Every answer of the live metrics endpoint while it trained, from the first with a step to the first
+    with the goodput ratio, a snapshot step and rank 1 flagged a straggler."""
+
+
+@pytest.fixture(scope="session")
+def slowed_run(tmp_path_factory) -> SlowedRun:
+    """One run two test files read: RANKS_RUN under torchrun with rank 1 slowed 200 ms a step in its compute
+    (a straggler after 3 log intervals), its live metrics endpoint scraped over HTTP while it trains.
+    tests/test_observe.py checks the straggler records, tests/test_live_metrics.py the scrapes."""
+    from trainapp.tools.local_ray import free_port
+
+    run_dir, port = tmp_path_factory.mktemp("slowed") / "run", free_port()
+    # 200 ms: the ratio to the median of two ranks is (b + 200) / (b + 100) for a step of b ms, over 1.2 up to
+    # b = 400 ms; 80 ms (up to b = 160) was too close on a slower CPU (an EPYC: b 100-300 ms).
+    cmd = torchrun_cmd(2, f"run.dir={run_dir}", *RANKS_RUN, "drill.slow_rank=1", "drill.slow_ms=200",
+                       "observe.straggler_intervals=3", f"observe.prometheus_port={port}")
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    scrapes: list[dict] = []
+    wanted = (("trainapp_goodput_ratio", {}), ("trainapp_snapshot_step", {}), ("trainapp_straggler", {"rank": "1"}))
+
+    def scraped_all() -> bool:
+        got = scrape(port)
+        if got and value(got, "trainapp_step", run=run_dir.name):
+            scrapes.append(got)
+        return len(scrapes) >= 2 and all(value(scrapes[-1], n, run=run_dir.name, **labels) for n, labels in wanted)
+
+    try:
+        with contextlib.suppress(AssertionError):  # the test says what was missing
+            wait_until(scraped_all, "every live metric", 120, gone=lambda: proc.poll() is not None and "ended",
+                       interval=0.5)
+    finally:
+        out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out[-3000:]
+    return SlowedRun(run_dir, out, port, scrapes)

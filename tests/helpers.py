@@ -8,10 +8,13 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from trainapp.observe.metrics import read as metrics  # noqa: F401  (the tests' name for the one reader)
 
@@ -33,6 +36,8 @@ FAULT_RUN = ["train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5", 
              "train.ema_decay=0.9", "train.eval_every=10", *QUICK]
 # The same under FSDP (sharded snapshots): conftest.py's `fsdp_straight`, tests/test_fsdp.py.
 FSDP_RUN = [*FAULT_RUN, "parallel.strategy=fsdp", "snapshot.keep=10"]
+# The per-rank timing tests' run: 40 steps, a record every 5, a snapshot every 20 (conftest.py's `slowed_run`).
+RANKS_RUN = ["train.max_steps=40", "train.epochs=20", "snapshot.every_steps=20", *QUICK]
 
 
 @dataclass
@@ -143,6 +148,21 @@ def wait_for_record(run_dir: Path, kind: str, match: Callable[[dict], bool], tim
     """The first `kind` record of RUN_DIR/metrics.jsonl that `match`es, once there is one."""
     return wait_until(lambda: next((r for r in metrics(run_dir, kind, missing_ok=True) if match(r)), None),
                       f"{run_dir}: a matching {kind} record", timeout, gone)
+
+
+def scrape(port: int, timeout: float = 2) -> dict[tuple[str, tuple], float] | None:
+    """{(name, sorted labels): value} of the endpoint's samples; None while nothing answers."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: dict, name: str, **labels: str) -> float | None:
+    return samples.get((name, tuple(sorted(labels.items()))))
 
 
 def inspect(path: Path) -> dict:

@@ -3,33 +3,12 @@ real HTTP on loopback while it trains, who serves which figure, and a taken port
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import time
-import urllib.request
 
 import pytest
-from helpers import QUICK, REPO, metrics, torchrun_cmd, trainapp
-from prometheus_client.parser import text_string_to_metric_families
+from helpers import QUICK, metrics, scrape, trainapp, value
 
-from trainapp.tools.local_ray import free_port
 from trainapp.observe.live import LiveMetrics
-
-
-def scrape(port: int, timeout: float = 2) -> dict[tuple[str, tuple], float] | None:
-    """{(name, sorted labels): value} of the endpoint's samples; None while nothing answers."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
-            text = r.read().decode()
-    except OSError:
-        return None
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def value(samples: dict, name: str, **labels: str) -> float | None:
-    return samples.get((name, tuple(sorted(labels.items()))))
 
 
 class Recorder:
@@ -63,36 +42,19 @@ def test_rank_0_alone_gives_the_runs_figures_and_each_server_only_its_own_ranks(
 
 
 @pytest.mark.slow
-def test_a_torchrun_runs_endpoint_is_scraped_over_http_while_it_trains_and_names_the_slowed_rank(tmp_path):
-    port = free_port()
-    cmd = torchrun_cmd(2, f"run.dir={tmp_path}", "train.max_steps=120", "train.epochs=100", "snapshot.every_steps=20",
-                       "drill.slow_rank=1", "drill.slow_ms=120", f"observe.prometheus_port={port}", *QUICK)
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    scrapes, deadline = [], time.monotonic() + 120
-    try:
-        while proc.poll() is None and time.monotonic() < deadline:
-            s = scrape(port)
-            if s and value(s, "trainapp_step", run=tmp_path.name):
-                scrapes.append(s)
-            if len(scrapes) >= 2 and all(value(scrapes[-1], n, run=tmp_path.name, **labels) for n, labels in (
-                    ("trainapp_goodput_ratio", {}), ("trainapp_snapshot_step", {}),
-                    ("trainapp_straggler", {"rank": "1"}))):
-                break
-            time.sleep(0.5)
-    finally:
-        out = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 0, out[-3000:]
+def test_a_torchrun_runs_endpoint_is_scraped_over_http_while_it_trains_and_names_the_slowed_rank(slowed_run):
+    """conftest.py's `slowed_run`, scraped while it trained."""
+    out, scrapes, port = slowed_run.output, slowed_run.scrapes, slowed_run.port
     assert len(scrapes) >= 2, out[-3000:]
-    run = tmp_path.name
+    run = slowed_run.run_dir.name
     first, last = scrapes[0], scrapes[-1]
     assert value(last, "trainapp_step", run=run) > value(first, "trainapp_step", run=run)  # values move
-    assert value(last, "trainapp_total_steps", run=run) == 120
+    assert value(last, "trainapp_total_steps", run=run) == 40
     assert value(last, "trainapp_samples_per_second", run=run) > 0 and value(last, "trainapp_loss", run=run) > 0
     assert 0 < value(last, "trainapp_goodput_ratio", run=run) < 1
     assert value(last, "trainapp_snapshot_step", run=run) % 20 == 0 and value(last, "trainapp_snapshot_step", run=run)
     assert value(last, "trainapp_restarts", run=run) == 0
-    # One server for the node's two ranks; rank 1 (slowed 120 ms a step) is flagged, rank 0 is not.
+    # One server for the node's two ranks; rank 1 (slowed 200 ms a step) is flagged, rank 0 is not.
     assert value(last, "trainapp_straggler", run=run, rank="1") == 1.0
     assert value(last, "trainapp_straggler", run=run, rank="0") == 0.0
     assert value(last, "trainapp_rank_busy_seconds", run=run, rank="1") > \

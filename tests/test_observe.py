@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from helpers import QUICK, inspect, metrics, torchrun
+from helpers import RANKS_RUN, inspect, metrics, torchrun
 
 from trainapp.observe import timings
 
@@ -143,7 +143,6 @@ def test_a_disabled_clock_records_nothing_but_still_tells_the_heartbeat():
 # ----------------------------------------------------------------------------------------------
 # Two real processes under torchrun
 
-RANKS_RUN = ["train.max_steps=40", "train.epochs=20", "snapshot.every_steps=20", *QUICK]  # log every 5
 
 
 def _named_once_per_streak(found, phase, intervals=3, log_every=5):
@@ -157,21 +156,17 @@ def _named_once_per_streak(found, phase, intervals=3, log_every=5):
 
 
 @pytest.mark.slow
-def test_a_slowed_rank_is_named_a_straggler_within_the_configured_intervals(tmp_path):
-    # 200 ms: the ratio to the median of two ranks is (b + 200) / (b + 100) for a step of b ms, over 1.2 up to
-    # b = 400 ms; 80 ms (up to b = 160) was too close on a slower CPU (an EPYC: b 100-300 ms).
-    r = torchrun(2, f"run.dir={tmp_path}", *RANKS_RUN, "drill.slow_rank=1", "drill.slow_ms=200",
-                 "observe.straggler_intervals=3")
-    assert r.returncode == 0, r.output[-3000:]
-    found = metrics(tmp_path, "straggler")
+def test_a_slowed_rank_is_named_a_straggler_within_the_configured_intervals(slowed_run, tmp_path):
+    run_dir, out = slowed_run.run_dir, slowed_run.output  # rank 1 slowed 200 ms a step (conftest.py)
+    found = metrics(run_dir, "straggler")
     _named_once_per_streak(found, "compute")
     s = found[0]
     assert (s["rank"], s["phase"]) == (1, "compute") and s["intervals"] == 3
     assert s["step"] <= 20, s  # the third interval of 5 steps (15), or the next if the first was partial
     assert s["phase_ms"] - s["median_phase_ms"] > 60, s  # half of the 200 ms against the median of two
-    assert "straggler: rank 1 on" in r.output and "slowest phase compute" in r.output
+    assert "straggler: rank 1 on" in out and "slowest phase compute" in out
     # Rank 0 waits for rank 1 in the gradient all-reduce: that is comm, not its own work.
-    ranks = metrics(tmp_path, "ranks")
+    ranks = metrics(run_dir, "ranks")
     med = lambda rank, phase: sorted(x["ranks"][rank]["phase_ms"][phase] for x in ranks)[len(ranks) // 2]  # noqa: E731
     assert med(0, "comm") > 40 and med(0, "comm") > med(1, "comm") + 30, ranks
     # The drill only sleeps, and the communication hook is PyTorch's default all-reduce: the same
@@ -179,7 +174,7 @@ def test_a_slowed_rank_is_named_a_straggler_within_the_configured_intervals(tmp_
     off = tmp_path / "off"
     assert torchrun(2, f"run.dir={off}", *RANKS_RUN, "observe.ranks=false").returncode == 0
     assert metrics(off, "ranks") == [] and metrics(off, "straggler") == []
-    assert inspect(off)["params_sha256"] == inspect(tmp_path)["params_sha256"]
+    assert inspect(off)["params_sha256"] == inspect(run_dir)["params_sha256"]
 
 
 @pytest.mark.slow
