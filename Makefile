@@ -163,8 +163,12 @@ container-smoke: $(STAMP) ## Needs root, docker.io, debootstrap: CPU image, Ray 
 lint: $(TOOLS_STAMP) ## ruff over the package, tests, benchmarks and scripts (pyproject.toml: line length, complexity, arguments)
 	$(TOOLS)/bin/ruff check --output-format concise .
 
+.PHONY: typecheck
+typecheck: $(STAMP) ## mypy over trainapp/ (pyproject.toml [tool.mypy]: every function typed); a warm cache takes seconds
+	$(BIN)/mypy
+
 .PHONY: test
-test: $(STAMP) $(TOOLS_STAMP) lint ## The suite: every subsystem end to end, but the long fault scenarios, benchmarks, real Slurm (PYTEST_ARGS="-k resume -x")
+test: $(STAMP) $(TOOLS_STAMP) lint typecheck ## The suite: every subsystem end to end, but the long fault scenarios, benchmarks, real Slurm (PYTEST_ARGS="-k resume -x")
 	$(BIN)/python -m pytest --durations=15 $(PYTEST_ARGS)
 
 .PHONY: test-e2e
@@ -205,7 +209,7 @@ test-ray-oldest: $(RAY_OLDEST_VENV)/.installed $(RAY_UNSUPPORTED_VENV)/.installe
 	  -k "compat or $(RAY_OLDEST_TESTS)" $(PYTEST_ARGS)
 
 .PHONY: test-fast
-test-fast: $(STAMP) $(TOOLS_STAMP) lint ## The edit-test loop: ruff, then every test that starts no training process, cluster, namespace or container
+test-fast: $(STAMP) $(TOOLS_STAMP) lint typecheck ## The edit-test loop: ruff and mypy, then every test that starts no training process, cluster, namespace or container
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # No $(STAMP) prerequisite: a GPU machine gets a copy of .venv and no network, where a stamp older than
@@ -219,18 +223,18 @@ gpu-check: ## On a GPU machine, ~5 min: bf16/fp16 runs, killed-and-resumed bitwi
 
 .PHONY: bench
 bench: $(STAMP) ## Run every benchmark, then one summary table: bench/results/*.json, summary.md (BENCH_ARGS="--smoke")
-	$(BIN)/python bench/loop_overhead.py $(BENCH_ARGS)
-	$(BIN)/python bench/launchers.py $(BENCH_ARGS)
-	$(BIN)/python bench/ray_floor.py $(BENCH_ARGS)
-	$(BIN)/python bench/snapshot_cost.py $(BENCH_ARGS)
-	$(BIN)/python bench/amp_cpu.py $(BENCH_ARGS)
-	$(BIN)/python bench/preempt.py $(BENCH_ARGS)
-	$(BIN)/python bench/hang.py $(BENCH_ARGS)
-	$(BIN)/python bench/char_lm.py $(BENCH_ARGS)
-	$(BIN)/python bench/resize.py $(BENCH_ARGS)
-	$(BIN)/python bench/fsdp.py $(BENCH_ARGS)
-	$(BIN)/python bench/export.py $(BENCH_ARGS)
-	$(BIN)/python bench/summary.py $(if $(findstring --smoke,$(BENCH_ARGS)),--results bench/results/smoke)
+	$(BIN)/python -m bench.loop_overhead $(BENCH_ARGS)
+	$(BIN)/python -m bench.launchers $(BENCH_ARGS)
+	$(BIN)/python -m bench.ray_floor $(BENCH_ARGS)
+	$(BIN)/python -m bench.snapshot_cost $(BENCH_ARGS)
+	$(BIN)/python -m bench.amp_cpu $(BENCH_ARGS)
+	$(BIN)/python -m bench.preempt $(BENCH_ARGS)
+	$(BIN)/python -m bench.hang $(BENCH_ARGS)
+	$(BIN)/python -m bench.char_lm $(BENCH_ARGS)
+	$(BIN)/python -m bench.resize $(BENCH_ARGS)
+	$(BIN)/python -m bench.fsdp $(BENCH_ARGS)
+	$(BIN)/python -m bench.export $(BENCH_ARGS)
+	$(BIN)/python -m bench.summary $(if $(findstring --smoke,$(BENCH_ARGS)),--results bench/results/smoke)
 
 ##@ Clean
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import FAULT_RUN, PY, QUICK, REPO, exited, inspect, metrics, run_cmd, torchrun2, trainapp, wait_until
 
+from trainapp.faults.slow_disk import SlowDisk
 from trainapp.group import DistContext
 from trainapp.snapshots import store as snapshot
 from trainapp.snapshots.manager import SnapshotManager
@@ -29,7 +30,7 @@ def _state(value: float) -> dict:
 
 
 def test_the_background_write_holds_a_copy_not_the_live_tensors(tmp_path):
-    m = _manager(tmp_path, async_write=True, write_delay_s=0.3)
+    m = _manager(tmp_path, async_write=True, disk=SlowDisk(0.3))
     state = _state(10.0)
     m.save(ALONE, 10, state, {"global_step": 10}, {})
     state["model"]["w"].add_(5.0)  # training goes on mutating in place while the write is in flight
@@ -41,7 +42,7 @@ def test_the_background_write_holds_a_copy_not_the_live_tensors(tmp_path):
 
 
 def test_save_blocks_for_the_copy_and_the_next_save_waits_for_the_previous_write(tmp_path):
-    m = _manager(tmp_path, async_write=True, write_delay_s=1.0)
+    m = _manager(tmp_path, async_write=True, disk=SlowDisk(1.0))
     m.save(ALONE, 10, _state(10.0), {"global_step": 10}, {})
     first = m.last_blocking_s
     assert not m.path_for(10).exists(), "returned before the write finished: it runs in the background"

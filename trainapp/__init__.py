@@ -29,12 +29,14 @@ Launch commands (the same loop every time; ranks come from the environment):
 Re-running a command with the same `run.dir` resumes from its newest valid snapshot.
 """
 
+from typing import Any, Callable
+
 __version__ = "0.1.0"
 PUBLIC = ("fit", "fit_ray", "load_model", "main")
 """trainapp/api.py's entry points, importable from here without importing torch with the package."""
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Callable[..., Any]:
     if name in PUBLIC:
         from trainapp import api
 

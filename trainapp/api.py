@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Mapping, NoReturn
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, NoReturn
 
 from trainapp.errors import leave
 from trainapp.tasks.load import configure
+
+if TYPE_CHECKING:
+    import torch
 
 
 def fit(task: Any = None, config: str | Path | Mapping | None = None, overrides: Iterable[str] = ()) -> dict:
@@ -44,7 +47,7 @@ def fit_ray(task: Any = None, config: str | Path | Mapping | None = None,
     return driver.run(cfg, task)
 
 
-def load_model(path: str | Path, task: Any = None):
+def load_model(path: str | Path, task: Any = None) -> torch.nn.Module:
     """The task's `torch.nn.Module` with the weights at `path` (an export directory, its `model.safetensors`,
     a run directory or a snapshot), in eval mode on the CPU; `task`: the task object to build the model
     with (default: the one the run's config names, which must import here)."""

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from trainapp import config
 from trainapp.errors import Failure, exit_code
@@ -115,14 +116,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _val_fields(summary: dict) -> list[str]:
+def _val_fields(summary: dict[str, Any]) -> list[str]:
     """The task's evaluation metrics (`val_acc=0.9123`, `val_loss=...`) for a done line."""
     from trainapp.observe.metrics import val_metrics
 
     return [f"{k}={v:.4f}" for k, v in val_metrics(summary).items() if isinstance(v, (int, float))]
 
 
-def cmd_train(args, task=None) -> int:
+def cmd_train(args: argparse.Namespace, task: Any = None) -> int:
     from trainapp.tasks.load import configure
 
     cfg, task = configure(args.config, args.overrides, task)
@@ -151,7 +152,7 @@ def cmd_train(args, task=None) -> int:
     return 0
 
 
-def cmd_ray(args, task=None) -> int:
+def cmd_ray(args: argparse.Namespace, task: Any = None) -> int:
     from trainapp.tasks.load import configure
 
     cfg, task = configure(args.config, args.overrides, task)
@@ -173,7 +174,7 @@ def cmd_ray(args, task=None) -> int:
     return 0
 
 
-def cmd_inspect(args) -> int:
+def cmd_inspect(args: argparse.Namespace) -> int:
     from trainapp.snapshots import store
 
     path = Path(args.path)
@@ -200,7 +201,7 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def cmd_export(args) -> int:
+def cmd_export(args: argparse.Namespace) -> int:
     from trainapp.observe import logs
     from trainapp.tools import export
 
@@ -210,7 +211,7 @@ def cmd_export(args) -> int:
     return 0
 
 
-def cmd_config(args) -> int:
+def cmd_config(args: argparse.Namespace) -> int:
     import yaml
 
     if args.reference:
@@ -230,7 +231,7 @@ def reference_markdown() -> str:
     return "\n".join(lines)
 
 
-def cmd_report(args) -> int:
+def cmd_report(args: argparse.Namespace) -> int:
     from trainapp.tools import report
 
     png, text = report.run(args.run_dir, args.out, args.compare)
@@ -239,12 +240,12 @@ def cmd_report(args) -> int:
     return 0
 
 
-def _check_drain_args(args) -> None:
+def _check_drain_args(args: argparse.Namespace) -> None:
     if args.wait_s <= 0:
         raise config.ConfigError(f"--wait-s={args.wait_s:g}: must be > 0 (seconds to wait for the snapshots)")
 
 
-def cmd_drain(args) -> int:
+def cmd_drain(args: argparse.Namespace) -> int:
     from trainapp.faults import drain
 
     _check_drain_args(args)
@@ -255,7 +256,7 @@ def cmd_drain(args) -> int:
     return 1 if left else 0
 
 
-def cmd_stop_jobs(args) -> int:
+def cmd_stop_jobs(args: argparse.Namespace) -> int:
     from trainapp.launch.ray.stop import stop_jobs
 
     if args.wait_s < 0:
@@ -264,7 +265,7 @@ def cmd_stop_jobs(args) -> int:
     return stop_jobs(args.address, args.wait_s)
 
 
-def cmd_node(args) -> int:
+def cmd_node(args: argparse.Namespace) -> int:
     from trainapp.faults import drain
 
     command = args.node_command[1:] if args.node_command[:1] == ["--"] else args.node_command
@@ -275,7 +276,7 @@ def cmd_node(args) -> int:
     return drain.supervise(command, args.wait_s, args.ray_deadline_s)
 
 
-def cmd_doctor(args) -> int:
+def cmd_doctor(args: argparse.Namespace) -> int:
     cfg = config.load(args.config, args.overrides)
     if args.comm:
         if "WORLD_SIZE" not in os.environ and (cfg.ray.address or os.environ.get("RAY_ADDRESS")):
@@ -301,13 +302,13 @@ def cmd_doctor(args) -> int:
     return 1 if failed else 0
 
 
-def cmd_slurm_preflight(args) -> int:
+def cmd_slurm_preflight(args: argparse.Namespace) -> int:
     from trainapp.launch import slurm
 
     return slurm.main(config.load(args.config, args.overrides), args.rendezvous, args.mark)
 
 
-def main(argv: list[str] | None = None, task=None) -> int:
+def main(argv: list[str] | None = None, task: Any = None) -> int:
     """The command line; `task`: a task object for `train` and `ray` (trainapp/api.py), instead of the
     one `task.name` names."""
     args = _parser().parse_args(argv)

@@ -46,7 +46,7 @@ class ConfigError(Failure, ValueError):
     cause = ""
     exit_code = 2
 
-    def __init__(self, *args):
+    def __init__(self, *args: object) -> None:
         # Raised in a DataLoader worker (a task's collate or dataset), it is re-raised in the training
         # process as this class made from torch's message, which wraps the worker's traceback: the one
         # line is that traceback's last, the message it was raised with.

@@ -9,12 +9,14 @@ import contextlib
 import dataclasses
 import datetime
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
 from trainapp.errors import Failure
+
+T = TypeVar("T")
 
 
 class WaitTimeout(Failure):
@@ -40,9 +42,9 @@ class DistContext:
     device_why: str = ""
     """Why the rank trains on `device` (`dist.device` and what the launcher allotted), for the start
     record."""
-    side: Any = None
+    side: dist.ProcessGroup | None = None
     """A Gloo group of every rank with `dist.timeout_s`, for waits on rank 0's file work (`files`)."""
-    group: Any = None
+    group: dist.ProcessGroup | None = None
     """The group this context's collectives run on (None: the default group; `files`: the side group)."""
     timeout_s: float = 1800.0
     """`dist.timeout_s`: what every group this context makes waits at most."""
@@ -82,10 +84,12 @@ class DistContext:
             raise WaitTimeout(f"waited dist.timeout_s={self.timeout_s:g} s for {self.waits_for}: its storage "
                               "is slow or stuck; raise dist.timeout_s if it is this slow") from None
 
-    def new_side_group(self):
+    def new_side_group(self) -> dist.ProcessGroup:
         """Another Gloo group of every rank with `dist.timeout_s` (torch gives a new group 30 minutes), for
         collectives of a thread of their own (the stop vote, the snapshot agreement). Every rank at once."""
-        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+        # Every rank is a member (no `ranks`), so never torch's non-member sentinel.
+        return cast(dist.ProcessGroup,
+                    dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s)))
 
     def barrier(self) -> None:
         if self.distributed:
@@ -106,16 +110,16 @@ class DistContext:
         dist.all_gather(out, tensor, group=self.group)
         return torch.stack(out)
 
-    def all_gather_objects(self, obj) -> list:
+    def all_gather_objects(self, obj: T) -> list[T]:
         """Every rank's `obj`, in rank order, on every rank."""
         if not self.distributed:
             return [obj]
-        out = [None] * self.world_size
+        out: list[Any] = [None] * self.world_size
         with self._waiting():
             dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def broadcast_object(self, obj):
+    def broadcast_object(self, obj: T) -> T:
         """Rank 0's `obj` on every rank."""
         if not self.distributed:
             return obj
@@ -124,11 +128,11 @@ class DistContext:
             dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
-    def gather_objects(self, obj) -> list | None:
+    def gather_objects(self, obj: T) -> list[T] | None:
         """Every rank's `obj`, in rank order, on rank 0 (None elsewhere)."""
         if not self.distributed:
             return [obj]
-        out = [None] * self.world_size if self.is_main else None
+        out: list[Any] | None = [None] * self.world_size if self.is_main else None
         with self._waiting():
             dist.gather_object(obj, out, dst=0, group=self.group)
         return out

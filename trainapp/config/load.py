@@ -16,7 +16,7 @@ import difflib
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import yaml
 from pydantic import TypeAdapter, ValidationError
@@ -40,6 +40,9 @@ from trainapp.config.run import (
     TrainSection,
 )
 from trainapp.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pydantic_core import ErrorDetails
 
 
 @dataclass(config=STRICT)
@@ -88,17 +91,18 @@ MOVED = MappingProxyType({f"fault.{f.name}": f"drill.{f.name}" for f in dataclas
 """Keys that moved to another section, for the error that names an old one."""
 
 
-def _key_of(loc: tuple) -> str:
+def _key_of(loc: tuple[int | str, ...]) -> str:
     return ".".join(str(p) for p in loc)
 
 
-def _section_of(f: dataclasses.Field):
+def _section_of(f: dataclasses.Field[Any]) -> type[Any] | None:
     """The section class a field holds, or None for a plain value."""
     factory = f.default_factory
     return factory if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory) else None
 
 
-def leaves(cls=Config, prefix: str = ""):
+def leaves(cls: type[Any] = Config,
+           prefix: str = "") -> Iterator[tuple[str, type[Any], dataclasses.Field[Any]]]:
     """(dotted key as users write it, the section class, the field) of every leaf key (`train.max_steps`)."""
     for f in dataclasses.fields(cls):
         section = _section_of(f)
@@ -108,7 +112,7 @@ def leaves(cls=Config, prefix: str = ""):
             yield prefix + public(f.name), cls, f
 
 
-def _format_error(err: dict) -> str:
+def _format_error(err: ErrorDetails) -> str:
     key, kind, value = _key_of(err["loc"]), err["type"], err.get("input")
     known = [k for k, _, _ in leaves()]
     # A union field reports one error per member type (`ray.num_workers.int`): name the field itself.
@@ -194,8 +198,8 @@ def load(path: str | Path | Mapping | None = None, overrides: list[str] | None =
         _set_dotted(tree, key, value, item)
     task = tree.get("task")
     name = task.get("name") if isinstance(task, dict) else None
-    for key, value in TASK_DEFAULTS.get(name, {}).items() if isinstance(name, str) else ():
-        *sections, leaf = key.split(".")
+    for dotted, value in TASK_DEFAULTS.get(name, {}).items() if isinstance(name, str) else ():
+        *sections, leaf = dotted.split(".")
         node = tree
         for part in sections:
             node = node.setdefault(part, {})

@@ -39,7 +39,7 @@ class RunSection:
 
     @field_validator("allow_changes", mode="before")
     @classmethod
-    def _one_key(cls, v):
+    def _one_key(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
 
 
@@ -59,7 +59,7 @@ class InitSection:
 
     @field_validator("exclude", mode="before")
     @classmethod
-    def _one_prefix(cls, v):
+    def _one_prefix(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
 
 
@@ -214,7 +214,7 @@ class AmpSection:
 
     @field_validator("dtype", mode="before")
     @classmethod
-    def _yaml_off(cls, v):
+    def _yaml_off(cls, v: Any) -> Any:
         # YAML 1.1 reads a bare `off` as false.
         return "off" if v is False else v
 

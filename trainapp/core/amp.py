@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ BF16 on Arm. oneDNN's own check (`_is_mkldnn_bf16_supported`) also says yes on A
 it emulates bf16, and a step is then about 1.5x slower than in fp32 (bench/amp_cpu.py)."""
 
 
-def native_bf16_flags(cpuinfo: str) -> set[str]:
+def native_bf16_flags(cpuinfo: str) -> AbstractSet[str]:
     """The bf16 instruction flags of the first CPU listed in /proc/cpuinfo text (x86 `flags`, Arm
     `Features`)."""
     for line in cpuinfo.splitlines():
@@ -96,7 +97,7 @@ class Precision:
     def name(self) -> str:
         return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
 
-    def autocast(self):
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
         if self.dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)

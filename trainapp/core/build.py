@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -29,13 +29,16 @@ from trainapp.core.state import RngState, ShardedState, TrainState
 from trainapp.core.task import BoundTask, bind
 from trainapp.weights import init as weights_init
 
+if TYPE_CHECKING:
+    from trainapp.group import DistContext
+
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Parts:
     task: BoundTask
-    batches: data.EpochBatches
+    batches: data.Batches
     val_loader: DataLoader
     model: torch.nn.Module
     """The plain module: snapshots, clipping and evaluation use it."""
@@ -62,7 +65,8 @@ class Parts:
     """The kernel choice (`train.deterministic`, trainapp/core/kernels.py), for the start record."""
 
 
-def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | None] = lambda ctx: None,
+def build(cfg: Config, ctx: DistContext,
+          load: Callable[[DistContext], tuple[str, dict[str, Any]] | None] = lambda ctx: None,
           mark: Callable[[str], None] = lambda name: None, task: Any = None) -> Parts:
     """The parts of the run of `task` (default: the one `task.name` names), resumed from what
     `load(ctx)` finds ((where, state), or None to start fresh); `mark` notes on the start-up timeline
@@ -119,7 +123,9 @@ def build(cfg: Config, ctx, load: Callable[[Any], tuple[str, dict[str, Any]] | N
                  resumed_from=found[0] if found else None, config_changes=diff, init=init, kernels=chosen)
 
 
-def _init(cfg: Config, ctx, model: torch.nn.Module, load: Callable[[Any], tuple[str, dict[str, Any]] | None]):
+def _init(cfg: Config, ctx: DistContext, model: torch.nn.Module,
+          load: Callable[[DistContext], tuple[str, dict[str, Any]] | None],
+          ) -> tuple[tuple[str, dict[str, Any]] | None, dict[str, Any] | None]:
     """(the snapshot to resume or None, where the run's weights started from). The snapshot is looked for
     first: a run with snapshots of its own resumes them and does not read `init.from` (its own weights are
     newer; the start is what its snapshot says). A run that starts fresh loads `init.from` into `model`."""
@@ -137,7 +143,8 @@ def _init(cfg: Config, ctx, model: torch.nn.Module, load: Callable[[Any], tuple[
     return None, record
 
 
-def _resume(cfg: Config, ctx, state: TrainState, found: tuple[str, dict[str, Any]]) -> dict[str, list[Any]]:
+def _resume(cfg: Config, ctx: DistContext, state: TrainState,
+            found: tuple[str, dict[str, Any]]) -> dict[str, list[Any]]:
     """Load the snapshot `found` into `state`, after its config is compared with this run's: the keys
     that differ (one line on rank 0), or ConfigError for a change that makes its state meaningless."""
     diff = changes.check_resume(found[1].get("config"), cfg.to_dict(), cfg.run.allow_changes, found[0])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -18,6 +18,10 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from trainapp.config import TrainSection
 from trainapp.core.state import derived_seed
+
+if TYPE_CHECKING:
+    from trainapp.core.layout import Layout
+    from trainapp.core.task import MapStyle
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +36,7 @@ class SeededItems(Dataset):
     so with `random_items = False`, and its items are read as they are.
     """
 
-    def __init__(self, base, seed: int):
+    def __init__(self, base: MapStyle, seed: int):
         self.base, self.seed, self.epoch = base, seed, 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -41,7 +45,7 @@ class SeededItems(Dataset):
     def __len__(self) -> int:
         return len(self.base)
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, i: int) -> Any:
         seed = derived_seed(self.seed, self.epoch, i)
         gen = torch.default_generator
         saved = gen.get_state()
@@ -70,9 +74,11 @@ class ResumableDistributedSampler(DistributedSampler):
     unpadded.
     """
 
-    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, shuffle: bool, seed: int,
-                 layout: Any = None):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+    def __init__(self, dataset: MapStyle, num_replicas: int, rank: int, shuffle: bool, seed: int,
+                 layout: Layout | None = None):
+        # torch annotates a Dataset, and reads any map-style dataset (a length, items by index).
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank,  # type: ignore[arg-type]
+                         shuffle=shuffle, seed=seed)
         self.layout, self.start = layout, 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
@@ -84,21 +90,22 @@ class ResumableDistributedSampler(DistributedSampler):
         place that says an epoch ends when less than a global batch is left."""
         if self.layout is None:
             raise ValueError("steps_from() is for training samplers (made with a layout)")
-        return max(0, len(self.dataset) - start) // self.layout.global_batch
+        # torch's Dataset declares no __len__ (torch's own samplers ignore this too): a sampler's is sized.
+        return max(0, len(self.dataset) - start) // self.layout.global_batch  # type: ignore[arg-type]
 
     def steps_left(self) -> int:
         """Whole global batches left in this epoch from `start`."""
         return self.steps_from(self.start)
 
     def _order(self) -> list[int]:
-        n = len(self.dataset)
+        n = len(self.dataset)  # type: ignore[arg-type]
         if not self.shuffle:
             return list(range(n))
         g = torch.Generator()
         g.manual_seed(self.seed + self.epoch)
         return torch.randperm(n, generator=g).tolist()
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         order = self._order()
         if self.layout is None:
             return iter(order[self.rank::self.num_replicas])
@@ -110,31 +117,42 @@ class ResumableDistributedSampler(DistributedSampler):
     def __len__(self) -> int:
         if self.layout is not None:
             return self.steps_left() * self.layout.micro_steps(self.rank) * self.layout.micro_batch
-        return len(range(self.rank, len(self.dataset), self.num_replicas))
+        return len(range(self.rank, len(self.dataset), self.num_replicas))  # type: ignore[arg-type]
 
 
-def make_loader(dataset: Dataset, sampler: ResumableDistributedSampler, batch_size: int, num_workers: int,
+def make_loader(dataset: MapStyle, sampler: ResumableDistributedSampler, batch_size: int, num_workers: int,
                 pin_memory: bool, generator_seed: int, collate: Callable | None = None) -> DataLoader:
     # An explicit generator keeps DataLoader's worker base seed off the global torch RNG, whose
     # position differs between an uninterrupted run and one resumed mid-epoch.
+    # torch annotates a Dataset, and reads any map-style dataset (a length, items by index).
     return DataLoader(
-        dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
+        dataset,  # type: ignore[arg-type]
+        batch_size=batch_size, sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
         drop_last=False, generator=torch.Generator().manual_seed(generator_seed),
         persistent_workers=False, collate_fn=collate,
     )
 
 
-def set_epoch(dataset: Dataset, sampler: ResumableDistributedSampler, epoch: int, start: int = 0) -> None:
+def set_epoch(dataset: MapStyle, sampler: ResumableDistributedSampler, epoch: int, start: int = 0) -> None:
     sampler.set_epoch(epoch, start)
     if isinstance(dataset, SeededItems):
         dataset.set_epoch(epoch)
+
+
+class Batches(Protocol):
+    """The training batches, epoch by epoch: EpochBatches, or a drill's stand-in for it
+    (trainapp/faults/drills.py's slow batches)."""
+
+    def steps_from(self, start: int) -> int: ...
+
+    def epoch(self, epoch: int, start: int) -> Iterator[Any]: ...
 
 
 class EpochBatches:
     """The training batches of an epoch from a global sample on: the sampler (and the augmentations) set
     to that position, and a fresh loader over it."""
 
-    def __init__(self, dataset: Dataset, sampler: ResumableDistributedSampler, batch_size: int,
+    def __init__(self, dataset: MapStyle, sampler: ResumableDistributedSampler, batch_size: int,
                  num_workers: int, pin_memory: bool, seed: int, collate: Callable | None = None):
         self.dataset, self.sampler, self.batch_size = dataset, sampler, batch_size
         self.num_workers, self.pin_memory, self.seed, self.collate = num_workers, pin_memory, seed, collate
@@ -142,7 +160,7 @@ class EpochBatches:
     def steps_from(self, start: int) -> int:
         return self.sampler.steps_from(start)
 
-    def epoch(self, epoch: int, start: int) -> Iterator:
+    def epoch(self, epoch: int, start: int) -> Iterator[Any]:
         set_epoch(self.dataset, self.sampler, epoch, start)
         return iter(make_loader(self.dataset, self.sampler, self.batch_size, self.num_workers,
                                 self.pin_memory, self.seed * 100_003 + epoch, self.collate))
@@ -152,7 +170,7 @@ class Progress:
     """Where training is: optimizer steps done, the epoch and the global sample position in it, and
     the fp16 steps the GradScaler skipped (a device counter, so counting costs no host sync)."""
 
-    def __init__(self, layout, device: torch.device):
+    def __init__(self, layout: Layout, device: torch.device):
         self.global_step, self.epoch, self.epoch_sample = 0, 0, 0
         self.layout = layout
         self.skipped = torch.zeros((), dtype=torch.int64, device=device)

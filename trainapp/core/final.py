@@ -23,7 +23,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,11 +32,18 @@ from trainapp.snapshots.store import META
 from trainapp.weights.artifact import DTYPE_NAMES, ArtifactDir, plan, versions
 from trainapp.weights.safetensors_file import file_digest
 
+if TYPE_CHECKING:
+    from trainapp.config import Config
+    from trainapp.core.build import Parts
+    from trainapp.group import DistContext
+    from trainapp.snapshots.manager import SnapshotManager
+    from trainapp.weights.safetensors_file import Entry, Writer
+
 log = logging.getLogger("trainapp.core.loop")
 DIR = "model"
 
 
-def export_final(cfg, ctx, parts, snapshots) -> str | None:
+def export_final(cfg: Config, ctx: DistContext, parts: Parts, snapshots: SnapshotManager) -> str | None:
     """Every rank, after the final snapshot: the final model exported; where it went (rank 0), or None
     (`run.export=false`, another rank, or a storage error, said in one warning line)."""
     if not cfg.run.export or not (parts.sharded or ctx.is_main):
@@ -70,24 +77,27 @@ def export_final(cfg, ctx, parts, snapshots) -> str | None:
     return str(where)
 
 
-def _write(ctx, out: Path, entries, state: dict[str, torch.Tensor]) -> tuple[ArtifactDir, str] | None:
+def _write(ctx: DistContext, out: Path, entries: list[Entry],
+           state: dict[str, torch.Tensor]) -> tuple[ArtifactDir, str] | None:
     """Rank 0: the staging directory with the file written from `state`, and its tensors' digest. One
     tensor at a time; a sharded model's (here on every rank) is gathered whole first, every rank taking
     part in every gather in the same order, also after rank 0 failed to write (it raises once the gathers
     are done)."""
-    artifact = writer = failed = None
+    artifact: ArtifactDir | None = None
+    writer: Writer | None = None
+    failed: Exception | None = None
     try:
         if ctx.is_main:
             artifact = ArtifactDir(out, force=True, setting="run.dir")
             writer = artifact.writer(entries)
     except Exception as e:
         failed = e
-    for e in sorted(entries, key=lambda e: e.name):
-        t = state[e.name]
+    for entry in sorted(entries, key=lambda e: e.name):
+        t = state[entry.name]
         full = t.full_tensor() if hasattr(t, "full_tensor") else t
         if writer is not None:
             try:
-                writer.add(e.name, full.detach().to("cpu"))
+                writer.add(entry.name, full.detach().to("cpu"))
             except Exception as err:
                 writer.abort()
                 writer, failed = None, err
@@ -98,6 +108,7 @@ def _write(ctx, out: Path, entries, state: dict[str, torch.Tensor]) -> tuple[Art
         if failed is not None:
             raise failed
         return None
+    assert artifact is not None and writer is not None  # rank 0's, and nothing failed
     try:
         return artifact, writer.close()
     except BaseException:
@@ -115,7 +126,7 @@ def _check(artifact: ArtifactDir, digest: str) -> dict[str, Any]:
             "outputs": "not run (trainapp export runs it)"}
 
 
-def _task_export(parts, model: torch.nn.Module, artifact: ArtifactDir) -> str:
+def _task_export(parts: Parts, model: torch.nn.Module, artifact: ArtifactDir) -> str:
     """The task's own format (its optional `export(model, out_dir)`), written beside the file."""
     hook = getattr(parts.task.task, "export", None)
     if not callable(hook):
@@ -126,7 +137,7 @@ def _task_export(parts, model: torch.nn.Module, artifact: ArtifactDir) -> str:
     return "run"
 
 
-def _about(cfg, parts, snapshots) -> dict[str, Any]:
+def _about(cfg: Config, parts: Parts, snapshots: SnapshotManager) -> dict[str, Any]:
     """What the record says the model is and where it came from."""
     step = parts.progress.global_step
     where = snapshots.last_written or snapshots.path_for(step)

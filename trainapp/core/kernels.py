@@ -30,7 +30,9 @@ def configure(deterministic: bool, cuda: bool) -> dict[str, object]:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.conv.fp32_precision = "ieee"  # no TF32: its rounding differs from fp32's
+    # No TF32: its rounding differs from fp32's. (`conv` is an attribute of the module object torch puts
+    # in place of torch.backends.cudnn at import, which its annotations do not show.)
+    torch.backends.cudnn.conv.fp32_precision = "ieee"  # type: ignore[attr-defined]
     torch.backends.cuda.matmul.fp32_precision = "ieee"
     torch.use_deterministic_algorithms(True)
     return {"deterministic": True, "cudnn_benchmark": False,

@@ -49,7 +49,8 @@ class Trainer:
                  step_hooks: tuple[Callable[[int], None], ...] = ()):
         self.cfg, self.ctx, self.parts, self.snapshots = cfg, ctx, parts, snapshots
         self.guard, self.boundary, self.records, self.step_hooks = guard, boundary, records, step_hooks
-        self.last_loss, self.last_eval = float("nan"), None
+        self.last_loss = float("nan")
+        self.last_eval: dict[str, Any] | None = None
         self._loss_sum = torch.zeros((), device=ctx.device)  # summed on the device, read at log time
         self._loss_steps = 0
         self.clock = PhaseClock(ctx.device, cfg.observe.ranks, guard.heartbeat.set_phase)
@@ -141,7 +142,9 @@ class Trainer:
         scaler.step(parts.optimizer)  # skipped by the scaler when fp16 gradients hold inf/NaN
         scaler.update()
         if before is not None:
-            parts.progress.skipped += (parts.precision.scale_tensor() < before).to(torch.int64)
+            after = parts.precision.scale_tensor()
+            assert after is not None  # loss scaling is on, as it was before the step
+            parts.progress.skipped += (after < before).to(torch.int64)
         parts.optimizer.zero_grad(set_to_none=True)
         parts.schedule.step()
         # The step's running statistics are rank 0's, as DDP's broadcast_buffers makes them, before the EMA
@@ -215,7 +218,9 @@ class Trainer:
                   "samples_per_s": samples_per_s, "world_size": ctx.world_size,
                   "epoch_sample": p.epoch_sample, "skipped_steps": int(p.skipped.item())}
         if precision.scaler.is_enabled():
-            record["loss_scale"] = float(precision.scale_tensor().item())
+            scale = precision.scale_tensor()
+            assert scale is not None  # loss scaling is on
+            record["loss_scale"] = float(scale.item())
         self.records.train(record)
         bar.set_postfix(loss=f"{self.last_loss:.3f}", lr=f"{record['lr']:.3g}")
         self._loss_sum.zero_()
@@ -236,8 +241,8 @@ class Trainer:
                   else {"params_sha256": params_sha256(self.parts.model)})
         init = {"init": self.parts.init} if self.parts.init else {}  # where the run's weights started from
         meta = {**state["progress"], **digest, **init} if state is not None else None
-        report = {"step": p.global_step, "epoch": p.epoch, "loss": self.last_loss,
-                  "world_size": self.ctx.world_size, "samples_per_s": samples_per_s}
+        report: dict[str, Any] = {"step": p.global_step, "epoch": p.epoch, "loss": self.last_loss,
+                                  "world_size": self.ctx.world_size, "samples_per_s": samples_per_s}
         if self.last_eval is not None and self.last_eval["step"] == p.global_step:
             report.update(val_metrics(self.last_eval))
         if self.records.last_ranks:  # the ranks' step times travel with the snapshot's report
@@ -274,6 +279,7 @@ class Trainer:
         p = self.parts.progress
         if self.last_eval is None or self.last_eval["step"] != p.global_step:
             self.evaluate()
+        assert self.last_eval is not None  # the last step's evaluation is never cut short
         summary = {"steps": p.global_step, "steps_this_run": p.global_step - start_step,
                    "final_loss": self.last_loss, **val_metrics(self.last_eval),
                    "world_size": self.ctx.world_size, "samples_per_s": samples_per_s,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -18,6 +18,9 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from trainapp.config import ConfigError, OptimSection, SchedSection
+
+if TYPE_CHECKING:
+    from trainapp.core.data import Progress
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +154,7 @@ class Schedule:
     says what the snapshot's run was: it loads before this part."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, optim: OptimSection, sched: SchedSection,
-                 horizon: Callable[[], int], progress) -> None:
+                 horizon: Callable[[], int], progress: Progress) -> None:
         (self.optimizer, self.optim, self.sched,
          self.horizon, self.progress) = optimizer, optim, sched, horizon, progress
         self.total_steps = horizon()
@@ -174,6 +177,7 @@ class Schedule:
         self.total_steps = self.horizon()
         set_schedule(self.scheduler, self.sched, self.total_steps)
         p = self.progress
+        assert p.resumed is not None  # the data position, loaded before this part
         before = p.resumed["global_batch"]
         if before != p.global_batch:
             peak = rescale(self.optimizer, self.scheduler, self.optim, p.global_batch)
@@ -189,7 +193,7 @@ class Optimization:
 
 
 def build(model: nn.Module, optim: OptimSection, sched: SchedSection, ema: AveragedModel | None,
-          horizon: Callable[[], int], progress, fused: bool = False,
+          horizon: Callable[[], int], progress: Progress, fused: bool = False,
           groups: Callable[[torch.nn.Module], list[dict] | None] | None = None) -> Optimization:
     """The optimizer over `model`'s parameter groups (or the task's `groups`) and its schedule to
     `horizon()`, with the EMA weights (`build_ema`, made before an FSDP model is sharded)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, cast
 
 import torch
 from torch import nn
@@ -25,10 +25,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from trainapp.config import Config, ConfigError
 from trainapp.core import torch_private
 
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.utils.data import DataLoader
+
+    from trainapp.core.layout import Layout
+    from trainapp.group import DistContext
+
 log = logging.getLogger(__name__)
 
 
-def wrap_ddp(model: torch.nn.Module, ctx) -> DDP | None:
+def wrap_ddp(model: torch.nn.Module, ctx: DistContext) -> DDP | None:
     """The DDP wrapper when distributed (None alone)."""
     if not ctx.distributed:
         return None
@@ -36,7 +43,7 @@ def wrap_ddp(model: torch.nn.Module, ctx) -> DDP | None:
                gradient_as_bucket_view=True)
 
 
-def check_sync_bn(model: torch.nn.Module, layout: Any, requested: bool) -> None:
+def check_sync_bn(model: torch.nn.Module, layout: Layout, requested: bool) -> None:
     """ConfigError when SyncBatchNorm would meet a global batch that does not split evenly over the ranks.
 
     SyncBatchNorm runs a collective in every forward and backward of a training micro-batch; the ranks
@@ -80,7 +87,7 @@ def units(model: torch.nn.Module, names: list[str], task: Any = None) -> list[to
     counts: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         counts[id(p)] = counts.get(id(p), 0) + 1
-    out = []
+    out: list[torch.nn.Module] = []
     for child in model.children():
         items = (list(child.children()) if isinstance(child, (torch.nn.Sequential, torch.nn.ModuleList))
                  else [child])
@@ -134,11 +141,11 @@ def time_waits(model: torch.nn.Module, begin: Callable[[], None], end: Callable[
     streams inside these same calls: the stream's wait is timed, not the launch."""
     from torch.distributed.fsdp import FSDPModule
 
-    def before(module, args) -> None:
+    def before(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         if module.training:
             begin()
 
-    def after(module, args) -> None:
+    def after(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         if module.training:
             end()
 
@@ -160,7 +167,7 @@ _GROUP_WAITS = ("pre_backward", "post_backward", "finalize_backward")
 """The methods of FSDP's (private) FSDPParamGroup within which a backward waits for the peers."""
 
 
-def _param_groups(fsdp_units: list[torch.nn.Module]) -> list[Any] | None:
+def _param_groups(fsdp_units: Sequence[FSDPModule]) -> list[Any] | None:
     """Every unit's FSDP parameter groups, or None when this torch lays them out otherwise."""
     try:
         groups = [g for u in fsdp_units for g in torch_private.fsdp_param_groups(u)]
@@ -182,17 +189,18 @@ def _bracketed(method: Callable[..., Any], begin: Callable[[], None],
     return timed
 
 
-def no_sync(train_model: torch.nn.Module, ddp: DDP | None, sharded: bool, sync: bool):
+def no_sync(train_model: torch.nn.Module, ddp: DDP | None, sharded: bool,
+            sync: bool) -> contextlib.AbstractContextManager[None]:
     """The context of one micro-batch's backward: gradients reduced across ranks only when `sync` (the
     last micro-batch of the step). DDP's `no_sync`, FSDP's `set_requires_gradient_sync`."""
     if sharded:
-        train_model.set_requires_gradient_sync(sync)
+        cast("FSDPModule", train_model).set_requires_gradient_sync(sync)  # fully_shard made it one
     elif ddp is not None and not sync:
         return ddp.no_sync()
     return contextlib.nullcontext()
 
 
-def eval_batches(loader, ctx, sharded: bool):
+def eval_batches(loader: DataLoader, ctx: DistContext, sharded: bool) -> Iterator[tuple[bool, Any]]:
     """(padding, batch) pairs: this rank's validation batches, then, for a sharded model, as many more
     (padding=True, results dropped) as the rank with the most has: every forward of a sharded model is a
     collective of all ranks."""
@@ -207,7 +215,7 @@ def eval_batches(loader, ctx, sharded: bool):
             yield True, pad
 
 
-def buffers_from_rank0(model: torch.nn.Module, ctx) -> None:
+def buffers_from_rank0(model: torch.nn.Module, ctx: DistContext) -> None:
     """Every rank, after each step under FSDP: rank 0's buffers (a BatchNorm's running statistics) on every
     rank, the values DDP's `broadcast_buffers` gives every rank at the next forward. FSDP shards
     parameters, not buffers, and without this each rank's statistics follow its own batches: what is
@@ -230,7 +238,8 @@ def _local_bytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ctx) -> list[dict[str, int]] | None:
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                ctx: DistContext) -> list[dict[str, int]] | None:
     """Every rank calls this; rank 0 gets per rank the bytes of its parameters, their gradients (one per
     parameter, as every backward allocates them) and its optimizer state: what `parallel.strategy`
     spreads. None elsewhere."""

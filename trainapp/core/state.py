@@ -20,13 +20,16 @@ import hashlib
 import logging
 import random
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 import torch
 
 from trainapp.errors import ConfigError
 from trainapp.snapshots.store import LOCAL_COPY, SHARDED, SHARDS
+
+if TYPE_CHECKING:
+    from trainapp.group import DistContext
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +40,17 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any) -> Any: ...
 
 
+class _Position(Protocol):
+    """Where training is: trainapp/core/data.py's Progress (which imports this module)."""
+
+    @property
+    def global_step(self) -> int: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def epoch_sample(self) -> int: ...
 
 
 class ShardedState:
@@ -78,13 +92,14 @@ class TrainState:
     None, and a snapshot that holds one is read without it. `records`: saved for the reader, never
     loaded back (the resolved config)."""
 
-    def __init__(self, parts: dict[str, Stateful | None], records: dict[str, Any] | None = None):
+    def __init__(self, parts: dict[str, Stateful | ShardedState | None],
+                 records: dict[str, Any] | None = None):
         self.parts, self.records = parts, records or {}
 
     def state_dict(self, is_main: bool) -> dict[str, Any] | None:
         """Every rank calls this, because a part may gather across ranks (one marked `collective`, as
         the RNG is); the others are read on rank 0 only, the one that writes. None on other ranks."""
-        out = {}
+        out: dict[str, Any] = {}
         for name, part in self.parts.items():
             if part is None:
                 out[name] = None
@@ -97,7 +112,7 @@ class TrainState:
     def shards(self) -> dict[str, Any] | None:
         """Every rank: this rank's shard of every sharded part (DCP's state dict), None without one."""
         out = {name: part.state_dict() for name, part in self.parts.items()
-               if getattr(part, "sharded", False)}
+               if part is not None and getattr(part, "sharded", False)}
         return out or None
 
     def resume(self, found: tuple[str, dict[str, Any]], run_dir: str) -> None:
@@ -110,7 +125,7 @@ class TrainState:
             first = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
             raise ConfigError(f"run.dir={run_dir}: snapshot {where} does not fit this config ({first}); "
                               "use a new run.dir or the config it was written with") from None
-        p = self.parts["progress"]
+        p = cast(_Position, self.parts["progress"])  # data.Progress, the first part `build` registers
         log.info("resumed from %s: step=%d epoch=%d epoch_sample=%d", where, p.global_step, p.epoch,
                  p.epoch_sample)
 
@@ -125,9 +140,13 @@ class TrainState:
             if getattr(part, "sharded", False) != sharded:
                 raise ValueError(f"its {name} state is {'sharded' if sharded else 'whole'}, this run's is "
                                  "not (parallel.strategy changed)")
+            # Only ShardedState is `sharded` (checked just above), and a sharded snapshot is resumed from
+            # its directory.
             if sharded:
+                assert isinstance(part, ShardedState) and where is not None
                 part.load_from(where / SHARDS, name)
             else:
+                assert not isinstance(part, ShardedState)
                 part.load_state_dict(state[name])
 
 
@@ -152,7 +171,8 @@ def rng_state(device: torch.device, cuda: Any = torch.cuda) -> dict[str, Any]:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     return {
         "python": random.getstate(),
-        "numpy": (kind, keys.tobytes(), pos, has_gauss, cached),
+        # numpy's stub types get_state() as a dict or the tuple: legacy=True (the default) gives the tuple.
+        "numpy": (kind, keys.tobytes(), pos, has_gauss, cached),  # type: ignore[attr-defined]
         "torch": torch.get_rng_state().numpy().tobytes(),
         "cuda": cuda.get_rng_state(device).numpy().tobytes() if device.type == "cuda" else None,
     }
@@ -191,7 +211,7 @@ class RngState:
 
     collective = True
 
-    def __init__(self, ctx, seed: int, progress, cuda: Any = torch.cuda):
+    def __init__(self, ctx: DistContext, seed: int, progress: _Position, cuda: Any = torch.cuda):
         """Seeds this rank's generators apart from the others' (dropout, augmentation) until a snapshot's
         are loaded. `cuda`: torch.cuda, or a stand-in for its generator (tests on machines without one)."""
         self.ctx, self.seed, self.progress, self.cuda = ctx, seed, progress, cuda

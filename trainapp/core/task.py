@@ -8,7 +8,7 @@ the task's.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 from torch.utils.data import default_collate
@@ -17,7 +17,19 @@ from trainapp.config import Config, ConfigError
 from trainapp.errors import first_line
 from trainapp.tasks.api import TaskContext
 
+if TYPE_CHECKING:
+    from trainapp.group import DistContext
+
 DOCS = "docs/your-own-model.md"
+
+
+class MapStyle(Protocol):
+    """A map-style dataset, as torch's samplers and loaders read one: a length and items by index (a
+    torch Dataset with `__len__`, a list)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int, /) -> Any: ...
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -46,7 +58,7 @@ class BoundTask:
         self.state = task if has_state else None
         """The task as a stateful part of the run, when it has state of its own."""
 
-    def datasets(self) -> tuple[Sequence, Sequence]:
+    def datasets(self) -> tuple[MapStyle, MapStyle]:
         out = self.task.datasets(self.ctx)
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
             raise ConfigError(f"task.name={self.name!r}: datasets(ctx) returned {_what(out)}; it must return "
@@ -70,7 +82,7 @@ class BoundTask:
             raise ConfigError(f"task.name={self.name!r}: model(ctx) has no trainable parameters")
         return model.to(self.ctx.device)
 
-    def param_groups(self, model: torch.nn.Module) -> list[dict] | None:
+    def param_groups(self, model: torch.nn.Module) -> list[dict[str, Any]] | None:
         groups = getattr(self.task, "param_groups", None)
         if not callable(groups):
             return None
@@ -143,7 +155,7 @@ class _DefaultCollate:
     def __init__(self, name: str):
         self.name = name
 
-    def __call__(self, items: list) -> Any:
+    def __call__(self, items: list[Any]) -> Any:
         try:
             return default_collate(items)
         except (TypeError, RuntimeError) as e:
@@ -158,7 +170,7 @@ def _what(value: Any) -> str:
         f"a tensor of shape {tuple(value.shape)}"
 
 
-def bind(task: Any, cfg: Config, ctx, steps_done: Callable[[], int] = lambda: 0) -> BoundTask:
+def bind(task: Any, cfg: Config, ctx: DistContext, steps_done: Callable[[], int] = lambda: 0) -> BoundTask:
     """`task` (None: the one `task.name` names) bound to the rank of `ctx` (a DistContext)."""
     if task is None:
         from trainapp.tasks.load import resolve  # a built-in task's module (torchvision...) only when named

@@ -13,10 +13,13 @@ a run on a cluster.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 PRIVATE = ("torch.nn.modules.batchnorm._BatchNorm", "GradScaler._scale",
            "torch.ops.mkldnn._is_mkldnn_bf16_supported", "FSDPModule._get_fsdp_state",
@@ -26,7 +29,7 @@ PRIVATE = ("torch.nn.modules.batchnorm._BatchNorm", "GradScaler._scale",
 __all__ = ["BatchNormBase", "PRIVATE", "fsdp_param_groups", "onednn_bf16", "scale_tensor"]
 
 
-def fsdp_param_groups(unit: torch.nn.Module) -> list[Any]:
+def fsdp_param_groups(unit: FSDPModule) -> list[Any]:
     """The FSDPParamGroups of one unit sharded with `fully_shard` (AttributeError/TypeError where this
     torch lays them out otherwise: the caller then times the waits another way)."""
     return list(unit._get_fsdp_state()._fsdp_param_groups)
@@ -34,6 +37,7 @@ def fsdp_param_groups(unit: torch.nn.Module) -> list[Any]:
 
 def scale_tensor(scaler: torch.amp.GradScaler) -> torch.Tensor:
     """The scaler's current loss scale, on the device, without a host sync."""
+    assert scaler._scale is not None  # made by the scaler's first scale(), which comes first
     return scaler._scale
 
 

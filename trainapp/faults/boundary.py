@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from trainapp.faults.preempt import Notices, Preempted, Resized, Stopped, StopVote
+
+if TYPE_CHECKING:
+    from trainapp.group import DistContext
 
 
 class DrainNotices(Protocol):
@@ -76,7 +79,7 @@ class StepBoundary:
     (`preempt.ray_poll_s`) while some rank has one pending; `on_drain(step, notice)` hears of each
     drain seen (the run's records)."""
 
-    def __init__(self, ctx, notices: Notices, due: Callable[[int, bool], bool],
+    def __init__(self, ctx: DistContext, notices: Notices, due: Callable[[int, bool], bool],
                  drains: DrainNotices | None = None, poll_s: float = 0.0,
                  on_drain: Callable[[int, dict[str, Any]], None] = lambda step, notice: None):
         self.ctx, self.notices, self.due, self.drains, self.on_drain = ctx, notices, due, drains, on_drain

@@ -9,8 +9,8 @@ They plug into the run from outside the loop:
 - the slow-rank drill (`slow_rank`, `slow_ms`, `slow_phase`) is attached to the parts: a pause after
   each batch is fetched (data), a forward hook that pauses between forward and backward (compute, as
   a slow device would be), or an optimizer step hook (optim);
-- the slow snapshot write (`snapshot_write_delay_s`) is the snapshot manager's own pause (with shards, a
-  slow disk under their write: trainapp/snapshots/files.py's `slow_disk`).
+- the slow snapshot write (`snapshot_write_delay_s`) is a slow disk under the snapshot writer
+  (trainapp/faults/slow_disk.py), handed to the snapshot manager.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator, Protocol
 
 import torch
 
@@ -31,16 +31,33 @@ from trainapp.faults.heartbeat import Heartbeat
 log = logging.getLogger(__name__)
 
 
+# What the slow-rank drill reaches of the run's parts (trainapp/core/build.py's Parts, a layer above).
+class _Batches(Protocol):
+    def steps_from(self, start: int) -> int: ...
+
+    def epoch(self, epoch: int, start: int) -> Iterator[Any]: ...
+
+
+class _Parts(Protocol):
+    batches: _Batches
+
+    @property
+    def model(self) -> torch.nn.Module: ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+
+
 class _SlowBatches:
     """An epoch's batches, each one `pause_s` late."""
 
-    def __init__(self, batches, pause_s: float) -> None:
+    def __init__(self, batches: _Batches, pause_s: float) -> None:
         self.batches, self.pause_s = batches, pause_s
 
     def steps_from(self, start: int) -> int:
         return self.batches.steps_from(start)
 
-    def epoch(self, epoch: int, start: int) -> Iterator:
+    def epoch(self, epoch: int, start: int) -> Iterator[Any]:
         for batch in self.batches.epoch(epoch, start):
             time.sleep(self.pause_s)
             yield batch
@@ -62,7 +79,7 @@ class Drills:
                         if at is not None and cfg.rank == rank}
         """This rank's step drills by step: one dict lookup per step."""
 
-    def attach(self, parts) -> None:
+    def attach(self, parts: _Parts) -> None:
         """The slow-rank drill on this rank, hooked into its parts."""
         if self.cfg.slow_rank != self.rank:
             return
@@ -70,7 +87,8 @@ class Drills:
         if self.cfg.slow_phase == "data":
             parts.batches = _SlowBatches(parts.batches, pause_s)
         elif self.cfg.slow_phase == "compute":
-            def pause(module, args, out) -> None:  # between forward and backward, in training only
+            # Between forward and backward, in training only.
+            def pause(module: torch.nn.Module, args: tuple[Any, ...], out: Any) -> None:
                 if module.training:
                     time.sleep(pause_s)
 

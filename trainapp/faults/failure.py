@@ -31,12 +31,18 @@ import resource
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from trainapp.errors import PEER_EXIT, Failure, first_line
 from trainapp.faults.heartbeat import Heartbeat
 from trainapp.observe import metrics
 from trainapp.snapshots.lease import Fence
+
+if TYPE_CHECKING:  # torch is not imported with this module (see `explain`)
+    import torch
+    from torch.distributed import Store
+
+    from trainapp.group import DistContext
 
 POLL_S = 1.0
 """How often each rank asks the store whether a peer failed."""
@@ -59,6 +65,8 @@ class FailureLog:
     def __init__(self, heartbeat: Heartbeat, leave: Callable[[int], None]) -> None:
         self.heartbeat, self.leave = heartbeat, leave
         self.run_dir: Path | None = None
+        self.device: torch.device | None
+        self.store: Store | None
         self.rank, self.device, self.store, self.attempt = 0, None, None, 0
         self.done = False  # this process's failure is recorded: nothing more to say
         self.lock = threading.Lock()
@@ -138,7 +146,7 @@ class FailureLog:
         return ""
 
     @contextlib.contextmanager
-    def watching(self, run_dir: str | Path, ctx, store: Callable[[], Any],
+    def watching(self, run_dir: str | Path, ctx: DistContext, store: Callable[[], Any],
                  attempt: int = 0) -> Iterator[None]:
         """The run of this rank: exceptions out of the block are recorded (and re-raised), and peers'
         failures are watched for through the store `store()` returns (the group's, None alone). Leave the
@@ -162,7 +170,7 @@ class FailureLog:
                 watch.stop.set()
 
 
-def posted(store) -> str:
+def posted(store: Store) -> str:
     """A peer's failure line from the store, '' while there is none; raises when the store is gone."""
     return store.get(KEY).decode(errors="replace") if store.check([KEY]) else ""
 
@@ -172,6 +180,7 @@ class PeerWatch:
     posted or the store stops answering."""
 
     def __init__(self, log: FailureLog) -> None:
+        assert log.store is not None  # a rank alone has no peers to watch
         self.log, self.store = log, log.store
         self.stop = threading.Event()
         threading.Thread(target=self._run, name="peer-watch", daemon=True).start()
@@ -197,7 +206,7 @@ class PeerWatch:
             self.log.leave(PEER_EXIT)
 
 
-def memory(device) -> dict[str, Any]:
+def memory(device: torch.device | None) -> dict[str, Any]:
     """The device's memory at an out-of-memory error. Every call is guarded: after a CUDA OOM the
     allocator answers, but a broken context must not turn the explanation into a second error."""
     mb = 2 ** 20

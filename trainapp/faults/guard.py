@@ -18,7 +18,7 @@ import contextlib
 import signal
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from trainapp import errors
 from trainapp.config import Config
@@ -27,6 +27,11 @@ from trainapp.faults.failure import FailureLog
 from trainapp.faults.heartbeat import Heartbeat, Watchdog
 from trainapp.faults.preempt import Notices
 from trainapp.observe.timeline import Timeline
+
+if TYPE_CHECKING:
+    from types import FrameType
+
+    from trainapp.group import DistContext
 
 
 class RankGuard:
@@ -47,7 +52,7 @@ class RankGuard:
         thread), with `grace_s` to stop in (`preempt.*`); False where impossible."""
         return self.notices.install(signals, grace_s, self._on_signal)
 
-    def _on_signal(self, signum, frame) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.notices.handle(signum)
 
     @staticmethod
@@ -57,7 +62,8 @@ class RankGuard:
         return owner if isinstance(owner, RankGuard) else None
 
     @contextlib.contextmanager
-    def watching(self, cfg: Config, ctx, store: Callable[[], Any], attempt: int) -> Iterator[None]:
+    def watching(self, cfg: Config, ctx: DistContext, store: Callable[[], Any],
+                 attempt: int) -> Iterator[None]:
         """A rank's run: what ends it is recorded (trainapp/faults/failure.py), peers' failures are watched
         for through the store `store()` opens (the group's, None alone), and the hang watchdog is ready
         to `start_watchdog`.
@@ -79,6 +85,7 @@ class RankGuard:
             self.watchdog.start()
 
     def _hung(self, silent: float) -> None:
+        assert self.watchdog is not None  # it calls this
         error = (f"no progress for {silent:.0f} s (fault.hang_timeout_s={self.watchdog.timeout_s:g}); "
                  f"stacks in {self.watchdog.path}; the launcher restarts the group from the newest snapshot")
         error += self.watchdog.dump_stacks(self.failures.line_for("hang", error, HUNG_EXIT))

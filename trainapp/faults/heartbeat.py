@@ -25,7 +25,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 
 class Heartbeat:
@@ -65,7 +65,7 @@ class Heartbeat:
                 self.beat()
 
     @contextlib.contextmanager
-    def writing(self, where: Path, poll_s: float = 0.5):
+    def writing(self, where: Path, poll_s: float = 0.5) -> Iterator[None]:
         """Inside the block the training thread writes a snapshot's shards into `where`, in one call of
         torch.distributed.checkpoint that reports no progress and that every rank's write holds up (a
         collective): a thread beats for it while the bytes move, so a write slower than
@@ -101,7 +101,7 @@ class Heartbeat:
         self.last = time.monotonic()
 
     @contextlib.contextmanager
-    def phase_of(self, name: str):
+    def phase_of(self, name: str) -> Iterator[None]:
         """Mark what the training thread does inside the block (code outside the step's phase clock)."""
         before = self.phase
         self.set_phase(name)

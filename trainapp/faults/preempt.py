@@ -29,13 +29,16 @@ import os
 import signal
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as tdist
 
 from trainapp.errors import Failure
 from trainapp.faults.heartbeat import Heartbeat
+
+if TYPE_CHECKING:
+    from trainapp.group import DistContext
 
 log = logging.getLogger(__name__)
 
@@ -248,16 +251,17 @@ class StopVote:
     platform's grace period."""
     MAX_EVERY = 50
 
-    def __init__(self, ctx, notices: Notices, poll_s: float = 0.0,
+    def __init__(self, ctx: DistContext, notices: Notices, poll_s: float = 0.0,
                  pending: Callable[[], bool] | None = None) -> None:
         self.ctx, self.notices = ctx, notices
-        self.group = None
+        self.group: tdist.ProcessGroup | None = None
         if ctx.distributed and tdist.get_backend() != "gloo":
             self.group = ctx.new_side_group()  # collective: every rank builds the vote together
         self.flag = torch.zeros(3, dtype=torch.int64)
-        self.work = None
+        self.work: tdist.Work | None = None
         self.next_vote = 0  # agreed: the boundary of the next vote
-        self.last_t, self.step_s = None, None
+        self.last_t: float | None = None
+        self.step_s: float | None = None
         self.poll_s, self.pending = poll_s, pending
         self.polled_t = time.perf_counter()  # the start counts as a poll: a drain seen at once needs none
         self._poll = False  # the ranks agreed to poll at this boundary; cleared by take_poll

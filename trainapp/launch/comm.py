@@ -46,7 +46,7 @@ class Pair:
         return self.nbytes / self.seconds / 1e9
 
 
-def _time_all_reduce(ctx: dist.DistContext, group, nbytes: int, iters: int) -> float:
+def _time_all_reduce(ctx: dist.DistContext, group: tdist.ProcessGroup, nbytes: int, iters: int) -> float:
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=ctx.device)
     sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
     tdist.all_reduce(x, group=group)  # warm-up: connections, buffers
@@ -73,6 +73,7 @@ def measure(ctx: dist.DistContext, nbytes: int, iters: int) -> tuple[list[str], 
         members = [leaders[i], leaders[j]]
         group = tdist.new_group(members)  # every rank takes part in creating every group
         if ctx.rank in members:
+            assert isinstance(group, tdist.ProcessGroup)  # a member gets the group, not NON_GROUP_MEMBER
             seconds = _time_all_reduce(ctx, group, nbytes, iters)
             if ctx.rank == members[0]:
                 mine.append(Pair(a, b, seconds, nbytes))
@@ -159,6 +160,7 @@ def main(cfg: Config, size_mb: float, iters: int, min_bandwidth: float) -> int:
         nodes, pairs = measure(ctx, int(size_mb * 2**20), iters)
         if ctx.is_main:
             via = ctx.network.summary() if ctx.network else "the default interface"
+            assert ctx.backend is not None  # a group of more than one rank always has a backend
             return show(ctx.backend, ctx.world_size, via, nodes, pairs, min_bandwidth)
         return 1 if judge(nodes, pairs, min_bandwidth)[1] else 0
     finally:

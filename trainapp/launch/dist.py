@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from trainapp.config.launch import DistSection
+from trainapp.config.launch import DistSection, NetworkSection
 from trainapp.errors import ConfigError
 from trainapp.group import DistContext
 from trainapp.launch import device as device_rule
@@ -38,7 +38,7 @@ def _env_int(name: str, default: int) -> int:
                           "(set by torchrun or Ray)") from None
 
 
-def _check_network(network, store, rank: int, world_size: int) -> net.Resolution:
+def _check_network(network: NetworkSection, store: dist.Store, rank: int, world_size: int) -> net.Resolution:
     """Resolve the interface here, then compare notes with every rank through the store.
 
     A rank that cannot use the interface says so under its own key and stops; the others read it and
@@ -69,7 +69,7 @@ def _check_network(network, store, rank: int, world_size: int) -> net.Resolution
     return res
 
 
-def _elastic_store(timeout: datetime.timedelta):
+def _elastic_store(timeout: datetime.timedelta) -> tuple[dist.Store | None, str]:
     """Under torchrun: (the agent's store under a prefix that names this attempt of the group, that
     prefix's scope for `side_store`), or (None, "side") when torchrun did not launch us.
 
@@ -88,7 +88,7 @@ def _elastic_store(timeout: datetime.timedelta):
     return dist.PrefixStore(f"trainapp/{run_id}/{name}", store), f"{run_id}/{name}/side"
 
 
-def _agree_on_round(store, rank: int, world_size: int, timeout: datetime.timedelta,
+def _agree_on_round(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta,
                     poll_s: float = 0.02) -> str:
     """A fresh name for this attempt of the group, the same on every rank.
 
@@ -105,7 +105,8 @@ def _agree_on_round(store, rank: int, world_size: int, timeout: datetime.timedel
         name = store.get(f"welcome/{nonce}").decode()
         store.set(f"ack/{name}/{rank}", "1")
         return name
-    name, answered, waiting = f"round-{uuid.uuid4().hex[:12]}", {}, set(range(1, world_size))
+    name, waiting = f"round-{uuid.uuid4().hex[:12]}", set(range(1, world_size))
+    answered: dict[int, str] = {}
     deadline = time.monotonic() + timeout.total_seconds()
     while waiting:
         for r in sorted(waiting):
@@ -131,7 +132,7 @@ def placement(ctx: DistContext) -> dict:
             "local_rank": ctx.local_rank, "pid": os.getpid()}
 
 
-def side_store(ctx: DistContext, timeout_s: float = 10.0):
+def side_store(ctx: DistContext, timeout_s: float = 10.0) -> dist.Store | None:
     """A client of the group's store of our own (MASTER_ADDR:MASTER_PORT: torchrun's agent, or rank 0
     under Ray and plain launches), for word between ranks outside the process group, such as a rank's
     failure: a collective cannot carry it, it is what hangs. Keys are scoped to this attempt of the
@@ -143,7 +144,7 @@ def side_store(ctx: DistContext, timeout_s: float = 10.0):
     return dist.PrefixStore(f"trainapp/{ctx.store_scope}", store)
 
 
-def setup(cfg: DistSection, network=None,
+def setup(cfg: DistSection, network: NetworkSection | None = None,
           ray_device: Callable[[], torch.device] | None = None) -> DistContext:
     """Read ranks from the environment, choose the device (`dist.device`, trainapp/launch/device.py) and
     make sure a process group exists when world size > 1, with a Gloo side group beside it for the
@@ -182,7 +183,8 @@ def setup(cfg: DistSection, network=None,
     return ctx
 
 
-def _create_group(cfg: DistSection, network, backend: str, rank: int, world_size: int):
+def _create_group(cfg: DistSection, network: NetworkSection | None, backend: str, rank: int,
+                  world_size: int) -> tuple[net.Resolution | None, str]:
     """The default process group, made by every rank after the network check: (the network
     resolution or None, the store scope of this attempt)."""
     timeout = datetime.timedelta(seconds=cfg.timeout_s)

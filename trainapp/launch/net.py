@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import socket
+from collections.abc import Mapping, MutableMapping
 from dataclasses import asdict, dataclass, field
 
 from trainapp.config import ConfigError, NetworkSection
@@ -97,7 +98,7 @@ class Resolution:
         return asdict(self)
 
     @classmethod
-    def from_environ(cls, environ=os.environ) -> Resolution | None:
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> Resolution | None:
         """The choice `apply` made earlier in this process, if it made one."""
         raw = environ.get(NETWORK_ENV)
         return cls(**json.loads(raw)) if raw else None
@@ -166,7 +167,7 @@ def resolve(request: str, rendezvous: str | None, ifaces: dict[str, Interface] |
     return chosen("=" + ",".join(names), gloo, f"named; Gloo uses {gloo} ({why})")
 
 
-def apply(section: NetworkSection, rendezvous: str | None, environ=os.environ,
+def apply(section: NetworkSection, rendezvous: str | None, environ: MutableMapping[str, str] = os.environ,
           host: str | None = None) -> Resolution:
     """Resolve, then export the variables (and `network.nccl`) unless the environment already has them;
     the choice itself goes to TRAINAPP_NETWORK for `Resolution.from_environ`. `host`: this node's name
@@ -214,7 +215,7 @@ def check_hosts(reports: list[dict]) -> None:
                                "(network.interface=eth0)")
 
 
-def rendezvous_from_env(environ=os.environ) -> str | None:
+def rendezvous_from_env(environ: Mapping[str, str] = os.environ) -> str | None:
     """The torchrun / env:// rendezvous host (MASTER_ADDR), if any."""
     return environ.get("MASTER_ADDR") or None
 

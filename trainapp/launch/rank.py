@@ -12,7 +12,7 @@ parts, watches the rank and trains. torchrun, Slurm (through torchrun) and a pla
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainapp.config import Config
 from trainapp.core.build import build
@@ -21,6 +21,7 @@ from trainapp.errors import PEER_EXIT, Failure, first_line
 from trainapp.faults.boundary import DrainNotices, StepBoundary
 from trainapp.faults.drills import Drills
 from trainapp.faults.guard import RankGuard
+from trainapp.faults.slow_disk import SlowDisk
 from trainapp.group import DistContext
 from trainapp.launch import dist, malloc
 from trainapp.observe import logs, metrics
@@ -29,6 +30,9 @@ from trainapp.observe.records import Records
 from trainapp.snapshots.lease import RunLease
 from trainapp.snapshots.manager import SnapshotManager
 from trainapp.snapshots.publish import Publish
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
 
 
 class Launcher:
@@ -94,7 +98,7 @@ def run_rank(launcher: Launcher, cfg: Config, task: Any = None) -> dict[str, Any
         launcher.close(ctx)
 
 
-def _side_store(ctx: DistContext):
+def _side_store(ctx: DistContext) -> Store | None:
     try:
         return dist.side_store(ctx)
     except Exception as e:  # the group formed a moment ago: its store's host died since
@@ -118,7 +122,8 @@ def trainer(launcher: Launcher, cfg: Config, ctx: DistContext, guard: RankGuard,
     held = held or RunLease.none()
     publish = launcher.publish(cfg, ctx)
     guard.notices.snapshots = publish.where
-    snapshots = SnapshotManager.from_config(cfg, publish, guard.heartbeat, held.fence)
+    snapshots = SnapshotManager.from_config(cfg, publish, guard.heartbeat, held.fence,
+                                            SlowDisk.drill(cfg.drill.snapshot_write_delay_s))
     drills = Drills(cfg.drill, ctx.rank, ctx.world_size, cfg.run.dir, guard.heartbeat)
     records = Records(cfg, ctx, held.fence.check, held.summary, launcher.live(cfg, ctx))
     parts = build(cfg, ctx, snapshots.load, guard.timeline.mark, task)

@@ -163,7 +163,7 @@ def account(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     for a, nxt, start, nstart in zip(attempts, attempts[1:] + [None], groups, groups[1:] + [None]):
         # The steps this attempt trained after the snapshot the next one resumed from (none: from scratch).
         redone = min(a.last_step - a.start_step, max(0, a.last_step - (nstart[0].get("resumed_step") or 0))) \
-            if nxt else 0
+            if nxt and nstart is not None else 0
         redone_steps += redone
         p = a.parts
         steps_bad = p["data"] + p["stragglers"] + redone * a.step_s
@@ -174,7 +174,7 @@ def account(records: list[dict[str, Any]]) -> dict[str, Any] | None:
         explained = (p["startup"] + p["steps"] + p["snapshot"] + p["eval"] + p.get("detection", 0)
                      + p.get("notice", 0))
         bad["other"] += (a.end - a.launch) - explained
-        if nxt is not None:
+        if nxt is not None and nstart is not None:
             bad["restart" if same_job(start[0], nstart[0])
                 else "between_attempts"] += max(0.0, nxt.launch - a.end)
     wall = attempts[-1].end - attempts[0].launch

@@ -15,7 +15,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from trainapp.group import DistContext
 
 log = logging.getLogger("trainapp.core.loop")
 
@@ -150,7 +153,7 @@ class LiveMetrics:
         self.sink.close()
 
 
-def serve(port: int, run: str, ctx) -> LiveMetrics | None:
+def serve(port: int, run: str, ctx: DistContext) -> LiveMetrics | None:
     """Every rank, together (one all-gather): the node's lowest rank serves its node's ranks on `port`
     (rank 0's node also the run's figures); None on the other ranks, when `port` is 0, or when the port
     is taken (one warning line: training goes on without)."""

@@ -47,6 +47,6 @@ def setup_from_env() -> None:
 
 def kv(**fields: Any) -> str:
     """One `key=value` line: floats rounded for reading, everything greppable."""
-    def fmt(v):
+    def fmt(v: object) -> str:
         return f"{v:.4g}" if isinstance(v, float) else str(v)
     return " ".join(f"{k}={fmt(v)}" for k, v in fields.items())

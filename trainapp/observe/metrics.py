@@ -12,7 +12,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, TextIO
 
 METRICS = "metrics.jsonl"
 
@@ -24,7 +24,7 @@ class MetricsWriter:
 
     def __init__(self, path: Path | None, fence: Callable[[str], None] | None = None):
         self.path, self.fence = path, fence
-        self._f = None
+        self._f: TextIO | None = None
 
     def write(self, kind: str, **fields: Any) -> None:
         if self.fence is not None and self.path is not None:

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
@@ -24,14 +24,77 @@ from trainapp.observe import goodput, logs, tboard, timings
 from trainapp.observe.live import LiveMetrics
 from trainapp.observe.metrics import METRICS, MetricsWriter, read, val_metrics
 
+if TYPE_CHECKING:
+    from trainapp.group import DistContext
+
 log = logging.getLogger("trainapp.core.loop")  # the loop's lines, as the loop names them
+
+
+# What the records read of the layers above (trainapp/core/build.py's Parts, trainapp/snapshots/manager.py's
+# SnapshotManager), which this layer may not import.
+class _Layout(Protocol):
+    def micro_steps(self, rank: int | None = None) -> int: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+class _Progress(Protocol):
+    @property
+    def layout(self) -> _Layout: ...
+    @property
+    def global_step(self) -> int: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def epoch_sample(self) -> int: ...
+    @property
+    def global_batch(self) -> int: ...
+    @property
+    def resumed(self) -> dict[str, Any] | None: ...
+
+
+class _Precision(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def why(self) -> str: ...
+
+
+class _Parts(Protocol):
+    @property
+    def progress(self) -> _Progress: ...
+    @property
+    def precision(self) -> _Precision: ...
+    @property
+    def total_steps(self) -> int: ...
+    @property
+    def peak_lr(self) -> float: ...
+    @property
+    def kernels(self) -> dict[str, Any] | None: ...
+    @property
+    def resumed_from(self) -> str | None: ...
+    @property
+    def config_changes(self) -> dict[str, list[Any]]: ...
+    @property
+    def init(self) -> dict[str, Any] | None: ...
+
+
+class _Snapshots(Protocol):
+    @property
+    def failed(self) -> list[dict[str, Any]]: ...
+    @property
+    def failures(self) -> int: ...
+    @property
+    def async_write(self) -> bool: ...
+    @property
+    def last_blocking_s(self) -> float: ...
 
 
 class Records:
     """Rank 0 writes; the other ranks only log warnings. Made before the parts: a missing TensorBoard
     package is said before anything is built."""
 
-    def __init__(self, cfg: Config, ctx, fence: Callable[[str], None] | None = None,
+    def __init__(self, cfg: Config, ctx: DistContext, fence: Callable[[str], None] | None = None,
                  lease: dict[str, Any] | None = None, live: LiveMetrics | None = None) -> None:
         """`fence`: raises when the run's lease was taken over (before every record); `lease`: what the
         start record says of it; `live`: where this rank's live metrics go (trainapp/observe/live.py)."""
@@ -45,7 +108,8 @@ class Records:
         self.last_ranks: list[dict] | None = None
         self._started_at: float | None = None  # this attempt's start record; None after its first step
 
-    def start(self, parts, placement: dict, restart: int, startup: dict[str, float]) -> None:
+    def start(self, parts: _Parts, placement: dict[str, Any], restart: int | None,
+              startup: dict[str, float]) -> None:
         """Every rank (it gathers each rank's network choice and placement on rank 0)."""
         ctx, p, cfg = self.ctx, parts.progress, self.cfg
         gathered = ctx.gather_objects((ctx.network.to_dict() if ctx.network else None, placement))
@@ -116,7 +180,7 @@ class Records:
             self.board.scalars("eval", result["step"], val_metrics(result))
         log.info(logs.kv(**result))
 
-    def snapshot(self, step: int, snapshots) -> None:
+    def snapshot(self, step: int, snapshots: _Snapshots) -> None:
         """After a snapshot (`snapshots`: the manager): rank 0's failures, taken from its list, then the
         snapshot itself unless it failed (a background write's outcome is known only later)."""
         self.snapshot_failures(snapshots.failed)
@@ -155,6 +219,7 @@ class Records:
             return None
 
     def _account_live(self) -> None:
+        assert self.live is not None  # its callers check
         if self.live.account_due():
             self.live.account(self._account())
 

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 if TYPE_CHECKING:
     import torch
+    from torch.nn.parallel import DistributedDataParallel
 
 log = logging.getLogger(__name__)
 
@@ -69,22 +70,24 @@ class PhaseClock:
             self._event = torch.cuda.Event
         self.totals = dict.fromkeys(TIMED, 0.0)
         self.steps = 0
-        self._pending: list[tuple[str, Any, Any]] = []  # CUDA: (phase, start event, end event)
-        self._forward = None  # when the wrapped model's forward began, after DDP's buffer broadcast
-        self._handoff = None  # when the last gradient bucket went to DDP (set by `hook`)
-        self._wait = None  # when the wait for peers now in progress began (FSDP: `wait_begins`)
+        self._pending: list[tuple[str, Any, Any, float]] = []  # CUDA: (phase, start event, end event, sign)
+        self._forward: Any = None  # when the wrapped model's forward began, after DDP's buffer broadcast
+        self._handoff: Any = None  # when the last gradient bucket went to DDP (set by `hook`)
+        self._wait: Any = None  # when the wait for peers now in progress began (FSDP: `wait_begins`)
         self._depth = 0  # nested waits count once (a unit's backward prefetch inside its own all-gather's)
         self._last = self._now() if enabled else None
         self._cpu = time.process_time()  # the process's CPU seconds (all threads) at the interval's start
 
-    def _now(self):
+    def _now(self) -> Any:
+        # An instant: a CUDA event (read at `collect`, no sync now) on CUDA, perf_counter seconds on the
+        # CPU; which of the two depends on `self.cuda`, so the instants are typed Any.
         if self.cuda:
             event = self._event(enable_timing=True)
             event.record()
             return event
         return time.perf_counter()
 
-    def _add(self, phase: str, start, end, sign: float = 1.0) -> None:
+    def _add(self, phase: str, start: Any, end: Any, sign: float = 1.0) -> None:
         if self.cuda:
             self._pending.append((phase, start, end, sign))
         else:
@@ -164,7 +167,7 @@ class PhaseClock:
     def step_done(self) -> None:
         self.steps += 1
 
-    def attach(self, ddp) -> None:
+    def attach(self, ddp: DistributedDataParallel) -> None:
         """Before `ddp`'s first forward: `hook` as its communication hook, and a forward pre-hook on
         the model it wraps (which DDP calls once its buffers are synchronised)."""
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -173,16 +176,24 @@ class PhaseClock:
         ddp.register_comm_hook(None, self.hook)
         ddp.module.register_forward_pre_hook(self._forward_begins)
 
-    def _forward_begins(self, module, args) -> None:
+    def _forward_begins(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         if self.enabled and module.training:
             self._forward = self._now()
 
-    def hook(self, process_group, bucket):
+    # Typed in comments: DDP's register_comm_hook reads the `bucket` annotation at run time and refuses
+    # anything but the class itself, and this module's annotations are strings (PEP 563).
+    def hook(
+        self,
+        process_group,  # type: torch.distributed.ProcessGroup | None
+        bucket,  # type: torch.distributed.GradBucket
+    ):  # type: (...) -> torch.futures.Future[torch.Tensor]
         """DDP communication hook: PyTorch's default all-reduce (divide by the world size, sum), noting
         when the last bucket is handed over, which is when this rank's backward is done."""
         if bucket.is_last():
             self._handoff = self._now()
-        return self._allreduce(process_group, bucket)
+        # Registered with state None: torch's allreduce_hook takes that for the default group, but
+        # annotates its first parameter as a ProcessGroup.
+        return self._allreduce(process_group, bucket)  # type: ignore[arg-type]
 
     def collect(self) -> list[float]:
         """[steps, seconds of each phase in TIMED, process CPU seconds] since the last call; starts the

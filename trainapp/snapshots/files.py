@@ -8,26 +8,35 @@ named here.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import mmap
 import os
 import shutil
 import threading
-import time
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 import xxhash
 from torch.utils.serialization import config as torch_serialization_config
 
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+
+class _Hash(Protocol):
+    def update(self, data: bytes, /) -> None: ...
+
+    def hexdigest(self) -> str: ...
+
+
 # The checksum of state.pt: xxh3-128 (xxhash), several times cheaper than sha256 (docs/benchmarks.md), and
 # a snapshot's checksum guards against torn and corrupt files, not against forgery. Format-1 snapshots
 # carry a sha256 and still verify.
-CHECKSUMS = MappingProxyType({"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256})
+CHECKSUMS: MappingProxyType[str, Callable[[], _Hash]] = MappingProxyType(
+    {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256})
 
 
 # Failures of the storage, not of trainapp: a snapshot that hits one is dropped (nothing half-written
@@ -107,7 +116,7 @@ class _StateFile:
         self.buf = buffers.take() if direct else None
         self.chunk = Buffers.CHUNK
 
-    def write(self, data) -> int:
+    def write(self, data: Buffer) -> int:
         self.progress()
         view = memoryview(data).cast("B")
         n = len(view)
@@ -166,8 +175,11 @@ def save_state(path: Path, state: dict[str, Any], progress: Callable[[], None] =
         try:
             # torch's zip writer would also CRC32 every record: redundant with our checksum of the whole
             # file (checked on every load) and a fifth of a snapshot's CPU.
-            with torch_serialization_config.patch({"save.compute_crc32": False}):
-                torch.save(state, f)
+            # torch installs `patch` on its config modules at import (install_config_module): not in its
+            # annotations.
+            with torch_serialization_config.patch({"save.compute_crc32": False}):  # type: ignore[attr-defined]
+                # torch.save only writes and flushes the file it is given, but annotates IO[bytes].
+                torch.save(state, f)  # type: ignore[arg-type]
             f.finish()
         except OSError as e:
             f.close()
@@ -257,38 +269,3 @@ def local_bytes(obj: Any) -> int:
         local = obj.to_local() if hasattr(obj, "to_local") else obj
         return local.numel() * local.element_size()
     return 0
-
-
-def slow_disk(total_bytes: int, seconds: float):
-    """Failure drill (`drill.snapshot_write_delay_s` with shards): torch.distributed.checkpoint's file
-    system as a slow disk would be, writing this rank's `total_bytes` over about `seconds` in pieces of a
-    tenth of a second each, so that the files grow the whole time: a slow write, not a hung one."""
-    from torch.distributed.checkpoint.filesystem import FileSystem
-
-    rate = max(total_bytes, 1) / seconds
-    piece = max(4096, int(rate / 10))
-    clock = {"start": time.monotonic(), "written": 0}
-
-    class Stream:
-        def __init__(self, raw) -> None:
-            self.raw = raw
-
-        def __getattr__(self, name: str) -> Any:  # tell, flush, fileno (DCP fsyncs it), close
-            return getattr(self.raw, name)
-
-        def write(self, b) -> int:
-            view = memoryview(b).cast("B")
-            for at in range(0, len(view), piece):
-                self.raw.write(view[at:at + piece])
-                self.raw.flush()  # on disk now, as a slow disk would show it
-                clock["written"] += len(view[at:at + piece])
-                time.sleep(max(0.0, clock["start"] + clock["written"] / rate - time.monotonic()))
-            return len(view)
-
-    class SlowDisk(FileSystem):
-        @contextlib.contextmanager
-        def create_stream(self, path, mode: str):
-            with super().create_stream(path, mode) as raw:
-                yield Stream(raw) if "w" in mode else raw
-
-    return SlowDisk()

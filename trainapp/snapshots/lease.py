@@ -32,10 +32,13 @@ import socket
 import threading
 import time
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from trainapp.errors import ConfigError, Failure
 from trainapp.snapshots.lease_store import ArrowStore, DirStore, store_at
+
+if TYPE_CHECKING:
+    from trainapp.group import DistContext
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +193,8 @@ def parse_record(raw: bytes | None) -> dict[str, Any] | None:
 class Lease:
     """The lease this run holds: `take` it, `start` renewing it, `release` it at the end."""
 
-    def __init__(self, store, run_dir: str, generation: int, record: dict[str, Any], took_over: dict | None):
+    def __init__(self, store: DirStore | ArrowStore, run_dir: str, generation: int, record: dict[str, Any],
+                 took_over: dict[str, Any] | None) -> None:
         self.store, self.run_dir, self.generation, self.record = store, run_dir, generation, record
         self.took_over = took_over
         """The holder this run took the lease over from, and why (None: it was free or this job's)."""
@@ -273,7 +277,7 @@ def _age(record: dict[str, Any]) -> float:
     return time.time() - float(record.get("renewed_at", 0))
 
 
-def current(store) -> tuple[int, dict[str, Any] | None]:
+def current(store: DirStore | ArrowStore) -> tuple[int, dict[str, Any] | None]:
     """(generation, record) of the lease in `store`: (0, None) when there is none yet, the record None
     while it is unreadable (being written where there are no hard links)."""
     gens = sorted(int(m.group(1)) for n in store.names() if (m := _GEN.match(n)))
@@ -306,8 +310,8 @@ class _Taking:
 
     POLL_S = 0.25
 
-    def __init__(self, store, run_dir: str, holder: dict[str, Any], term_s: float, take_over: bool,
-                 sleep) -> None:
+    def __init__(self, store: DirStore | ArrowStore, run_dir: str, holder: dict[str, Any], term_s: float,
+                 take_over: bool, sleep: Callable[[float], None]) -> None:
         (self.store, self.run_dir, self.holder,
          self.term_s, self.take_over) = store, run_dir, holder, term_s, take_over
         self.sleep = sleep
@@ -398,13 +402,14 @@ class RunLease:
             self.lease.release()
 
 
-def take_for_group(ctx, run_dir: str, launcher: str, term_s: float, take_over: bool) -> RunLease:
+def take_for_group(ctx: DistContext, run_dir: str, launcher: str, term_s: float, take_over: bool) -> RunLease:
     """Every rank: rank 0 takes the lease of `run_dir` (and renews it from a thread), the others learn
     its generation, so every rank's writes are fenced; LeaseHeld (or the ConfigError of a directory
     where no lease can be taken) on every rank at once. `term_s` 0: no lease."""
     if term_s <= 0:
         return RunLease.none()
-    lease, said = None, None
+    lease: Lease | None = None
+    said: dict[str, Any] | None = None
     if ctx.is_main:
         try:
             lease = Lease.take(run_dir, launcher, term_s, take_over).start()
@@ -412,6 +417,7 @@ def take_for_group(ctx, run_dir: str, launcher: str, term_s: float, take_over: b
         except ConfigError as e:
             said = {"error": str(e)}
     said = ctx.files.broadcast_object(said)
+    assert said is not None  # rank 0's, which says one or the other
     if "error" in said:
         raise LeaseHeld(said["error"])
     return RunLease(Fence(store_at(run_dir), said["generation"], run_dir), said["summary"], lease)

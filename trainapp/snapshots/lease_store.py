@@ -11,6 +11,10 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pyarrow.fs import FileSystem
 
 FOLDER = "lease"
 """The lease's folder under the run directory."""
@@ -99,7 +103,7 @@ class ArrowStore:
     back, and the contender whose record it finds there won (a later writer overwrote the others):
     two contenders lose this race together only if a write takes longer than `settle_s`."""
 
-    def __init__(self, fs, path: str, where: str, settle_s: float = 1.0) -> None:
+    def __init__(self, fs: FileSystem, path: str, where: str, settle_s: float = 1.0) -> None:
         self.fs, self.path, self.where, self.settle_s = fs, path.rstrip("/"), where, settle_s
 
     def names(self) -> list[str]:

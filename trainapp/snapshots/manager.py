@@ -28,13 +28,14 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, cast
 
 from trainapp.errors import ConfigError, Failure
 from trainapp.snapshots.files import Buffers, cpu_copy, is_storage_error, storage_hint
 from trainapp.snapshots.lease import Fence
 from trainapp.snapshots.publish import Publish
 from trainapp.snapshots.store import (
+    Disk,
     check_seen,
     merged,
     newest_valid,
@@ -45,6 +46,12 @@ from trainapp.snapshots.store import (
     write_dir,
     write_shards,
 )
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from trainapp.config import Config
+    from trainapp.group import DistContext
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +64,16 @@ class StorageError(Failure):
     everywhere = True  # every rank raises it at the same step (the verdict is broadcast): nobody to tell
 
 
+class _Watch(Protocol):
+    """What the manager tells the rank's heartbeat (trainapp/faults/heartbeat.py's, a layer above)."""
+
+    def progress(self) -> None: ...
+
+    def wait_for(self, thread: threading.Thread) -> None: ...
+
+    def writing(self, where: Path) -> contextlib.AbstractContextManager[None]: ...
+
+
 class _Unwatched:
     """The heartbeat of a manager no watchdog watches (benchmarks, tests): progress is not noted."""
 
@@ -66,7 +83,7 @@ class _Unwatched:
     def wait_for(self, thread: threading.Thread) -> None:
         thread.join()
 
-    def writing(self, where: Path) -> contextlib.AbstractContextManager:
+    def writing(self, where: Path) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
 
@@ -87,16 +104,15 @@ class SnapshotManager:
     rank; rank 0 does the file work. `heartbeat` (the rank guard's) hears of every chunk written."""
 
     def __init__(self, publish: Publish, every_steps: int = 50, async_write: bool = False,
-                 max_failures: int = 3, write_delay_s: float = 0.0, heartbeat: Any = None,
+                 max_failures: int = 3, disk: Disk | None = None, heartbeat: _Watch | None = None,
                  fence: Fence | None = None) -> None:
         self.publish, self.root = publish, publish.root
         self.fence = fence or Fence.none()
         """The run's lease: checked before a snapshot is published (trainapp/snapshots/lease.py)."""
         self.every_steps, self.async_write, self.max_failures = every_steps, async_write, max_failures
-        self.write_delay_s = write_delay_s
-        """Failure drill (`drill.snapshot_write_delay_s`): a pause inside every write, before the meta
-        file that completes the snapshot."""
-        self.heartbeat = heartbeat or _Unwatched()
+        self.disk = disk or Disk()
+        """What every write goes through (a failure drill's slow disk: trainapp/faults/slow_disk.py)."""
+        self.heartbeat: _Watch = heartbeat or _Unwatched()
         self.last_blocking_s = 0.0
         """Seconds the last `save` held training (the copy with async writes, the whole write without)."""
         self.failures = 0
@@ -111,15 +127,15 @@ class SnapshotManager:
         self._last: tuple[int, OSError] | None = None
         self._buffers = Buffers()
         self._shards: _ShardsInFlight | None = None
-        self._groups: tuple[Any, Any] | None = None  # Gloo groups of DCP's writer thread and of `poll`
+        # Gloo groups of DCP's writer thread and of `poll`
+        self._groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
 
     @classmethod
-    def from_config(cls, cfg, publish: Publish, heartbeat: Any = None,
-                    fence: Fence | None = None) -> SnapshotManager:
+    def from_config(cls, cfg: Config, publish: Publish, heartbeat: _Watch | None = None,
+                    fence: Fence | None = None, disk: Disk | None = None) -> SnapshotManager:
         """The one place a run's snapshot manager is made from its config (`publish`: the launcher's)."""
         s = cfg.snapshot
-        return cls(publish, s.every_steps, s.async_, s.max_failures, cfg.drill.snapshot_write_delay_s,
-                   heartbeat, fence)
+        return cls(publish, s.every_steps, s.async_, s.max_failures, disk, heartbeat, fence)
 
     def due(self, step: int, last: bool) -> bool:
         return last or (self.every_steps > 0 and step % self.every_steps == 0)
@@ -132,11 +148,11 @@ class SnapshotManager:
     def path_for(self, step: int) -> Path:
         return self.root / step_name(step)
 
-    def load(self, ctx) -> tuple[str, dict[str, Any]] | None:
+    def load(self, ctx: DistContext) -> tuple[str, dict[str, Any]] | None:
         """(where, state) of the newest valid snapshot, the same on every rank; None to start fresh."""
         return self.publish.find(ctx)
 
-    def save(self, ctx, step: int, state: dict[str, Any] | None, meta: dict[str, Any] | None,
+    def save(self, ctx: DistContext, step: int, state: dict[str, Any] | None, meta: dict[str, Any] | None,
              report: dict[str, Any], final: bool = False, urgent: bool = False, announce: bool = True,
              shards: dict[str, Any] | None = None) -> None:
         """Every rank calls this; rank 0 passes the state and writes it; then the publish step announces it
@@ -164,13 +180,14 @@ class SnapshotManager:
         else:
             staged = self._stage(ctx, step, shards) if shards is not None else None
             if ctx.is_main and (shards is None or staged is not None):
+                assert state is not None and meta is not None  # rank 0 passes them
                 self._attempt(step, state, meta, staged)
             self.agree(ctx, final=final)
         if announce:
             self.publish.announce(ctx, report, final or urgent)
         self.last_blocking_s = time.perf_counter() - t0
 
-    def finish(self, ctx, announce: bool = True) -> None:
+    def finish(self, ctx: DistContext, announce: bool = True) -> None:
         """Every rank, at the end of a run or a stop: the write in flight is on disk, or StorageError."""
         if ctx.is_main:
             self.wait()
@@ -179,23 +196,25 @@ class SnapshotManager:
         if announce:
             self.publish.flush(ctx)
 
-    def _staging_dir(self, ctx, step: int) -> Path:
+    def _staging_dir(self, ctx: DistContext, step: int) -> Path:
         """Every rank: rank 0's staging directory of `step`, made empty, which every rank sees."""
         tmp = staging(self.path_for(step))
         if ctx.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        tmp = Path(ctx.files.broadcast_object(str(tmp) if ctx.is_main else None))  # after the mkdir
+        # After the mkdir; rank 0's path on every rank (the others pass None).
+        tmp = Path(cast(str, ctx.files.broadcast_object(str(tmp) if ctx.is_main else None)))
         if self.publish.shared_staging:  # else each rank's shards go from its own disk (`push_shards`)
             check_seen(ctx, tmp, self.publish.setting, self.publish.where)
         return tmp
 
-    def _stage(self, ctx, step: int, shards: dict[str, Any]) -> dict[str, Any] | None:
+    def _stage(self, ctx: DistContext, step: int, shards: dict[str, Any]) -> dict[str, Any] | None:
         """Every rank: its shards written into rank 0's staging directory of `step` (`_collect`)."""
         tmp = self._staging_dir(ctx, step)
-        return self._collect(ctx, step, tmp, lambda: write_shards(tmp, shards, self.write_delay_s))
+        return self._collect(ctx, step, tmp, lambda: write_shards(tmp, shards, self.disk))
 
-    def _collect(self, ctx, step: int, tmp: Path, written: Callable[[], Any]) -> dict[str, Any] | None:
+    def _collect(self, ctx: DistContext, step: int, tmp: Path,
+                 written: Callable[[], Any]) -> dict[str, Any] | None:
         """Every rank: `written()` (its shards' write, or the wait for it) under the heartbeat's watch,
         then its files checksummed and pushed where the snapshot goes; rank 0 gets every rank's listing,
         or None when some rank failed: a storage error counts as a failed snapshot, nothing is left."""
@@ -213,6 +232,7 @@ class SnapshotManager:
             raise error
         if not ctx.is_main:
             return None
+        assert everyone is not None  # rank 0 gathers
         causes = [c for _, c, _ in everyone if c is not None]
         if causes or any(failed for _, _, failed in everyone):
             shutil.rmtree(tmp, ignore_errors=True)
@@ -222,8 +242,8 @@ class SnapshotManager:
             return None
         return merged([o for o, _, _ in everyone])
 
-    def _start_shards(self, ctx, step: int, state: dict[str, Any] | None, meta: dict[str, Any] | None,
-                      shards: dict[str, Any]) -> None:
+    def _start_shards(self, ctx: DistContext, step: int, state: dict[str, Any] | None,
+                      meta: dict[str, Any] | None, shards: dict[str, Any]) -> None:
         """Every rank: its shards of `step` copied to CPU memory, their write started in DCP's thread;
         rank 0 keeps a copy of the rest of the state for `settle`."""
         # Collectives: every rank makes them at the same snapshot.
@@ -231,14 +251,14 @@ class SnapshotManager:
             self._groups = (ctx.new_side_group(), ctx.new_side_group())
         tmp = self._staging_dir(ctx, step)
         copy = self._staging = cpu_copy(state, into=self._staging) if ctx.is_main else None
-        future = start_shards(tmp, shards, self._groups[0] if self._groups else None, self.write_delay_s)
+        future = start_shards(tmp, shards, self._groups[0] if self._groups else None, self.disk)
         self._shards = _ShardsInFlight(step, tmp, future, copy, meta)
 
     @property
     def shards_in_flight(self) -> bool:
         return self._shards is not None
 
-    def poll(self, ctx) -> None:
+    def poll(self, ctx: DistContext) -> None:
         """Every rank, at every step boundary: publish the sharded snapshot in flight once every rank's
         shards are written. While one is in flight this costs one small all-reduce a step, on a Gloo
         group of its own; otherwise nothing."""
@@ -250,11 +270,12 @@ class SnapshotManager:
         if ctx.distributed:
             import torch.distributed as dist
 
+            assert self._groups is not None  # made with the shards in flight, when distributed
             dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=self._groups[1])
         if busy.item() == 0:
             self.settle(ctx)
 
-    def settle(self, ctx) -> None:
+    def settle(self, ctx: DistContext) -> None:
         """Every rank: the sharded snapshot in flight, if any, written (`_collect`: waiting for this rank's
         shards); rank 0 then publishes it with every rank's listing."""
         w, self._shards = self._shards, None
@@ -262,6 +283,7 @@ class SnapshotManager:
             return
         listing = self._collect(ctx, w.step, w.tmp, w.future.result)
         if listing is not None:
+            assert w.state is not None and w.meta is not None  # rank 0's, as the listing is
             self._attempt(w.step, w.state, w.meta, listing)
 
     def _attempt(self, step: int, state: dict[str, Any], meta: dict[str, Any],
@@ -291,12 +313,13 @@ class SnapshotManager:
             e = OSError(e.errno, e.strerror, str(self.path_for(step)))
         self.failures += 1
         self._last = (step, e)
+        assert e.errno is not None  # a storage error: one of STORAGE_ERRNOS
         self.failed.append({"step": step, "errno": errno.errorcode.get(e.errno, str(e.errno)),
                             "error": str(e), "path": e.filename, "in_a_row": self.failures})
         log.warning("snapshot step=%d failed: %s; nothing half-written is left; training goes on (%d of "
                     "snapshot.max_failures=%d in a row)", step, e, self.failures, self.max_failures)
 
-    def agree(self, ctx, final: bool) -> None:
+    def agree(self, ctx: DistContext, final: bool) -> None:
         """Every rank: rank 0's verdict on the snapshots so far; StorageError everywhere when fatal."""
         fatal = None
         if ctx.is_main and self._last is not None and (final or self.failures >= self.max_failures):
@@ -306,7 +329,9 @@ class SnapshotManager:
             raise StorageError(fatal)
 
     def _fatal_message(self, final: bool) -> str:
+        assert self._last is not None  # `agree` asks only after a failure
         step, e = self._last
+        newest: tuple[Path | str, dict[str, Any]] | None
         try:
             newest = newest_valid(self.root)
         except ConfigError:  # none is valid: nothing to name
@@ -348,8 +373,7 @@ class SnapshotManager:
         commit it where it goes."""
         t0 = time.perf_counter()
         meta = {**meta, "lease_generation": self.fence.generation}
-        delay_s = 0.0 if shards else self.write_delay_s  # with shards the drill slows their write (_stage)
-        path = write_dir(self.path_for(step), state, meta, delay_s, self.heartbeat.progress, self._buffers,
+        path = write_dir(self.path_for(step), state, meta, self.disk, self.heartbeat.progress, self._buffers,
                          before_publish=lambda: self.fence.check("snapshot"), shards=shards)
         self.fence.check("snapshot")  # a URI's upload publishes: after the local write, before that
         where = self.publish.commit(step, path)

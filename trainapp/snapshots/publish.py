@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainapp.errors import ConfigError
 from trainapp.snapshots.store import find_shared, list_snapshots, newest_valid, sweep_leftovers
+
+if TYPE_CHECKING:
+    from trainapp.group import DistContext
 
 
 class Publish:
@@ -37,11 +40,11 @@ class Publish:
         """Rank 0, after ENOSPC: delete older snapshots (never the newest valid one); how many went."""
         raise NotImplementedError
 
-    def find(self, ctx) -> tuple[str, dict[str, Any]] | None:
+    def find(self, ctx: DistContext) -> tuple[str, dict[str, Any]] | None:
         """(where, state) of the newest valid snapshot, the same on every rank; None to start fresh."""
         raise NotImplementedError
 
-    def push_shards(self, ctx, step: int, tmp: Path, own: list[str]) -> None:
+    def push_shards(self, ctx: DistContext, step: int, tmp: Path, own: list[str]) -> None:
         """Every rank, its shards of `step` written into `tmp` (`own`: the files it wrote, relative to
         `tmp`): take them where the snapshot goes, if `commit` will not (an OSError: a failed snapshot).
         Default: they are in the staging directory every rank sees, published by the rename."""
@@ -55,12 +58,12 @@ class Publish:
         where the snapshots' directory is, so it is there already."""
         return local
 
-    def announce(self, ctx, report: dict[str, Any], urgent: bool) -> None:
+    def announce(self, ctx: DistContext, report: dict[str, Any], urgent: bool) -> None:
         """Every rank, after each snapshot is written (or its background write started): make it known
         where the launcher needs it; `urgent` (the same on every rank): at once. Default: the rename
         published it; the other ranks waited for rank 0's verdict in the manager."""
 
-    def flush(self, ctx) -> None:
+    def flush(self, ctx: DistContext) -> None:
         """Every rank, once the last write is on storage (the end of a run, a stop): make it count too."""
 
 
@@ -93,5 +96,5 @@ class LocalPublish(Publish):
         sweep_leftovers(self.root)
         return len(older)
 
-    def find(self, ctx) -> tuple[str, dict[str, Any]] | None:
+    def find(self, ctx: DistContext) -> tuple[str, dict[str, Any]] | None:
         return find_shared(ctx, self.root)

@@ -29,7 +29,7 @@ import shutil
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence, overload
 
 import torch
 
@@ -40,11 +40,14 @@ from trainapp.snapshots.files import (
     file_digest,
     fsync_dir,
     replace_dir,
-    local_bytes,
     save_state,
-    slow_disk,
     write_bytes,
 )
+
+if TYPE_CHECKING:
+    import torch.distributed.checkpoint as dcp
+
+    from trainapp.group import DistContext
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +87,9 @@ def tensors_sha256(state: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for key in sorted(state):
         t = state[key].detach().to("cpu").contiguous().reshape(-1)
-        h.update(t.view(torch.uint8).numpy())  # the buffer itself: no copy of a large tensor
+        # The buffer itself: no copy of a large tensor. (numpy's stubs declare ndarray's buffer protocol
+        # for Python 3.12 and later only.)
+        h.update(t.view(torch.uint8).numpy())  # type: ignore[arg-type]
     return h.hexdigest()
 
 
@@ -98,7 +103,7 @@ def staging(final: Path) -> Path:
     return final.parent / f".tmp-{final.name}-{os.getpid()}"
 
 
-def check_seen(ctx, tmp: Path, setting: str, where: str) -> None:
+def check_seen(ctx: DistContext, tmp: Path, setting: str, where: str) -> None:
     """Every rank, before its shards go into rank 0's staging directory `tmp`: ConfigError on every rank
     when some rank does not see it (storage local to each node). torch.distributed.checkpoint would
     create the directory on that rank's own disk and write its shard there, and rank 0 would publish a
@@ -117,39 +122,48 @@ def check_seen(ctx, tmp: Path, setting: str, where: str) -> None:
                           f"shared filesystem (NFS, a shared volume)")
 
 
-def write_shards(tmp: Path, shards: dict[str, Any], delay_s: float = 0.0) -> None:
+class Disk:
+    """What a snapshot's write goes through on its way to storage: the seam a failure drill wraps
+    (trainapp/faults/slow_disk.py). This one adds nothing to the write."""
+
+    def before_meta(self, progress: Callable[[], None]) -> None:
+        """Rank 0, a snapshot without shards: between its state file and the meta file that completes
+        it (`progress`: the hang watchdog's beat)."""
+
+    def shard_writer(self, writer: dcp.FileSystemWriter, shards: dict[str, Any]) -> dcp.FileSystemWriter:
+        """Every rank: DCP's `writer` of this rank's `shards`, as this disk writes them."""
+        return writer
+
+
+def write_shards(tmp: Path, shards: dict[str, Any], disk: Disk = Disk()) -> None:
     """Every rank: write this rank's shards into `tmp/shards` (torch.distributed.checkpoint, a
-    collective; every file fsynced); `own_shards` then lists them. `delay_s`: a drill's slow disk, the
-    shards written over that long."""
+    collective; every file fsynced); `own_shards` then lists them."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(shards, storage_writer=_shard_writer(tmp, shards, delay_s))
+    dcp.save(shards, storage_writer=_shard_writer(tmp, shards, disk))
 
 
-def _shard_writer(tmp: Path, shards: dict[str, Any], delay_s: float) -> Any:
-    """DCP's writer into `tmp/shards`, every file fsynced; with `delay_s`, the drill's slow disk."""
+def _shard_writer(tmp: Path, shards: dict[str, Any], disk: Disk) -> dcp.FileSystemWriter:
+    """DCP's writer into `tmp/shards`, every file fsynced, through `disk`."""
     import torch.distributed.checkpoint as dcp
 
-    writer = dcp.FileSystemWriter(str(tmp / SHARDS), sync_files=True)
-    if delay_s > 0:
-        writer.fs = slow_disk(local_bytes(shards), delay_s)
-    return writer
+    return disk.shard_writer(dcp.FileSystemWriter(str(tmp / SHARDS), sync_files=True), shards)
 
 
-def start_shards(tmp: Path, shards: dict[str, Any], group: Any, delay_s: float = 0.0) -> Any:
+def start_shards(tmp: Path, shards: dict[str, Any], group: Any, disk: Disk = Disk()) -> Any:
     """Every rank: `write_shards`' write, asynchronous (DCP's `async_save`): the shards are copied to CPU
     memory now, written by a thread of DCP's that talks to the other ranks over `group` (a group of its
     own, so its collectives never interleave with training's). A future; `own_shards` once it is done."""
     import torch.distributed.checkpoint as dcp
 
-    started = dcp.async_save(shards, storage_writer=_shard_writer(tmp, shards, delay_s), process_group=group)
+    started = dcp.async_save(shards, storage_writer=_shard_writer(tmp, shards, disk), process_group=group)
     return getattr(started, "upload_completion", started)  # a future, or a response holding it
 
 
-def own_shards(ctx, tmp: Path) -> dict[str, dict[str, Any]]:
+def own_shards(ctx: DistContext, tmp: Path) -> dict[str, dict[str, Any]]:
     """Every rank, its shards written: {file: {"xxh3_128", "bytes"}} of the files this rank wrote (rank 0
     also the metadata), each fsynced first."""
-    own = {}
+    own: dict[str, dict[str, Any]] = {}
     for path in sorted((tmp / SHARDS).iterdir()):
         if path.name.startswith(f"__{ctx.rank}_") or (ctx.is_main and not path.name.startswith("__")):
             with open(path, "rb") as f:
@@ -163,15 +177,14 @@ def merged(everyone: list[dict[str, Any]] | None) -> dict[str, Any] | None:
     return {k: v for part in everyone for k, v in part.items()} if everyone is not None else None
 
 
-def write_dir(final: Path, state: dict[str, Any], meta: dict[str, Any], delay_s: float = 0.0,
+def write_dir(final: Path, state: dict[str, Any], meta: dict[str, Any], disk: Disk = Disk(),
               progress: Callable[[], None] = lambda: None, buffers: Buffers | None = None,
               before_publish: Callable[[], None] = lambda: None,
               shards: dict[str, Any] | None = None) -> Path:
-    """Write `state` and `meta` as the snapshot directory `final`, atomically (`delay_s`: a drill's
-    pause between the state file and the meta file that completes it; `progress`: called as the
-    write goes, for the hang watchdog; `before_publish`: the last word before the rename, which may
-    raise to publish nothing: the lease's fence; `shards`: the shard files already in the staging
-    directory, `write_shards`' listing)."""
+    """Write `state` and `meta` as the snapshot directory `final`, atomically (`disk`: what the write
+    goes through, a drill's slow disk; `progress`: called as the write goes, for the hang watchdog;
+    `before_publish`: the last word before the rename, which may raise to publish nothing: the lease's
+    fence; `shards`: the shard files already in the staging directory, `write_shards`' listing)."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = staging(final)
     if shards is None:
@@ -179,10 +192,8 @@ def write_dir(final: Path, state: dict[str, Any], meta: dict[str, Any], delay_s:
         tmp.mkdir()
     try:
         digest, size = save_state(tmp / STATE, state, progress, buffers)
-        end = time.monotonic() + delay_s
-        while time.monotonic() < end:  # a slow write, not a hung one: it beats as a real one does
-            time.sleep(max(0.0, min(0.5, end - time.monotonic())))
-            progress()
+        if shards is None:  # with shards, `disk` wrote them (`shard_writer`)
+            disk.before_meta(progress)
         meta = {**meta, "format": FORMAT, "xxh3_128": digest, "bytes": size,
                 **({SHARDS: shards} if shards else {})}
         write_bytes(tmp / META, lambda f: f.write(json.dumps(meta, indent=2).encode()))
@@ -265,7 +276,24 @@ def list_snapshots(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name))
 
 
-def newest_valid(root: Path | str, snaps: list | None = None, local=contextlib.nullcontext):
+@overload
+def newest_valid(root: Path | str, snaps: None = None,
+                 local: Callable[[Any], ContextManager[Path | str]] = ...,
+                 ) -> tuple[Path, dict[str, Any]] | None:
+    ...
+
+
+@overload
+def newest_valid(root: Path | str, snaps: Sequence[Path | str],
+                 local: Callable[[Any], ContextManager[Path | str]] = ...,
+                 ) -> tuple[Path | str, dict[str, Any]] | None:
+    ...
+
+
+def newest_valid(root: Path | str, snaps: Sequence[Path | str] | None = None,
+                 # `local` takes an element of `snaps` (a Ray store's takes URI strings only): Any.
+                 local: Callable[[Any], ContextManager[Path | str]] = contextlib.nullcontext,
+                 ) -> tuple[Path | str, dict[str, Any]] | None:
     """(snapshot, meta) of the newest of `snaps` (oldest first; default: those under `root`) that
     verifies, warning about each newer one that does not; `local(snap)`: a context that gives it as a
     local directory (a download, for a URI). Raises ConfigError when snapshots exist but none is
@@ -302,7 +330,8 @@ def resolve(path: str | Path) -> Path:
     raise ConfigError(f"{p}: holds no snapshot (expected {STATE} + {META}, a snapshots/ dir or step_* dirs)")
 
 
-def find_shared(ctx, root: Path | str, snaps: list | None = None, local=contextlib.nullcontext,
+def find_shared(ctx: DistContext, root: Path | str, snaps: Sequence[Path | str] | None = None,
+                local: Callable[[Any], ContextManager[Path | str]] = contextlib.nullcontext,
                 keep: Callable[[Path], None] | None = None) -> tuple[str, dict[str, Any]] | None:
     """(path, state) of the newest valid snapshot under `root` (`snaps`, `local`: as `newest_valid`; on
     rank 0), on storage every rank sees: rank 0 chooses, every rank loads that one. None to start fresh.

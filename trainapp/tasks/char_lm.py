@@ -11,12 +11,16 @@ from __future__ import annotations
 import math
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from trainapp.config import ConfigError
+
+if TYPE_CHECKING:
+    from trainapp.tasks.api import TaskContext
 
 
 def read_text(path: str | None) -> str:
@@ -101,7 +105,7 @@ class CharLM:
         self.shape = (n_layer, n_head, n_embd, dropout)
         self.vocab: list[str] = []
 
-    def datasets(self, ctx):
+    def datasets(self, ctx: TaskContext) -> tuple[Windows, Windows]:
         text = read_text(self.text)
         self.vocab = sorted(set(text))
         index = {ch: i for i, ch in enumerate(self.vocab)}
@@ -114,14 +118,14 @@ class CharLM:
                               f"val_fraction")
         return train, val
 
-    def model(self, ctx) -> nn.Module:
+    def model(self, ctx: TaskContext) -> nn.Module:
         return CharTransformer(len(self.vocab), self.block, *self.shape)
 
-    def loss(self, model: nn.Module, batch) -> torch.Tensor:
+    def loss(self, model: nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
         x, y = batch
         return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
-    def evaluate(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
+    def evaluate(self, model: nn.Module, batch: Sequence[torch.Tensor]) -> dict[str, torch.Tensor | int]:
         x, y = batch
         nll = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten(), reduction="sum")
         return {"loss": nll, "bpc": nll / math.log(2), "count": y.numel()}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from trainapp.config import Config, ConfigError, DataSection, ModelSection
+
+if TYPE_CHECKING:
+    from trainapp.tasks.api import TaskContext
 
 log = logging.getLogger(__name__)
 
@@ -50,25 +53,36 @@ class SyntheticImages(Dataset):
     def __len__(self) -> int:
         return len(self.targets)
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.images[i], self.targets[i]
+
+
+class _Labelled(Protocol):
+    """A torchvision dataset of (image, target) items: CIFAR10's or ImageFolder's."""
+
+    classes: list[str]
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> tuple[Any, int]: ...
+
 
 class _Transformed(Dataset):
     """`base`'s (image, target) items with `transform` applied to the image."""
 
-    def __init__(self, base: Dataset, transform: Callable):
+    def __init__(self, base: _Labelled, transform: Callable[[Any], torch.Tensor]):
         self.base, self.transform = base, transform
         self.classes = base.classes
 
     def __len__(self) -> int:
         return len(self.base)
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         img, target = self.base[i]
         return self.transform(img), target
 
 
-def _transforms(image_size: int, train: bool, augment: bool, resize: bool):
+def _transforms(image_size: int, train: bool, augment: bool, resize: bool) -> Callable[[Any], torch.Tensor]:
     from torchvision.transforms import v2
 
     steps = [v2.ToImage()]
@@ -80,7 +94,7 @@ def _transforms(image_size: int, train: bool, augment: bool, resize: bool):
     return v2.Compose(steps)
 
 
-def _cifar10_class():
+def _cifar10_class() -> Callable[..., _Labelled]:
     from torchvision.datasets import CIFAR10
 
     class CIFAR10Files(CIFAR10):
@@ -97,7 +111,7 @@ def _cifar10_class():
     return CIFAR10Files
 
 
-def _cifar10(cfg: DataSection, is_main: bool, wait: Callable[[], None]):
+def _cifar10(cfg: DataSection, is_main: bool, wait: Callable[[], None]) -> tuple[_Labelled, _Labelled, bool]:
     root = Path(cfg.root)
     cls = _cifar10_class()
     if cfg.download:
@@ -123,11 +137,11 @@ def _cifar10(cfg: DataSection, is_main: bool, wait: Callable[[], None]):
     return train, val, cfg.image_size != 32
 
 
-def _imagefolder(cfg: DataSection):
+def _imagefolder(cfg: DataSection) -> tuple[_Labelled, _Labelled, bool]:
     from torchvision.datasets import ImageFolder
 
     root = Path(cfg.root)
-    parts = {}
+    parts: dict[str, _Labelled] = {}
     for split in ("train", "val"):
         d = root / split
         if not d.is_dir():
@@ -147,9 +161,9 @@ def build_datasets(cfg: DataSection, seed: int, is_main: bool = True,
                    wait: Callable[[], None] = lambda: None) -> tuple[Dataset, Dataset, int]:
     """(train, val, num_classes) for `data.name`; bad paths raise ConfigError naming them."""
     if cfg.name == "synthetic":
-        train = SyntheticImages(cfg.train_size, cfg.synthetic_classes, cfg.image_size, seed, "train")
-        val = SyntheticImages(cfg.val_size, cfg.synthetic_classes, cfg.image_size, seed, "val")
-        return train, val, cfg.synthetic_classes
+        train_set = SyntheticImages(cfg.train_size, cfg.synthetic_classes, cfg.image_size, seed, "train")
+        val_set = SyntheticImages(cfg.val_size, cfg.synthetic_classes, cfg.image_size, seed, "val")
+        return train_set, val_set, cfg.synthetic_classes
     if cfg.name == "cifar10":
         train, val, resize = _cifar10(cfg, is_main, wait)
     else:
@@ -207,7 +221,7 @@ class ImageClassification:
         # The synthetic images are fixed tensors: nothing random in reading one, no per-item seeding.
         self.random_items = self.data.name != "synthetic"
 
-    def datasets(self, ctx):
+    def datasets(self, ctx: TaskContext) -> tuple[Dataset, Dataset]:
         train, val, num_classes = build_datasets(self.data, ctx.seed, ctx.is_main, ctx.barrier)
         if self.arch.num_classes is not None and self.arch.num_classes != num_classes:
             raise ConfigError(f"model.num_classes={self.arch.num_classes}: the dataset has {num_classes} "
@@ -215,7 +229,8 @@ class ImageClassification:
         self.num_classes = num_classes
         return train, val
 
-    def model(self, ctx) -> nn.Module:
+    def model(self, ctx: TaskContext) -> nn.Module:
+        assert self.num_classes is not None, "datasets(ctx), which counts the classes, is called first"
         model = build_model(self.arch.name, self.num_classes)
         if self.arch.channels_last:
             model = model.to(memory_format=torch.channels_last)
@@ -229,11 +244,11 @@ class ImageClassification:
     def _images(self, x: torch.Tensor) -> torch.Tensor:
         return x.contiguous(memory_format=torch.channels_last) if self.arch.channels_last else x
 
-    def loss(self, model: nn.Module, batch) -> torch.Tensor:
+    def loss(self, model: nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
         x, y = batch
         return F.cross_entropy(model(self._images(x)), y)
 
-    def evaluate(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
+    def evaluate(self, model: nn.Module, batch: Sequence[torch.Tensor]) -> dict[str, torch.Tensor | int]:
         x, y = batch
         out = model(self._images(x))
         return {"acc": (out.argmax(1) == y).sum(), "loss": F.cross_entropy(out.float(), y, reduction="sum"),

@@ -48,7 +48,7 @@ def find(path: str) -> Callable:
     return target
 
 
-def make(factory: Callable, name: str, args: dict[str, Any], *leading) -> Any:
+def make(factory: Callable, name: str, args: dict[str, Any], *leading: Config) -> Any:
     """`factory(*leading, **args)`; arguments it does not take, or a TypeError/ValueError it raises about
     them, become one line naming `task.args`."""
     try:

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from trainapp.config import ConfigError, from_dict
-from trainapp.core.task import BoundTask, bind
+from trainapp.config import Config, ConfigError, from_dict
+from trainapp.core.task import BoundTask, MapStyle, bind
 from trainapp.errors import Failure
 from trainapp.group import DistContext
 from trainapp.snapshots.store import tensors_sha256
@@ -76,7 +76,7 @@ def load_model(path: str | Path, task: Any = None) -> torch.nn.Module:
     return _model(bound, source, "path")
 
 
-def _batch(bound: BoundTask, val, size: int) -> Any:
+def _batch(bound: BoundTask, val: MapStyle, size: int) -> Any:
     return bound.to_device(bound.collate([val[i] for i in range(min(size, len(val)))]))
 
 
@@ -138,7 +138,7 @@ def export(path: str | Path, out: str | Path, step: int | None = None, ema: bool
     return where
 
 
-def _write(bound: BoundTask, source: Source, artifact: ArtifactDir, cfg, dtype: str,
+def _write(bound: BoundTask, source: Source, artifact: ArtifactDir, cfg: Config, dtype: str,
            check: bool) -> dict[str, Any]:
     """The file (then the task's format) into `artifact`, checked; the record."""
     _, val = bound.datasets()
@@ -175,9 +175,11 @@ def _run_dir(source: Source) -> str | None:
     return str(parent.parent if parent.name == "snapshots" else parent)
 
 
-def _check(bound: BoundTask, artifact: ArtifactDir, digest: str, batch, ref, dtype: str) -> dict[str, Any]:
+def _check(bound: BoundTask, artifact: ArtifactDir, digest: str, batch: Any,
+           ref: tuple[list[torch.Tensor], dict[str, float]] | None, dtype: str) -> dict[str, Any]:
     """The file read back, then a fresh model loaded from it (strict: every name and shape, as safetensors'
     `load_model` checks them, streamed a batch of tensors at a time) against the snapshot's outputs."""
+    assert ref is not None  # `_write` takes the snapshot's outputs when it checks
     if file_digest(artifact.file) != digest:
         raise CheckFailed(f"{artifact.file}: reads back other tensors than were written")
     try:

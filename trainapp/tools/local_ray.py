@@ -37,6 +37,7 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import AbstractSet
 
 from trainapp.launch.ray.stop import STOP_WAIT_S
 
@@ -91,7 +92,7 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
-def free_ports(n: int, taken: set[int] = frozenset()) -> list[int]:
+def free_ports(n: int, taken: AbstractSet[int] = frozenset()) -> list[int]:
     """`n` distinct free ports, none of `taken`: all bound at once, since a port just released can be
     handed out again (Ray refuses a node whose components were given the same port)."""
     with contextlib.ExitStack() as stack:
@@ -313,7 +314,8 @@ class LocalCluster:
 
     def wait_for_jobs(self, timeout: float) -> None:
         """Until a no-op job runs: the head's job agent registers some seconds after the node."""
-        deadline, last = time.monotonic() + timeout, ""
+        deadline = time.monotonic() + timeout
+        last: str | list[str] = ""
         while time.monotonic() < deadline:
             r = subprocess.run([RAY, "job", "submit", "--address", self.dashboard_url,
                                 "--entrypoint-num-cpus=0", "--", "true"],

@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Sequence
 
 from trainapp.config import ConfigError, changes
 from trainapp.observe import goodput, metrics
 from trainapp.snapshots.lease import describe
 from trainapp.tools import timeline_plot
+
+if TYPE_CHECKING:  # matplotlib is an optional extra, imported by `_pyplot`
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 
 def read(run_dir: Path) -> list[dict[str, Any]]:
@@ -76,7 +81,8 @@ def failures(records: list[dict]) -> list[str]:
         nxt = starts[k + 1] if k + 1 < len(starts) else len(records)
         ended = {r.get("kind") for r in records[i:nxt]} & {"end", "preempted"}
         # Ray Train's controller's view, for the ranks that said nothing themselves (a SIGKILL).
-        seen = next((r.get("errors", {}) for r in records[i:nxt] if r.get("kind") == "group_failure"), {})
+        seen: dict[str, str] = next((r.get("errors", {}) for r in records[i:nxt]
+                                     if r.get("kind") == "group_failure"), {})
         silent = "; ".join(f"rank {rank}: {error}" for rank, error in seen.items()
                            if int(rank) not in {f.get("rank") for f in mine})
         if silent and all(f.get("cause") == "peer" for f in mine):  # the silent rank went first
@@ -125,7 +131,7 @@ def _rank_lines(records: list[dict]) -> list[str]:
     slow_rank, slow = max(ranks.items(), key=lambda kv: kv[1]["busy_ms"])
     fast_rank, fast = min(ranks.items(), key=lambda kv: kv[1]["busy_ms"])
     busy = {p: slow["phase_ms"][p] for p in BUSY}
-    phase = max(busy, key=busy.get)
+    phase = max(busy, key=busy.__getitem__)
     lines = [f"ranks          {len(ranks)}; median step {slow['step_ms']:.1f} ms; slowest rank {slow_rank} "
              f"on {slow['host']}: {slow['busy_ms']:.1f} ms of its own work per step, most of it {phase} "
              f"({busy[phase]:.1f} ms)"
@@ -185,7 +191,8 @@ def summarize(run_dir: Path, records: list[dict]) -> str:
     acc = goodput.account(records)
     if acc is not None:
         lines.append(f"wall time      {acc['wall_s']:.1f} s from the first launch to the last record")
-    sizes = sorted({s.get("world_size") for s in starts})
+    # trainapp's start records all name their world size; with none named, None alone sorts.
+    sizes = sorted({s.get("world_size") for s in starts})  # type: ignore[type-var]
     lines.append(f"world size     {', '.join(map(str, sizes))}; amp {first.get('amp')}; "
                  f"backend {first.get('backend')}")
     rs = restarts(records)
@@ -252,7 +259,7 @@ def _rank_segments(records: list[dict]) -> dict[int, list[tuple[list[int], list[
     return {rank: [s for s in segs if s[0]] for rank, segs in out.items()}
 
 
-def _plot_rank_work(ax, records: list[dict], rs: list[dict]) -> None:
+def _plot_rank_work(ax: Axes, records: list[dict], rs: list[dict]) -> None:
     """Each rank's own work per step over steps, restarts and named stragglers marked."""
     per_rank = _rank_segments(records)
     for rank, segs in sorted(per_rank.items()):
@@ -268,7 +275,7 @@ def _plot_rank_work(ax, records: list[dict], rs: list[dict]) -> None:
     ax.grid(alpha=0.3)
 
 
-def _plot_phases(ax, records: list[dict]) -> None:
+def _plot_phases(ax: Axes, records: list[dict]) -> None:
     """Each rank's median step split into phases: one stacked bar per rank."""
     from trainapp.observe.timings import PHASES
 
@@ -285,7 +292,7 @@ def _plot_phases(ax, records: list[dict]) -> None:
     ax.grid(alpha=0.3, axis="x")
 
 
-def _draw_runs(ax, records: list[dict], compare: dict[str, list[dict]], kind: str, key: str) -> None:
+def _draw_runs(ax: Axes, records: list[dict], compare: dict[str, list[dict]], kind: str, key: str) -> None:
     """The run's `key` of its `kind` records, and each compared run's dashed over it."""
     segs = _segments(records, kind, key)
     for i, (xs, ys) in enumerate(segs):
@@ -307,8 +314,8 @@ def _step_panels(records: list[dict], compare: dict[str, list[dict]]) -> list[tu
     return [p for p in panels if any(_segments(rs, p[1], p[2]) for rs in (records, *compare.values()))]
 
 
-def _plot_steps(ax, records: list[dict], compare: dict[str, list[dict]], panel: tuple[str, str, str, bool],
-                marks: tuple[list[dict], list[dict]]) -> None:
+def _plot_steps(ax: Axes, records: list[dict], compare: dict[str, list[dict]],
+                panel: tuple[str, str, str, bool], marks: tuple[list[dict], list[dict]]) -> None:
     """One panel over steps: the runs' curves, restarts where they resumed, failures where they happened."""
     name, kind, key, log_scale = panel
     _draw_runs(ax, records, compare, kind, key)
@@ -325,7 +332,7 @@ def _plot_steps(ax, records: list[dict], compare: dict[str, list[dict]], panel: 
     ax.grid(alpha=0.3)
 
 
-def _pyplot():
+def _pyplot() -> ModuleType:
     try:
         import matplotlib
 
@@ -337,7 +344,7 @@ def _pyplot():
     return plt
 
 
-def figure(records: list[dict], title: str, compare: dict[str, list[dict]] | None = None):
+def figure(records: list[dict], title: str, compare: dict[str, list[dict]] | None = None) -> Figure:
     """The report's matplotlib Figure: the wall-clock timeline, then the panels with data: those over
     steps (each run of `compare`, name: its records, drawn over them) and each rank's step in phases."""
     plt = _pyplot()
@@ -378,7 +385,7 @@ def plot(records: list[dict], out: Path, title: str, compare: dict[str, list[dic
     return out
 
 
-def run(run_dir: str, out: str | None = None, compare: list[str] = ()) -> tuple[Path, str]:
+def run(run_dir: str, out: str | None = None, compare: Sequence[str] = ()) -> tuple[Path, str]:
     """`run_dir`'s report.png and report.txt; the runs of `compare` drawn over its step panels (another
     run of the same config: a resized one against a straight one, another policy)."""
     root = Path(run_dir)

@@ -12,9 +12,13 @@ the attempt's own records. Drawn by trainapp/tools/report.py, which owns matplot
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainapp.observe import goodput
+
+if TYPE_CHECKING:  # matplotlib is imported by report.py, an optional extra
+    from matplotlib.axes import Axes
+    from matplotlib.container import BarContainer
 
 LABEL = "timeline"
 """The timeline Axes' label (`Axes.get_label()`): how a test or a tool finds the panel in the figure."""
@@ -63,9 +67,10 @@ def spans(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per attempt, in unix seconds: its span (from the account), and the stretches and moments the
     timeline marks on it."""
     acc = goodput.account(records)
+    assert acc is not None  # a report is made of a run with a `start` record only (report.read)
     groups = goodput.split(records)  # the attempts' records as the account cut them
     out = []
-    for a, prev, recs, nxt in zip(acc["attempts"], [None] + groups, groups, groups[1:] + [None]):
+    for a, prev, recs, nxt in zip(acc["attempts"], [None, *groups], groups, [*groups[1:], None]):
         steps, times, per = _clock(recs, a["start_step"])
         first = times[0] if steps else a["end"]
         # The account's own test of a restart (the same job again) versus a new launch, so that the picture
@@ -105,12 +110,13 @@ class _Legend:
         return label
 
 
-def _stretch(ax, row: int, t: tuple[float, float], t0: float, colour: str, label: str | None, **kw) -> None:
+def _stretch(ax: Axes, row: int, t: tuple[float, float], t0: float, colour: str, label: str | None,
+             **kw: Any) -> None:
     if t[1] > t[0]:
         ax.broken_barh([(t[0] - t0, t[1] - t[0])], (row - 0.3, 0.6), facecolors=colour, label=label, **kw)
 
 
-def _marks(ax, row: int, s: dict[str, Any], t0: float, name: _Legend) -> None:
+def _marks(ax: Axes, row: int, s: dict[str, Any], t0: float, name: _Legend) -> None:
     """One attempt's stretches and moments, over its bar."""
     _stretch(ax, row, s["startup"], t0, COLOURS["startup"], name("start-up"))
     if s["redone"]:
@@ -135,7 +141,7 @@ def _marks(ax, row: int, s: dict[str, Any], t0: float, name: _Legend) -> None:
                     fontsize="x-small", color=COLOURS["notice"])
 
 
-def draw(ax, records: list[dict[str, Any]]):
+def draw(ax: Axes, records: list[dict[str, Any]]) -> BarContainer:
     """The timeline on `ax`, labelled LABEL; returns the attempts' bars (a BarContainer, one per attempt)."""
     ss = spans(records)
     t0 = ss[0]["launch"]

@@ -75,7 +75,8 @@ def header(entries: list[Entry], metadata: dict[str, str]) -> bytes:
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of `t` on the CPU, contiguous (little-endian, as every machine trainapp runs on)."""
     flat = t.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    # numpy's stubs declare ndarray's buffer protocol for Python 3.12 and later only.
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 class Writer:

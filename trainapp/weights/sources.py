@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 import torch
 
@@ -141,7 +141,8 @@ def _find_snapshot(p: Path, step: int | None, setting: str) -> Path:
     for snap in snaps:
         if store.step_of(snap.name) == step:
             return snap
-    have = sorted({store.step_of(s.name) for s in snaps})
+    # list_snapshots lists step_* directories only: each has a step.
+    have = sorted(cast(set[int], {store.step_of(s.name) for s in snaps}))
     raise ConfigError(f"--step {step}: {p} has no snapshot of that step (it has {have or 'none'}); "
                       "pick one of those or leave --step out for the newest")
 
@@ -183,7 +184,9 @@ def _sharded(snap: Path, part: str, ema: bool) -> tuple[dict[str, Entry], Callab
     raw = {plain_name(k[len(prefix):], ema): k[len(prefix):] for k, m in metadata.items()
            if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
            and k[len(prefix):] != "n_averaged"}
-    entries = {n: Entry(n, metadata[prefix + k].properties.dtype, tuple(metadata[prefix + k].size))
+    # `raw` names tensors only (TensorStorageMetadata, checked above).
+    entries = {n: Entry(n, cast(TensorStorageMetadata, metadata[prefix + k]).properties.dtype,
+                        tuple(cast(TensorStorageMetadata, metadata[prefix + k]).size))
                for n, k in raw.items()}
 
     def read(names: list[str]) -> dict[str, torch.Tensor]:

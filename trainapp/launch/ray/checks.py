@@ -14,10 +14,13 @@ import importlib.metadata
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainapp import config
 from trainapp.config import Config, ConfigError
+
+if TYPE_CHECKING:
+    from pyarrow.fs import FileSystem
 
 SUPPORTED = ("2.55.0", "2.61.0")
 """The Ray versions trainapp supports, at least the first, below the second: the six latest minor releases
@@ -41,7 +44,7 @@ def is_uri(path: str) -> bool:
     return "://" in path
 
 
-def run_store(storage: str, name: str):
+def run_store(storage: str, name: str) -> tuple[FileSystem, str, str]:
     """(pyarrow filesystem, the run's path on it, the run as the user wrote it, for messages) of the run
     STORAGE/NAME, `ray.storage_path` a filesystem path or a URI."""
     from pyarrow.fs import FileSystem, LocalFileSystem

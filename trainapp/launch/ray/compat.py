@@ -60,7 +60,8 @@ import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Callable
 
 from trainapp.config import ConfigError
 from trainapp.launch.ray.checks import SUPPORTED, run_store
@@ -116,6 +117,18 @@ try:  # an import error here is a Ray version trainapp was not written for, said
 except ImportError as e:
     raise ConfigError(f"ray: cannot import a name trainapp needs ({e}); trainapp's Ray launcher was written "
                       f"for Ray >={SUPPORTED[0]},<{SUPPORTED[1]} (trainapp/launch/ray/compat.py)") from None
+
+if TYPE_CHECKING:  # Ray's types in the hooks overridden here and in resize.py: private, so named here only
+    from ray.actor import ActorHandle
+    from ray.train._internal.base_worker_group import BaseWorkerGroup
+    from ray.train.torch.config import TorchConfigContextManager
+    from ray.train.v2._internal.execution.context import TrainRunContext
+    from ray.train.v2._internal.execution.controller import TrainController
+    from ray.train.v2._internal.execution.scaling_policy import ResizeDecision as ResizeDecision
+    from ray.train.v2._internal.execution.worker_group import WorkerGroup
+    from ray.train.v2._internal.execution.worker_group import WorkerGroupContext as WorkerGroupContext
+    from ray.train.v2._internal.execution.worker_group import WorkerGroupPollStatus as WorkerGroupPollStatus
+    from ray.train.v2.api.callback import RayTrainCallback
 
 
 PREEMPTION_POLL_S = 1.0
@@ -173,26 +186,30 @@ class _TorchBackendWithSetup(Backend):
 
     share_cuda_visible_devices = True  # as Ray's: each worker sees its node's GPUs
 
-    def on_start(self, worker_group, backend_config: TorchConfigWithSetup) -> None:
+    # Ray calls a backend with the config whose `backend_cls` it is; Ray's own backends narrow it too.
+    def on_start(self, worker_group: BaseWorkerGroup,  # type: ignore[override]
+                 backend_config: TorchConfigWithSetup) -> None:
         if backend_config.setup is not None:
             worker_group.execute(backend_config.setup, **backend_config.setup_kwargs)
         addr, port = worker_group.execute_single(0, _in_worker, "ray.train._internal.utils",
                                                  "get_address_and_port")
         worker_group.execute(_in_worker, _TORCH_CONFIG, "_set_torch_distributed_env_vars",
                              env={"MASTER_ADDR": addr, "MASTER_PORT": str(port)})
+        # Ray's worker group returns ray.types.ObjectRef, which Ray's ray.get is not annotated to take.
         ray.get([worker_group.execute_single_async(i, _in_worker, _TORCH_CONFIG, "_setup_torch_process_group",
                                                    backend=backend_config.backend, world_rank=i,
                                                    world_size=len(worker_group), init_method="env://",
                                                    timeout_s=backend_config.timeout_s)
-                 for i in range(len(worker_group))])
+                 for i in range(len(worker_group))])  # type: ignore[arg-type]
 
-    def on_shutdown(self, worker_group, backend_config: TorchConfigWithSetup) -> None:
+    def on_shutdown(self, worker_group: BaseWorkerGroup,  # type: ignore[override]  # as on_start
+                    backend_config: TorchConfigWithSetup) -> None:
         futures = worker_group.execute_async(_in_worker, _TORCH_CONFIG, "_shutdown_torch",
                                              destroy_process_group=len(worker_group) > 1)
         timeout_s = float(os.environ.get(TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
                                          DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S))
         try:
-            ray.get(futures, timeout=timeout_s)
+            ray.get(futures, timeout=timeout_s)  # type: ignore[arg-type]  # as in on_start
         except GetTimeoutError:
             say(f"the torch process group did not shut down within {timeout_s:g}s")
 
@@ -201,13 +218,15 @@ class _TorchContext:
     """Ray's TorchConfigContextManager (around the training function, in each worker), imported only
     in the worker: the driver builds the trainer, and its module imports torch."""
 
-    def __enter__(self):
+    _inner: TorchConfigContextManager
+
+    def __enter__(self) -> None:
         from ray.train.torch.config import TorchConfigContextManager
 
         self._inner = TorchConfigContextManager()
         return self._inner.__enter__()
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> bool:
         return self._inner.__exit__(*exc)
 
 
@@ -228,15 +247,15 @@ class TorchConfigWithSetup(BackendConfig):
     """Keyword arguments of `setup`."""
 
     @property
-    def backend_cls(self):
+    def backend_cls(self) -> type[_TorchBackendWithSetup]:
         return _TorchBackendWithSetup
 
     @property
-    def train_func_context(self):
+    def train_func_context(self) -> type[_TorchContext]:
         return _TorchContext
 
     @property
-    def framework(self):
+    def framework(self) -> TrainingFramework:
         return TrainingFramework.TORCH
 
     def to_dict(self) -> dict[str, Any]:
@@ -296,10 +315,10 @@ class NodeLossWatch(ControllerCallback, WorkerGroupCallback):
         self.wait_s, self.probe_timeout_s, self.poll_s = wait_s, probe_timeout_s, poll_s
         self._nodes: set[str] = set()
 
-    def after_worker_group_start(self, worker_group) -> None:
+    def after_worker_group_start(self, worker_group: WorkerGroup) -> None:
         self._nodes = {w.metadata.node_id for w in worker_group.get_workers()}
 
-    def before_controller_execute_failure_decision(self, failure_decision) -> None:
+    def before_controller_execute_failure_decision(self, failure_decision: FailureDecision) -> None:
         if failure_decision != FailureDecision.RETRY or not self._nodes or self.wait_s <= 0:
             return
         try:  # an error raised here would count as a training failure: report it and carry on
@@ -391,8 +410,8 @@ class TorchTrainer(DataParallelTrainer):
     start, datasets or not: a fresh Python process that imports Ray Data and pandas, seconds of CPU
     beside the training workers' own imports at every start and restart. A run given datasets keeps it."""
 
-    def __init__(self, train_loop_per_worker: Callable, *, torch_config: TorchConfigWithSetup | None = None,
-                 **kwargs):
+    def __init__(self, train_loop_per_worker: Callable[[], Any] | Callable[[dict[str, Any]], Any], *,
+                 torch_config: TorchConfigWithSetup | None = None, **kwargs: Any) -> None:
         torch_config = torch_config or TorchConfigWithSetup()
         if not torch_config.backend:
             scaling = kwargs.get("scaling_config")
@@ -403,19 +422,20 @@ class TorchTrainer(DataParallelTrainer):
     """The driver's stop (trainapp/launch/ray/stop.py): called on Ctrl-C first; True when it handled it.
     Ray Train's own handler (abort the run, no snapshot) takes the next one."""
 
-    def _create_default_callbacks(self):
+    def _create_default_callbacks(self) -> list[RayTrainCallback]:
         callbacks = super()._create_default_callbacks()
         if self.datasets:
             return callbacks
         return [cb for cb in callbacks if not isinstance(cb, DatasetsCallback)]
 
-    def _register_sigint_handler(self, controller) -> None:
+    def _register_sigint_handler(self, controller: ActorHandle[TrainController]) -> None:
         super()._register_sigint_handler(controller)  # Ray Train's: it aborts the controller
         if self.on_sigint is None:
             return
         ray_handler, first = signal.getsignal(signal.SIGINT), self.on_sigint
+        assert callable(ray_handler)  # the Python function Ray Train has just installed
 
-        def handler(signum, frame):
+        def handler(signum: int, frame: FrameType | None) -> None:
             if not first():
                 ray_handler(signum, frame)
 
@@ -431,7 +451,7 @@ class RequesterLog(ControllerCallback):
     def __init__(self, note: Callable[[str], None]) -> None:
         self.note = note
 
-    def after_controller_start(self, train_run_context) -> None:
+    def after_controller_start(self, train_run_context: TrainRunContext) -> None:
         try:
             self.note(f"train-{train_run_context.run_id}")
         except OSError as e:  # information only: a full disk must not fail the controller

@@ -19,7 +19,7 @@ import functools
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from trainapp.config import Config, ConfigError
 from trainapp.errors import Failure
@@ -36,10 +36,19 @@ from trainapp.launch.ray.output import StartGate
 from trainapp.launch.ray.stop import DriverStop, note_request, release_left_behind
 from trainapp.observe.timeline import Timeline
 
+if TYPE_CHECKING:
+    from ray.train import UserCallback
+    from ray.train.v2.api.callback import RayTrainCallback
+    from ray.train.v2.api.result import Result  # `ray.train.Result` is Ray Train V1's to mypy
+
+    from trainapp.config import TrainSection
+    from trainapp.launch.ray.compat import TorchConfigWithSetup, TorchTrainer, TrainRunContext
+    from trainapp.snapshots.lease import Lease
+
 log = logging.getLogger("trainapp.ray")
 
 
-def _torch_config(cfg: Config, threads: int, worker):
+def _torch_config(cfg: Config, threads: int, worker: Callable[[dict[str, Any]], Any]) -> TorchConfigWithSetup:
     from trainapp.launch.ray.compat import TorchConfigWithSetup
     from trainapp.launch.ray.setup import IMPORTS, prepare_worker
 
@@ -75,7 +84,7 @@ def _error_in(exc: BaseException) -> Failure | None:
 
     roots = list(exc.worker_failures.values()) if isinstance(exc, WorkerGroupError) else []
     for err in roots + [exc]:
-        seen = err
+        seen: BaseException | None = err
         while seen is not None:
             # A RayTaskError poses as its cause's class but prints Ray's header: rebuild the plain one.
             found = seen.cause if isinstance(seen, RayTaskError) and isinstance(seen.cause, Failure) else seen
@@ -93,7 +102,7 @@ def _error_in(exc: BaseException) -> Failure | None:
     return None
 
 
-def _group_failure_log(run_dir: str):
+def _group_failure_log(run_dir: str) -> UserCallback:
     """A Ray Train callback (public `UserCallback`, run by the controller) that appends one
     `group_failure` record to the run's metrics.jsonl when the controller finds workers of the group
     failed: each failed rank with its error, and the time. A rank killed outright (SIGKILL, a lost
@@ -104,7 +113,8 @@ def _group_failure_log(run_dir: str):
     from trainapp.observe import metrics
 
     class GroupFailureLog(UserCallback):
-        def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
+        def after_exception(self, run_context: TrainRunContext,
+                            worker_exceptions: dict[int, Exception]) -> None:
             errors = {str(rank): f"{e.__class__.__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
                       for rank, e in sorted(worker_exceptions.items())}
             try:
@@ -115,11 +125,11 @@ def _group_failure_log(run_dir: str):
     return GroupFailureLog()
 
 
-def _callbacks(cfg: Config, storage: str, generation: int) -> list:
+def _callbacks(cfg: Config, storage: str, generation: int) -> list[RayTrainCallback]:
     from trainapp.launch.ray.compat import RequesterLog
 
     run_dir = f"{storage}/{cfg.ray.name}"
-    callbacks = [] if is_uri(storage) else [_group_failure_log(run_dir)]
+    callbacks: list[RayTrainCallback] = [] if is_uri(storage) else [_group_failure_log(run_dir)]
     if generation and not is_uri(storage):
         callbacks.append(RequesterLog(functools.partial(note_request, storage, run_dir=run_dir,
                                                         generation=generation)))
@@ -133,7 +143,7 @@ def _callbacks(cfg: Config, storage: str, generation: int) -> list:
             ResizeSnapshot(run_dir, cfg.preempt.grace_s + 5, cfg.ray.resize_check_s / 2)]
 
 
-def _elastic_batch(cfg: Config):
+def _elastic_batch(cfg: Config) -> TrainSection:
     """The train section the workers get: an elastic run that keeps its global batch across resizes
     (`train.on_resize=keep`) and names none has the global batch of its largest group, whatever size
     it starts at, so every size it may run at splits it (trainapp/core/layout.py)."""
@@ -144,7 +154,8 @@ def _elastic_batch(cfg: Config):
 
 
 def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, timeline: Timeline,
-             worker=None, lease=None, **extra):
+             worker: Callable[[dict[str, Any]], Any] | None = None, lease: Lease | None = None,
+             **extra: Any) -> TorchTrainer:
     """Ray Train's TorchTrainer over `worker` (`train_worker`), with the run directory at STORAGE/NAME;
     the driver's `timeline`, its `lease` (the workers' fence) and `extra` go into each worker's payload."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -164,19 +175,22 @@ def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, 
     os.environ.update(compat.controller_env(cfg.ray.worker_group_start_timeout_s,
                                             cfg.ray.health_check_interval_s))
     held = {"lease": {"fence": lease.fence.to_dict(), "summary": lease.summary()}} if lease else {}
+    elastic = ({"elastic_resize_monitor_interval_s": cfg.ray.resize_check_s}
+               if cfg.ray.min_workers != cfg.ray.max_workers else {})
     return compat.TorchTrainer(
         worker,
         train_loop_config={"config": worker_cfg.to_dict(), "launch": timeline.marks(), **extra, **held},
         torch_config=_torch_config(cfg, threads, worker),
-        scaling_config=ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=use_gpu,
-                                     resources_per_worker=needs,
-                                     **({"elastic_resize_monitor_interval_s": cfg.ray.resize_check_s}
-                                        if cfg.ray.min_workers != cfg.ray.max_workers else {})),
+        # mypy takes ray.train's ScalingConfig and RunConfig for Ray Train V1's (ray.air): no (min, max)
+        # num_workers, no V2 callbacks; and it matches the optional keyword's dict against every keyword.
+        scaling_config=ScalingConfig(num_workers=cfg.ray.num_workers,  # type: ignore[arg-type]
+                                     use_gpu=use_gpu, resources_per_worker=needs,
+                                     **elastic),  # type: ignore[arg-type]
         run_config=RunConfig(
             name=cfg.ray.name, storage_path=storage,
             failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.snapshot.keep),
-            callbacks=_callbacks(cfg, storage, lease.generation if lease else 0),
+            callbacks=_callbacks(cfg, storage, lease.generation if lease else 0),  # type: ignore[arg-type]
         ),
     )
 
@@ -218,12 +232,14 @@ def run_comm(cfg: Config, size_mb: float, iters: int, min_bandwidth: float) -> i
                                                            max_failures=0))
     result, _, _ = _fit(cfg, worker=comm_worker, nbytes=int(size_mb * 2**20), iters=iters)
     m = result.return_value  # rank 0's
+    assert m is not None  # comm_worker returns its dict on every rank
     pairs = [comm.Pair(**p) for p in m["comm_pairs"]]
     return comm.show(m["comm_backend"], m["comm_processes"], m["comm_via"], m["comm_nodes"], pairs,
                      min_bandwidth)
 
 
-def _fit(cfg: Config, worker=None, **extra):
+def _fit(cfg: Config, worker: Callable[[dict[str, Any]], Any] | None = None,
+         **extra: Any) -> tuple[Result, str, dict[str, Any]]:
     """Join, check, fit; (Ray Train's Result, the storage path, the stop's summary). Ray's output is held
     back until the run trains (trainapp/launch/ray/output.py): a failed start on bad input is one line."""
     timeline = Timeline()
@@ -253,7 +269,9 @@ def _with_hint(e: Failure, dropped: int, logs_dir: str | None) -> Failure:
     return plain
 
 
-def _fit_connected(cfg: Config, timeline: Timeline, gate: StartGate, address: str, worker=None, **extra):
+def _fit_connected(cfg: Config, timeline: Timeline, gate: StartGate, address: str,
+                   worker: Callable[[dict[str, Any]], Any] | None = None,
+                   **extra: Any) -> tuple[Result, str, dict[str, Any]]:
     """`_fit` once the streams are gated: join, check, fit, and leave the cluster (after the gate's
     verdict, so that what Ray prints while it shuts down goes the same way)."""
     where = connect(address)
@@ -315,7 +333,8 @@ def _preflight(cfg: Config, timeline: Timeline, where: str) -> tuple[str, dict[s
 
 
 def _fit_checked(cfg: Config, timeline: Timeline, storage: str, needs: dict[str, float], use_gpu: bool,
-                 worker=None, **extra):
+                 worker: Callable[[dict[str, Any]], Any] | None = None,
+                 **extra: Any) -> tuple[Result, str, dict[str, Any]]:
     """Ray Train's fit, under the run's lease; (its Result, the storage path, the stop's summary)."""
     lease = _take_lease(cfg, storage) if worker is None else None
     stop = None
@@ -325,7 +344,8 @@ def _fit_checked(cfg: Config, timeline: Timeline, storage: str, needs: dict[str,
             _release_left_behind(storage)
             stop = DriverStop(lease)
             trainer.on_sigint = stop.on_sigint
-        result = trainer.fit()
+        # Ray annotates `fit` with `ray.train.Result`, which mypy takes for V1's; it is V2's.
+        result: Result = trainer.fit()  # type: ignore[assignment]
     except Exception as e:
         plain = _error_in(e)
         if plain is not None:
@@ -348,7 +368,7 @@ def _release_left_behind(storage: str) -> None:
                  "autoscaling coordinator", ", ".join(released))
 
 
-def _take_lease(cfg: Config, storage: str):
+def _take_lease(cfg: Config, storage: str) -> Lease | None:
     """The run STORAGE/NAME's lease, held by this driver for the whole fit: Ray Train's retries of the
     worker group are this run; another submission of the same name is another (trainapp/snapshots/lease.py).
     None with `run.lease_s=0`."""

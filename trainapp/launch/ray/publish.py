@@ -15,12 +15,17 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from trainapp.launch.ray.checks import run_store
 from trainapp.launch.ray.compat import drain_pending
 from trainapp.snapshots.publish import Publish
 from trainapp.snapshots.store import find_shared, list_snapshots, step_name, step_of, sweep_leftovers
+
+if TYPE_CHECKING:
+    from pyarrow.fs import FileSystem
+
+    from trainapp.group import DistContext
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +66,14 @@ class RayPublish(Publish):
 
     def __init__(self, run_dir: Path, uri: str | None, async_write: bool, name: str, report_s: float = 0.0):
         self.uri, self.async_write, self.report_s = uri, async_write, report_s
-        self.fs = None
+        self.fs: FileSystem | None = None
         # Ray stores the checkpoints as STORAGE/NAME/step_*.
         self.root, self.where = Path(run_dir), str(run_dir)
         if uri is not None:
             self.fs, self.experiment, self.where = run_store(uri, name)
             # Written here first, then uploaded (`commit`).
             self.root = Path(tempfile.gettempdir()) / f"trainapp-snap-{uuid.uuid4().hex[:12]}"
+        self.shared_staging = uri is None  # to a URI each rank uploads its own shards
         self.reported_t = time.monotonic()
         self.lock = threading.Lock()
         self.unknown: list[tuple[int, str]] = []
@@ -77,10 +83,6 @@ class RayPublish(Publish):
         self.downloads: list[Path] = []
         """Local copies of a URI's sharded snapshot that a resume loads shards from, deleted at the next
         snapshot's announce."""
-
-    @property
-    def shared_staging(self) -> bool:
-        return self.uri is None  # to a URI each rank uploads its own shards
 
     def commit(self, step: int, path: Path) -> str:
         sweep_leftovers(self.root)
@@ -93,6 +95,7 @@ class RayPublish(Publish):
     def _upload(self, step: int, path: Path) -> str:
         from pyarrow.fs import copy_files
 
+        assert self.fs is not None  # set with `uri`, which is what makes a snapshot an upload
         dest = f"{self.experiment}/{step_name(step)}"
         try:
             self.fs.create_dir(dest)
@@ -111,13 +114,14 @@ class RayPublish(Publish):
         why = os.strerror(e.errno) if e.errno else f"upload failed: {str(e).split('. Detail:')[0]}"
         return OSError(e.errno or errno.EIO, why, f"{self.where}/{step_name(step)}")
 
-    def push_shards(self, ctx, step: int, tmp: Path, own: list[str]) -> None:
+    def push_shards(self, ctx: DistContext, step: int, tmp: Path, own: list[str]) -> None:
         """Every rank but 0, to a URI: its shard files uploaded into the snapshot's place on the store
         (rank 0's go with the rest in `commit`), then deleted here."""
         if self.uri is None or ctx.is_main:
             return
         from pyarrow.fs import copy_files
 
+        assert self.fs is not None  # set with `uri`
         dest = f"{self.experiment}/{step_name(step)}"
         try:
             for name in own:  # a filesystem store needs the folder made first; an object store ignores it
@@ -132,6 +136,7 @@ class RayPublish(Publish):
 
     def discard(self, step: int) -> None:
         if self.uri is not None:
+            assert self.fs is not None  # set with `uri`
             with contextlib.suppress(OSError):
                 self.fs.delete_dir(f"{self.experiment}/{step_name(step)}")
 
@@ -142,6 +147,7 @@ class RayPublish(Publish):
             return str(local)
         from pyarrow.fs import copy_files
 
+        assert self.fs is not None  # set with `uri`
         dest = f"{self.experiment}/{name}"
         try:
             with contextlib.suppress(OSError):
@@ -162,7 +168,7 @@ class RayPublish(Publish):
         self._delete(doomed)
         return len(doomed)
 
-    def announce(self, ctx, report: dict[str, Any], urgent: bool) -> None:
+    def announce(self, ctx: DistContext, report: dict[str, Any], urgent: bool) -> None:
         """Every rank reports at the same snapshots: at once when `urgent` or `report_s` is 0, else when
         `report_s` has passed on rank 0's clock (its answer broadcast, one small collective a snapshot)."""
         self.last_metrics = report
@@ -172,17 +178,18 @@ class RayPublish(Publish):
         if urgent or self.report_s <= 0 or ctx.broadcast_object(ctx.is_main and due):
             self._report(ctx, report)
 
-    def flush(self, ctx) -> None:
+    def flush(self, ctx: DistContext) -> None:
         if self.async_write:  # every rank: one more report, registering the last background write
             self._report(ctx, self.last_metrics)
 
-    def _report(self, ctx, metrics: dict[str, Any]) -> None:
+    def _report(self, ctx: DistContext, metrics: dict[str, Any]) -> None:
         """Every rank; rank 0 registers the newest complete snapshot Ray does not know, if any, and
         deletes the older unknown ones after Ray has it."""
         import ray.train
         from ray.train import Checkpoint, CheckpointUploadMode
 
-        newest, doomed = None, []
+        newest: tuple[int, str] | None = None
+        doomed: list[tuple[int, str]] = []
         if ctx.is_main:
             with self.lock:
                 if self.unknown:
@@ -209,19 +216,20 @@ class RayPublish(Publish):
     def _listed(self) -> list[tuple[int, str]]:
         """(step, where) of every snapshot on storage, oldest first."""
         if self.fs is None:
-            return [(step_of(p.name), str(p)) for p in list_snapshots(self.root)]
+            return [(step, str(p)) for p in list_snapshots(self.root)
+                    if (step := step_of(p.name)) is not None]
         from pyarrow.fs import FileSelector, FileType
 
         infos = self.fs.get_file_info(FileSelector(self.experiment, allow_not_found=True))
-        return sorted((step_of(i.base_name), i.path) for i in infos
-                      if i.type == FileType.Directory and step_of(i.base_name) is not None)
+        return sorted((step, i.path) for i in infos
+                      if i.type == FileType.Directory and (step := step_of(i.base_name)) is not None)
 
-    def find(self, ctx) -> tuple[str, dict[str, Any]] | None:
+    def find(self, ctx: DistContext) -> tuple[str, dict[str, Any]] | None:
         """The newest valid snapshot on storage (rank 0 chooses, every rank loads it). Rank 0 also takes
         the snapshots newer than Ray's newest as unknown to Ray: a run killed between reports left them."""
         import ray.train
 
-        listed = []
+        listed: list[tuple[int, str]] = []
         if ctx.is_main:
             listed = self._listed()
             known = ray.train.get_checkpoint()
@@ -234,7 +242,7 @@ class RayPublish(Publish):
                            keep=self.downloads.append)
 
     @contextlib.contextmanager
-    def _download(self, where: str):
+    def _download(self, where: str) -> Iterator[Path]:
         """The snapshot at `where` on the store, as a local directory: deleted after the block unless
         `find_shared` keeps it (a sharded snapshot's shards load from it later)."""
         from pyarrow.fs import copy_files

@@ -16,18 +16,27 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainapp.launch.ray import versions
 from trainapp.launch.ray.compat import ControllerCallback, WorkerGroupCallback, say
 from trainapp.snapshots.lease import parse_record
-from trainapp.snapshots.lease_store import store_at
+from trainapp.snapshots.lease_store import ArrowStore, DirStore, store_at
+
+if TYPE_CHECKING:
+    from trainapp.launch.ray.compat import (
+        FailureDecision,
+        ResizeDecision,
+        WorkerGroup,
+        WorkerGroupContext,
+        WorkerGroupPollStatus,
+    )
 
 REQUEST = "resize-request.json"
 DONE = "resize-done.json"
 
 
-def ask(store, was: int, to: int) -> str:
+def ask(store: DirStore | ArrowStore, was: int, to: int) -> str:
     """Ask the running workers to stop for a resize from `was` to `to` workers; the request's id."""
     rid = uuid.uuid4().hex[:12]
     store.replace(REQUEST,
@@ -35,18 +44,19 @@ def ask(store, was: int, to: int) -> str:
     return rid
 
 
-def asked(store) -> dict[str, Any] | None:
+def asked(store: DirStore | ArrowStore) -> dict[str, Any] | None:
     """The resize request standing now ({id, from, to, at}), or None."""
     return parse_record(store.read(REQUEST))
 
 
-def answer(store, rid: str, step: int | None, snapshot: str | None) -> None:
+def answer(store: DirStore | ArrowStore, rid: str, step: int | None, snapshot: str | None) -> None:
     """Rank 0, once the snapshot of `step` is written (None: this attempt trained no step yet)."""
     store.replace(DONE, json.dumps({"id": rid, "step": step, "snapshot": snapshot,
                                     "at": round(time.time(), 3)}).encode())
 
 
-def wait(store, rid: str, timeout_s: float, poll_s: float = 0.2) -> dict[str, Any] | None:
+def wait(store: DirStore | ArrowStore, rid: str, timeout_s: float,
+         poll_s: float = 0.2) -> dict[str, Any] | None:
     """The answer to request `rid`, or None after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -57,7 +67,7 @@ def wait(store, rid: str, timeout_s: float, poll_s: float = 0.2) -> dict[str, An
     return None
 
 
-def clear(store, rid: str) -> None:
+def clear(store: DirStore | ArrowStore, rid: str) -> None:
     """Withdraw request `rid` (answered or given up on): the next group must not act on it."""
     standing = asked(store)
     if standing and standing.get("id") == rid:
@@ -75,7 +85,7 @@ class ResizeSnapshot(ControllerCallback, WorkerGroupCallback):
         self._workers = 0  # of the running, healthy group; 0 while none runs
         self._nodes, self._looked = 0, 0.0  # alive nodes when last looked, and when
 
-    def after_worker_group_poll_status(self, worker_group_status) -> None:
+    def after_worker_group_poll_status(self, worker_group_status: WorkerGroupPollStatus) -> None:
         """Every `check_s` while a group runs: when nodes joined the cluster, have the coordinator re-read
         it, so Ray Train's next resize check sees them (its view is otherwise up to 20 s old)."""
         now = time.monotonic()
@@ -93,21 +103,21 @@ class ResizeSnapshot(ControllerCallback, WorkerGroupCallback):
         except Exception as e:  # information only: Ray Train's own view catches up by itself
             say(f"could not look for nodes that joined ({e.__class__.__name__}: {e})")
 
-    def after_worker_group_start(self, worker_group) -> None:
+    def after_worker_group_start(self, worker_group: WorkerGroup) -> None:
         self._workers = len(worker_group.get_workers())
 
-    def before_worker_group_shutdown(self, worker_group) -> None:
+    def before_worker_group_shutdown(self, worker_group: WorkerGroup) -> None:
         self._workers = 0
 
-    def before_worker_group_abort(self, worker_group_context) -> None:
+    def before_worker_group_abort(self, worker_group_context: WorkerGroupContext) -> None:
         self._workers = 0
 
-    def before_controller_execute_failure_decision(self, failure_decision) -> None:
+    def before_controller_execute_failure_decision(self, failure_decision: FailureDecision) -> None:
         # The group failed: Ray Train shuts it down only when it executes the restart's resize, after
         # this callback's resize hook, and a failed group has no step to snapshot.
         self._workers = 0
 
-    def before_controller_execute_resize_decision(self, resize_decision) -> None:
+    def before_controller_execute_resize_decision(self, resize_decision: ResizeDecision) -> None:
         was, to = self._workers, resize_decision.num_workers
         if not was or to == was:
             return

@@ -15,8 +15,8 @@ from __future__ import annotations
 import importlib
 import os
 import threading
-from types import MappingProxyType
-from typing import Any
+from types import MappingProxyType, ModuleType
+from typing import Any, Callable
 
 from trainapp import config
 
@@ -62,7 +62,7 @@ def prepare_worker(env: dict[str, str], threads: int, network: dict[str, Any], p
     return summary
 
 
-def _ray_worker():
+def _ray_worker() -> ModuleType:
     """trainapp/launch/ray/worker.py, once the imports `prepare_worker` started are done (no two
     threads import the same modules at once)."""
     from trainapp.faults.guard import RankGuard
@@ -85,7 +85,7 @@ def comm_worker(payload: dict[str, Any]) -> dict[str, Any]:
     return _ray_worker().comm_worker(payload)
 
 
-IMPORTS = MappingProxyType({
+IMPORTS: MappingProxyType[Callable[[dict[str, Any]], Any], tuple[str, ...]] = MappingProxyType({
     # torch._dynamo: DistributedDataParallel and torch.optim import it on first use, seconds of CPU.
     train_worker: ("torch._dynamo", "trainapp.launch.rank", "trainapp.launch.ray.worker"),
     comm_worker: ("trainapp.launch.comm", "trainapp.launch.ray.worker"),

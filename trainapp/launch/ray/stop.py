@@ -25,7 +25,8 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import Any, Callable
 
 from trainapp.snapshots import lease
 
@@ -47,15 +48,15 @@ class DriverStop:
     request and says what happens, so nothing in a signal handler takes a lock the main thread may
     hold. A second signal ends the driver at once."""
 
-    def __init__(self, lease) -> None:
+    def __init__(self, lease: lease.Lease) -> None:
         self.lease, self.signum = lease, 0
         self._asked = threading.Event()
-        self._previous = None
+        self._previous: Callable[[int, FrameType | None], Any] | int | None = None
         if threading.current_thread() is threading.main_thread():  # Python takes signals there only
             self._previous = signal.signal(signal.SIGTERM, self._handle)
         threading.Thread(target=self._ask, name="driver-stop", daemon=True).start()
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum:
             raise KeyboardInterrupt  # a second notice: stop waiting for the snapshot
         self.signum = signum

@@ -15,12 +15,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainapp import config
 from trainapp.errors import leave
 from trainapp.faults.guard import RankGuard
-from trainapp.faults.preempt import Preempted, Resized, Stopped, StoppedBeforeStart
+from trainapp.faults.preempt import Notices, Preempted, Resized, Stopped, StoppedBeforeStart
 from trainapp.group import DistContext
 from trainapp.launch import dist
 from trainapp.launch.rank import Launcher, run_rank
@@ -30,13 +30,16 @@ from trainapp.launch.ray.checks import is_uri
 from trainapp.launch.ray.publish import RayDrainNotice, RayPublish
 from trainapp.observe.live import LiveMetrics
 from trainapp.snapshots.lease import Fence, RunLease, stop_request
-from trainapp.snapshots.lease_store import store_at
+from trainapp.snapshots.lease_store import ArrowStore, DirStore, store_at
+
+if TYPE_CHECKING:
+    import torch
 
 REPLACED_WITHIN_S = 120.0
 """How long workers that snapshotted for a resize wait for Ray Train to replace their group."""
 
 
-def _ray_device():
+def _ray_device() -> torch.device:
     """The device Ray Train gave this worker: the first of the GPUs it reserved (it set
     CUDA_VISIBLE_DEVICES for them), or the CPU."""
     from ray.train.torch import get_device
@@ -84,6 +87,7 @@ class RayWorker(Launcher):
         through the stop vote."""
         if ctx.rank == 0:
             elastic = cfg.ray.min_workers != cfg.ray.max_workers  # only an elastic group is resized live
+            assert self._guard is not None  # run_rank asks for the guard first
             self._watch = StopWatch(held.fence, store_at(cfg.run.dir) if elastic else None,
                                     self._guard.notices)
 
@@ -110,7 +114,8 @@ class StopWatch:
     in `store` (trainapp/launch/ray/resize.py). A request becomes this rank's notice, which the stop
     vote carries to every rank at the next step boundary."""
 
-    def __init__(self, fence: Fence, store, notices, poll_s: float = 0.5) -> None:
+    def __init__(self, fence: Fence, store: DirStore | ArrowStore | None, notices: Notices,
+                 poll_s: float = 0.5) -> None:
         """`store`: where the resize requests come (the run's lease folder), None where none can (a group
         of a fixed size)."""
         self.fence, self.store, self.notices, self.poll_s = fence, store, notices, poll_s
@@ -141,6 +146,7 @@ class StopWatch:
         if req["id"] in self._answered:
             return False
         if req["at"] < self.started or self.notices.heartbeat.phase == "start":
+            assert self.store is not None  # where `req` was read
             resize.answer(self.store, req["id"], None, None)
             self._answered.add(req["id"])
             return False
@@ -158,7 +164,9 @@ def train_worker(payload: dict[str, Any]) -> None:
         run_rank(worker, cfg, payload.get("task"))
     except Resized as e:  # the snapshot is written: say so to the controller, and wait to be replaced
         if e.rank == 0:
-            resize.answer(store_at(cfg.run.dir), worker.resize_id(), e.step, e.snapshot)
+            rid = worker.resize_id()
+            assert rid is not None  # rank 0's StopWatch took the request before it asked for this stop
+            resize.answer(store_at(cfg.run.dir), rid, e.step, e.snapshot)
             print(e.line(), file=sys.stderr, flush=True)
         time.sleep(REPLACED_WITHIN_S)
         leave(e.exit_code)  # never replaced: end as a preempted worker, and Ray Train restarts the group
