@@ -1,11 +1,15 @@
 import contextlib
+import hashlib
+import json
 import os
+import pickle
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 from helpers import FAULT_RUN, FSDP_RUN, RANKS_RUN, REPO, run_cmd, scrape, torchrun2, torchrun_cmd, value, wait_until
 
 from bench.scratch import scratch
@@ -48,34 +52,61 @@ def run_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def straight_run(tmp_path_factory) -> Callable[..., Path]:
-    """`straight_run(cmd, *args, env=None)`: the run directory of `cmd(run_dir, *args)` trained to its
-    end, never interrupted: the twin an interrupted run must end bitwise equal to. Each distinct command
-    runs once per session, so every test (in any file) that needs the same twin shares one run."""
-    runs: dict[tuple, Path] = {}
+def shared(tmp_path_factory) -> Callable[[str, Callable[[Path], None]], Path]:
+    """`shared(name, make)`: the directory NAME, made by `make(directory)` once per test session, in
+    whichever pytest-xdist worker asks first (`make test` runs two); the others wait for it and reuse
+    it. Every shared run below is one of these. A `make` that failed fails every later asker the same
+    way instead of running again."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the parent: every worker's
 
-    def get(cmd: Callable[..., list[str]], *args: str, env: dict | None = None) -> Path:
-        key = (*cmd(Path("RUN_DIR"), *args), *sorted((env or {}).items()))
-        if key not in runs:
-            run_dir = tmp_path_factory.mktemp("straight") / "run"
-            r = run_cmd(cmd(run_dir, *args), timeout=600, env=env)
-            assert r.returncode == 0, r.output[-3000:]
-            runs[key] = run_dir
-        return runs[key]
+    def get(name: str, make: Callable[[Path], None]) -> Path:
+        where = root / "shared" / name
+        where.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(f"{where}.lock"):
+            failed = where.with_name(f"{name}.failed")
+            if failed.exists():
+                raise AssertionError(f"the shared {name} failed in another worker:\n{failed.read_text()}")
+            if not where.with_name(f"{name}.done").exists():
+                try:
+                    make(where)
+                except BaseException as e:
+                    failed.write_text(str(e)[-4000:])
+                    raise
+                where.with_name(f"{name}.done").touch()
+        return where
 
     return get
 
 
 @pytest.fixture(scope="session")
-def torchrun_restarted(tmp_path_factory) -> Path:
+def straight_run(shared) -> Callable[..., Path]:
+    """`straight_run(cmd, *args, env=None)`: the run directory of `cmd(run_dir, *args)` trained to its
+    end, never interrupted: the twin an interrupted run must end bitwise equal to. Each distinct command
+    runs once per session, so every test (in any file, on any worker) that needs the same twin shares
+    one run."""
+
+    def get(cmd: Callable[..., list[str]], *args: str, env: dict | None = None) -> Path:
+        key = json.dumps([*cmd(Path("RUN_DIR"), *args), sorted((env or {}).items())])
+        name = f"straight-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+        return shared(name, lambda where: _trained(cmd(where / "run", *args), env)) / "run"
+
+    return get
+
+
+def _trained(cmd: list[str], env: dict | None = None) -> None:
+    r = run_cmd(cmd, timeout=600, env=env)
+    assert r.returncode == 0, r.output[-3000:]
+
+
+@pytest.fixture(scope="session")
+def torchrun_restarted(shared) -> Path:
     """One run several test files read: 2 ranks under torchrun, rank 1 SIGKILLed at step 13 by the drill
     and the group restarted from the step-10 snapshot, a record and TensorBoard scalars at every step.
     tests/test_loop.py checks its resume is bitwise, tests/test_report.py its report and TensorBoard files."""
-    run_dir = tmp_path_factory.mktemp("restarted") / "run"
-    r = run_cmd(torchrun2(run_dir, *FAULT_RUN, "drill.kill_at_step=13", "drill.rank=1", "train.log_every=1",
-                          "observe.tensorboard=true"))
-    assert r.returncode == 0, r.output[-3000:]
-    return run_dir
+    return shared("restarted", lambda where: _trained(torchrun2(
+        where / "run", *FAULT_RUN, "drill.kill_at_step=13", "drill.rank=1", "train.log_every=1",
+        "observe.tensorboard=true"))) / "run"
 
 
 @pytest.fixture(scope="session")
@@ -103,13 +134,17 @@ class SlowedRun:
 
 
 @pytest.fixture(scope="session")
-def slowed_run(tmp_path_factory) -> SlowedRun:
+def slowed_run(shared) -> SlowedRun:
     """One run two test files read: RANKS_RUN under torchrun with rank 1 slowed 200 ms a step in its compute
     (a straggler after 3 log intervals), its live metrics endpoint scraped over HTTP while it trains.
     tests/test_observe.py checks the straggler records, tests/test_live_metrics.py the scrapes."""
+    return pickle.loads((shared("slowed", _slowed) / "slowed.pickle").read_bytes())
+
+
+def _slowed(where: Path) -> None:
     from trainapp.tools.local_ray import free_port
 
-    run_dir, port = tmp_path_factory.mktemp("slowed") / "run", free_port()
+    run_dir, port = where / "run", free_port()
     # 200 ms: the ratio to the median of two ranks is (b + 200) / (b + 100) for a step of b ms, over 1.2 up to
     # b = 400 ms; 80 ms (up to b = 160) was too close on a slower CPU (an EPYC: b 100-300 ms).
     cmd = torchrun_cmd(2, f"run.dir={run_dir}", *RANKS_RUN, "drill.slow_rank=1", "drill.slow_ms=200",
@@ -132,4 +167,4 @@ def slowed_run(tmp_path_factory) -> SlowedRun:
     finally:
         out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out[-3000:]
-    return SlowedRun(run_dir, out, port, scrapes)
+    (where / "slowed.pickle").write_bytes(pickle.dumps(SlowedRun(run_dir, out, port, scrapes)))
