@@ -77,8 +77,8 @@ def main() -> int:
         print(f"{name}: fp32 {m['fp32_step_ms']:.1f} ms/step, bf16 {m['bf16_step_ms']:.1f} ms/step, "
               f"ratio {m['bf16_vs_fp32_step_ratio']:.3f}", flush=True)
     result = {"bf16_vs_fp32_step_ratio": {k: v["bf16_vs_fp32_step_ratio"] for k, v in models.items()},
-              "models": models, "cpu_flags": simd_flags(), "torch": torch.__version__, "threads": args.threads,
-              "machine": describe(),
+              "models": models, "cpu_flags": simd_flags(), "torch": torch.__version__,
+              "threads": args.threads, "machine": describe(),
               "date": time.strftime("%Y-%m-%d"), "smoke": args.smoke}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

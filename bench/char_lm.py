@@ -40,10 +40,12 @@ def main() -> int:
     with scratch("ta-bench-charlm-") as tmp:
         run_dir = Path(tmp) / "run"
         torchrun = str(Path(sys.executable).with_name("torchrun"))
-        cmd = [torchrun, "--standalone", "--nproc_per_node=2", "-m", "trainapp", "train", f"run.dir={run_dir}",
-               "task.name=char_lm", "train.progress=false", *(["train.max_steps=20"] if args.smoke else [])]
+        cmd = [torchrun, "--standalone", "--nproc_per_node=2", "-m", "trainapp", "train",
+               f"run.dir={run_dir}", "task.name=char_lm", "train.progress=false",
+               *(["train.max_steps=20"] if args.smoke else [])]
         t0 = time.monotonic()
-        r = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+        r = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                           text=True)
         wall = time.monotonic() - t0
         if r.returncode != 0:
             print(r.stderr[-3000:], file=sys.stderr)
@@ -55,15 +57,17 @@ def main() -> int:
     result = {
         "wall_seconds": round(wall, 1), "steps": end["steps"], "samples_per_s": end["samples_per_s"],
         "val_loss": final["val_loss"], "val_bpc": final["val_bpc"], "uniform_loss": uniform,
-        "uniform_bpc": uniform / math.log(2), "val_loss_vs_uniform": final["val_loss"] / uniform, "vocab": vocab,
-        "tokens_per_eval": final["val_count"], "world_size": end["world_size"], "amp": start.get("amp"),
+        "uniform_bpc": uniform / math.log(2), "val_loss_vs_uniform": final["val_loss"] / uniform,
+        "vocab": vocab, "tokens_per_eval": final["val_count"], "world_size": end["world_size"],
+        "amp": start.get("amp"),
         "config": {k: start["config"][k] for k in ("task", "optim", "sched", "train")},
         "machine": describe(), "date": time.strftime("%Y-%m-%d"), "smoke": args.smoke, "target": "about 60 s",
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"char_lm: {result['wall_seconds']} s for {result['steps']} steps, val_loss {result['val_loss']:.3f} "
-          f"({result['val_bpc']:.2f} bits/char) against {uniform:.3f} uniform -> {out}")
+    print(f"char_lm: {result['wall_seconds']} s for {result['steps']} steps, "
+          f"val_loss {result['val_loss']:.3f} ({result['val_bpc']:.2f} bits/char) "
+          f"against {uniform:.3f} uniform -> {out}")
     return 0
 
 

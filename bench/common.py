@@ -41,10 +41,11 @@ def launch_cmd(launcher: str, run_dir: Path, args: list[str], cluster: LocalClus
     thread, one restart) or as a `workers`-worker `ray job submit` to `cluster` (one CPU, so one
     thread, each) with `ray.max_failures`."""
     if launcher == "torchrun":
-        return ([str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={workers}", "--max-restarts=1", "-m",
-                 "trainapp", "train", f"run.dir={run_dir}", *args], {**os.environ, "OMP_NUM_THREADS": "1"})
-    return ([str(BIN / "ray"), "job", "submit", "--address", cluster.dashboard_url, "--", "python", "-m", "trainapp",
-             "ray", f"ray.storage_path={run_dir.parent}", f"ray.name={run_dir.name}",
+        return ([str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={workers}", "--max-restarts=1",
+                 "-m", "trainapp", "train", f"run.dir={run_dir}", *args],
+                {**os.environ, "OMP_NUM_THREADS": "1"})
+    return ([str(BIN / "ray"), "job", "submit", "--address", cluster.dashboard_url, "--", "python", "-m",
+             "trainapp", "ray", f"ray.storage_path={run_dir.parent}", f"ray.name={run_dir.name}",
              f"ray.max_failures={max_failures}", f"ray.num_workers={workers}", *args], cluster.env())
 
 

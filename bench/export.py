@@ -22,7 +22,8 @@ fp32 bytes, per round against that round's baseline of the same snapshot; median
 `export_s` is the export's own time (its record's `seconds`), `process_s` the process's, imports
 included (5-8 s of torch's import on a 2-core machine).
 
-    python -m bench.export            # writes bench/results/export.json (3 rounds of 10 processes: 6-11 min, 2 cores)
+    python -m bench.export            # writes bench/results/export.json (3 rounds of 10 processes:
+                                        6-11 min, 2 cores)
     python -m bench.export --smoke    # a 20 MiB model, one round of 5 processes, bench/results/smoke/
 """
 
@@ -113,7 +114,8 @@ def baseline(run_dir: str) -> dict:
     from trainapp.weights.sources import open_source
 
     source = open_source(run_dir)
-    ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None, owns_group=False)
+    ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None,
+                      owns_group=False)
     bound = bind(None, from_dict(source.config), ctx)
     train, val = bound.datasets()
     return {"model_bytes": sum(e.nbytes for e in source.entries.values()), "tensors": len(source.entries),
@@ -162,11 +164,12 @@ def measure(args: list[str], tmp: Path, name: str) -> dict:
     """One fresh process of `child(args)`: its result and its wall time."""
     result = tmp / f"{name}.json"
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "bench.export", "--child", str(result), *args], cwd=REPO, env=env(),
-                       capture_output=True, text=True, timeout=1200)
+    r = subprocess.run([sys.executable, "-m", "bench.export", "--child", str(result), *args], cwd=REPO,
+                       env=env(), capture_output=True, text=True, timeout=1200)
     wall = time.perf_counter() - t0
     if r.returncode != 0 or not result.exists():
-        raise SystemExit(f"bench/export.py: {name} failed (exit {r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-3000:]}")
+        raise SystemExit(f"bench/export.py: {name} failed (exit {r.returncode}):\n"
+                         f"{r.stdout[-2000:]}{r.stderr[-3000:]}")
     return {**json.loads(result.read_text()), "process_s": wall}
 
 
@@ -223,7 +226,8 @@ def one_round(i: int, names: list[str], runs: dict[str, Path], tmp: Path) -> dic
     print(f"round {i}: model {got['baseline_fsdp']['model_bytes'] / MiB:.1f} MiB, baselines "
           f"{got['baseline_fsdp']['peak_rss'] / MiB:.0f} / {got['baseline_ddp']['peak_rss'] / MiB:.0f} MiB "
           "(sharded / whole); " + "; ".join(
-              f"{n} +{(got[n]['peak_rss'] - got[base_of(n)]['peak_rss']) / MiB:.0f} MiB {got[n]['export_s']:.1f} s"
+              f"{n} +{(got[n]['peak_rss'] - got[base_of(n)]['peak_rss']) / MiB:.0f} MiB "
+              f"{got[n]['export_s']:.1f} s"
               for n in names), flush=True)
     return got
 
@@ -234,7 +238,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="a 20 MiB model, one round of five processes")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--width", type=int, help=f"the MLP's width (default {FULL['width']}; smoke {SMOKE['width']})")
+    p.add_argument("--width", type=int,
+                   help=f"the MLP's width (default {FULL['width']}; smoke {SMOKE['width']})")
     p.add_argument("--depth", type=int, help=f"its layers (default {FULL['depth']}; smoke {SMOKE['depth']})")
     p.add_argument("--out", help="result file (default bench/results/export.json)")
     args = p.parse_args()
@@ -252,7 +257,8 @@ def main() -> int:
         tmp = Path(tmp_name)
         runs = {s: tmp / f"run-{s}" for s in ("fsdp", "ddp")}
         train_s = {s: train(s, size, runs[s]) for s in runs}
-        snapshot_bytes = {s: sum(f.stat().st_size for f in runs[s].joinpath("snapshots").rglob("*") if f.is_file())
+        snapshot_bytes = {s: sum(f.stat().st_size for f in runs[s].joinpath("snapshots").rglob("*")
+                                 if f.is_file())
                           for s in runs}
         rounds = [one_round(i, names, runs, tmp) for i in range(args.rounds)]
     model = rounds[0]["baseline_fsdp"]["model_bytes"]

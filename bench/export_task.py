@@ -20,7 +20,8 @@ class WideMLP:
 
     def __init__(self, width: int = 2048, depth: int = 18, rows: int = 64):
         if width < 1 or depth < 1 or rows < 2:
-            raise ValueError(f"width={width}, depth={depth}, rows={rows}: need width >= 1, depth >= 1, rows >= 2")
+            raise ValueError(f"width={width}, depth={depth}, rows={rows}: "
+                             f"need width >= 1, depth >= 1, rows >= 2")
         self.width, self.depth, self.rows = width, depth, rows
 
     def datasets(self, ctx):

@@ -33,9 +33,9 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 def run(strategy: str, steps: int, out: Path) -> dict:
     cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "trainapp", "train", f"run.dir={out}",
-           "task.name=char_lm", "optim.name=adamw", f"parallel.strategy={strategy}", f"train.max_steps={steps}",
-           "train.epochs=1000", "train.log_every=5", "train.eval_every=0", "snapshot.every_steps=0",
-           "train.progress=false"]
+           "task.name=char_lm", "optim.name=adamw", f"parallel.strategy={strategy}",
+           f"train.max_steps={steps}", "train.epochs=1000", "train.log_every=5", "train.eval_every=0",
+           "snapshot.every_steps=0", "train.progress=false"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     if r.returncode != 0:
@@ -65,7 +65,8 @@ def main() -> int:
             order = ("ddp", "fsdp") if i % 2 == 0 else ("fsdp", "ddp")
             got = {s: run(s, args.steps, Path(tmp) / f"{s}-{i}") for s in order}
             rounds.append(got)
-            print(f"round {i}: " + " ".join(f"{s} {got[s]['step_s'] * 1000:.0f} ms/step" for s in order), flush=True)
+            print(f"round {i}: " + " ".join(f"{s} {got[s]['step_s'] * 1000:.0f} ms/step" for s in order),
+                  flush=True)
     total = {s: max(b["total"] for b in rounds[0][s]["state_bytes"]) for s in ("ddp", "fsdp")}
     result = {
         "memory_ratio": total["fsdp"] / total["ddp"],
@@ -77,7 +78,8 @@ def main() -> int:
     }
     out = Path(args.out) if args.out else folder / "fsdp.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"memory_ratio={result['memory_ratio']:.3f} step_time_ratio={result['step_time_ratio']:.3f} -> {out}")
+    print(f"memory_ratio={result['memory_ratio']:.3f} step_time_ratio={result['step_time_ratio']:.3f} "
+          f"-> {out}")
     return 0
 
 

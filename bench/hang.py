@@ -52,8 +52,8 @@ LAUNCHERS = ("torchrun", "ray")
 
 def config(args) -> list[str]:
     """Overrides shared by both launchers (the model and data are launchers.py's)."""
-    out = overrides(args.steps, args.snapshot_every, "train.log_every=1", f"drill.hang_at_step={args.hang_step}",
-                    f"drill.rank={args.rank}")
+    out = overrides(args.steps, args.snapshot_every, "train.log_every=1",
+                    f"drill.hang_at_step={args.hang_step}", f"drill.rank={args.rank}")
     if args.hang_timeout is not None:  # else trainapp's default: what is measured
         out.append(f"fault.hang_timeout_s={args.hang_timeout:g}")
     return out
@@ -95,8 +95,8 @@ def firings(run_dir: Path, recs: list[dict]) -> list[dict]:
     if failed:
         return sorted(failed, key=lambda f: f["time"])
     files = sorted((run_dir / "hangs").glob("rank-*-attempt-*.txt")) if (run_dir / "hangs").is_dir() else []
-    return sorted(({"time": f.stat().st_mtime, "rank": int(f.name.split("-")[1]), "source": f.name} for f in files),
-                  key=lambda f: f["time"])
+    return sorted(({"time": f.stat().st_mtime, "rank": int(f.name.split("-")[1]), "source": f.name}
+                   for f in files), key=lambda f: f["time"])
 
 
 def measure(launcher: str, run_dir: Path, args, code: int | None, log: Path) -> dict:
@@ -122,13 +122,15 @@ def measure(launcher: str, run_dir: Path, args, code: int | None, log: Path) -> 
         raise fail(f"did not resume from a snapshot: start records' resumed_step {resumed}")
     ends = [r for r in recs if r["kind"] == "end"]
     if code != 0 or not ends or ends[-1]["steps"] != args.steps:
-        raise fail(f"did not finish: end records' steps {[e['steps'] for e in ends]}, train.max_steps={args.steps}")
+        raise fail(f"did not finish: end records' steps {[e['steps'] for e in ends]}, "
+                   f"train.max_steps={args.steps}")
     t_first = first_step_after_restart(run_dir)
     if t_first is None:
         raise fail("no step after the restart")
     t_detect, t_start = fired[0]["time"], starts[1]["time"]
     return {"hang_detect_seconds": t_detect - t_hang, "hang_recovery_seconds": t_first - t_hang,
-            "breakdown": {"detect": t_detect - t_hang, "restart": t_start - t_detect, "resume": t_first - t_start},
+            "breakdown": {"detect": t_detect - t_hang, "restart": t_start - t_detect,
+                          "resume": t_first - t_start},
             "resumed_step": starts[1]["resumed_step"],
             "firings": [{**f, "after_hang_s": round(f["time"] - t_hang, 2)} for f in fired],
             "exit_code": code}
@@ -159,7 +161,8 @@ def main() -> int:
                    help="fault.hang_timeout_s (default: trainapp's, 60 s; 5 with --smoke)")
     p.add_argument("--steps", type=int, default=40, help="train.max_steps")
     p.add_argument("--snapshot-every", type=int, default=10)
-    p.add_argument("--hang-step", type=int, default=15, help="drill.hang_at_step: after a snapshot, before the next")
+    p.add_argument("--hang-step", type=int, default=15,
+                   help="drill.hang_at_step: after a snapshot, before the next")
     p.add_argument("--rank", type=int, default=1, help="drill.rank: the rank that hangs")
     p.add_argument("--run-timeout", type=float, default=600, help="seconds one job may take")
     p.add_argument("--out", help="result file (default bench/results/hang.json)")
@@ -184,9 +187,10 @@ def main() -> int:
                     rounds[launcher].append(r)
                     b = r["breakdown"]
                     fired = ", ".join(f"rank {f['rank']} +{f['after_hang_s']}s" for f in r["firings"])
-                    print(f"{launcher} round {i}: detected {b['detect']:.1f}s, restarted {b['restart']:.1f}s, "
-                          f"resumed {b['resume']:.1f}s -> training again {r['hang_recovery_seconds']:.1f}s after "
-                          f"the hang (from step {r['resumed_step']}; watchdogs fired: {fired})", flush=True)
+                    print(f"{launcher} round {i}: detected {b['detect']:.1f}s, "
+                          f"restarted {b['restart']:.1f}s, resumed {b['resume']:.1f}s -> training again "
+                          f"{r['hang_recovery_seconds']:.1f}s after the hang (from step {r['resumed_step']}; "
+                          f"watchdogs fired: {fired})", flush=True)
         finally:
             if cluster is not None:
                 cluster.down()
@@ -195,7 +199,8 @@ def main() -> int:
     result: dict = {}
     for launcher, rs in rounds.items():
         result[f"hang_detect_seconds_{launcher}"] = statistics.median(r["hang_detect_seconds"] for r in rs)
-        result[f"hang_recovery_seconds_{launcher}"] = statistics.median(r["hang_recovery_seconds"] for r in rs)
+        result[f"hang_recovery_seconds_{launcher}"] = statistics.median(
+            r["hang_recovery_seconds"] for r in rs)
     result.update({
         # Medians of each part over the rounds (they need not add up to the median recovery).
         "breakdown_seconds": {launcher: {part: statistics.median(r["breakdown"][part] for r in rs)
@@ -203,8 +208,10 @@ def main() -> int:
                               for launcher, rs in rounds.items()},
         "rounds": rounds,
         "target": {"hang_recovery_seconds": "<= 100 at fault.hang_timeout_s=60"},
-        "fault.hang_timeout_s": FaultSection().hang_timeout_s if args.hang_timeout is None else args.hang_timeout,
-        "drill.hang_at_step": args.hang_step, "drill.rank": args.rank, "snapshot.every_steps": args.snapshot_every,
+        "fault.hang_timeout_s": (FaultSection().hang_timeout_s if args.hang_timeout is None
+                                 else args.hang_timeout),
+        "drill.hang_at_step": args.hang_step, "drill.rank": args.rank,
+        "snapshot.every_steps": args.snapshot_every,
         "train.max_steps": args.steps, "world_size": 2, "smoke": args.smoke,
         "machine": describe(), "date": time.strftime("%Y-%m-%d"),
     })

@@ -100,7 +100,8 @@ PHASES = [  # (phase, the mark that ends it), in launch order; a launcher's miss
 ]
 
 
-def breakdown(start: dict, first_step: float, since: float, detected: float | None = None) -> dict[str, float]:
+def breakdown(start: dict, first_step: float, since: float,
+              detected: float | None = None) -> dict[str, float]:
     """Seconds each start-up phase took, from `since` (the launch, or the kill) to the first step,
     from the marks in a `start` record (trainapp/observe/timeline.py); after a kill, `detected` (when Ray
     Train's controller saw the failure) splits detection off the restart. A phase whose mark came
@@ -227,7 +228,8 @@ class Bench:
                                     health_check_period_ms=args.health_check_period_ms)
         self.procs: list[subprocess.Popen] = []
 
-    def launch(self, launcher: str, run_dir: Path, *extra: str, workers: int = 2) -> tuple[subprocess.Popen, float]:
+    def launch(self, launcher: str, run_dir: Path, *extra: str,
+               workers: int = 2) -> tuple[subprocess.Popen, float]:
         cmd, env = launch_cmd(launcher, run_dir, overrides(self.args.steps, self.args.snapshot_every, *extra),
                               self.cluster, max_failures=2, workers=workers)
         t0 = time.time()
@@ -246,7 +248,8 @@ class Bench:
         and the training workers' CPU and minor page faults per step (each)."""
         run_dir = self.work / f"{launcher}-{i}-{workers}w"
         steal0 = steal_seconds()
-        p, t0 = self.launch(launcher, run_dir, f"train.log_every={self.args.log_every}", *extra, workers=workers)
+        p, t0 = self.launch(launcher, run_dir, f"train.log_every={self.args.log_every}", *extra,
+                            workers=workers)
         # Training: torchrun's children (its workers), or Ray's training actors.
         training = lambda comm, ppid: ppid == p.pid or comm.startswith("ray::RayTrainWo")  # noqa: E731
         # A smoke run's steady window lasts about a second on a fast CPU: sample it more often.
@@ -270,7 +273,8 @@ class Bench:
                 "runtime_threads_ms_per_s": runtime, "runtime_main_thread_ms_per_s": main,
                 "train_faults_per_step": None if faults is None else faults * step / workers}
 
-    def kill_run(self, launcher: str, what: str, i: int = 0, node: str = "worker2") -> tuple[float, dict[str, float]]:
+    def kill_run(self, launcher: str, what: str, i: int = 0,
+                 node: str = "worker2") -> tuple[float, dict[str, float]]:
         """Kill a worker (or the worker node `node`) at step args.kill_step; seconds to the first step
         after resume, and where they went (detection: until Ray Train's controller recorded the failure)."""
         run_dir = self.work / f"{launcher}-{what}-{i}"
@@ -279,7 +283,8 @@ class Bench:
         if what == "node":
             extra += ["ray.num_workers=[1,2]", f"ray.worker_group_start_timeout_s={self.args.start_timeout}"]
         p, _ = self.launch(launcher, run_dir, *extra)
-        wait_for(lambda: any(r["step"] >= self.args.kill_step for r in train_records(run_dir)), 600, "kill step")
+        wait_for(lambda: any(r["step"] >= self.args.kill_step for r in train_records(run_dir)), 600,
+                 "kill step")
         if what == "node":
             victim = self.cluster.node_pids(node)["raylet"]
         elif launcher == "ray":
@@ -322,7 +327,8 @@ def _quiet_median(ratios: list[float], steal: list[float], limit: float = 1.0) -
 
 
 def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout.split()
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
+                         text=True).stdout.split()
     return [int(x) for x in out]
 
 
@@ -395,7 +401,8 @@ class Rounds:
             out["runtime_threads_ms_per_step_ray"] = runtime * out["step_ms_ray"] / 1000
         for launcher in ("ray", "torchrun"):
             out[f"startup_seconds_{launcher}"] = self.med(launcher, "startup")
-            out[f"startup_breakdown_{launcher}"] = median_breakdown([r["breakdown"] for r in self.runs[launcher]])
+            out[f"startup_breakdown_{launcher}"] = median_breakdown(
+                [r["breakdown"] for r in self.runs[launcher]])
         return {k + suffix: v for k, v in out.items()}
 
 
@@ -413,7 +420,8 @@ def rounds(b: Bench, n: int, workers: int) -> Rounds:
                   f"{1000 * medians[-1]:.1f}ms, steal {run['steal']:.1f}s, cores: training "
                   f"{run['train_cores'] or 0:.2f}, rest {run['other_cores'] or 0:.2f}; per step and worker: "
                   f"{run['train_cpu_ms_per_step'] or 0:.1f} ms CPU, {run['train_faults_per_step'] or 0:.0f} "
-                  f"page faults; launcher threads {run['runtime_threads_ms_per_s'] or 0:.1f} ms/s", flush=True)
+                  f"page faults; launcher threads {run['runtime_threads_ms_per_s'] or 0:.1f} ms/s",
+                  flush=True)
         (ratio,), control = paired(medians)
         r.ratios.append(ratio)
         r.controls.append(control)
@@ -439,7 +447,8 @@ def fault_rounds(b: Bench, n: int) -> dict:
         for key, launcher, what in faults:
             seconds, parts = b.kill_run(launcher, what, i, node)
             runs[key].append((seconds, parts))
-            print(f"{launcher} {what} lost (round {i}): training again in {seconds:.1f}s: {parts}", flush=True)
+            print(f"{launcher} {what} lost (round {i}): training again in {seconds:.1f}s: {parts}",
+                  flush=True)
             if what == "node":  # a fresh node in its place, for the next round and a whole cluster after
                 node = f"worker2-r{i + 1}"
                 b.cluster.add_worker(node, REPO)
@@ -469,7 +478,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kill-step", type=int, default=25)
     p.add_argument("--start-timeout", type=float, default=10.0,
                    help="ray.worker_group_start_timeout_s for the node-loss run (Ray's default: 60)")
-    p.add_argument("--head-nice", type=int, default=LocalCluster.head_nice, help="nice value of the head's processes")
+    p.add_argument("--head-nice", type=int, default=LocalCluster.head_nice,
+                   help="nice value of the head's processes")
     p.add_argument("--worker-nice", type=int, default=LocalCluster.worker_nice,
                    help="nice value of Ray's worker processes (Ray's default: 15)")
     p.add_argument("--health-check-period-ms", type=int, default=LocalCluster.health_check_period_ms,
@@ -504,14 +514,15 @@ def main() -> int:
         finally:
             b.close()
     result.update({
-        "targets": {"startup_seconds_ray": "<= 15", "recovery_seconds": "<= 8", "node_loss_recovery_seconds": "<= 10",
-                    "train_cpu_ratio_ray_vs_torchrun": "<= 1.02", "ray_vs_torchrun_step_ratio_spare_core": "<= 1.02"},
+        "targets": {"startup_seconds_ray": "<= 15", "recovery_seconds": "<= 8",
+                    "node_loss_recovery_seconds": "<= 10", "train_cpu_ratio_ray_vs_torchrun": "<= 1.02",
+                    "ray_vs_torchrun_step_ratio_spare_core": "<= 1.02"},
         "knobs": {"head_nice": args.head_nice, "worker_nice": args.worker_nice,
                   "health_check_period_ms": b.cluster.health_check_period_ms,
                   "health_check_failure_threshold": b.cluster.health_check_failure_threshold,
                   "ray.worker_group_start_timeout_s (node loss run)": args.start_timeout},
-        "steps": args.steps, "log_every": args.log_every, "rounds": args.rounds, "kill_rounds": args.kill_rounds,
-        "spare_core_rounds": args.spare_core_rounds, "smoke": args.smoke,
+        "steps": args.steps, "log_every": args.log_every, "rounds": args.rounds,
+        "kill_rounds": args.kill_rounds, "spare_core_rounds": args.spare_core_rounds, "smoke": args.smoke,
         "machine": describe(), "date": time.strftime("%Y-%m-%d"),
     })
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,10 +10,10 @@ On a 2-core machine two single-threaded workers share the cores with gloo's thre
 drift by several percent, also with the position of a round in the sequence. So five contestants
 run in balanced orders (every position and every neighbour equally often): trainapp, the minimal loop,
 the minimal loop again as a control, trainapp without its preemption vote, and trainapp without its
-per-rank phase timings (`observe.ranks=false`). Each round's ratio is trainapp against the mean of that round's two
-minimal runs, and `loop_overhead_ratio` is the median over rounds (pairing within a round cancels the
-drift between rounds; the ratio of the pooled medians is reported too); `control_ratio` (minimal vs
-itself, per round, then the median) shows the noise floor of the same run; `vote_cost_ratio`
+per-rank phase timings (`observe.ranks=false`). Each round's ratio is trainapp against the mean of that
+round's two minimal runs, and `loop_overhead_ratio` is the median over rounds (pairing within a round
+cancels the drift between rounds; the ratio of the pooled medians is reported too); `control_ratio` (minimal
+vs itself, per round, then the median) shows the noise floor of the same run; `vote_cost_ratio`
 (trainapp vs trainapp without the vote) is what the preemption vote costs, and `vote_cpu_ratio` the
 same in CPU time per step (all threads of rank 0's process; not stretched by waiting on the other
 rank, so it resolves smaller costs; `cpu_control_ratio` is its noise floor); `ranks_cost_ratio` and
@@ -82,7 +82,8 @@ def minimal_round(ctx, steps: int, batch: int, train_ds, val_ds, out_dir: Path, 
                 correct += torch.tensor([(model(x).argmax(1) == y).sum().item(), len(y)])
     dist.all_reduce(correct)
     if ctx.rank == 0:
-        torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict()}, out_dir / "minimal.pt")
+        torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict()},
+                   out_dir / "minimal.pt")
     dist.barrier()
     return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
 
@@ -98,7 +99,8 @@ def trainapp_round(ctx, steps: int, batch: int, out_dir: Path, seed: int, train_
 
     cfg = config.load(None, [
         f"run.dir={out_dir}", f"seed={seed}", f"train.max_steps={steps}", f"train.batch_size={batch}",
-        f"data.train_size={train_size}", f"data.val_size={val_size}", f"amp.dtype={'off' if amp == 'fp32' else amp}",
+        f"data.train_size={train_size}", f"data.val_size={val_size}",
+        f"amp.dtype={'off' if amp == 'fp32' else amp}",
         # Features the minimal loop lacks are switched off, and so is channels_last (it changes the
         # compute, not the loop); logging, progress bar and the end-of-run snapshot stay on, because
         # they are the loop's overhead.
@@ -145,8 +147,8 @@ def worker(args) -> None:
         for r in range(args.rounds + 1):
             for name in orders[(r - 1) % len(orders)]:
                 if name.startswith("trainapp"):
-                    t, c = trainapp_round(ctx, args.steps, args.batch, tmp / f"{name}-{r}", r, args.train_size,
-                                       args.val_size, amp, vote=name != "trainapp_novote",
+                    t, c = trainapp_round(ctx, args.steps, args.batch, tmp / f"{name}-{r}", r,
+                                       args.train_size, args.val_size, amp, vote=name != "trainapp_novote",
                                        ranks=name != "trainapp_noranks")
                 else:
                     t, c = minimal_round(ctx, args.steps, args.batch, train_ds, val_ds, tmp, seed=r, amp=amp)
@@ -164,9 +166,11 @@ def worker(args) -> None:
             "vote_cost_ratio": statistics.median(t / n for t, _, _, n, _ in rounds),
             # What the per-rank phase timings (observe.ranks) cost: the same loop with them off.
             "ranks_cost_ratio": statistics.median(t / o for t, _, _, _, o in rounds),
-            "ranks_cpu_ratio": statistics.median(a / b for a, b in zip(cpu["trainapp"], cpu["trainapp_noranks"])),
+            "ranks_cpu_ratio": statistics.median(a / b for a, b in zip(cpu["trainapp"],
+                                                                       cpu["trainapp_noranks"])),
             # CPU time is not stretched by waiting for the other rank: a finer view of a small cost.
-            "vote_cpu_ratio": statistics.median(a / b for a, b in zip(cpu["trainapp"], cpu["trainapp_novote"])),
+            "vote_cpu_ratio": statistics.median(a / b for a, b in zip(cpu["trainapp"],
+                                                                      cpu["trainapp_novote"])),
             "cpu_control_ratio": statistics.median(a / b for a, b in zip(cpu["control"], cpu["minimal"])),
             "loop_cpu_ratio": statistics.median(
                 a / ((b + c) / 2) for a, b, c in zip(cpu["trainapp"], cpu["minimal"], cpu["control"])),
@@ -189,7 +193,8 @@ def worker(args) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny run that only checks the benchmark works")
-    p.add_argument("--rounds", type=int, default=20, help="timed rounds per contestant (each of the 10 orders twice)")
+    p.add_argument("--rounds", type=int, default=20,
+                   help="timed rounds per contestant (each of the 10 orders twice)")
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per round")
     p.add_argument("--batch", type=int, default=64, help="batch per worker")
     p.add_argument("--nproc", type=int, default=2)
@@ -207,8 +212,8 @@ def main() -> int:
         worker(args)
         return 0
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    cmd = [torchrun, "--standalone", f"--nproc_per_node={args.nproc}", "-m", "bench.loop_overhead", "--worker",
-           *[a for a in sys.argv[1:] if a != "--worker"], "--out", args.out]
+    cmd = [torchrun, "--standalone", f"--nproc_per_node={args.nproc}", "-m", "bench.loop_overhead",
+           "--worker", *[a for a in sys.argv[1:] if a != "--worker"], "--out", args.out]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     rc = subprocess.call(cmd, env=env)
     if rc != 0:
@@ -218,7 +223,8 @@ def main() -> int:
           f"vote_cost_ratio={r['vote_cost_ratio']:.3f} vote_cpu_ratio={r['vote_cpu_ratio']:.3f} "
           f"ranks_cost_ratio={r['ranks_cost_ratio']:.3f} ranks_cpu_ratio={r['ranks_cpu_ratio']:.3f} "
           f"(control {r['cpu_control_ratio']:.3f}) trainapp={r['trainapp_step_ms_median']:.1f}ms/step "
-          f"minimal={r['minimal_step_ms_median']:.1f}ms/step amp={r['amp']} rounds={r['rounds']} -> {args.out}")
+          f"minimal={r['minimal_step_ms_median']:.1f}ms/step amp={r['amp']} rounds={r['rounds']} "
+          f"-> {args.out}")
     return 0
 
 

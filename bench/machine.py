@@ -35,7 +35,8 @@ def describe() -> str:
     """'x86_64, 2 cores, AMD EPYC (avx2), torch 2.14.1'; less where /proc/cpuinfo is missing."""
     model = _cpuinfo()[0] or platform.processor() or platform.system()
     simd = simd_flags()
-    text = f"{platform.machine()}, {os.cpu_count()} cores, {model}" + (f" ({', '.join(simd)})" if simd else "")
+    text = (f"{platform.machine()}, {os.cpu_count()} cores, {model}"
+            + (f" ({', '.join(simd)})" if simd else ""))
     try:
         import torch
         text += f", torch {torch.__version__}"

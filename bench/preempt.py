@@ -46,8 +46,8 @@ def one_run(run_dir: Path, model: str, signal_after: int, timeout: float = 600) 
            "train.batch_size=16", "train.epochs=1000", "train.max_steps=10000", "train.log_every=1",
            "train.progress=false", "snapshot.every_steps=4"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINAPP_RUNTIME_DIR": str(run_dir / "rt")}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout
         while not any(r["step"] >= signal_after for r in read(run_dir, "train", missing_ok=True)):
@@ -68,8 +68,9 @@ def one_run(run_dir: Path, model: str, signal_after: int, timeout: float = 600) 
     periodic = [r["blocking_s"] for r in read(run_dir, "snapshot") if r["step"] != rec["step"]]
     train = read(run_dir, "train")
     step_s = (train[-1]["time"] - train[1]["time"]) / max(1, train[-1]["step"] - train[1]["step"])
-    return {"preempt_seconds": rec["seconds"], "stop_step": rec["step"], "periodic_snapshot_seconds": max(periodic),
-            "step_seconds": step_s, "signal_to_exit_seconds": wall,
+    return {"preempt_seconds": rec["seconds"], "stop_step": rec["step"],
+            "periodic_snapshot_seconds": max(periodic), "step_seconds": step_s,
+            "signal_to_exit_seconds": wall,
             "snapshot_bytes": json.loads((Path(rec["snapshot"]) / "meta.json").read_text())["bytes"]}
 
 
@@ -109,9 +110,9 @@ def vote_worker(blocks: int, steps: int) -> None:
 
 def measure_vote(blocks: int) -> dict:
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    r = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", __file__, "--vote-worker", str(blocks)],
-                       cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", __file__, "--vote-worker",
+                        str(blocks)], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                       capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         raise SystemExit(f"preempt bench: vote measurement failed: {r.stderr[-2000:]}")
     ms = json.loads(r.stdout.strip().splitlines()[-1])
@@ -134,7 +135,8 @@ def main() -> int:
     with scratch("ta-bench-preempt-") as tmp:
         for i in range(runs):
             r = one_run(Path(tmp) / f"run{i}", model, signal_after=6)
-            print(f"run {i}: " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
+            print(f"run {i}: " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                          for k, v in r.items()),
                   flush=True)
             results.append(r)
     med = {k: statistics.median(r[k] for r in results) for k in results[0]}
@@ -142,16 +144,18 @@ def main() -> int:
 
     vote = measure_vote(2 if args.smoke else 10)
     result = {"preempt_seconds": med["preempt_seconds"],
-              "periodic_snapshot_seconds": med["periodic_snapshot_seconds"], "step_seconds": med["step_seconds"],
-              "signal_to_exit_seconds": med["signal_to_exit_seconds"], "snapshot_bytes": int(med["snapshot_bytes"]),
+              "periodic_snapshot_seconds": med["periodic_snapshot_seconds"],
+              "step_seconds": med["step_seconds"], "signal_to_exit_seconds": med["signal_to_exit_seconds"],
+              "snapshot_bytes": int(med["snapshot_bytes"]),
               **vote, "vote_share": vote["vote_cpu_ms"] / (1000 * StopVote.INTERVAL_S),
               "vote_interval_s": StopVote.INTERVAL_S, "runs": results, "model": model, "world_size": 2,
               "machine": describe(),
               "date": time.strftime("%Y-%m-%d"), "smoke": args.smoke, "target": "< preempt.grace_s (25 s)"}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"preempt_seconds={med['preempt_seconds']:.3f} (periodic snapshot {med['periodic_snapshot_seconds']:.3f} s, "
-          f"step {med['step_seconds']:.3f} s, signal to exit {med['signal_to_exit_seconds']:.2f} s); one vote "
+    print(f"preempt_seconds={med['preempt_seconds']:.3f} "
+          f"(periodic snapshot {med['periodic_snapshot_seconds']:.3f} s, step {med['step_seconds']:.3f} s, "
+          f"signal to exit {med['signal_to_exit_seconds']:.2f} s); one vote "
           f"{vote['vote_cpu_ms']:.3f} ms CPU, {vote['vote_wall_ms']:.3f} ms wall -> {out}")
     return 0
 

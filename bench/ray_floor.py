@@ -112,7 +112,8 @@ def floor_loop(cfg: dict) -> None:
     wall, cpu, thread = (b - a for a, b in zip(mark, now))
     n = cfg["steps"] - cfg["warmup"]
     gc.callbacks.remove(on_gc)
-    out = {"rank": rank, "step_ms": 1000 * wall / n, "cpu_ms": 1000 * cpu / n, "thread_cpu_ms": 1000 * thread / n,
+    out = {"rank": rank, "step_ms": 1000 * wall / n, "cpu_ms": 1000 * cpu / n,
+           "thread_cpu_ms": 1000 * thread / n,
            "gc_ms": 1000 * gc_time[0] / n, "report_ms": 1000 * report_time / n,
            "gc_collections": [g["collections"] - c for g, c in zip(gc.get_stats(), gc0)],
            "gc_objects": len(gc.get_objects()),
@@ -130,7 +131,7 @@ def ray_driver(cfg: dict, storage: str) -> None:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     if cfg.get("poll_s"):
-        from trainapp.launch.ray.compat import HEALTH_CHECK_INTERVAL_S_ENV_VAR
+        from trainapp.launch.ray.private.controller import HEALTH_CHECK_INTERVAL_S_ENV_VAR
 
         os.environ[HEALTH_CHECK_INTERVAL_S_ENV_VAR] = str(cfg["poll_s"])
     TorchTrainer(floor_loop, train_loop_config=cfg,
@@ -170,12 +171,12 @@ class Floor:
         cfg = {"steps": self.args.steps, "warmup": self.args.warmup, "batch": 64, "train_size": 2048,
                "workers": 2, "out": str(out), "report_every": report_every, "poll_s": poll_s}
         if launcher == "torchrun":
-            cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={cfg['workers']}", "-m", "bench.ray_floor",
-                   "--worker", json.dumps(cfg)]
+            cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={cfg['workers']}", "-m",
+                   "bench.ray_floor", "--worker", json.dumps(cfg)]
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
         else:
-            cmd = [str(BIN / "ray"), "job", "submit", "--address", self.b.cluster.dashboard_url, "--", "python",
-                   "-m", "bench.ray_floor", "--driver", json.dumps(cfg), "--storage", str(out)]
+            cmd = [str(BIN / "ray"), "job", "submit", "--address", self.b.cluster.dashboard_url, "--",
+                   "python", "-m", "bench.ray_floor", "--driver", json.dumps(cfg), "--storage", str(out)]
             env = self.b.cluster.env()
         p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)
@@ -185,21 +186,23 @@ class Floor:
         ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(cfg["workers"])]
         fields = ("step_ms", "cpu_ms", "thread_cpu_ms", "gc_ms", "report_ms")
         means = {k: statistics.fmean(r[k] for r in ranks) for k in fields}
-        return means | {"main_thread": [r["main_thread"] for r in ranks], "gc_collections": ranks[0]["gc_collections"],
-                        "gc_objects": ranks[0]["gc_objects"]}
+        return means | {"main_thread": [r["main_thread"] for r in ranks],
+                        "gc_collections": ranks[0]["gc_collections"], "gc_objects": ranks[0]["gc_objects"]}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="one short round")
     p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--steps", type=int, default=450, help="steps of a minimal run (the first --warmup untimed)")
+    p.add_argument("--steps", type=int, default=450,
+                   help="steps of a minimal run (the first --warmup untimed)")
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--trainapp-steps", type=int, default=400, help="steps of a trainapp run")
     p.add_argument("--variants", default="ray,ray_report",
                    help=f"the minimal loop's Ray runs in a round, comma-separated, of: {', '.join(VARIANTS)}")
     p.add_argument("--trainapp-variants", default="ray",
-                   help=f"trainapp's Ray runs in a round, comma-separated, of: {', '.join(TRAINAPP_VARIANTS)}")
+                   help=f"trainapp's Ray runs in a round, comma-separated, of: "
+                        f"{', '.join(TRAINAPP_VARIANTS)}")
     p.add_argument("--no-trainapp", action="store_true", help="the minimal loop only")
     p.add_argument("--no-minimal", action="store_true", help="trainapp only")
     p.add_argument("--out", help="result file (default bench/results/ray_floor.json)")
@@ -246,20 +249,21 @@ def main() -> int:
                         if loop == "minimal":
                             run = floor.run(launcher, f"{i}{j}")
                         else:
-                            plain = b.plain_run("ray" if launcher in TRAINAPP_VARIANTS else launcher, f"{i}{j}", 2,
-                                                *TRAINAPP_VARIANTS.get(launcher, ()))
+                            plain = b.plain_run("ray" if launcher in TRAINAPP_VARIANTS else launcher,
+                                                f"{i}{j}", 2, *TRAINAPP_VARIANTS.get(launcher, ()))
                             run = {"cpu_ms": plain["train_cpu_ms_per_step"],
                                    "step_ms": 1000 * statistics.median(plain["steps"]), "thread_cpu_ms": None}
                         runs[loop][launcher].append(run)
                         got.append((launcher, run))
                         print(f"round {i}, {loop} loop, {launcher}: {run['cpu_ms']:.2f} ms CPU per step, "
                               f"{run['step_ms']:.2f} ms per step"
-                              + (f", training thread {run['thread_cpu_ms']:.2f} ms, of it {run['report_ms']:.2f} ms in "
-                                 f"reports and {run['gc_ms']:.2f} ms in "
+                              + (f", training thread {run['thread_cpu_ms']:.2f} ms, "
+                                 f"of it {run['report_ms']:.2f} ms in reports and {run['gc_ms']:.2f} ms in "
                                  f"the garbage collector (collections by generation {run['gc_collections']}, "
                                  f"{run['gc_objects']} objects)" if run["thread_cpu_ms"] else ""),
                               flush=True)
-                    for field, key in (("cpu_ms", "cpu"), ("step_ms", "step"), ("thread_cpu_ms", "thread_cpu")):
+                    for field, key in (("cpu_ms", "cpu"), ("step_ms", "step"),
+                                       ("thread_cpu_ms", "thread_cpu")):
                         if not got[0][1][field]:
                             continue  # trainapp's runs have no thread CPU
                         each, control = paired([run[field] for _, run in got])
@@ -303,7 +307,8 @@ def main() -> int:
     result.update({"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
                    "trainapp_steps": args.trainapp_steps, "workers": 2, "threads_per_worker": 1,
                    "smoke": args.smoke, "machine": describe(), "date": time.strftime("%Y-%m-%d"),
-                   "target": "information: the floor under launchers' train_cpu_ratio_ray_vs_torchrun (<= 1.02)"})
+                   "target": "information: the floor under launchers' "
+                             "train_cpu_ratio_ray_vs_torchrun (<= 1.02)"})
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()

@@ -54,9 +54,9 @@ class Stops:
     def submit(self, name: str, sid: str, *extra: str) -> float:
         """`ray job submit --no-wait` of the elastic run NAME; the wall time it was submitted at."""
         wait = json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "60"}})
-        cmd = [RAY, "job", "submit", "--address", self.cluster.dashboard_url, "--submission-id", sid, "--no-wait",
-               "--runtime-env-json", wait, "--", "python", "-m", "trainapp", "ray", f"ray.storage_path={self.storage}",
-               f"ray.name={name}", "ray.num_workers=[1,2]",
+        cmd = [RAY, "job", "submit", "--address", self.cluster.dashboard_url, "--submission-id", sid,
+               "--no-wait", "--runtime-env-json", wait, "--", "python", "-m", "trainapp", "ray",
+               f"ray.storage_path={self.storage}", f"ray.name={name}", "ray.num_workers=[1,2]",
                *overrides(self.args.steps, self.args.snapshot_every, "train.log_every=1", *extra)]
         t0 = time.time()
         subprocess.run(cmd, cwd=REPO, env=self.cluster.env(), check=True, capture_output=True, timeout=120)
@@ -83,7 +83,8 @@ class Stops:
     def stop(self, name: str, sid: str) -> float:
         """`ray job stop` once the run passed the kill step; seconds until the job ended."""
         wait_for(lambda: any(r["kind"] == "train" and r["step"] >= self.args.kill_step
-                             for r in records(self.storage / name)), 300, f"{name} at step {self.args.kill_step}")
+                             for r in records(self.storage / name)), 300,
+                 f"{name} at step {self.args.kill_step}")
         t = time.monotonic()
         self.ray("stop", sid)
         return time.monotonic() - t
@@ -91,7 +92,8 @@ class Stops:
     def kill_driver(self, name: str) -> None:
         """SIGKILL the run's driver (the holder of its lease) once it passed the kill step."""
         run_dir = self.storage / name
-        wait_for(lambda: any(r["kind"] == "train" and r["step"] >= self.args.kill_step for r in records(run_dir)),
+        wait_for(lambda: any(r["kind"] == "train" and r["step"] >= self.args.kill_step
+                             for r in records(run_dir)),
                  300, f"{name} at step {self.args.kill_step}")
         gens = sorted((run_dir / "lease").glob("gen-*.json"))
         os.kill(json.loads(gens[-1].read_text())["holder"]["pid"], signal.SIGKILL)
@@ -124,7 +126,8 @@ class Stops:
             self.submit("ctl-a", "ctl-a", "drill.slow_rank=0", "drill.slow_ms=50")
             self.kill_driver("ctl-a")
             time.sleep(1)
-            shutil.rmtree(self.storage / REQUESTS)  # what a driver without the release finds: nothing to cancel
+            # what a driver without the release finds: nothing to cancel
+            shutil.rmtree(self.storage / REQUESTS)
             t0 = self.submit("ctl-b", "ctl-b")
             out["control_after_kill_no_release_s"] = self.first_step("ctl-b", t0, 1)
             self.finish("ctl-b")
@@ -141,7 +144,8 @@ def summarize(rounds: list[dict]) -> dict:
                                "control_after_kill_no_release_s")}
     out["after_stop_minus_fresh_s"] = statistics.median(r["after_stop_s"] - r["fresh_s"] for r in rounds)
     if out["after_kill_s"] is not None:
-        out["after_kill_minus_fresh_s"] = statistics.median(r["after_kill_s"] - r["fresh_2_s"] for r in rounds)
+        out["after_kill_minus_fresh_s"] = statistics.median(
+            r["after_kill_s"] - r["fresh_2_s"] for r in rounds)
     out["redone_after_stop"] = max(r["redone_after_stop"] for r in rounds)
     return out
 

@@ -43,10 +43,11 @@ def child(storage: Path) -> None:
 
 def run(python: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="ta-bench-rayv-") as tmp:
-        r = subprocess.run([python, "-m", "bench.ray_versions", "--child", tmp], cwd=REPO, capture_output=True,
-                           text=True, timeout=1800)
+        r = subprocess.run([python, "-m", "bench.ray_versions", "--child", tmp], cwd=REPO,
+                           capture_output=True, text=True, timeout=1800)
     if r.returncode != 0:
-        raise SystemExit(f"bench/ray_versions.py: the run with {python} failed:\n{r.stdout[-2000:]}{r.stderr[-3000:]}")
+        raise SystemExit(f"bench/ray_versions.py: the run with {python} failed:\n"
+                         f"{r.stdout[-2000:]}{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -70,12 +71,14 @@ def main() -> int:
         child(Path(args.child))
         return 0
     if not Path(args.oldest_python).exists():
-        raise SystemExit(f"--oldest-python={args.oldest_python}: no such python; `make test-ray-oldest` makes it")
+        raise SystemExit(f"--oldest-python={args.oldest_python}: no such python; "
+                         f"`make test-ray-oldest` makes it")
     runs: dict[str, list[dict]] = {"oldest": [], "newest": []}
     for i in range(args.rounds):
         for which, python in (("oldest", args.oldest_python), ("newest", sys.executable)):
             runs[which].append(run(python))
-            print(f"round {i} {which}: " + json.dumps({k: round(runs[which][-1][k], 1) for k in KEYS}), flush=True)
+            print(f"round {i} {which}: " + json.dumps({k: round(runs[which][-1][k], 1) for k in KEYS}),
+                  flush=True)
     result = {**summarize(runs), "runs": runs, "machine": describe(), "date": time.strftime("%Y-%m-%d")}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({w: result[w] for w in ("oldest", "newest")}), f"-> {args.out}")

@@ -58,12 +58,13 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 def _run(cmd: list[str], must_pass: bool = True) -> None:
     r = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
     if must_pass and r.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({r.returncode}):\n"
+                           f"{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
 
 
 def _train(procs: int, run_dir: Path, args: list[str], must_pass: bool = True) -> None:
-    head = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={procs}", "--max-restarts=0"] if procs > 1 \
-        else [str(BIN / "python")]
+    head = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={procs}", "--max-restarts=0"] \
+        if procs > 1 else [str(BIN / "python")]
     _run([*head, "-m", "trainapp", "train", f"run.dir={run_dir}", *args], must_pass)
 
 
@@ -97,8 +98,9 @@ def variant(tmp: Path, steps: int, every: int, split: list[str], floor: bool) ->
     """A straight run, the same resized 2 -> 1 -> 2 keeping its global batch, and the control resized with
     the LR rescaled, of one `split` of the global batch; with `floor`, also a straight run on one process
     with the same global batch: what only the order of the float sums changes."""
-    args = [f"train.max_steps={steps}", "train.epochs=100", f"snapshot.every_steps={every}", *split, "amp.dtype=off",
-            "train.progress=false", "train.log_every=1", "data.train_size=2048", "data.val_size=256"]
+    args = [f"train.max_steps={steps}", "train.epochs=100", f"snapshot.every_steps={every}", *split,
+            "amp.dtype=off", "train.progress=false", "train.log_every=1", "data.train_size=2048",
+            "data.val_size=256"]
     runs = {name: tmp / name for name in ("straight", "keep", "rescale", "one")}
     _train(2, runs["straight"], args)
     resized(runs["keep"], args, steps, every)
@@ -112,9 +114,11 @@ def variant(tmp: Path, steps: int, every: int, split: list[str], floor: bool) ->
         params, loss = final(runs[name])
         out[name] = {"param_rel_distance": rel_distance(params, ref), "final_loss": loss,
                      "final_loss_rel_diff": abs(loss - ref_loss) / ref_loss,
-                     "global_batches": [r["global_batch"] for r in records(runs[name]) if r["kind"] == "start"]}
-        print(f"{' '.join(split)} {name}: parameters {out[name]['param_rel_distance']:.3g} from the straight run's, "
-              f"final loss {loss:.5f} (straight {ref_loss:.5f}), global batch by attempt {out[name]['global_batches']}",
+                     "global_batches": [r["global_batch"] for r in records(runs[name])
+                                        if r["kind"] == "start"]}
+        print(f"{' '.join(split)} {name}: parameters {out[name]['param_rel_distance']:.3g} "
+              f"from the straight run's, final loss {loss:.5f} (straight {ref_loss:.5f}), "
+              f"global batch by attempt {out[name]['global_batches']}",
               flush=True)
     return out, runs
 
@@ -124,8 +128,8 @@ def math(tmp: Path, steps: int, every: int, png: Path, smoke: bool) -> dict:
     a + b is b + a, so the resized run is bitwise equal), and, not in --smoke, 4 slots (batch 16,
     grad_accum 2), where the sums are added in another order, with that order's own effect beside it."""
     two, runs = variant(tmp / "two", steps, every, ["train.batch_size=64"], floor=False)
-    _run([str(BIN / "python"), "-m", "trainapp", "report", str(runs["keep"]), "--compare", str(runs["straight"]),
-          str(runs["rescale"]), "--out", str(png)])
+    _run([str(BIN / "python"), "-m", "trainapp", "report", str(runs["keep"]), "--compare",
+          str(runs["straight"]), str(runs["rescale"]), "--out", str(png)])
     keep, rescale = two["keep"], two["rescale"]
     out = {"resize_param_rel_distance": keep["param_rel_distance"],
            "resize_param_rel_distance_rescale": rescale["param_rel_distance"],
@@ -137,7 +141,8 @@ def math(tmp: Path, steps: int, every: int, png: Path, smoke: bool) -> dict:
            "resize_final_loss_rel_diff_rescale": rescale["final_loss_rel_diff"], "math_two_slots": two,
            "math_steps": steps}
     if not smoke:
-        four, _ = variant(tmp / "four", steps, every, ["train.batch_size=16", "train.grad_accum=2"], floor=True)
+        four, _ = variant(tmp / "four", steps, every, ["train.batch_size=16", "train.grad_accum=2"],
+                          floor=True)
         out.update({"resize_param_rel_distance_4slots": four["keep"]["param_rel_distance"],
                     "resize_param_rel_distance_4slots_rescale": four["rescale"]["param_rel_distance"],
                     "float_order_floor_4slots": four["one"]["param_rel_distance"],
@@ -159,12 +164,12 @@ class GrowBack:
         """`ray job submit` to the first step, of the run `measure` made."""
 
     def submit(self) -> None:
-        cmd = [RAY, "job", "submit", "--address", self.cluster.dashboard_url, "--submission-id", "grow", "--no-wait",
-               "--", "python", "-m", "trainapp", "ray", f"ray.storage_path={self.storage}", "ray.name=grow",
-               "ray.num_workers=[1,2]", "ray.resize_check_s=10", "ray.worker_group_start_timeout_s=15",
-               "train.max_steps=100000", "train.epochs=1000", "snapshot.every_steps=200", "train.progress=false",
-               "train.log_every=1", "data.train_size=2048", "data.val_size=256", "drill.slow_rank=0",
-               "drill.slow_ms=50"]
+        cmd = [RAY, "job", "submit", "--address", self.cluster.dashboard_url, "--submission-id", "grow",
+               "--no-wait", "--", "python", "-m", "trainapp", "ray", f"ray.storage_path={self.storage}",
+               "ray.name=grow", "ray.num_workers=[1,2]", "ray.resize_check_s=10",
+               "ray.worker_group_start_timeout_s=15", "train.max_steps=100000", "train.epochs=1000",
+               "snapshot.every_steps=200", "train.progress=false", "train.log_every=1",
+               "data.train_size=2048", "data.val_size=256", "drill.slow_rank=0", "drill.slow_ms=50"]
         subprocess.run(cmd, cwd=REPO, env=self.cluster.env(), check=True, capture_output=True, timeout=120)
 
     def _train_at(self, world: int, after: float) -> dict:
@@ -199,7 +204,8 @@ class GrowBack:
         starts = [r for r in records(self.run_dir) if r["kind"] == "start" and r["time"] > t0]
         if resize and starts:
             out["redone_steps"] = resize[0]["step"] - starts[0]["resumed_step"]
-        print(json.dumps({"cycle": i, **{k: round(v, 2) if isinstance(v, float) else v for k, v in out.items()}}),
+        print(json.dumps({"cycle": i, **{k: round(v, 2) if isinstance(v, float) else v
+                                         for k, v in out.items()}}),
               flush=True)
         return out
 
@@ -237,7 +243,8 @@ def main() -> int:
         for key in ("grow_back_seconds", "node_lost_to_one_worker_s", "node_registered_s", "resized_s"):
             result[key] = statistics.median(c[key] for c in cycles if c[key] is not None)
         result["grow_back_redone_steps"] = max((c["redone_steps"] or 0) for c in cycles)
-    result.update({"cycles": cycles, "smoke": args.smoke, "machine": describe(), "date": time.strftime("%Y-%m-%d"),
+    result.update({"cycles": cycles, "smoke": args.smoke, "machine": describe(),
+                   "date": time.strftime("%Y-%m-%d"),
                    "targets": {"resize_param_rel_distance": "<= 1e-4", "rescale_over_keep": ">= 100",
                                "grow_back_seconds": "<= 30"}})
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -10,8 +10,8 @@ snapshots of a real model's state (weights, SGD momentum, progress) to a directo
 2. Throughput: resnet18 training on CPU (one process, forward + backward + SGD) with a snapshot every
    N steps, each step timed. A snapshot's cost is the time `save()` held training plus how much
    longer the following `--window` steps took than the interval's other steps on average (the
-   background write competes for the cores there); divided by the N steps' time, that is the throughput lost to one
-   snapshot per N steps (`throughput_loss_at_100_steps`: median over intervals, async). A control
+   background write competes for the cores there); divided by the N steps' time, that is the throughput lost
+   to one snapshot per N steps (`throughput_loss_at_100_steps`: median over intervals, async). A control
    window mid-interval, where nothing happens, is measured the same way: the noise floor. (Whole
    rounds with and without snapshots were tried first: on a small shared machine their drift, several
    percent, is larger than the effect.) Measured twice: training on every core (the writer's CPU work
@@ -36,7 +36,8 @@ from types import SimpleNamespace
 
 from bench.common import result_path
 from bench.machine import describe
-ALONE = SimpleNamespace(is_main=True, distributed=False, rank=0, broadcast_object=lambda obj: obj)  # one process
+# one process
+ALONE = SimpleNamespace(is_main=True, distributed=False, rank=0, broadcast_object=lambda obj: obj)
 ALONE.files = ALONE
 
 
@@ -86,7 +87,8 @@ def manager(root: Path, every_steps: int, async_write: bool = False):
 def blocking(model_name: str, reps: int, root: Path) -> dict:
     model, opt, x, y = build(model_name, 32, 2)
     step(model, opt, x, y)  # momentum buffers exist, as in training
-    modes = {"sync": manager(root / f"{model_name}-sync", 1), "async": manager(root / f"{model_name}-async", 1, True)}
+    modes = {"sync": manager(root / f"{model_name}-sync", 1),
+             "async": manager(root / f"{model_name}-async", 1, True)}
     times = {"sync": [], "async": []}
     for i in range(reps + 1):
         for mode in (("sync", "async") if i % 2 else ("async", "sync")):
@@ -97,7 +99,8 @@ def blocking(model_name: str, reps: int, root: Path) -> dict:
             m.wait()
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"state_mb": round(state_mb(state_of(model, opt, 0)), 1), "sync_blocking_s_median": med["sync"],
-            "async_blocking_s_median": med["async"], "async_vs_sync_blocking_ratio": med["async"] / med["sync"],
+            "async_blocking_s_median": med["async"],
+            "async_vs_sync_blocking_ratio": med["async"] / med["sync"],
             "sync_blocking_s": times["sync"], "async_blocking_s": times["async"]}
 
 
@@ -141,7 +144,8 @@ def throughput(model_name: str, intervals: int, steps: int, window: int, batch: 
             step_s.append(statistics.median(rest))
         m.wait()
         out[mode] = {"throughput_loss": statistics.median(losses), "control": statistics.median(controls),
-                     "per_snapshot": [round(v, 5) for v in losses], "step_ms": 1000 * statistics.median(step_s)}
+                     "per_snapshot": [round(v, 5) for v in losses],
+                     "step_ms": 1000 * statistics.median(step_s)}
     return {"steps_per_snapshot": steps, "window": window, "batch": batch, "image_size": image_size,
             "intervals": intervals, "step_ms_no_snapshot": out["async"]["step_ms"],
             "throughput_loss_async": out["async"]["throughput_loss"],
@@ -153,7 +157,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny run that only checks the benchmark works")
     p.add_argument("--reps", type=int, default=7, help="timed snapshots per mode for the blocking time")
-    p.add_argument("--intervals", type=int, default=12, help="snapshot intervals timed per mode for the throughput")
+    p.add_argument("--intervals", type=int, default=12,
+                   help="snapshot intervals timed per mode for the throughput")
     p.add_argument("--steps", type=int, default=100, help="training steps per snapshot interval")
     p.add_argument("--window", type=int, default=30, help="steps after a snapshot that are charged to it")
     p.add_argument("--models", default="resnet18,resnet50", help="models whose state is snapshotted")
@@ -175,29 +180,31 @@ def main() -> int:
     try:
         block = {m: blocking(m, args.reps, root) for m in args.models.split(",")}
         for m, b in block.items():
-            print(f"{m}: {b['state_mb']} MB state, blocking sync {b['sync_blocking_s_median'] * 1000:.0f} ms, "
-                  f"async {b['async_blocking_s_median'] * 1000:.0f} ms", flush=True)
+            print(f"{m}: {b['state_mb']} MB state, blocking sync {b['sync_blocking_s_median'] * 1000:.0f} "
+                  f"ms, async {b['async_blocking_s_median'] * 1000:.0f} ms", flush=True)
         tput = {m: throughput(m, args.intervals, args.steps, args.window, args.batch, args.image_size, root)
                 for m in args.throughput_models.split(",")}
         # The same with one core left to the writer, as on a GPU node whose CPU is not saturated.
         spare = {}
         if args.threads > 1:
             torch.set_num_threads(args.threads - 1)
-            spare = {m: throughput(m, args.intervals, args.steps, args.window, args.batch, args.image_size, root)
+            spare = {m: throughput(m, args.intervals, args.steps, args.window, args.batch,
+                                   args.image_size, root)
                      for m in args.throughput_models.split(",")}
             torch.set_num_threads(args.threads)
         for m, t in [*tput.items(), *[(f"{k} ({args.threads - 1} thread(s), a spare core)", v)
                                       for k, v in spare.items()]]:
             print(f"{m}: {t['step_ms_no_snapshot']:.1f} ms/step; one snapshot per {args.steps} steps costs "
-                  f"{100 * t['throughput_loss_async']:.2f}% async, {100 * t['throughput_loss_sync']:.2f}% sync "
-                  f"(control windows: {100 * t['control_async']:.2f}%, {100 * t['control_sync']:.2f}%)", flush=True)
+                  f"{100 * t['throughput_loss_async']:.2f}% async, "
+                  f"{100 * t['throughput_loss_sync']:.2f}% sync (control windows: "
+                  f"{100 * t['control_async']:.2f}%, {100 * t['control_sync']:.2f}%)", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result = {
         "async_vs_sync_blocking_ratio": max(b["async_vs_sync_blocking_ratio"] for b in block.values()),
         f"throughput_loss_at_{args.steps}_steps": max(t["throughput_loss_async"] for t in tput.values()),
-        f"throughput_loss_at_{args.steps}_steps_spare_core": (max(t["throughput_loss_async"] for t in spare.values())
-                                                              if spare else None),
+        f"throughput_loss_at_{args.steps}_steps_spare_core": (
+            max(t["throughput_loss_async"] for t in spare.values()) if spare else None),
         "blocking": block, "throughput": tput, "throughput_spare_core": spare,
         "targets": {"async_vs_sync_blocking_ratio": "<= 0.25", "throughput_loss_at_100_steps": "<= 0.01"},
         "torch": torch.__version__, "threads": args.threads,

@@ -18,69 +18,74 @@ HERE = Path(__file__).resolve().parent
 
 # (file, metric key, label, target as (op, bound) or None, format)
 ROWS = [
-    ("loop_overhead", "loop_overhead_ratio", "trainapp loop / minimal DDP loop, step time", ("<=", 1.03), "{:.3f}"),
+    ("loop_overhead", "loop_overhead_ratio", "trainapp loop / minimal DDP loop, step time", ("<=", 1.03),
+     "{:.3f}"),
     ("loop_overhead", "control_ratio", "minimal loop / itself (noise floor)", None, "{:.3f}"),
-    ("loop_overhead", "vote_cost_ratio", "trainapp / trainapp without the preemption vote, step time (noise-bound)",
-     None, "{:.3f}"),
+    ("loop_overhead", "vote_cost_ratio", "trainapp / trainapp without the preemption vote, step time "
+     "(noise-bound)", None, "{:.3f}"),
     ("loop_overhead", "ranks_cost_ratio", "trainapp / trainapp without per-rank phase timings, step time "
      "(noise-bound)", None, "{:.3f}"),
-    ("launchers", "ray_vs_torchrun_step_ratio_spare_core", "Ray Train / torchrun, step time, 1 worker of 1 thread, "
-     "the other core left to the daemons", ("<=", 1.02), "{:.3f}"),
+    ("launchers", "ray_vs_torchrun_step_ratio_spare_core", "Ray Train / torchrun, step time, 1 worker of 1 "
+     "thread, the other core left to the daemons", ("<=", 1.02), "{:.3f}"),
     ("launchers", "control_ratio_spare_core", "torchrun / torchrun, the same (noise floor)", None, "{:.3f}"),
-    ("launchers", "train_cpu_ratio_ray_vs_torchrun", "Ray Train / torchrun, CPU per step of a training worker",
-     ("<=", 1.02), "{:.3f}"),
+    ("launchers", "train_cpu_ratio_ray_vs_torchrun", "Ray Train / torchrun, CPU per step of a training "
+     "worker", ("<=", 1.02), "{:.3f}"),
     ("launchers", "train_cpu_control_ratio", "torchrun / torchrun, the same (noise floor)", None, "{:.3f}"),
-    ("ray_floor", "minimal_cpu_ratio", "a minimal DDP loop in a bare TorchTrainer / under torchrun, CPU per step "
-     "(what Ray Train costs any loop)", None, "{:.3f}"),
-    ("ray_floor", "minimal_cpu_ratio_report", "the same with a `ray.train.report` every 10 steps and controller "
-     "polls every 0.25 s, as trainapp's runs before `ray.report_interval_s`", None, "{:.3f}"),
+    ("ray_floor", "minimal_cpu_ratio", "a minimal DDP loop in a bare TorchTrainer / under torchrun, CPU per "
+     "step (what Ray Train costs any loop)", None, "{:.3f}"),
+    ("ray_floor", "minimal_cpu_ratio_report", "the same with a `ray.train.report` every 10 steps and "
+     "controller polls every 0.25 s, as trainapp's runs before `ray.report_interval_s`", None, "{:.3f}"),
     ("ray_floor", "minimal_cpu_control_ratio", "torchrun / torchrun, the same (noise floor)", None, "{:.3f}"),
-    ("ray_floor", "trainapp_cpu_ratio", "trainapp under Ray Train / torchrun, CPU per step, the same rounds", None,
-     "{:.3f}"),
-    ("launchers", "runtime_threads_ms_per_s_ray", "Ray: CPU of Ray's own threads in each training worker (ms/s)",
-     None, "{:.1f}"),
-    ("launchers", "ray_vs_torchrun_step_ratio", "Ray Train / torchrun, step time, 2 workers sharing 2 cores with "
-     "Ray's daemons", None, "{:.3f}"),
+    ("ray_floor", "trainapp_cpu_ratio", "trainapp under Ray Train / torchrun, CPU per step, the same rounds",
+     None, "{:.3f}"),
+    ("launchers", "runtime_threads_ms_per_s_ray", "Ray: CPU of Ray's own threads in each training worker "
+     "(ms/s)", None, "{:.1f}"),
+    ("launchers", "ray_vs_torchrun_step_ratio", "Ray Train / torchrun, step time, 2 workers sharing 2 cores "
+     "with Ray's daemons", None, "{:.3f}"),
     ("launchers", "control_ratio", "torchrun / torchrun, the same (noise floor)", None, "{:.3f}"),
-    ("launchers", "other_cores_ray", "Ray: cores used by everything but training during a job", None, "{:.2f}"),
-    ("launchers", "other_cores_torchrun", "torchrun: the same (torchrun's agent and the idle Ray cluster)", None,
+    ("launchers", "other_cores_ray", "Ray: cores used by everything but training during a job", None,
      "{:.2f}"),
+    ("launchers", "other_cores_torchrun", "torchrun: the same (torchrun's agent and the idle Ray cluster)",
+     None, "{:.2f}"),
     ("launchers", "startup_seconds_torchrun", "torchrun: launch to first step (s)", None, "{:.1f}"),
     ("launchers", "startup_seconds_ray", "Ray: `ray job submit` to first step (s)", ("<=", 15), "{:.1f}"),
     ("launchers", "recovery_seconds", "Ray: worker SIGKILL to first resumed step (s)", ("<=", 8), "{:.1f}"),
-    ("launchers", "recovery_seconds_torchrun", "torchrun: worker SIGKILL to first resumed step (s)", None, "{:.1f}"),
-    ("launchers", "node_loss_recovery_seconds", "Ray elastic: node lost to first step on the rest (s)", ("<=", 10),
+    ("launchers", "recovery_seconds_torchrun", "torchrun: worker SIGKILL to first resumed step (s)", None,
      "{:.1f}"),
-    ("ray_stop", "after_stop_minus_fresh_s", "Ray: submit to first step of an elastic resubmission after `ray job "
-     "stop`, minus a fresh submit's (s)", ("<=", 5), "{:.1f}"),
-    ("ray_stop", "after_kill_minus_fresh_s", "the same after the driver was SIGKILLed (its resource request left "
-     "behind) (s)", ("<=", 5), "{:.1f}"),
-    ("ray_stop", "control_after_kill_no_release_s", "control: a new elastic run after that kill, the request not "
-     "released, submit to first step (s)", None, "{:.1f}"),
-    ("ray_stop", "stop_to_end_s", "Ray: `ray job stop` to the job's end, the stop snapshot registered (s)", None,
+    ("launchers", "node_loss_recovery_seconds", "Ray elastic: node lost to first step on the rest (s)",
+     ("<=", 10), "{:.1f}"),
+    ("ray_stop", "after_stop_minus_fresh_s", "Ray: submit to first step of an elastic resubmission after "
+     "`ray job stop`, minus a fresh submit's (s)", ("<=", 5), "{:.1f}"),
+    ("ray_stop", "after_kill_minus_fresh_s", "the same after the driver was SIGKILLed (its resource request "
+     "left behind) (s)", ("<=", 5), "{:.1f}"),
+    ("ray_stop", "control_after_kill_no_release_s", "control: a new elastic run after that kill, the request "
+     "not released, submit to first step (s)", None, "{:.1f}"),
+    ("ray_stop", "stop_to_end_s", "Ray: `ray job stop` to the job's end, the stop snapshot registered (s)",
+     None, "{:.1f}"),
+    ("resize", "resize_param_rel_distance", "elastic: a run resized 2 -> 1 -> 2 (global batch kept), final "
+     "parameters' relative distance to a straight run's, SmallCNN fp32, 100 steps", ("<=", 1e-4), "{:.2g}"),
+    ("resize", "resize_param_rel_distance_rescale", "control: the same resizes with the LR rescaled instead "
+     "(the rule before)", None, "{:.2g}"),
+    ("resize", "resize_param_rel_distance_4slots", "the same with the global batch in 4 micro-batches (the "
+     "float sums added in another order after a resize)", None, "{:.2g}"),
+    ("resize", "float_order_floor_4slots", "its floor: a straight run on one process, the same math, the "
+     "sums in another order", None, "{:.2g}"),
+    ("resize", "resize_param_rel_distance_4slots_rescale", "its control: the resizes with the LR rescaled",
+     None, "{:.2g}"),
+    ("ray_versions", "startup_s_oldest", "Ray 2.55 (oldest supported): `ray job submit` to first step (s)",
+     None, "{:.1f}"),
+    ("ray_versions", "startup_s_newest", "Ray 2.60 (newest): the same, alternating rounds (s)", None,
      "{:.1f}"),
-    ("resize", "resize_param_rel_distance", "elastic: a run resized 2 -> 1 -> 2 (global batch kept), final parameters' "
-     "relative distance to a straight run's, SmallCNN fp32, 100 steps", ("<=", 1e-4), "{:.2g}"),
-    ("resize", "resize_param_rel_distance_rescale", "control: the same resizes with the LR rescaled instead (the rule "
-     "before)", None, "{:.2g}"),
-    ("resize", "resize_param_rel_distance_4slots", "the same with the global batch in 4 micro-batches (the float sums "
-     "added in another order after a resize)", None, "{:.2g}"),
-    ("resize", "float_order_floor_4slots", "its floor: a straight run on one process, the same math, the sums in "
-     "another order", None, "{:.2g}"),
-    ("resize", "resize_param_rel_distance_4slots_rescale", "its control: the resizes with the LR rescaled", None,
-     "{:.2g}"),
-    ("ray_versions", "startup_s_oldest", "Ray 2.55 (oldest supported): `ray job submit` to first step (s)", None,
-     "{:.1f}"),
-    ("ray_versions", "startup_s_newest", "Ray 2.60 (newest): the same, alternating rounds (s)", None, "{:.1f}"),
-    ("ray_versions", "node_lost_to_one_worker_s_oldest", "Ray 2.55: elastic, node lost to first step on the rest, "
-     "the cluster re-read by the coordinator's tick (s)", ("<=", 10), "{:.1f}"),
-    ("ray_versions", "node_lost_to_one_worker_s_newest", "Ray 2.60: the same, re-read by `recompute=True` (s)", None,
-     "{:.1f}"),
+    ("ray_versions", "node_lost_to_one_worker_s_oldest", "Ray 2.55: elastic, node lost to first step on the "
+     "rest, the cluster re-read by the coordinator's tick (s)", ("<=", 10), "{:.1f}"),
+    ("ray_versions", "node_lost_to_one_worker_s_newest", "Ray 2.60: the same, re-read by `recompute=True` "
+     "(s)", None, "{:.1f}"),
     ("fsdp", "memory_ratio", "FSDP / DDP, parameters + gradients + AdamW state per rank, char_lm, 2 ranks",
      ("<=", 0.55), "{:.3f}"),
-    ("fsdp", "step_time_ratio", "FSDP / DDP, step time, the same runs on CPU (for information)", None, "{:.3f}"),
-    ("resize", "grow_back_seconds", "Ray elastic: a lost node back (`ray start`) to the first step on two workers (s)",
-     ("<=", 30), "{:.1f}"),
+    ("fsdp", "step_time_ratio", "FSDP / DDP, step time, the same runs on CPU (for information)", None,
+     "{:.3f}"),
+    ("resize", "grow_back_seconds", "Ray elastic: a lost node back (`ray start`) to the first step on two "
+     "workers (s)", ("<=", 30), "{:.1f}"),
     ("snapshot_cost", "async_vs_sync_blocking_ratio", "snapshot blocking time, async / sync (worse model)",
      ("<=", 0.25), "{:.3f}"),
     ("snapshot_cost", "throughput_loss_at_100_steps", "throughput lost to one async snapshot per 100 steps",
@@ -92,19 +97,24 @@ ROWS = [
     ("preempt", "periodic_snapshot_seconds", "a periodic snapshot of the same state (s)", None, "{:.2f}"),
     ("preempt", "vote_cpu_ms", "one preemption vote, measured alone: CPU (ms)", None, "{:.3f}"),
     ("preempt", "vote_share", "votes' share of the CPU at one vote per 0.5 s", None, "{:.3%}"),
-    ("hang", "hang_detect_seconds_torchrun", "torchrun: a rank hangs to the first watchdog firing (s)", None, "{:.1f}"),
-    ("hang", "hang_recovery_seconds_torchrun", "torchrun: a rank hangs to the first resumed step (s)", ("<=", 100),
-     "{:.1f}"),
+    ("hang", "hang_detect_seconds_torchrun", "torchrun: a rank hangs to the first watchdog firing (s)",
+     None, "{:.1f}"),
+    ("hang", "hang_recovery_seconds_torchrun", "torchrun: a rank hangs to the first resumed step (s)",
+     ("<=", 100), "{:.1f}"),
     ("hang", "hang_detect_seconds_ray", "Ray: a rank hangs to the first watchdog firing (s)", None, "{:.1f}"),
-    ("hang", "hang_recovery_seconds_ray", "Ray: a rank hangs to the first resumed step (s)", ("<=", 100), "{:.1f}"),
-    ("char_lm", "wall_seconds", "`make run ARGS=task.name=char_lm`, command to exit, torchrun x2 (s)", None, "{:.0f}"),
-    ("char_lm", "val_loss_vs_uniform", "char_lm's final val_loss / the uniform guess's log(vocab)", ("<=", 0.6),
-     "{:.3f}"),
-    ("export", "sharded_peak_ratio", "`trainapp export` of a sharded (FSDP) snapshot, a 288 MiB MLP, fp32 with the "
-     "check: peak RSS above a process that reads no weights / the model's bytes", ("<=", 1.5), "{:.2f}"),
-    ("export", "whole_peak_ratio", "the same of a whole (DDP) snapshot (its mapped `state.pt` pages count)", None,
+    ("hang", "hang_recovery_seconds_ray", "Ray: a rank hangs to the first resumed step (s)", ("<=", 100),
+     "{:.1f}"),
+    ("char_lm", "wall_seconds", "`make run ARGS=task.name=char_lm`, command to exit, torchrun x2 (s)", None,
+     "{:.0f}"),
+    ("char_lm", "val_loss_vs_uniform", "char_lm's final val_loss / the uniform guess's log(vocab)",
+     ("<=", 0.6), "{:.3f}"),
+    ("export", "sharded_peak_ratio", "`trainapp export` of a sharded (FSDP) snapshot, a 288 MiB MLP, fp32 "
+     "with the check: peak RSS above a process that reads no weights / the model's bytes", ("<=", 1.5),
      "{:.2f}"),
-    ("export", "sharded_export_s", "the sharded export's time, fp32 with the check, 2 cores (s)", None, "{:.1f}"),
+    ("export", "whole_peak_ratio", "the same of a whole (DDP) snapshot (its mapped `state.pt` pages count)",
+     None, "{:.2f}"),
+    ("export", "sharded_export_s", "the sharded export's time, fp32 with the check, 2 cores (s)", None,
+     "{:.1f}"),
 ]
 
 
@@ -137,13 +147,15 @@ def table(results_dir: Path) -> str:
             goal = f"{op} {fmt.format(bound)}"
         else:
             met, goal = "", ""
-        lines.append(f"| `{name}` | {label} (`{key}`) | {shown} | {goal} | {met} | {_when(results.get(name))} |")
+        lines.append(f"| `{name}` | {label} (`{key}`) | {shown} | {goal} | {met} | "
+                     f"{_when(results.get(name))} |")
     amp = results.get("amp_cpu", {}).get("models", {})
     for model, m in amp.items():
         lines.append(f"| `amp_cpu` | {model}: bf16 autocast / fp32, step time ({m['bf16_step_ms']:.1f} vs "
                      f"{m['fp32_step_ms']:.1f} ms) | {m['bf16_vs_fp32_step_ratio']:.3f} |  |  | "
                      f"{_when(results.get('amp_cpu'))} |")
-    torch = sorted({r["machine"].rsplit("torch ", 1)[-1] for r in results.values() if "torch " in r.get("machine", "")})
+    torch = sorted({r["machine"].rsplit("torch ", 1)[-1] for r in results.values()
+                    if "torch " in r.get("machine", "")})
     return "\n".join(lines) + f"\n\nMeasured on x86_64, 2 cores, 24 GiB, no GPU; torch {', '.join(torch)}.\n"
 
 
@@ -152,7 +164,8 @@ def main() -> int:
     p.add_argument("--results", type=Path, default=HERE / "results")
     args = p.parse_args()
     if not args.results.is_dir():
-        print(f"summary: error: --results {args.results}: no such directory; run `make bench` first", file=sys.stderr)
+        print(f"summary: error: --results {args.results}: no such directory; run `make bench` first",
+              file=sys.stderr)
         return 2
     text = table(args.results)
     (args.results / "summary.md").write_text(text)

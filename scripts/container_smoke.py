@@ -285,24 +285,27 @@ class Smoke:
         if not sys.platform.startswith("linux"):
             raise Usage("needs Linux (dockerd, debootstrap)")
         if not shutil.which(self.docker):
-            raise Usage(f"docker CLI {self.docker!r} not found: apt-get install -y docker.io, or set DOCKER=path")
+            raise Usage(f"docker CLI {self.docker!r} not found: apt-get install -y docker.io, "
+                        f"or set DOCKER=path")
         if not (REPO / "docker/Dockerfile").is_file():
             raise Usage(f"{REPO}/docker/Dockerfile not found: run from a trainapp checkout")
         if not self.engine_host:
             if os.geteuid() != 0:
-                raise Usage("starting dockerd needs root: run as root, or set SMOKE_DOCKER_HOST to a running engine")
+                raise Usage("starting dockerd needs root: run as root, "
+                            "or set SMOKE_DOCKER_HOST to a running engine")
             for tool in ("dockerd", "containerd"):
                 if not shutil.which(tool):
                     raise Usage(f"{tool} not found: apt-get install -y docker.io "
                                 "(or set SMOKE_DOCKER_HOST to a running engine)")
-            if self.keep_root is None and not self.skip_build and not self.cpu_base and not shutil.which("debootstrap"):
+            if (self.keep_root is None and not self.skip_build and not self.cpu_base
+                    and not shutil.which("debootstrap")):
                 raise Usage("debootstrap not found (it makes the base image, no registry is asked): "
                             "apt-get install -y debootstrap, or set CPU_BASE to an image")
             self.tmp_parent.mkdir(parents=True, exist_ok=True)
             free = shutil.disk_usage(self.tmp_parent).free / 2**30
             if self.keep_root is None and free < MIN_FREE_GB:
-                raise Usage(f"SMOKE_TMPDIR={self.tmp_parent}: {free:.1f} GB free, the engine's data root needs "
-                            f"{MIN_FREE_GB} GB; point SMOKE_TMPDIR at a larger disk")
+                raise Usage(f"SMOKE_TMPDIR={self.tmp_parent}: {free:.1f} GB free, the engine's data root "
+                            f"needs {MIN_FREE_GB} GB; point SMOKE_TMPDIR at a larger disk")
         if not self.skip_build:
             self.build_cmd = self.build_command()
 
@@ -320,8 +323,8 @@ class Smoke:
             if m and int(m.group(1)) < 23:
                 self.build_env = {"DOCKER_BUILDKIT": "1"}
                 return [client, "build"]
-        raise Usage(f"no docker client with BuildKit: {self.docker} has no buildx plugin; install docker-buildx, "
-                    "or docker.io (its /usr/bin/docker has BuildKit built in)")
+        raise Usage(f"no docker client with BuildKit: {self.docker} has no buildx plugin; "
+                    "install docker-buildx, or docker.io (its /usr/bin/docker has BuildKit built in)")
 
     # ---------------------------------------------------------------------------------- engine
 
@@ -333,7 +336,8 @@ class Smoke:
                 raise Usage(f"SMOKE_DOCKER_HOST={self.engine_host}: no Docker engine answers there "
                             f"({(r.stderr.strip().splitlines() or ['?'])[-1]})")
             self.engine_up = True
-            log(f"using the running Docker engine {r.stdout.strip()} at {self.engine_host} (not stopped afterwards)")
+            log(f"using the running Docker engine {r.stdout.strip()} at {self.engine_host} "
+                f"(not stopped afterwards)")
             return
         data_root = self.keep_root or self.tmp / "docker"
         data_root.mkdir(parents=True, exist_ok=True)
@@ -344,9 +348,9 @@ class Smoke:
         # No default bridge (docker0), no iptables rules, no ip_forward: nothing on the host changes, and
         # containers reach only each other. Published ports go through docker-proxy.
         self.dockerd = subprocess.Popen(
-            ["dockerd", "--host", f"unix://{sock}", "--data-root", str(data_root), "--exec-root", str(self.exec_root),
-             "--pidfile", str(self.tmp / "dockerd.pid"), "--bridge=none", "--iptables=false", "--ip-forward=false",
-             "--ip-masq=false"],
+            ["dockerd", "--host", f"unix://{sock}", "--data-root", str(data_root),
+             "--exec-root", str(self.exec_root), "--pidfile", str(self.tmp / "dockerd.pid"),
+             "--bridge=none", "--iptables=false", "--ip-forward=false", "--ip-masq=false"],
             stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         logf.close()
         deadline = time.monotonic() + 60
@@ -402,10 +406,12 @@ class Smoke:
         rootfs = self.tmp / "rootfs"
         log(f"base: debootstrap bookworm ({DEBOOTSTRAP_INCLUDE}) from {self.mirror}")
         with open(self.tmp / "debootstrap.log", "w") as f:
-            # A session of its own: on Ctrl-C its whole group (wget, dpkg, chroot) is stopped, not just the shell.
+            # A session of its own: on Ctrl-C its whole group (wget, dpkg, chroot) is stopped, not just the
+            # shell.
             self.debootstrap = subprocess.Popen(
-                ["debootstrap", "--variant=minbase", f"--include={DEBOOTSTRAP_INCLUDE}", "bookworm", str(rootfs),
-                 self.mirror], stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                ["debootstrap", "--variant=minbase", f"--include={DEBOOTSTRAP_INCLUDE}", "bookworm",
+                 str(rootfs), self.mirror],
+                stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             rc = self.debootstrap.wait(timeout=900)
         except subprocess.TimeoutExpired:
@@ -422,8 +428,9 @@ class Smoke:
                 if p.is_file():
                     p.unlink()
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
-        imp = subprocess.run([self.docker, "import", "--change", "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:"
-                              "/usr/bin:/sbin:/bin", "--change", "ENV LANG=C.UTF-8", "-", LOCAL_BASE],
+        imp = subprocess.run([self.docker, "import", "--change",
+                              "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                              "--change", "ENV LANG=C.UTF-8", "-", LOCAL_BASE],
                              stdin=tar.stdout, capture_output=True, text=True, timeout=600)
         tar.stdout.close()
         tar.wait()
@@ -447,8 +454,9 @@ class Smoke:
             (root / name).symlink_to(folder.resolve(), target_is_directory=True)
             names.append(name)
         for port in (PKG_PORT, 0):
-            p = subprocess.Popen([sys.executable, "-u", "-m", "http.server", "--bind", "127.0.0.1", "--directory",
-                                  str(root), str(port)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            p = subprocess.Popen([sys.executable, "-u", "-m", "http.server", "--bind", "127.0.0.1",
+                                  "--directory", str(root), str(port)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                  stdin=subprocess.DEVNULL, text=True, start_new_session=True)
             self.servers.append(p)
             m = re.search(r"port (\d+)", p.stdout.readline())  # "" when it could not bind: next port
@@ -470,7 +478,8 @@ class Smoke:
     def package_args(self) -> list[str]:
         """Build arguments for this machine's pip sources (see the module docstring)."""
         # pip as the caller runs it: the caller's HOME (user config), not the Ray CLI's private one.
-        r = run([sys.executable, "-m", "pip", "config", "list"], check=False, env={**os.environ, **self.pip_env})
+        r = run([sys.executable, "-m", "pip", "config", "list"], check=False,
+                env={**os.environ, **self.pip_env})
         conf: dict[str, list[str]] = {"index-url": [], "extra-index-url": [], "find-links": []}
         for line in r.stdout.splitlines():
             m = re.match(r"^[^=]*\.(index-url|extra-index-url|find-links)='(.*)'$", line.strip())
@@ -516,20 +525,22 @@ class Smoke:
     def build_image(self, base: str) -> None:
         args = ["--build-arg", f"CPU_BASE={base}", *self.package_args()]
         vcs = run(["git", "-C", str(REPO), "rev-parse", "HEAD"], check=False).stdout.strip()
-        cmd = [*self.build_cmd, "--progress=plain", "--network", "host", "-f", "docker/Dockerfile", "--target", "cpu",
-               "-t", self.image, *args, "--build-arg", f"VCS_REF={vcs}", *self.extra_build_args, "."]
+        cmd = [*self.build_cmd, "--progress=plain", "--network", "host", "-f", "docker/Dockerfile",
+               "--target", "cpu", "-t", self.image, *args, "--build-arg", f"VCS_REF={vcs}",
+               *self.extra_build_args, "."]
         log(f"building {self.image} (docker/Dockerfile, target cpu, base {base})")
         build_log = self.tmp / "build.log"
         with open(build_log, "w") as f:
-            self.build = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env={**os.environ, **self.build_env},
+            self.build = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, env={**os.environ, **self.build_env},
                                           start_new_session=True)
         last_note = time.monotonic()
         while self.build.poll() is None:
             time.sleep(1)
             if time.monotonic() - last_note >= 30:
                 last_note = time.monotonic()
-                steps = re.findall(r"^#\d+ \[(cpu[^\]]*)\] (.*)$", build_log.read_text(errors="replace"), re.M)
+                steps = re.findall(r"^#\d+ \[(cpu[^\]]*)\] (.*)$", build_log.read_text(errors="replace"),
+                                   re.M)
                 if steps:
                     log(f"building: [{steps[-1][0]}] {steps[-1][1][:90]}")
         rc = self.build.returncode
@@ -553,11 +564,13 @@ class Smoke:
                 env={**os.environ, **self.build_env})
         if r.returncode != 0:
             tail(r.stdout + r.stderr, 30, "task build: ")
-            raise Failure(f"docker build of examples/tabular/Dockerfile on {self.image} failed (exit {r.returncode})")
+            raise Failure(f"docker build of examples/tabular/Dockerfile on {self.image} failed "
+                          f"(exit {r.returncode})")
         r = self.d("run", "--rm", "--label", self.label, "--network", "none", "--read-only",
                    "--tmpfs", "/tmp:rw,nosuid,nodev,noexec,size=1g", "--cap-drop=ALL",
                    "--security-opt=no-new-privileges",
-                   self.task_image, "python", "-m", "trainapp", "train", "--config", "/home/trainapp/tasks/config.yaml",
+                   self.task_image, "python", "-m", "trainapp", "train",
+                   "--config", "/home/trainapp/tasks/config.yaml",
                    "train.max_steps=20", "train.progress=false", "run.dir=/tmp/run", check=False, timeout=300)
         done = [line for line in r.stdout.splitlines() if line.startswith("trainapp: done steps=20")]
         if r.returncode != 0 or not done or "val_mse=" not in done[0]:
@@ -568,7 +581,8 @@ class Smoke:
 
     # ---------------------------------------------------------------------------------- cluster
 
-    def ray_container(self, name: str, command: list[str], publish: bool = False, stop_timeout: int = 0) -> None:
+    def ray_container(self, name: str, command: list[str], publish: bool = False,
+                      stop_timeout: int = 0) -> None:
         self.d("run", "-d", "--name", name, "--hostname", name, "--label", self.label, "--network", self.net,
                *([f"--stop-timeout={stop_timeout}"] if stop_timeout else []),
                # As the k8s manifests: read-only root, /tmp an emptyDir-like tmpfs, no capabilities.
@@ -620,7 +634,8 @@ class Smoke:
         # The dashboard answers some seconds before its job module does: wait for the job list.
         while not self.job_server_ready():
             if time.monotonic() > deadline:
-                raise Failure(f"the head's job server on 127.0.0.1:{self.port} accepts no requests after 180s")
+                raise Failure(f"the head's job server on 127.0.0.1:{self.port} accepts no requests "
+                              f"after 180s")
             time.sleep(2)
         for w in self.workers:
             self.start_worker(w)
@@ -665,14 +680,16 @@ class Smoke:
         start = next((r for r in records if r.get("kind") == "start"), {})
         nets = [n for n in start.get("network") or [] if isinstance(n, dict)]
         if nets:
-            log("ranks: " + ", ".join(f"{i} on {str(n.get('host')).removeprefix(f'trainapp-smoke-{self.id}-')} "
+            log("ranks: " + ", ".join(f"{i} on "
+                                      f"{str(n.get('host')).removeprefix(f'trainapp-smoke-{self.id}-')} "
                                       f"(gloo={n.get('gloo')}, nccl={n.get('nccl')}"
                                       f"{', kept ' + ','.join(n['kept']) if n.get('kept') else ''})"
                                       for i, n in enumerate(nets)))
         auto = [n for n in nets if str(n.get("reason", "")).startswith("auto") and n.get("gloo") == "eth0"
                 and not n.get("kept")]
         if not nets or len(auto) != len(nets):
-            raise Failure(f"network.interface=auto did not choose eth0 (toward the head) on every rank: {nets}")
+            raise Failure(f"network.interface=auto did not choose eth0 (toward the head) on every rank: "
+                          f"{nets}")
         if nets and nets[0].get("host") in self.workers:
             victim, why = nets[0]["host"], " (rank 0's node)"
         return victim, why
@@ -698,7 +715,8 @@ class Smoke:
         status = ""
         while status != "SUCCEEDED":
             if time.monotonic() > deadline:
-                raise Failure(f"job {self.job} did not finish within TIMEOUT={self.timeout}s (status {status or '?'})")
+                raise Failure(f"job {self.job} did not finish within TIMEOUT={self.timeout}s "
+                              f"(status {status or '?'})")
             time.sleep(3)
             status = self.job_status()
             if status in ("FAILED", "STOPPED"):
@@ -716,8 +734,9 @@ class Smoke:
         self.replace_worker(victim)
         resumed = self.wait_restart(deadline, f"the run never restarted after {victim} was killed")
         self.resumed_step = resumed["resumed_step"]
-        log(f"resumed from step {self.resumed_step} (killed at {step}), {resumed['time'] - killed_at:.1f}s after the "
-            f"kill, world size {resumed.get('world_size')}; waiting for the job to finish")
+        log(f"resumed from step {self.resumed_step} (killed at {step}), "
+            f"{resumed['time'] - killed_at:.1f}s after the kill, world size {resumed.get('world_size')}; "
+            f"waiting for the job to finish")
         self.wait_succeeded(deadline)
 
     def run_stop_job(self) -> None:
@@ -738,30 +757,34 @@ class Smoke:
         self.stop_step, self.stop_took, self.stop_code = step, took, code
         log(f"docker stop returned after {took:.1f}s: {victim} exited with {code}")
         if code == "137" or took >= STOP_TIMEOUT:
-            raise Failure(f"docker stop of {victim} took {took:.1f}s and it exited with {code}: SIGKILLed at the "
-                          f"stop timeout ({STOP_TIMEOUT}s) instead of exiting after the drain")
+            raise Failure(f"docker stop of {victim} took {took:.1f}s and it exited with {code}: SIGKILLed at "
+                          f"the stop timeout ({STOP_TIMEOUT}s) instead of exiting after the drain")
         if code not in ("143", "0"):
-            raise Failure(f"{victim} exited with {code} after docker stop (expected 143 from `trainapp node`, or 0)")
+            raise Failure(f"{victim} exited with {code} after docker stop "
+                          f"(expected 143 from `trainapp node`, or 0)")
         if any("still running" in x for x in node_lines):
-            raise Failure(f"`trainapp node` in {victim}: training processes still running after --wait-s {NODE_WAIT_S}")
+            raise Failure(f"`trainapp node` in {victim}: training processes still running after "
+                          f"--wait-s {NODE_WAIT_S}")
         self.replace_worker(victim)
         resumed = self.wait_restart(deadline, f"the run never restarted after {victim} was stopped")
         notice = smoke_assert.latest_preempted(self.records())
         if notice is None:
-            raise Failure(f"the run restarted after docker stop of {victim} without a `preempted` record: the "
-                          "notice did not reach the training processes (no snapshot of the step reached)")
+            raise Failure(f"the run restarted after docker stop of {victim} without a `preempted` record: "
+                          "the notice did not reach the training processes "
+                          "(no snapshot of the step reached)")
         self.stop_preempted, self.stop_resumed = notice.get("step"), resumed["resumed_step"]
         self.stop_snapshot_s = notice["time"] - stopped_at
-        log(f"preempted at step {notice.get('step')} ({notice.get('signal')}, phase {notice.get('phase')}): its "
-            f"snapshot {self.stop_snapshot_s:.1f}s after docker stop ({notice.get('seconds')}s after the signal); "
-            f"resumed from step {self.stop_resumed}, {resumed['time'] - stopped_at:.1f}s after docker stop, world "
-            f"size {resumed.get('world_size')}; waiting for the job to finish")
+        log(f"preempted at step {notice.get('step')} ({notice.get('signal')}, phase {notice.get('phase')}): "
+            f"its snapshot {self.stop_snapshot_s:.1f}s after docker stop "
+            f"({notice.get('seconds')}s after the signal); resumed from step {self.stop_resumed}, "
+            f"{resumed['time'] - stopped_at:.1f}s after docker stop, world size {resumed.get('world_size')}; "
+            f"waiting for the job to finish")
         self.wait_succeeded(deadline)
 
     def check(self, name: str, steps: int, *extra: str) -> None:
         cmd = [sys.executable, str(REPO / "scripts/smoke_assert.py"), f"{RUNS}/{name}", "--backend", "docker",
-               "--docker-container", self.head, "--dest", str(self.tmp / "copy" / name), "--expect-steps", str(steps),
-               *extra]
+               "--docker-container", self.head, "--dest", str(self.tmp / "copy" / name),
+               "--expect-steps", str(steps), *extra]
         for c in [self.head, *self.workers]:
             cmd += ["--nonroot", c]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -771,16 +794,17 @@ class Smoke:
 
     def check_kill(self) -> None:
         self.check(self.name, STEPS)
-        line = (f"kill: worker container killed at step {self.kill_step}, resumed from step {self.resumed_step}, "
-                f"{STEPS}/{STEPS} steps")
+        line = (f"kill: worker container killed at step {self.kill_step}, "
+                f"resumed from step {self.resumed_step}, {STEPS}/{STEPS} steps")
         log(f"PASS {line}")
         self.summaries.append(line)
 
     def check_stop(self) -> None:
         self.check(self.stop_name, STOP_STEPS, "--preempted", "SIGTERM")
-        line = (f"stop: worker container stopped at step {self.stop_step} (docker stop {self.stop_took:.0f}s, exit "
-                f"{self.stop_code}), snapshot of step {self.stop_preempted} {self.stop_snapshot_s:.1f}s after the "
-                f"stop, resumed from step {self.stop_resumed} ({self.stop_preempted - self.stop_resumed} redone), "
+        line = (f"stop: worker container stopped at step {self.stop_step} "
+                f"(docker stop {self.stop_took:.0f}s, exit {self.stop_code}), snapshot of step "
+                f"{self.stop_preempted} {self.stop_snapshot_s:.1f}s after the stop, resumed from step "
+                f"{self.stop_resumed} ({self.stop_preempted - self.stop_resumed} redone), "
                 f"{STOP_STEPS}/{STOP_STEPS} steps")
         log(f"PASS {line}")
         self.summaries.append(line)
@@ -791,7 +815,8 @@ class Smoke:
         if not self.engine_up:
             return
         print(f"{PROG}: diagnostics", flush=True)
-        r = self.d("ps", "-a", "--filter", f"label={self.label}", "--format", "{{.Names}}\t{{.Status}}", check=False)
+        r = self.d("ps", "-a", "--filter", f"label={self.label}", "--format", "{{.Names}}\t{{.Status}}",
+                   check=False)
         tail(r.stdout, 10, "")
         for name in r.stdout.split():
             if name.startswith("trainapp-smoke-"):
@@ -857,7 +882,8 @@ class Smoke:
             self.tmp_parent.mkdir(parents=True, exist_ok=True)
             self.tmp = Path(tempfile.mkdtemp(prefix="container-smoke-", dir=self.tmp_parent))
             os.chmod(self.tmp, 0o700)
-            # The Ray CLI: token from here, and a HOME of its own (a stale ~/.ray/auth_token must not leak in).
+            # The Ray CLI: token from here, and a HOME of its own (a stale ~/.ray/auth_token must not leak
+            # in).
             os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
                               HOME=str(self.tmp), RAY_USAGE_STATS_ENABLED="0")
             with self.timed("engine"):

@@ -271,7 +271,8 @@ def fp16(s: Session, task: str) -> Verdict:
         v.need(start.get("amp") == "fp16", f"amp {start.get('amp')}, expected fp16")
         finite_losses(v, run)
         scales = [r.get("loss_scale") for r in train]
-        v.need(bool(scales) and all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in scales),
+        v.need(bool(scales) and all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+                                    for x in scales),
                f"loss_scale not in every train record, or not finite and > 0: {scales}")
         v.need(math.isfinite(end.get("val_loss", float("nan"))), f"val_loss {end.get('val_loss')}")
         v.numbers.update(loss_scale=scales[-1] if scales else None, skipped_steps=end.get("skipped_steps"),
@@ -285,7 +286,8 @@ def compare_models(a: Path, b: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     ta, tb = (load_file(str(d / "model" / "model.safetensors")) for d in (a, b))
-    differ = sorted(n for n in set(ta) | set(tb) if n not in ta or n not in tb or not torch.equal(ta[n], tb[n]))
+    differ = sorted(n for n in set(ta) | set(tb)
+                    if n not in ta or n not in tb or not torch.equal(ta[n], tb[n]))
     gaps = [(ta[n].double() - tb[n].double()).abs().max().item() for n in differ
             if n in ta and n in tb and ta[n].shape == tb[n].shape]
     return {"tensors": len(ta), "differ": len(differ), "max_abs_diff": max(gaps, default=0.0)}
@@ -303,7 +305,8 @@ def bitwise(s: Session, name: str, task: str, deterministic: bool, extra: tuple[
     if not all(ended):  # a failure, informational check or not
         return v
     resumed_at = [st.get("resumed_step") for st in resumed.records("start")]
-    v.need(resumed_at == [None, RESUME_AT], f"start records' resumed_step {resumed_at}, expected [None, {RESUME_AT}]")
+    v.need(resumed_at == [None, RESUME_AT],
+           f"start records' resumed_step {resumed_at}, expected [None, {RESUME_AT}]")
     config = straight.start().get("config", {}).get("train", {})
     v.need(config.get("deterministic") is deterministic,
            f"the start record's train.deterministic is {config.get('deterministic')}")
@@ -324,8 +327,10 @@ def bitwise(s: Session, name: str, task: str, deterministic: bool, extra: tuple[
 
 def nccl(s: Session, strategy: str) -> Verdict:
     v = Verdict()
-    args = [*CUDA, *TASKS["image"], f"parallel.strategy={strategy}", "train.max_steps=10", "snapshot.every_steps=5"]
-    run = s.train(f"c-nccl-{strategy}", [*args, *(["model.sync_bn=true"] if strategy == "ddp" else [])], nproc=2)
+    args = [*CUDA, *TASKS["image"], f"parallel.strategy={strategy}", "train.max_steps=10",
+            "snapshot.every_steps=5"]
+    run = s.train(f"c-nccl-{strategy}", [*args, *(["model.sync_bn=true"] if strategy == "ddp" else [])],
+                  nproc=2)
     if v.ran(run):
         start = run.start()
         devices = [p["device"] for p in start.get("placement") or [] if "device" in p]  # where placement says
@@ -346,13 +351,15 @@ def fewer_gpus(s: Session, strategy: str) -> Verdict:
     if not v.need((run_dir / "snapshots").is_dir(), f"no snapshots from c-nccl-{strategy} to resume"):
         return v
     last = str(torch.cuda.device_count() - 1)
-    args = [*CUDA, *TASKS["image"], f"parallel.strategy={strategy}", "train.max_steps=20", "snapshot.every_steps=5"]
+    args = [*CUDA, *TASKS["image"], f"parallel.strategy={strategy}", "train.max_steps=20",
+            "snapshot.every_steps=5"]
     run = s.train(f"f-fewer-{strategy}", args, env={"CUDA_VISIBLE_DEVICES": last}, nproc=1, run_dir=run_dir)
     if v.ran(run):
         start = run.start()
         got = (start.get("resumed_step"), start.get("resumed_world_size"), start.get("world_size"))
         v.numbers.update(visible=last, resumed=got, steps=run.end().get("steps"), device=start.get("device"))
-        v.need(got == (10, 2, 1), f"(resumed_step, resumed_world_size, world_size) {got}, expected (10, 2, 1)")
+        v.need(got == (10, 2, 1),
+               f"(resumed_step, resumed_world_size, world_size) {got}, expected (10, 2, 1)")
         v.need(run.end().get("steps") == 20, f"final step {run.end().get('steps')}, expected 20")
         finite_losses(v, run)
     v.numbers["seconds"] = round(run.seconds, 1)
@@ -420,7 +427,8 @@ def run_check(cid: str, title: str, fn: Callable[[], Verdict], announce: bool = 
         v = Verdict(problems=[f"{type(e).__name__}: {e}"])
     status = v.status if v.status and not v.problems else ("FAIL" if v.problems else "PASS")
     seconds = round(time.monotonic() - began, 1)
-    numbers = {**{k: x for k, x in v.numbers.items() if k != "seconds"}, "seconds": v.numbers.get("seconds", seconds)}
+    numbers = {**{k: x for k, x in v.numbers.items() if k != "seconds"},
+               "seconds": v.numbers.get("seconds", seconds)}
     shown = " ".join(f"{k}={json.dumps(x) if isinstance(x, (str, list, tuple, dict)) else x}"
                      for k, x in numbers.items())
     print(f"gpu-check: {status} {cid} {title}: {shown}", flush=True)
@@ -449,7 +457,8 @@ def machine() -> dict[str, Any]:
                             "torch": torch.__version__, "cuda": torch.version.cuda,
                             "cuda_available": torch.cuda.is_available(), "cpus": os.cpu_count()}
     try:
-        git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                             timeout=10)
         info["commit"] = git.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         info["commit"] = None  # a copy of the working tree without .git
@@ -506,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu-check: no CUDA device here (torch {torch.__version__}, CUDA {torch.version.cuda}); "
               "nothing to check", flush=True)
         return 0 if passed else 1
-    counts = " ".join(f"{k.lower()}={sum(c['status'] == k for c in checks)}" for k in ("PASS", "FAIL", "SKIP", "INFO"))
+    counts = " ".join(f"{k.lower()}={sum(c['status'] == k for c in checks)}"
+                      for k in ("PASS", "FAIL", "SKIP", "INFO"))
     print(f"gpu-check: {'passed' if passed else 'FAILED'}: {counts} wall_s={summary['wall_s']} "
           + " ".join(map(str, paths)), flush=True)
     return 0 if passed else 1

@@ -145,7 +145,8 @@ def check_preempted(records: list[dict], signal_name: str) -> list[Check]:
     """The checks of a run stopped by a preemption notice (instead of resumed-latest and redone): a
     `preempted` record with that signal before the last `start`, and the first `start` after it
     resumed from exactly its step (the notice's snapshot): no step trained twice."""
-    signal_name = signal_name.upper() if signal_name.upper().startswith("SIG") else "SIG" + signal_name.upper()
+    signal_name = (signal_name.upper() if signal_name.upper().startswith("SIG")
+                   else "SIG" + signal_name.upper())
     starts = [i for i, r in enumerate(records) if r.get("kind") == "start"]
     notices = [i for i, r in enumerate(records) if r.get("kind") == "preempted" and starts and i < starts[-1]]
     if not notices:
@@ -160,18 +161,21 @@ def check_preempted(records: list[dict], signal_name: str) -> list[Check]:
     ok = sig == signal_name and isinstance(step, int)
     checks = [Check("preempted", ok,
                     f"`preempted` record at step {step} ({sig}, snapshot {seconds} s after the signal, "
-                    f"phase {rec.get('phase')})" + ("" if sig == signal_name else f", expected {signal_name}"))]
+                    f"phase {rec.get('phase')})"
+                    + ("" if sig == signal_name else f", expected {signal_name}"))]
     after = next(records[j] for j in starts if j > i)
     resumed = after.get("resumed_step")
     if resumed == step and isinstance(step, int):
-        checks.append(Check("resumed-preempted", True, f"preempted at step {step}, resumed {resumed}: 0 steps redone"))
+        checks.append(Check("resumed-preempted", True,
+                            f"preempted at step {step}, resumed {resumed}: 0 steps redone"))
     elif resumed is None:
-        checks.append(Check("resumed-preempted", False, f"preempted at step {step}, but the next start began from "
-                                                        "scratch (no resumed_step)"))
+        checks.append(Check("resumed-preempted", False, f"preempted at step {step}, but the next start "
+                                                        "began from scratch (no resumed_step)"))
     else:
         redone = (step - resumed) if isinstance(step, int) and isinstance(resumed, int) else "?"
         checks.append(Check("resumed-preempted", False,
-                            f"preempted at step {step} but resumed {resumed} ({redone} step(s) redone, expected 0)"))
+                            f"preempted at step {step} but resumed {resumed} "
+                            f"({redone} step(s) redone, expected 0)"))
     return checks
 
 
@@ -185,7 +189,8 @@ def check_run(run_dir: Path, expect_steps: int | None = None, preempted: str | N
         return [Check("metrics", False, f"cannot read {run_dir / METRICS} ({e.__class__.__name__}: {e})")]
     starts = [i for i, r in enumerate(records) if r.get("kind") == "start"]
     if not starts:
-        return [Check("metrics", False, f"{run_dir / METRICS} has no `start` record ({len(records)} records)")]
+        return [Check("metrics", False,
+                      f"{run_dir / METRICS} has no `start` record ({len(records)} records)")]
     first = records[starts[0]]
     cfg = first.get("config") or {}
     every = int((cfg.get("snapshot") or {}).get("every_steps") or 0)
@@ -201,8 +206,8 @@ def check_run(run_dir: Path, expect_steps: int | None = None, preempted: str | N
     restarts = _restarts(records)
     resumed = [(b, s) for b, s in restarts if s is not None]
     checks.append(Check("restarted", bool(resumed),
-                        f"{len(starts)} `start` records, resumed at step(s) {[s for _, s in resumed]}" if resumed
-                        else f"{len(starts)} `start` record(s) and none resumed from a snapshot"))
+                        f"{len(starts)} `start` records, resumed at step(s) {[s for _, s in resumed]}"
+                        if resumed else f"{len(starts)} `start` record(s) and none resumed from a snapshot"))
 
     if preempted:
         checks += check_preempted(records, preempted)
@@ -266,8 +271,8 @@ def fetch_kind(remote_dir: str, dest: Path, namespace: str = "trainapp", context
         if not pod:
             raise RuntimeError(f"no running pod with labels {selector} in namespace {namespace}")
     local = Path(dest) / Path(remote_dir.rstrip("/")).name
-    subprocess.run([*kubectl, "cp", *(["-c", container] if container else []), f"{pod}:{remote_dir}", str(local)],
-                   check=True)
+    subprocess.run([*kubectl, "cp", *(["-c", container] if container else []), f"{pod}:{remote_dir}",
+                    str(local)], check=True)
     return local
 
 
@@ -275,8 +280,8 @@ def fetch_kind(remote_dir: str, dest: Path, namespace: str = "trainapp", context
 def fetch_docker(container: str, remote_dir: str, dest: Path, docker: str | None = None) -> Path:
     """Copy RUN_DIR out of a container with `docker cp` (running or stopped; volumes included)."""
     local = Path(dest) / Path(remote_dir.rstrip("/")).name
-    subprocess.run([docker or os.environ.get("DOCKER", "docker"), "cp", f"{container}:{remote_dir}", str(local)],
-                   check=True, capture_output=True, text=True, timeout=300)
+    subprocess.run([docker or os.environ.get("DOCKER", "docker"), "cp", f"{container}:{remote_dir}",
+                    str(local)], check=True, capture_output=True, text=True, timeout=300)
     return local
 
 
@@ -312,8 +317,8 @@ def kind_exec(pod: str, namespace: str = "trainapp", context: str | None = None)
 
 def kind_pods(selector: str, namespace: str = "trainapp", context: str | None = None) -> list[str]:
     """Names of the running pods with these labels."""
-    out = subprocess.run(["kubectl", *(["--context", context] if context else []), "-n", namespace, "get", "pod",
-                          "-l", selector, "--field-selector=status.phase=Running",
+    out = subprocess.run(["kubectl", *(["--context", context] if context else []), "-n", namespace, "get",
+                          "pod", "-l", selector, "--field-selector=status.phase=Running",
                           "-o", "jsonpath={.items[*].metadata.name}"],
                          check=True, capture_output=True, text=True, timeout=60).stdout
     return out.split()
@@ -357,11 +362,12 @@ def check_nonroot(listings: dict[str, list[dict] | str]) -> Check:
         uids.update(p["euid"] for p in procs)
         root = [p for p in procs if p["uid"] == 0 or p["euid"] == 0]
         if root:
-            problems.append(f"{name}: {len(root)} process(es) as root, e.g. pid {root[0]['pid']} {root[0]['cmd']!r}")
+            problems.append(f"{name}: {len(root)} process(es) as root, e.g. pid {root[0]['pid']} "
+                            f"{root[0]['cmd']!r}")
     if problems:
         return Check("non-root", False, "; ".join(problems))
-    return Check("non-root", True, f"{count} processes in {len(listings)} containers ({', '.join(listings)}), "
-                                   f"uid(s) {sorted(uids)}")
+    return Check("non-root", True, f"{count} processes in {len(listings)} containers "
+                                   f"({', '.join(listings)}), uid(s) {sorted(uids)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -372,8 +378,9 @@ def main(argv: list[str] | None = None) -> int:
                         "docker (default): RUN_DIR is a path on this machine")
     p.add_argument("--expect-steps", type=int, help="planned total steps (default: the first start record's)")
     p.add_argument("--preempted", metavar="SIGNAL",
-                   help="the run got a preemption notice (e.g. SIGTERM from `docker stop`), not a kill: check its "
-                        "`preempted` record and a resume from exactly that step instead of resumed-latest and redone")
+                   help="the run got a preemption notice (e.g. SIGTERM from `docker stop`), not a kill: "
+                        "check its `preempted` record and a resume from exactly that step instead of "
+                        "resumed-latest and redone")
     p.add_argument("--progress", action="store_true",
                    help="for polling: read metrics.jsonl lines from stdin (RUN_DIR: -) and print "
                         "`MAX_TRAIN_STEP RESUMED_STEP` (`-` until the run has resumed from a snapshot)")
@@ -387,13 +394,15 @@ def main(argv: list[str] | None = None) -> int:
                                              "(default: a new temporary directory)")
     d = p.add_argument_group("docker backend")
     d.add_argument("--docker-container", metavar="NAME",
-                   help="RUN_DIR is a path inside this container (e.g. on its volume), copied out with docker cp "
-                        "(default: RUN_DIR is a local path); the CLI is $DOCKER, else docker")
+                   help="RUN_DIR is a path inside this container (e.g. on its volume), copied out with "
+                        "docker cp (default: RUN_DIR is a local path); the CLI is $DOCKER, else docker")
     n = p.add_argument_group("non-root check (either backend; skipped when neither option is given)")
     n.add_argument("--nonroot", metavar="NAME", action="append", default=[],
-                   help="container (docker) or pod (kind) whose processes must all run as a non-root uid; repeatable")
+                   help="container (docker) or pod (kind) whose processes must all run as a non-root uid; "
+                        "repeatable")
     n.add_argument("--nonroot-selector", metavar="LABELS",
-                   help="kind: also every running pod with these labels, e.g. app.kubernetes.io/name=trainapp")
+                   help="kind: also every running pod with these labels, e.g. "
+                        "app.kubernetes.io/name=trainapp")
     args = p.parse_args(argv)
     if args.progress:
         records = metrics.parse(sys.stdin)
@@ -426,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
             local = fetch_docker(args.docker_container, args.run_dir, dest)
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
             why = (getattr(e, "stderr", None) or str(e)).strip().splitlines()[-1:] or [""]
-            print(f"FAIL fetch: cannot copy {args.run_dir} out of container {args.docker_container} ({why[0]})")
+            print(f"FAIL fetch: cannot copy {args.run_dir} out of container {args.docker_container} "
+                  f"({why[0]})")
             print(f"smoke_assert: FAIL 1 of 1 checks (fetch) in {args.run_dir}")
             return 1
         print(f"smoke_assert: copied {args.run_dir} from container {args.docker_container} to {local}")
@@ -438,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
             pods = list(args.nonroot)
             if args.nonroot_selector:
                 try:
-                    pods += [x for x in kind_pods(args.nonroot_selector, args.namespace, args.context) if x not in pods]
+                    pods += [x for x in kind_pods(args.nonroot_selector, args.namespace, args.context)
+                             if x not in pods]
                 except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
                     checks.append(Check("non-root", False, f"cannot list pods {args.nonroot_selector} ({e})"))
                     return 0 if report(checks, run_dir) else 1
