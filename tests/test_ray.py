@@ -39,7 +39,8 @@ def cluster(tmp_path_factory):
     c = LocalCluster(Path(f"/tmp/ta-ray-{uuid.uuid4().hex[:8]}"), workers=2, cpus=1,
                      gcs_port=free_port(), dashboard_port=free_port())
     try:
-        c.up(cwd=REPO)
+        # 300 s: under `make test`'s two workers the head's job agent can take minutes to register.
+        c.up(timeout=300, cwd=REPO)
         c.storage = base / "storage"
         yield c
     finally:
@@ -125,7 +126,7 @@ def test_sigkilled_ray_worker_costs_at_most_one_snapshot_interval(cluster):
         if autogroup.exists():
             assert autogroup.read_text().split()[-1] == str(cluster.head_nice), autogroup.read_text()
         # Ray Train's controller runs the backend and the callbacks and trains nothing: it has no torch
-        # loaded (trainapp/launch/ray/compat.py keeps it out; its import is on the start-up's critical path).
+        # loaded (trainapp/launch/ray/private/backend.py keeps it out; its import is on the start-up's critical path).
         controller = cluster.state("actors", class_name="TrainController", state="ALIVE")
         assert len(controller) == 1, controller
         assert "libtorch" not in Path(f"/proc/{controller[0]['pid']}/maps").read_text()
@@ -248,7 +249,7 @@ def test_job_submit_runs_two_workers_and_inspect_reads_the_ray_run(cluster, ray_
     # Each local node has an address of its own: Ray Train places the ranks as on two machines.
     placement = metrics(run_dir, "start")[0]["placement"]
     assert sorted((p["node_rank"], p["local_rank"]) for p in placement) == [(0, 0), (1, 0)], placement
-    # No Ray Data actor for a run without Ray datasets (compat.TorchTrainer), but Ray Train's own
+    # No Ray Data actor for a run without Ray datasets (private/trainer.py's TorchTrainer), but Ray Train's own
     # helpers are there: the state API answers and lists them.
     cluster_actors = {a["class_name"] for a in cluster.state("actors")}
     assert "SynchronizationActor" in cluster_actors and "DatasetManager" not in cluster_actors, cluster_actors
@@ -591,9 +592,9 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
     workers agree on: a snapshot at once and at every poll while the drain lasts, training goes on;
     then the node dies and the elastic restart resumes from the last of them. Periodic snapshots are
     off, so nothing else could serve the resume. On a Ray without drain notices (before 2.58,
-    trainapp/launch/ray/versions.py) the driver says so in one line, the loop hears nothing, and the
+    trainapp/launch/ray/private/versions.py) the driver says so in one line, the loop hears nothing, and the
     lost node's restart resumes from what there is (here: the start)."""
-    from trainapp.launch.ray import versions
+    from trainapp.launch.ray.private import versions
 
     run_dir = cluster.storage / "drained"
     poll_s = 0.5

@@ -1,4 +1,4 @@
-"""Every private name of torch that trainapp uses, in one place (as trainapp/launch/ray/compat.py is for
+"""Every private name of torch that trainapp uses, in one place (as trainapp/launch/ray/private/ is for
 Ray's): each is read here and nowhere else, and tests/test_torch_private.py checks on the installed torch
 that every one of them still exists, so a torch upgrade that moves one fails that test by name instead of
 a run on a cluster.

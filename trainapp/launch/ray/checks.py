@@ -27,7 +27,7 @@ SUPPORTED = ("2.55.0", "2.61.0")
 (Ray requires the driver, the job and the cluster on one version, and users do not pick their
 cluster's). The driver refuses others; docs/ray.md's "Ray versions" table, the images' build and the
 KubeRay manifests are checked against it (tests/test_ray_compat.py, tests/test_k8s.py); what differs
-inside it is trainapp/launch/ray/versions.py's."""
+inside it is trainapp/launch/ray/private/versions.py's."""
 
 NEWEST_TESTED = "2.60.0"
 """The Ray the development environment, the images (docker/Dockerfile's RAY_VERSION default) and the KubeRay
@@ -63,7 +63,7 @@ def check_version(version: str | None = None) -> str:
     lo, hi = SUPPORTED
     if not _version_tuple(lo) <= _version_tuple(version) < _version_tuple(hi):
         raise ConfigError(f"ray {version}: trainapp's Ray launcher supports Ray >={lo},<{hi} (it uses Ray's "
-                          f"private API, see trainapp/launch/ray/compat.py); run a cluster and driver on a "
+                          f"private API, see trainapp/launch/ray/private/); run a cluster and driver on a "
                           f"Ray in that range, e.g. pip install 'ray[default,train]>={lo},<{hi}'")
     return version
 

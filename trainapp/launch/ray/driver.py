@@ -5,7 +5,7 @@ trainapp/launch/ray/worker.py).
 The driver checks the cluster first (capacity, storage, each node's network interface;
 trainapp/launch/ray/checks.py), so a run that cannot work stops with one line, and it turns a
 worker's bad input or storage failure back into that one line. Ray's private API is used only
-through trainapp/launch/ray/compat.py.
+through trainapp/launch/ray/private/.
 
 Start-up order: the driver joins the cluster and starts the per-node probes before it imports Ray
 Train (seconds of CPU), so the two overlap; it never imports torch, which only the workers need. Its
@@ -42,14 +42,16 @@ if TYPE_CHECKING:
     from ray.train.v2.api.result import Result  # `ray.train.Result` is Ray Train V1's to mypy
 
     from trainapp.config import TrainSection
-    from trainapp.launch.ray.compat import TorchConfigWithSetup, TorchTrainer, TrainRunContext
+    from trainapp.launch.ray.private.backend import TorchConfigWithSetup
+    from trainapp.launch.ray.private.callbacks import TrainRunContext
+    from trainapp.launch.ray.private.trainer import TorchTrainer
     from trainapp.snapshots.lease import Lease
 
 log = logging.getLogger("trainapp.ray")
 
 
 def _torch_config(cfg: Config, threads: int, worker: Callable[[dict[str, Any]], Any]) -> TorchConfigWithSetup:
-    from trainapp.launch.ray.compat import TorchConfigWithSetup
+    from trainapp.launch.ray.private.backend import TorchConfigWithSetup
     from trainapp.launch.ray.setup import IMPORTS, prepare_worker
 
     return TorchConfigWithSetup(timeout_s=int(cfg.dist.timeout_s), setup=prepare_worker,
@@ -126,7 +128,7 @@ def _group_failure_log(run_dir: str) -> UserCallback:
 
 
 def _callbacks(cfg: Config, storage: str, generation: int) -> list[RayTrainCallback]:
-    from trainapp.launch.ray.compat import RequesterLog
+    from trainapp.launch.ray.private.resource_requests import RequesterLog
 
     run_dir = f"{storage}/{cfg.ray.name}"
     callbacks: list[RayTrainCallback] = [] if is_uri(storage) else [_group_failure_log(run_dir)]
@@ -135,7 +137,7 @@ def _callbacks(cfg: Config, storage: str, generation: int) -> list[RayTrainCallb
                                                         generation=generation)))
     if cfg.ray.min_workers == cfg.ray.max_workers:
         return callbacks
-    from trainapp.launch.ray.compat import NodeLossWatch
+    from trainapp.launch.ray.private.node_loss import NodeLossWatch
     from trainapp.launch.ray.resize import ResizeSnapshot
 
     # The workers' agreed stop and snapshot take at most preempt.grace_s; the margin is the polls'.
@@ -160,7 +162,7 @@ def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, 
     the driver's `timeline`, its `lease` (the workers' fence) and `extra` go into each worker's payload."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
-    from trainapp.launch.ray import compat, versions
+    from trainapp.launch.ray.private import controller, trainer, versions
     from trainapp.launch.ray.setup import train_worker
 
     for line in versions.lost(drains=bool(cfg.preempt.ray_poll_s),
@@ -172,12 +174,12 @@ def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, 
     worker_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir),
                                      train=_elastic_batch(cfg))
     threads = cfg.ray.threads_per_worker or max(1, int(needs.get("CPU", 1)))
-    os.environ.update(compat.controller_env(cfg.ray.worker_group_start_timeout_s,
-                                            cfg.ray.health_check_interval_s))
+    os.environ.update(controller.controller_env(cfg.ray.worker_group_start_timeout_s,
+                                                cfg.ray.health_check_interval_s))
     held = {"lease": {"fence": lease.fence.to_dict(), "summary": lease.summary()}} if lease else {}
     elastic = ({"elastic_resize_monitor_interval_s": cfg.ray.resize_check_s}
                if cfg.ray.min_workers != cfg.ray.max_workers else {})
-    return compat.TorchTrainer(
+    return trainer.TorchTrainer(
         worker,
         train_loop_config={"config": worker_cfg.to_dict(), "launch": timeline.marks(), **extra, **held},
         torch_config=_torch_config(cfg, threads, worker),
@@ -278,7 +280,7 @@ def _fit_connected(cfg: Config, timeline: Timeline, gate: StartGate, address: st
     timeline.mark("driver_connected")
     import ray
 
-    from trainapp.launch.ray import versions
+    from trainapp.launch.ray.private import versions
 
     gate.logs_dir = versions.logs_dir()  # while connected
     try:
@@ -319,11 +321,12 @@ def _preflight(cfg: Config, timeline: Timeline, where: str) -> tuple[str, dict[s
     storage = (cfg.ray.storage_path if is_uri(cfg.ray.storage_path)
                else str(Path(cfg.ray.storage_path).resolve()))
     checks = Preflight(cfg, storage)
-    # Ray Train takes seconds to import: while the probes start on the nodes. Nothing the
-    # driver imports brings in torch (trainapp/launch/ray/compat.py, trainapp/launch/ray/setup.py).
-    from trainapp.launch.ray import compat
+    # Ray Train takes seconds to import (the trainer's module, used later, the most of it): while the
+    # probes start on the nodes. Nothing the driver imports brings in torch (trainapp/launch/ray/private/,
+    # trainapp/launch/ray/setup.py).
+    from trainapp.launch.ray.private import run_record, trainer  # noqa: F401
     timeline.mark("driver_imported")
-    compat.check_run_record(storage, cfg.ray.name)
+    run_record.check_run_record(storage, cfg.ray.name)
     for line in checks.wait():
         log.info("network %s", line)
     log.info("%s: %s workers, %s per worker, storage %s/%s", where, cfg.ray.num_workers, needs, storage,

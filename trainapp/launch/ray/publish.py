@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from trainapp.launch.ray.checks import run_store
-from trainapp.launch.ray.compat import drain_pending
+from trainapp.launch.ray.private.drain import drain_pending
 from trainapp.snapshots.publish import Publish
 from trainapp.snapshots.store import find_shared, list_snapshots, step_name, step_of, sweep_leftovers
 

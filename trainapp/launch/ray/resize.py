@@ -1,14 +1,14 @@
 """A live resize of an elastic Ray run is a notice (docs/ray.md, "Elastic runs"): when Ray Train decides
 to resize a running worker group (a node came back, or more room appeared), it would stop the group
 at once and restart it from the last snapshot, redoing every step since. Instead the controller's
-`ResizeSnapshot` callback (trainapp/launch/ray/compat.py) asks rank 0 of the running workers, through a
-file in the run's lease folder, to stop at the next step with a snapshot; the workers agree on the
-step, snapshot it, write a `resized` record and answer; then Ray Train replaces the group and the new
-one resumes from that snapshot, at the same global sample and with the same global batch
-(trainapp/core/layout.py): no step redone, the same math.
+`ResizeSnapshot` callback (below) asks rank 0 of the running workers, through a file in the run's
+lease folder, to stop at the next step with a snapshot; the workers agree on the step, snapshot it,
+write a `resized` record and answer; then Ray Train replaces the group and the new one resumes from
+that snapshot, at the same global sample and with the same global batch (trainapp/core/layout.py): no
+step redone, the same math.
 
 The workers use the request functions; the controller the callback (built on Ray Train's private
-callback classes, through trainapp/launch/ray/compat.py).
+callback classes, through trainapp/launch/ray/private/callbacks.py).
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from trainapp.launch.ray import versions
-from trainapp.launch.ray.compat import ControllerCallback, WorkerGroupCallback, say
+from trainapp.launch.ray.private import say, versions
+from trainapp.launch.ray.private.callbacks import ControllerCallback, WorkerGroupCallback
 from trainapp.snapshots.lease import parse_record
 from trainapp.snapshots.lease_store import ArrowStore, DirStore, store_at
 
 if TYPE_CHECKING:
-    from trainapp.launch.ray.compat import (
+    from trainapp.launch.ray.private.callbacks import (
         FailureDecision,
         ResizeDecision,
         WorkerGroup,

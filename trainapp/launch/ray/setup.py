@@ -4,9 +4,9 @@ interface), and the per-worker functions the driver hands Ray (`train_worker`, `
 call trainapp/launch/ray/worker.py's in the worker).
 
 This module imports no torch (only its functions do, in the worker): Ray Train's controller holds a
-reference to `prepare_worker` in the backend config it is handed (trainapp/launch/ray/compat.py), and the
-driver pickles references to the per-worker functions; unpickling or taking a reference imports
-this module there. Neither the controller nor the driver trains, and a torch import is seconds of
+reference to `prepare_worker` in the backend config it is handed (trainapp/launch/ray/private/backend.py),
+and the driver pickles references to the per-worker functions; unpickling or taking a reference
+imports this module there. Neither the controller nor the driver trains, and a torch import is seconds of
 CPU on the start-up's critical path (docs/ray.md, "Start-up and recovery: where the seconds go").
 """
 
@@ -40,12 +40,12 @@ def prepare_worker(env: dict[str, str], threads: int, network: dict[str, Any], p
     from trainapp.faults import drain
     from trainapp.faults.guard import RankGuard
     from trainapp.launch import net
-    from trainapp.launch.ray import compat
+    from trainapp.launch.ray.private import report_lines
 
     guard = RankGuard()
     guard.timeline.mark_process("worker_process")
     guard.timeline.mark("worker_setup")
-    compat.quiet_report_lines()  # Ray Train has configured the worker's logging by now
+    report_lines.quiet_report_lines()  # Ray Train has configured the worker's logging by now
     # Ray's own SIGTERM handler ends the worker at once; ours turns it into the agreed stop.
     guard.install(preemption["signals"], preemption["grace_s"])
     drain.register()  # `trainapp drain` finds this worker; the entry goes stale with the process

@@ -149,9 +149,9 @@ def release_left_behind(storage: str) -> list[str]:
             stale.append((path, note["requester"]))
     if not stale:
         return []
-    from trainapp.launch.ray import compat
+    from trainapp.launch.ray.private.resource_requests import cancel_resource_requests
 
-    cancelled = compat.cancel_resource_requests([r for _, r in stale])
+    cancelled = cancel_resource_requests([r for _, r in stale])
     for path, _ in stale if cancelled else []:
         path.unlink(missing_ok=True)
     return cancelled

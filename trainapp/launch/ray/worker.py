@@ -25,8 +25,9 @@ from trainapp.group import DistContext
 from trainapp.launch import dist
 from trainapp.launch.rank import Launcher, run_rank
 from trainapp.launch.ray import metrics as ray_metrics
-from trainapp.launch.ray import resize, versions
+from trainapp.launch.ray import resize
 from trainapp.launch.ray.checks import is_uri
+from trainapp.launch.ray.private import versions
 from trainapp.launch.ray.publish import RayDrainNotice, RayPublish
 from trainapp.observe.live import LiveMetrics
 from trainapp.snapshots.lease import Fence, RunLease, stop_request

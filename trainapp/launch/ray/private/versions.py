@@ -1,8 +1,8 @@
 """What differs between the Ray versions trainapp supports (trainapp.launch.ray.checks.SUPPORTED): the
 private hooks some of them lack or shape differently, found by looking at the installed Ray (never by
 its version number), each with its fallback to Ray's public behaviour and the one line that says what
-is lost. The rest of Ray's private API (trainapp/launch/ray/compat.py) is the same in all of them.
-docs/ray.md's "Ray versions" table lists these with what each fallback costs.
+is lost. The rest of Ray's private API (the other modules of trainapp/launch/ray/private/) is the same
+in all of them. docs/ray.md's "Ray versions" table lists these with what each fallback costs.
 
 - `drain_notices`: the training loop hears of a node drained for preemption from Ray Train's
   preemption watcher (`ray.train.get_preemption_info`, public from Ray 2.58; the watcher's poll
@@ -10,10 +10,17 @@ docs/ray.md's "Ray versions" table lists these with what each fallback costs.
   processes get SIGTERM (`trainapp drain` or `trainapp node`, a pod's preStop, Ray stopping the node):
   the snapshot comes at the signal instead of at the drain.
 - `cluster_reread`: an elastic run's lost or returning node is seen at once by Ray Data's autoscaling
-  coordinator, whose cluster view sizes the group (trainapp/launch/ray/compat.py's `NodeLossWatch`,
-  trainapp/launch/ray/resize.py's `ResizeSnapshot`). Ray 2.60 re-reads it on request
+  coordinator, whose cluster view sizes the group (trainapp/launch/ray/private/node_loss.py's
+  `NodeLossWatch`, trainapp/launch/ray/resize.py's `ResizeSnapshot`). Ray 2.60 re-reads it on request
   (`get_reserved_resources(recompute=True)`); Ray 2.55 to 2.59 run the same re-read as the
   coordinator's private periodic `_tick`. Without either: its own refresh, every 20 s.
+
+Also here, as it is a lookup with a fallback too: `logs_dir`, the Ray session's log directory, from
+the private `ray._private.worker._global_node`.
+
+Private names: those every supported Ray has are in PRIVATE_NAMES (the coordinator's actor class and
+getter, the elastic policy's class, the driver's node); OPTIONAL_NAMES lists the ones only some have,
+never assumed: tests/test_ray_compat.py's table says which Ray offers which.
 """
 
 from __future__ import annotations
@@ -35,6 +42,25 @@ def _attr(module: str, name: str) -> Any:
 _CONSTANTS = "ray.train.v2._internal.constants"
 _COORDINATOR = "ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator"
 _ELASTIC = "ray.train.v2._internal.execution.scaling_policy.elastic"
+_WORKER = "ray._private.worker"
+
+PRIVATE_NAMES = (
+    (_COORDINATOR, "_AutoscalingCoordinatorActor"),
+    (_COORDINATOR, "get_or_create_autoscaling_coordinator"),
+    (_ELASTIC, "ElasticScalingPolicy"),
+    (_WORKER, "_global_node"),
+)
+"""(module, name) of the private Ray names looked up here that every supported Ray has;
+tests/test_ray_compat.py imports each one."""
+OPTIONAL_NAMES = (
+    (_CONSTANTS, "PREEMPTION_POLL_INTERVAL_S_ENV_VAR"),
+    (_COORDINATOR, "_AutoscalingCoordinatorActor.get_reserved_resources"),
+    (_COORDINATOR, "_AutoscalingCoordinatorActor._tick"),
+    (_ELASTIC, "ElasticScalingPolicy.GET_RESERVED_RESOURCES_INTERVAL_S"),
+    (_ELASTIC, "ElasticScalingPolicy.GET_ALLOCATED_RESOURCES_INTERVAL_S"),
+)
+"""(module, name) of the private hooks only some supported Rays have (a dotted name: an attribute of
+a class there), looked up with a fallback; tests/test_ray_compat.py's table says which Ray has which."""
 
 PREEMPTION_POLL_INTERVAL_S_ENV_VAR = _attr(_CONSTANTS, "PREEMPTION_POLL_INTERVAL_S_ENV_VAR")
 """The preemption watcher's poll interval variable (Ray 2.57 on), None before."""
@@ -92,7 +118,7 @@ def logs_dir() -> str | None:
     """The Ray session's log directory on the driver's node (where each node keeps its processes' logs,
     under the same session name), or None where this Ray keeps it elsewhere: for the one line of a
     failed start, which names where Ray's own lines about it went."""
-    node = getattr(_attr("ray._private.worker", "_global_node"), "get_logs_dir_path", None)
+    node = getattr(_attr(_WORKER, "_global_node"), "get_logs_dir_path", None)
     try:
         return str(node()) if callable(node) else None
     except Exception:  # a driver that is not connected, or a Ray that changed: the line says it generically
