@@ -167,9 +167,15 @@ lint: $(TOOLS_STAMP) ## ruff over the package, tests, benchmarks and scripts (py
 typecheck: $(STAMP) ## mypy over trainapp/ (pyproject.toml [tool.mypy]: every function typed); a warm cache takes seconds
 	$(BIN)/mypy
 
+# Two pytest-xdist workers, a test file each at a time: the suite alone keeps about 1.15 of 2 cores busy
+# (its processes wait on signals, timeouts, leases and clusters), two lanes fill the idle one. Runs the
+# tests share (conftest.py's `shared`) are made once across both. TEST_WORKERS=0: one lane.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 .PHONY: test
-test: $(STAMP) $(TOOLS_STAMP) lint typecheck ## The suite: every subsystem end to end, but the long fault scenarios, benchmarks, real Slurm (PYTEST_ARGS="-k resume -x")
-	$(BIN)/python -m pytest --durations=15 $(PYTEST_ARGS)
+test: $(STAMP) $(TOOLS_STAMP) lint typecheck ## The suite: every subsystem end to end, but the long fault scenarios, benchmarks, real Slurm; two lanes (TEST_WORKERS=2, PYTEST_ARGS="-k resume -x")
+	$(BIN)/python -m pytest $(XDIST) --durations=15 $(PYTEST_ARGS)
 
 .PHONY: test-e2e
 test-e2e: $(STAMP) $(TOOLS_STAMP) ## The long end-to-end fault scenarios (Ray faults, hangs, namespaces); CI runs them last where the CPU leaves room
