@@ -92,16 +92,7 @@ def _write(ctx: DistContext, out: Path, entries: list[Entry],
             writer = artifact.writer(entries)
     except Exception as e:
         failed = e
-    for entry in sorted(entries, key=lambda e: e.name):
-        t = state[entry.name]
-        full = t.full_tensor() if hasattr(t, "full_tensor") else t
-        if writer is not None:
-            try:
-                writer.add(entry.name, full.detach().to("cpu"))
-            except Exception as err:
-                writer.abort()
-                writer, failed = None, err
-        del full
+    writer, failed = _gather_into(writer, entries, state, failed)
     if failed is not None or not ctx.is_main:
         if artifact is not None:
             artifact.abort()
@@ -114,6 +105,23 @@ def _write(ctx: DistContext, out: Path, entries: list[Entry],
     except BaseException:
         artifact.abort()
         raise
+
+
+def _gather_into(writer: Writer | None, entries: list[Entry], state: dict[str, torch.Tensor],
+                 failed: Exception | None) -> tuple[Writer | None, Exception | None]:
+    """Every rank: each tensor, gathered whole (every rank takes part, in the same order), added to
+    rank 0's `writer`; (the writer, None once it failed; the first failure)."""
+    for entry in sorted(entries, key=lambda e: e.name):
+        t = state[entry.name]
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        if writer is not None:
+            try:
+                writer.add(entry.name, full.detach().to("cpu"))
+            except Exception as err:
+                writer.abort()
+                writer, failed = None, err
+        del full
+    return writer, failed
 
 
 def _check(artifact: ArtifactDir, digest: str) -> dict[str, Any]:

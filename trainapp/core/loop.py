@@ -28,7 +28,7 @@ from trainapp.group import DistContext
 from trainapp.observe.metrics import Throughput, val_metrics
 from trainapp.observe.records import Records
 from trainapp.observe.timings import PhaseClock
-from trainapp.snapshots.manager import SnapshotManager
+from trainapp.snapshots.manager import SnapshotManager, SnapshotRequest
 from trainapp.snapshots.store import params_sha256
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class Trainer:
                 hook(p.global_step)
             if decision.snapshot:
                 with meter.paused(), self.clock.phase("snapshot"):
-                    self._save(meter.overall(), final=last, urgent=decision.urgent)
+                    self._save(meter.overall(), SnapshotRequest(final=last, urgent=decision.urgent))
 
     def _counted_step(self, batches: Iterator | None, meter: Throughput, bar: tqdm) -> Iterator | None:
         """One step from `batches` (None: the next epoch's), counted, its progress beaten, a sharded
@@ -230,8 +230,7 @@ class Trainer:
         groups = self.parts.optimizer.param_groups
         return next((g["lr"] for g in groups if g["lr_mult"] == 1.0), groups[0]["lr"])
 
-    def _save(self, samples_per_s: float, final: bool = False, urgent: bool = False,
-              announce: bool = True) -> None:
+    def _save(self, samples_per_s: float, request: SnapshotRequest) -> None:
         p = self.parts.progress
         state = self.parts.state.state_dict(self.ctx.is_main)  # every rank: the RNG part gathers all ranks'
         shards = self.parts.state.shards()  # every rank's shard of an FSDP model and optimizer
@@ -249,8 +248,7 @@ class Trainer:
             keys = ("rank", "host", "step_ms", "busy_ms")
             report["ranks"] = [{k: r[k] for k in keys} for r in self.records.last_ranks]
         try:
-            self.snapshots.save(self.ctx, p.global_step, state, meta, report, final=final, urgent=urgent,
-                                announce=announce, shards=shards)
+            self.snapshots.save(self.ctx, p.global_step, state, meta, report, request, shards)
         except BaseException:
             self.records.snapshot_failures(self.snapshots.failed)
             raise
@@ -267,7 +265,7 @@ class Trainer:
         stop's record, then its exception out of train()."""
         bar.close()
         with meter.paused(), self.clock.phase("snapshot"):
-            self._save(meter.overall(), final=True, announce=stop.announce)
+            self._save(meter.overall(), SnapshotRequest(final=True, announce=stop.announce))
             self._finish_snapshots(announce=stop.announce)
         self.boundary.close()
         step = self.parts.progress.global_step

@@ -98,6 +98,19 @@ class _ShardsInFlight:
     meta: dict[str, Any] | None
 
 
+@dataclass(frozen=True)
+class SnapshotRequest:
+    """What a snapshot is for, beyond its step: what its failure means and how it is announced."""
+
+    final: bool = False
+    """The run's last (its end, or a stop's): a failure to write it ends the run."""
+    urgent: bool = False
+    """Announced at once (a drain notice's), not on the publish step's own schedule."""
+    announce: bool = True
+    """Announced at all; False for a Ray resize's snapshot, which the next group finds on storage, while
+    Ray Train's controller, waiting for it, could not take the report."""
+
+
 class SnapshotManager:
     """Owns the cadence, the writing and the loading of snapshots; `publish` is the one step that
     differs between launchers (LocalPublish, or Ray Train's). The loop calls `due`, then `save` on every
@@ -153,16 +166,15 @@ class SnapshotManager:
         return self.publish.find(ctx)
 
     def save(self, ctx: DistContext, step: int, state: dict[str, Any] | None, meta: dict[str, Any] | None,
-             report: dict[str, Any], final: bool = False, urgent: bool = False, announce: bool = True,
+             report: dict[str, Any], request: SnapshotRequest = SnapshotRequest(),
              shards: dict[str, Any] | None = None) -> None:
         """Every rank calls this; rank 0 passes the state and writes it; then the publish step announces it
-        (at once when `final` or `urgent`, a drain notice's; not at all without `announce`: a Ray resize's
-        snapshot, which the next group finds on storage, while Ray Train's controller, waiting for it,
-        could not take the report).
+        as `request` says.
 
         A storage error drops this snapshot and training goes on; StorageError on every rank after
-        `max_failures` in a row, or when the `final` snapshot fails (the run's last, or a preemption's).
+        `max_failures` in a row, or when a `final` snapshot fails (the run's last, or a preemption's).
         `shards`: every rank's shard of the sharded parts (an FSDP run)."""
+        final = request.final
         t0 = time.perf_counter()
         if self.async_write and shards is not None:
             self.settle(ctx)  # the previous one published first: one in flight at most
@@ -183,8 +195,8 @@ class SnapshotManager:
                 assert state is not None and meta is not None  # rank 0 passes them
                 self._attempt(step, state, meta, staged)
             self.agree(ctx, final=final)
-        if announce:
-            self.publish.announce(ctx, report, final or urgent)
+        if request.announce:
+            self.publish.announce(ctx, report, final or request.urgent)
         self.last_blocking_s = time.perf_counter() - t0
 
     def finish(self, ctx: DistContext, announce: bool = True) -> None:

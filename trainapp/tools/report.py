@@ -179,10 +179,8 @@ def _start_lines(starts: list[dict]) -> list[str]:
 
 def summarize(run_dir: Path, records: list[dict]) -> str:
     train = [r for r in records if r.get("kind") == "train"]
-    evals = [r for r in records if r.get("kind") == "eval"]
     starts = [r for r in records if r.get("kind") == "start"]
     end = next((r for r in reversed(records) if r.get("kind") == "end"), None)
-    snaps = [r["blocking_s"] for r in records if r.get("kind") == "snapshot"]
     first = starts[0]
     lines = [f"run            {run_dir}"]
     last = train[-1]["step"] if train else 0
@@ -208,6 +206,20 @@ def summarize(run_dir: Path, records: list[dict]) -> str:
     fails = failures(records)
     lines.append(f"failures       {len(fails) or 'none'}")
     lines.extend(f"  {f}" for f in fails)
+    lines.extend(_progress_lines(records, train))
+    lines.extend(_rank_lines(records))
+    network = [n for n in (first.get("network") or []) if n and n.get("gloo")]
+    if network:
+        lines.append("network        "
+                     + ", ".join(f"{n['host']} {n['gloo']} ({n['address']})" for n in network))
+    return "\n".join(lines)
+
+
+def _progress_lines(records: list[dict], train: list[dict]) -> list[str]:
+    """The loss, samples/s, every validation metric and the snapshots' cost, over the run."""
+    lines = []
+    evals = [r for r in records if r.get("kind") == "eval"]
+    snaps = [r["blocking_s"] for r in records if r.get("kind") == "snapshot"]
     if train:
         lines.append(f"loss           {train[0]['loss']:.4f} at step {train[0]['step']} -> "
                      f"{train[-1]['loss']:.4f} at step {train[-1]['step']}")
@@ -222,12 +234,7 @@ def summarize(run_dir: Path, records: list[dict]) -> str:
     if snaps:
         lines.append(f"snapshots      {len(snaps)} written; training blocked a median "
                      f"{statistics.median(snaps) * 1000:.1f} ms each")
-    lines.extend(_rank_lines(records))
-    network = [n for n in (first.get("network") or []) if n and n.get("gloo")]
-    if network:
-        lines.append("network        "
-                     + ", ".join(f"{n['host']} {n['gloo']} ({n['address']})" for n in network))
-    return "\n".join(lines)
+    return lines
 
 
 def _segments(records: list[dict], kind: str, key: str) -> list[tuple[list[int], list[float]]]:

@@ -72,8 +72,8 @@ def hf_config(arch: str, block_size: int, n_layer: int, n_head: int, n_embd: int
         return GPT2Config(n_positions=block_size, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
                           resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, **common)
     return LlamaConfig(hidden_size=n_embd, intermediate_size=4 * n_embd, num_hidden_layers=n_layer,
-                       num_attention_heads=n_head, num_key_value_heads=n_head, max_position_embeddings=block_size,
-                       attention_dropout=dropout, **common)
+                       num_attention_heads=n_head, num_key_value_heads=n_head,
+                       max_position_embeddings=block_size, attention_dropout=dropout, **common)
 
 
 class CausalLM:
@@ -89,12 +89,13 @@ class CausalLM:
         if arch not in ARCHS:
             raise ValueError(f"arch={arch!r}: use one of {', '.join(ARCHS)}")
         if n_layer < 1 or n_head < 1 or n_embd % n_head:
-            raise ValueError(f"n_layer={n_layer} and n_head={n_head} must be >= 1 and n_embd={n_embd} a multiple "
-                             "of n_head")
+            raise ValueError(f"n_layer={n_layer} and n_head={n_head} must be >= 1 and n_embd={n_embd} a "
+                             "multiple of n_head")
         if block_size < 2 or stride < 1 or not 0 < val_fraction < 1:
             raise ValueError(f"block_size={block_size} must be >= 2, stride={stride} >= 1 and "
                              f"val_fraction={val_fraction} between 0 and 1")
-        self.arch, self.text, self.block, self.stride, self.val_fraction = arch, text, block_size, stride, val_fraction
+        self.arch, self.text, self.block = arch, text, block_size
+        self.stride, self.val_fraction = stride, val_fraction
         self.shape = (n_layer, n_head, n_embd, dropout)
 
     # --- required: data, model, loss, evaluation ---------------------------------------------------
@@ -104,8 +105,8 @@ class CausalLM:
         cut = int(len(ids) * (1 - self.val_fraction))
         train, val = Blocks(ids[:cut], self.block, self.stride), Blocks(ids[cut:], self.block, self.block)
         if len(val) == 0:
-            raise ConfigError(f"task.args.text={self.text}: {len(ids)} bytes are too few for a validation block of "
-                              f"block_size={self.block}; use a longer text or a larger val_fraction")
+            raise ConfigError(f"task.args.text={self.text}: {len(ids)} bytes are too few for a validation "
+                              f"block of block_size={self.block}; use a longer text or a larger val_fraction")
         return train, val
 
     def model(self, ctx) -> nn.Module:
