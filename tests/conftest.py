@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 from filelock import FileLock
-from helpers import FAULT_RUN, FSDP_RUN, RANKS_RUN, REPO, run_cmd, scrape, torchrun2, torchrun_cmd, value, wait_until
+from helpers import (FAULT_RUN, FSDP_RUN, RANKS_RUN, REPO, run_cmd, scrape, torchrun2, torchrun_cmd, value,
+                     wait_until)
 
 from bench.scratch import scratch
 
@@ -111,8 +112,8 @@ def torchrun_restarted(shared) -> Path:
 
 @pytest.fixture(scope="session")
 def fsdp_straight(straight_run) -> Path:
-    """One FSDP run several test files read (2 ranks, sharded snapshots every 5 steps, EMA): tests/test_fsdp.py
-    resumes against it, tests/test_export.py exports from its shards."""
+    """One FSDP run several test files read (2 ranks, sharded snapshots every 5 steps, EMA):
+    tests/test_fsdp.py resumes against it, tests/test_export.py exports from its shards."""
     return straight_run(torchrun2, *FSDP_RUN)
 
 
@@ -150,20 +151,23 @@ def _slowed(where: Path) -> None:
     cmd = torchrun_cmd(2, f"run.dir={run_dir}", *RANKS_RUN, "drill.slow_rank=1", "drill.slow_ms=200",
                        "observe.straggler_intervals=3", f"observe.prometheus_port={port}")
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     scrapes: list[dict] = []
-    wanted = (("trainapp_goodput_ratio", {}), ("trainapp_snapshot_step", {}), ("trainapp_straggler", {"rank": "1"}))
+    wanted = (("trainapp_goodput_ratio", {}), ("trainapp_snapshot_step", {}),
+              ("trainapp_straggler", {"rank": "1"}))
 
     def scraped_all() -> bool:
         got = scrape(port)
         if got and value(got, "trainapp_step", run=run_dir.name):
             scrapes.append(got)
-        return len(scrapes) >= 2 and all(value(scrapes[-1], n, run=run_dir.name, **labels) for n, labels in wanted)
+        return len(scrapes) >= 2 and all(value(scrapes[-1], n, run=run_dir.name, **labels)
+                                         for n, labels in wanted)
 
     try:
         with contextlib.suppress(AssertionError):  # the test says what was missing
-            wait_until(scraped_all, "every live metric", 120, gone=lambda: proc.poll() is not None and "ended",
-                       interval=0.5)
+            wait_until(scraped_all, "every live metric", 120,
+                       gone=lambda: proc.poll() is not None and "ended", interval=0.5)
     finally:
         out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out[-3000:]

@@ -36,7 +36,8 @@ FAULT_RUN = ["train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5", 
              "train.ema_decay=0.9", "train.eval_every=10", *QUICK]
 # The same under FSDP (sharded snapshots): conftest.py's `fsdp_straight`, tests/test_fsdp.py.
 FSDP_RUN = [*FAULT_RUN, "parallel.strategy=fsdp", "snapshot.keep=10"]
-# The per-rank timing tests' run: 40 steps, a record every 5, a snapshot every 20 (conftest.py's `slowed_run`).
+# The per-rank timing tests' run: 40 steps, a record every 5, a snapshot every 20 (conftest.py's
+# `slowed_run`).
 RANKS_RUN = ["train.max_steps=40", "train.epochs=20", "snapshot.every_steps=20", *QUICK]
 
 
@@ -104,7 +105,8 @@ def torchrun_cmd(nproc: int, *args: str, max_restarts: int = 0) -> list[str]:
             "-m", "trainapp", "train", *args]
 
 
-def torchrun(nproc: int, *args: str, max_restarts: int = 0, timeout: float = 300, env: dict | None = None) -> Result:
+def torchrun(nproc: int, *args: str, max_restarts: int = 0, timeout: float = 300,
+             env: dict | None = None) -> Result:
     return run_cmd(torchrun_cmd(nproc, *args, max_restarts=max_restarts), timeout=timeout, env=env)
 
 
@@ -114,8 +116,8 @@ def torchrun2(run_dir: Path, *args: str) -> list[str]:
     return torchrun_cmd(2, f"run.dir={run_dir}", *args, max_restarts=1)
 
 
-def wait_until(pred: Callable[[], T], what: str, timeout: float = 120, gone: Callable[[], str | None] | None = None,
-               interval: float = 0.05) -> T:
+def wait_until(pred: Callable[[], T], what: str, timeout: float = 120,
+               gone: Callable[[], str | None] | None = None, interval: float = 0.05) -> T:
     """The tests' one wait: poll `pred` until it returns something truthy and return that. Fails naming
     `what` after `timeout` seconds, or as soon as `gone()` gives a reason (what was awaited ended first:
     see `exited`)."""

@@ -124,8 +124,9 @@ class Star:
             for ns in (self.switch, *(h.ns for h in self.hosts)):
                 _ip("netns", "add", ns)
                 self.made.append(ns)
-                subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv6.conf.all.disable_ipv6=1",
-                                "net.ipv6.conf.default.disable_ipv6=1"], check=True, capture_output=True, timeout=30)
+                subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                                "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1"],
+                               check=True, capture_output=True, timeout=30)
             _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
             _ip("-n", self.switch, "link", "set", "br0", "up")
             for i, host in enumerate(self.hosts):
@@ -148,8 +149,9 @@ class Star:
     def shape(self, i: int, rate: str) -> None:
         """Limit host i's link to `rate` (tc syntax, e.g. 100mbit) both ways."""
         for ns, dev in ((self.hosts[i].ns, "trn0"), (self.switch, f"port{i}")):
-            subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "32kb",
-                            "latency", "100ms"], check=True, capture_output=True, text=True, timeout=30)
+            subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
+                            "burst", "32kb", "latency", "100ms"],
+                           check=True, capture_output=True, text=True, timeout=30)
 
     def down(self) -> None:
         for ns in self.made:

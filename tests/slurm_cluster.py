@@ -71,7 +71,8 @@ def unavailable() -> str | None:
     """Why a private Slurm cannot run here (None: it can)."""
     missing = [b for b in ("slurmctld", "slurmd", "sbatch", "munged") if not shutil.which(b)]
     if missing:
-        return f"{', '.join(missing)} not installed (make slurm-smoke installs Debian's slurmctld, slurmd, munge)"
+        return (f"{', '.join(missing)} not installed "
+                f"(make slurm-smoke installs Debian's slurmctld, slurmd, munge)")
     return netns.unavailable()
 
 
@@ -155,8 +156,8 @@ class Slurm:
     # --- use ----------------------------------------------------------------------------------------
     def run(self, *cmd: str, check: bool = True, timeout: float = 60, env: dict | None = None,
             cwd: Path | None = None) -> subprocess.CompletedProcess:
-        r = subprocess.run([*self.prefix(self.ctl), *cmd], env={**self.env, **(env or {})}, capture_output=True,
-                           text=True, timeout=timeout, cwd=cwd)
+        r = subprocess.run([*self.prefix(self.ctl), *cmd], env={**self.env, **(env or {})},
+                           capture_output=True, text=True, timeout=timeout, cwd=cwd)
         if check and r.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)}: exit {r.returncode}: {r.stdout}{r.stderr}")
         return r

@@ -91,7 +91,8 @@ def test_auto_trains_fp32_on_the_avx512f_xeon_and_bf16_with_amx(tmp_path, monkey
         assert ("no bf16 instructions" in p.note) is (dtype is None)
 
 
-@pytest.mark.parametrize("choice, dtype, scaling", [("bf16", torch.bfloat16, False), ("fp16", torch.float16, True),
+@pytest.mark.parametrize("choice, dtype, scaling", [("bf16", torch.bfloat16, False),
+                                                    ("fp16", torch.float16, True),
                                                     ("off", torch.float32, False)])
 def test_one_autocast_context_and_a_scaler_enabled_only_for_fp16(choice, dtype, scaling):
     p = Precision(AmpSection(dtype=choice), CPU)

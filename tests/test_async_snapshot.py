@@ -8,7 +8,8 @@ import subprocess
 
 import pytest
 import torch
-from helpers import FAULT_RUN, PY, QUICK, REPO, exited, inspect, metrics, run_cmd, torchrun2, trainapp, wait_until
+from helpers import (FAULT_RUN, PY, QUICK, REPO, exited, inspect, metrics, run_cmd, torchrun2, trainapp,
+                     wait_until)
 
 from trainapp.faults.slow_disk import SlowDisk
 from trainapp.group import DistContext
@@ -17,7 +18,8 @@ from trainapp.snapshots.manager import SnapshotManager
 from trainapp.snapshots.publish import LocalPublish
 from trainapp.snapshots.store import load_state, newest_valid
 
-ALONE = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None, owns_group=False)
+ALONE = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None,
+                    owns_group=False)
 
 
 def _manager(root, **kw) -> SnapshotManager:
@@ -25,7 +27,8 @@ def _manager(root, **kw) -> SnapshotManager:
 
 
 def _state(value: float) -> dict:
-    return {"model": {"w": torch.full((1000,), value)}, "optimizer": {"state": {0: {"m": torch.ones(3) * value}}},
+    return {"model": {"w": torch.full((1000,), value)},
+            "optimizer": {"state": {0: {"m": torch.ones(3) * value}}},
             "progress": {"global_step": int(value)}}
 
 
@@ -65,7 +68,8 @@ def test_the_cpu_copy_reuses_the_previous_snapshots_buffers_and_each_snapshot_ke
     state["optimizer"]["state"][0]["m"] = torch.ones(5)  # a new shape gets a new buffer
     m.save(ALONE, 20, state, {"global_step": 20}, {})
     m.wait()
-    assert m._staging["model"]["w"].data_ptr() == buffer, "the copy went to fresh memory, not the reused buffer"
+    assert m._staging["model"]["w"].data_ptr() == buffer, \
+        "the copy went to fresh memory, not the reused buffer"
     assert m._staging["model"]["w"] is not state["model"]["w"]
     first, second = load_state(m.path_for(10)), load_state(m.path_for(20))
     assert torch.equal(first["model"]["w"], torch.full((1000,), 10.0))

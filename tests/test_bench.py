@@ -88,7 +88,8 @@ def test_snapshot_cost_benchmark_smoke(tmp_path):
     result, _ = smoke("snapshot_cost", tmp_path, "--dir", str(tmp_path))
     assert result["smoke"] is True and result["async_vs_sync_blocking_ratio"] > 0
     assert result["blocking"]["resnet18"]["state_mb"] > 80  # weights + momentum of 11.7M parameters
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith("trainapp-snapcost-")], "left its snapshots"
+    assert not [p for p in tmp_path.iterdir()
+                if p.name.startswith("trainapp-snapcost-")], "left its snapshots"
 
 
 def test_amp_cpu_benchmark_smoke_and_the_summary_table(tmp_path):
@@ -115,7 +116,8 @@ def test_preempt_benchmark_smoke(tmp_path):
 def test_char_lm_benchmark_smoke(tmp_path):
     result, r = smoke("char_lm", tmp_path)
     assert result["smoke"] is True and result["steps"] == 20 and result["vocab"] == 82
-    assert 0 < result["val_loss_vs_uniform"] and result["config"]["optim"]["name"] == "adamw"  # the task's defaults
+    # the task's defaults
+    assert 0 < result["val_loss_vs_uniform"] and result["config"]["optim"]["name"] == "adamw"
     assert "char_lm:" in r.stdout
 
 
@@ -168,7 +170,8 @@ def test_export_benchmark_smoke(tmp_path):
     run = result["rounds"][0]
     assert {run[n]["source_kind"] for n in variants if n.startswith("sharded")} == {"sharded snapshot"}
     assert run["whole_fp32_check"]["source_kind"] == "snapshot"
-    assert variants["sharded_fp32_check"]["checks_passed"] == [True] and run["sharded_fp32_check"]["check_equal"]
+    assert (variants["sharded_fp32_check"]["checks_passed"] == [True]
+            and run["sharded_fp32_check"]["check_equal"])
     assert variants["whole_fp32_check"]["checks_passed"] == [True]
     assert variants["sharded_bf16_nocheck"]["checks_passed"] == [None]  # --no-check
     assert variants["sharded_bf16_nocheck"]["file_bytes"] < 0.6 * variants["sharded_fp32_check"]["file_bytes"]

@@ -18,8 +18,10 @@ def test_comm_names_the_slow_host_among_three_and_a_slow_path_among_four():
         return [Pair(a, b, mib / (gbps * 1e9), mib) for (a, b), gbps in bw.items()]
 
     # host c behind a slow link: two of the three pairs are slow, and c is named, not the pairs.
-    lines, problems = judge(["a", "b", "c"], pairs({("a", "b"): 1.0, ("a", "c"): 0.005, ("b", "c"): 0.005}), 0)
-    assert len(problems) == 1 and problems[0].startswith("host c: its pairs reach a median 0.005 GB/s"), problems
+    lines, problems = judge(["a", "b", "c"], pairs({("a", "b"): 1.0, ("a", "c"): 0.005, ("b", "c"): 0.005}),
+                            0)
+    assert (len(problems) == 1
+            and problems[0].startswith("host c: its pairs reach a median 0.005 GB/s")), problems
     assert "SLOW" not in lines[0] and "SLOW" in lines[1] and "SLOW" in lines[2]
     # one bad path between a and b of four healthy hosts: the pair is named, no host.
     four = {(x, y): 1.0 for x, y in [("a", "b"), ("a", "c"), ("a", "d"), ("b", "c"), ("b", "d"), ("c", "d")]}
@@ -41,8 +43,9 @@ def test_doctor_comm_names_the_host_whose_link_is_rate_limited(procs, tmp_path):
         def doctor(tag: str) -> tuple[list[int], str]:
             port = next(_PORTS)
             ps = [procs.start(h, [TORCHRUN, "--nnodes=3", f"--node-rank={i}", "--nproc-per-node=1",
-                                  f"--master-addr={star.hosts[0].train_ip}", f"--master-port={port}", "-m", "trainapp",
-                                  "doctor", "--comm", "--size-mb=4", "--iters=5", "network.interface=trn0"],
+                                  f"--master-addr={star.hosts[0].train_ip}", f"--master-port={port}", "-m",
+                                  "trainapp", "doctor", "--comm", "--size-mb=4", "--iters=5",
+                                  "network.interface=trn0"],
                               tmp_path / f"{tag}-{h.hostname}.log") for i, h in enumerate(star.hosts)]
             codes = _wait(ps, 240)
             return codes, (tmp_path / f"{tag}-host-a.log").read_text(errors="replace")
@@ -57,11 +60,13 @@ def test_doctor_comm_names_the_host_whose_link_is_rate_limited(procs, tmp_path):
         codes, out = doctor("shaped")
         assert codes == [1, 1, 1], out[-3000:]
         fails = [line for line in out.splitlines() if line.startswith("FAIL  comm")]
-        assert len(fails) == 1 and fails[0].startswith("FAIL  comm  host host-c: its pairs reach a median"), out[-3000:]
+        assert (len(fails) == 1
+                and fails[0].startswith("FAIL  comm  host host-c: its pairs reach a median")), out[-3000:]
         pair_ab = next(line for line in out.splitlines() if line.startswith("pair  host-a <-> host-b"))
         assert "SLOW" not in pair_ab, out[-3000:]
         slow_c = [line for line in out.splitlines() if line.startswith("pair") and "host-c" in line]
-        assert len(slow_c) == 2 and all("SLOW" in line and float(line.split()[4]) < 0.02 for line in slow_c), slow_c
+        assert (len(slow_c) == 2
+                and all("SLOW" in line and float(line.split()[4]) < 0.02 for line in slow_c)), slow_c
     finally:
         procs.kill()
         star.down()

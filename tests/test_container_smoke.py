@@ -75,7 +75,8 @@ def test_a_missing_ray_cli_exits_2_naming_it(tmp_path):
 
 
 def test_a_missing_docker_cli_exits_2_naming_it(tmp_path, fake_bin):
-    r = smoke({"RAY": str(fake_bin / "ray"), "DOCKER": str(tmp_path / "no-docker"), "SMOKE_TMPDIR": str(tmp_path)})
+    r = smoke({"RAY": str(fake_bin / "ray"), "DOCKER": str(tmp_path / "no-docker"),
+               "SMOKE_TMPDIR": str(tmp_path)})
     assert r.returncode == 2
     assert "docker CLI" in last_line(r) and "apt-get install -y docker.io" in last_line(r)
 
@@ -98,7 +99,8 @@ def test_without_dockerd_it_exits_2_before_starting_anything(tmp_path, fake_bin)
 
 def test_an_engine_that_does_not_answer_exits_2_and_leaves_no_temporary_directory(tmp_path, fake_bin):
     r = smoke({"PATH": f"{fake_bin}:{os.environ['PATH']}", "RAY": str(fake_bin / "ray"),
-               "SMOKE_DOCKER_HOST": "unix:///nonexistent.sock", "SKIP_BUILD": "1", "SMOKE_TMPDIR": str(tmp_path / "t")})
+               "SMOKE_DOCKER_HOST": "unix:///nonexistent.sock", "SKIP_BUILD": "1",
+               "SMOKE_TMPDIR": str(tmp_path / "t")})
     assert r.returncode == 2
     assert "SMOKE_DOCKER_HOST=unix:///nonexistent.sock: no Docker engine answers there" in last_line(r)
     assert list((tmp_path / "t").iterdir()) == []
@@ -107,7 +109,8 @@ def test_an_engine_that_does_not_answer_exits_2_and_leaves_no_temporary_director
 # ----------------------------------------------------------------- smoke_assert: docker and non-root
 
 
-def test_docker_backend_copies_the_run_out_of_the_container_and_checks_it(tmp_path, fake_bin, monkeypatch, capsys):
+def test_docker_backend_copies_the_run_out_of_the_container_and_checks_it(tmp_path, fake_bin, monkeypatch,
+                                                                          capsys):
     write_run(tmp_path / "volume" / "smoke", [(None, 25), (20, TOTAL)])
     monkeypatch.setenv("PATH", f"{fake_bin}:{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_RUNS", str(tmp_path / "volume"))
@@ -132,23 +135,24 @@ def test_a_container_that_cannot_be_listed_fails_non_root(tmp_path, fake_bin, mo
     run = write_run(tmp_path / "run", [(None, 25), (20, TOTAL)])
     monkeypatch.setenv("PATH", f"{fake_bin}:{os.environ['PATH']}")
     assert smoke_assert.main([str(run), "--nonroot", "missing-one"]) == 1
-    assert "FAIL non-root: missing-one: cannot list processes (exit 1: Error: No such container: missing-one)" \
-        in capsys.readouterr().out
+    assert ("FAIL non-root: missing-one: cannot list processes "
+            "(exit 1: Error: No such container: missing-one)" in capsys.readouterr().out)
 
 
 def test_kind_backend_checks_every_pod_of_the_selector(tmp_path, fake_bin, monkeypatch, capsys):
     good = write_run(tmp_path / "pod" / "smoke", [(None, 25), (20, TOTAL)])
     monkeypatch.setenv("PATH", f"{fake_bin}:{os.environ['PATH']}")
     monkeypatch.setattr(smoke_assert, "fetch_kind", lambda *a: good)
-    rc = smoke_assert.main(["/mnt/runs/smoke", "--backend", "kind", "--context", "kind-x", "--dest", str(tmp_path),
-                            "--nonroot-selector", "app.kubernetes.io/name=trainapp"])
+    rc = smoke_assert.main(["/mnt/runs/smoke", "--backend", "kind", "--context", "kind-x", "--dest",
+                            str(tmp_path), "--nonroot-selector", "app.kubernetes.io/name=trainapp"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "PASS non-root: 4 processes in 2 containers (ray-head-0, ray-worker-0)" in out
 
 
 def test_the_process_lister_reads_this_machine(tmp_path):
-    """PROCESS_LISTER is what runs inside the containers: here it runs on the host, as an empty exec prefix."""
+    """PROCESS_LISTER is what runs inside the containers: here it runs on the host, as an empty exec
+    prefix."""
     procs = smoke_assert.list_processes([])
     assert any(p["pid"] == os.getpid() and p["uid"] == os.getuid() for p in procs)
     assert json.loads(json.dumps(procs)) == procs

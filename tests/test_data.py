@@ -31,7 +31,8 @@ def write_tiny_cifar10(root: Path, per_batch: int = 6) -> np.ndarray:
     return first
 
 
-def write_tiny_imagefolder(root: Path, classes=("cat", "dog", "fox"), per_class: int = 4, size=(20, 14)) -> None:
+def write_tiny_imagefolder(root: Path, classes=("cat", "dog", "fox"), per_class: int = 4,
+                           size=(20, 14)) -> None:
     from PIL import Image
 
     rng = np.random.default_rng(1)
@@ -67,7 +68,8 @@ def test_synthetic_classes_are_separable_by_their_prototypes():
 # --- sampler --------------------------------------------------------------------------------------
 
 def _layout(world, rank, batch, global_batch=None, samples=10_000):
-    return Layout(TrainSection(batch_size=batch, global_batch=global_batch or batch * world), world, rank, samples)
+    return Layout(TrainSection(batch_size=batch, global_batch=global_batch or batch * world), world, rank,
+                  samples)
 
 
 def _epoch_indices(n, world, batch, epoch=0, start=0, seed=0, global_batch=None):
@@ -103,7 +105,8 @@ def test_resume_at_a_sample_offset_neither_repeats_nor_skips(world_before, world
     assert not set(done) & set(after)
     assert len(set(done)) == len(done) and len(set(after)) == len(after)
     gb_after = batch * world_after
-    assert n - len(done) - len(after) < gb_after  # only the epoch's tail (less than one global batch) is left out
+    # only the epoch's tail (less than one global batch) is left out
+    assert n - len(done) - len(after) < gb_after
 
 
 def test_same_world_size_resume_yields_exactly_the_uninterrupted_order():
@@ -128,7 +131,8 @@ def _micro_batches(per_rank, world, batch, global_batch):
 def test_a_global_batch_is_cut_into_the_same_micro_batches_at_every_world_size(world):
     n, batch, global_batch = 150, 4, 24  # 6 slots: even over 1, 2, 3 and 6 ranks, uneven over 4
     straight = _micro_batches(_epoch_indices(n, 1, batch, global_batch=global_batch), 1, batch, global_batch)
-    resized = _micro_batches(_epoch_indices(n, world, batch, global_batch=global_batch), world, batch, global_batch)
+    resized = _micro_batches(_epoch_indices(n, world, batch, global_batch=global_batch), world, batch,
+                             global_batch)
     assert resized == straight and len(straight) == (n // global_batch) * 6
 
 
@@ -145,7 +149,8 @@ def test_uneven_slots_give_the_first_ranks_one_micro_batch_more_and_lose_none():
 def test_a_resumed_layout_keeps_the_snapshots_global_batch_or_rescales_as_told():
     keep = Layout(TrainSection(batch_size=8, grad_accum=1), 1, 0, 1000)  # started on 2: 16 samples a step
     keep.resume(16, 2)
-    assert (keep.global_batch, keep.micro_steps(), keep.resized_from) == (16, 2, {"world_size": 2, "global_batch": 16})
+    assert ((keep.global_batch, keep.micro_steps(), keep.resized_from)
+            == (16, 2, {"world_size": 2, "global_batch": 16}))
     assert "world size 2 -> 1: global batch kept: 2 micro-batch(es) of 8 per rank" == keep.line()
     rescale = Layout(TrainSection(batch_size=8, on_resize="rescale"), 1, 0, 1000)
     rescale.resume(16, 2)
@@ -256,12 +261,13 @@ def _train_on(tmp_path, *overrides):
 
 def test_a_short_run_trains_on_imagefolder_with_loader_workers(tmp_path):
     write_tiny_imagefolder(tmp_path / "data", size=(40, 30))
-    summary = _train_on(tmp_path, "data.name=imagefolder", f"data.root={tmp_path / 'data'}", "data.image_size=24",
-                        "data.num_workers=1", "model.num_classes=3")
+    summary = _train_on(tmp_path, "data.name=imagefolder", f"data.root={tmp_path / 'data'}",
+                        "data.image_size=24", "data.num_workers=1", "model.num_classes=3")
     assert summary["steps"] == 3 and 0.0 <= summary["val_acc"] <= 1.0
 
 
 def test_a_short_run_trains_on_cifar10_files(tmp_path):
     write_tiny_cifar10(tmp_path / "data")
-    summary = _train_on(tmp_path, "data.name=cifar10", f"data.root={tmp_path / 'data'}", "model.name=resnet18")
+    summary = _train_on(tmp_path, "data.name=cifar10", f"data.root={tmp_path / 'data'}",
+                        "model.name=resnet18")
     assert summary["steps"] == 3

@@ -178,8 +178,10 @@ def test_inline_skips_are_few_known_and_give_a_reason():
         if re.match(r"\s*#\s*hadolint\s+ignore=", line):
             assert n > 0 and lines[n - 1].lstrip().startswith("#") and "hadolint" not in lines[n - 1], \
                 f"line {n + 1}: a hadolint ignore needs a comment with its reason on the line before"
-            assert not lines[n + 1].lstrip().startswith("#"), f"line {n + 1}: ignore must precede an instruction"
-    assert set(skips) <= ALLOWED_CHECKOV_SKIPS, f"new checkov skips to review: {set(skips) - ALLOWED_CHECKOV_SKIPS}"
+            assert not lines[n + 1].lstrip().startswith("#"), \
+                f"line {n + 1}: ignore must precede an instruction"
+    assert set(skips) <= ALLOWED_CHECKOV_SKIPS, \
+        f"new checkov skips to review: {set(skips) - ALLOWED_CHECKOV_SKIPS}"
 
 
 def test_every_run_is_valid_shell(dockerfile):
@@ -238,11 +240,14 @@ def test_gpu_target_pins_torch_to_a_cuda_flavour_and_starts_from_no_cuda_image(d
     args, stages = dockerfile
     declared = effective(stages, "gpu", "ARG")
     flavour = declared.get("TORCH_CUDA")
-    assert flavour and re.fullmatch(r"cu1[2-9]\d", flavour), f"gpu: ARG TORCH_CUDA={flavour!r}: pin a CUDA flavour"
-    assert flavour == "cu130", "the default is the CUDA 13.0 build (docker/README.md states its driver and GPUs)"
+    assert flavour and re.fullmatch(r"cu1[2-9]\d", flavour), \
+        f"gpu: ARG TORCH_CUDA={flavour!r}: pin a CUDA flavour"
+    assert flavour == "cu130", \
+        "the default is the CUDA 13.0 build (docker/README.md states its driver and GPUs)"
     assert declared["TORCH_INDEX_URL"] == TORCH_CUDA_INDEX, declared["TORCH_INDEX_URL"]
     assert TORCH_CUDA_INDEX.replace("${TORCH_CUDA}", flavour).endswith(f"/whl/{flavour}")
-    torch_install = [i.args for i in stages["gpu"].instrs if i.cmd == "RUN" and '"torch==${TORCH_VERSION}"' in i.args]
+    torch_install = [i.args for i in stages["gpu"].instrs
+                     if i.cmd == "RUN" and '"torch==${TORCH_VERSION}"' in i.args]
     assert torch_install and torch_install[0].startswith('pip install --index-url "${TORCH_INDEX_URL:-'), \
         "the first torch install must read TORCH_INDEX_URL, or the flavour pin does not reach pip"
     # No CUDA base image anywhere in the GPU chain: every root is a build ARG whose default is checked.
@@ -254,7 +259,8 @@ def test_gpu_target_pins_torch_to_a_cuda_flavour_and_starts_from_no_cuda_image(d
     env = effective(stages, "gpu", "ENV")
     assert env.get("NVIDIA_VISIBLE_DEVICES") == "all", env
     assert set(env.get("NVIDIA_DRIVER_CAPABILITIES", "").split(",")) >= {"compute", "utility"}, env
-    assert "/usr/local/nvidia/lib64" in env.get("LD_LIBRARY_PATH", "").split(":"), "GKE mounts the driver there"
+    assert "/usr/local/nvidia/lib64" in env.get("LD_LIBRARY_PATH", "").split(":"), \
+        "GKE mounts the driver there"
     assert "NVIDIA_VISIBLE_DEVICES" not in effective(stages, "cpu", "ENV")
     # NCCL loads the verbs libraries itself: without them it uses TCP sockets even on InfiniBand/RoCE.
     runs = " ".join(i.args for s in chain(stages, "gpu") for i in s.instrs if i.cmd == "RUN")
@@ -288,8 +294,10 @@ def test_package_sources_are_args_without_machine_specific_defaults(dockerfile):
     assert effective(stages, "cpu", "ARG")["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
     assert effective(stages, "gpu", "ARG")["TORCH_INDEX_URL"] == TORCH_CUDA_INDEX  # the flavour's index
     text = DOCKERFILE.read_text()
-    for bad in ("127.0.0.1", "localhost", "/work/", "/root/", "file://", "--trusted-host", "PIP_TRUSTED_HOST"):
-        assert bad not in "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#")), bad
+    for bad in ("127.0.0.1", "localhost", "/work/", "/root/", "file://", "--trusted-host",
+                "PIP_TRUSTED_HOST"):
+        assert bad not in "\n".join(line for line in text.splitlines()
+                                    if not line.lstrip().startswith("#")), bad
 
 
 def test_final_stages_run_as_numeric_non_root_with_the_venv_first_on_path(dockerfile):
@@ -314,7 +322,8 @@ def test_final_stages_run_as_numeric_non_root_with_the_venv_first_on_path(docker
             "a writable /home/trainapp/runs owned by uid 1000"
         assert "iproute2" in runs, f"{target}: iproute2 (`ip`) must be installed or present"
         copies = [i.args for i in stages[target].instrs if i.cmd == "COPY"]
-        assert "docker/venv-path.sh /etc/profile.d/trainapp-venv.sh" in copies, "login shells need the venv too"
+        assert "docker/venv-path.sh /etc/profile.d/trainapp-venv.sh" in copies, \
+            "login shells need the venv too"
 
         workdir = last(stages, target, "WORKDIR")
         assert workdir and workdir.args == "/home/trainapp/app"
@@ -327,9 +336,11 @@ def test_the_example_adds_a_task_to_the_image_and_changes_nothing_else():
     as the image's user, onto the PYTHONPATH it sets, and neither runs nor switches anything."""
     _, (stage,) = parse(EXAMPLE_DOCKERFILE.read_text())
     copies = [i.args.split() for i in stage.instrs if i.cmd == "COPY"]
-    assert copies and all(c[0] == "--chown=1000:1000" and (EXAMPLE_DOCKERFILE.parent / c[1]).exists() for c in copies)
+    assert copies and all(c[0] == "--chown=1000:1000" and (EXAMPLE_DOCKERFILE.parent / c[1]).exists()
+                          for c in copies)
     env = [i.args for i in stage.instrs if i.cmd == "ENV"]
-    assert env == ["PYTHONPATH=/home/trainapp/tasks"] and all(c[2].startswith("/home/trainapp/tasks/") for c in copies)
+    assert (env == ["PYTHONPATH=/home/trainapp/tasks"]
+            and all(c[2].startswith("/home/trainapp/tasks/") for c in copies))
     assert {i.cmd for i in stage.instrs} <= {"COPY", "ENV"}
 
 

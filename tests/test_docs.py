@@ -73,7 +73,8 @@ def test_every_relative_link_resolves(page):
 
 def test_readme_is_a_front_page():
     lines = (REPO / "README.md").read_text().count("\n")
-    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move detail to docs/ (at most {README_MAX_LINES})"
+    assert lines <= README_MAX_LINES, \
+        f"README.md has {lines} lines; move detail to docs/ (at most {README_MAX_LINES})"
 
 
 def test_every_docs_page_links_back_to_the_readme():

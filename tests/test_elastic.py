@@ -31,7 +31,8 @@ def _params(run_dir) -> dict[str, torch.Tensor]:
 
 
 def rel_distance(a: dict, b: dict) -> float:
-    return (sum(((a[k] - b[k]) ** 2).sum() for k in a) ** 0.5 / sum((a[k] ** 2).sum() for k in a) ** 0.5).item()
+    return (sum(((a[k] - b[k]) ** 2).sum() for k in a) ** 0.5
+            / sum((a[k] ** 2).sum() for k in a) ** 0.5).item()
 
 
 def _draws(run_dir) -> dict[tuple, float]:
@@ -47,7 +48,8 @@ def test_one_rank_with_accumulation_computes_what_two_ranks_with_an_uneven_split
     runs = {}
     for procs in (2, 1):
         runs[procs] = tmp_path / f"ranks{procs}"
-        args = [f"run.dir={runs[procs]}", *LEDGER, "train.epochs=2", "task.args.rows=480", "train.global_batch=48"]
+        args = [f"run.dir={runs[procs]}", *LEDGER, "train.epochs=2", "task.args.rows=480",
+                "train.global_batch=48"]
         r = torchrun(procs, *args, env=ENV) if procs > 1 else trainapp("train", *args, env=ENV)
         assert r.returncode == 0, r.output[-3000:]
     layout = metrics(runs[2], "start")[0]["layout"]
@@ -63,15 +65,15 @@ def test_one_rank_with_accumulation_computes_what_two_ranks_with_an_uneven_split
 
 def _agent(port: int, run_dir, *args: str) -> subprocess.Popen:
     """One torchrun agent: a 'node' of an elastic job of 1 to 2 nodes on loopback."""
-    cmd = [TORCHRUN, "--nnodes=1:2", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-           "--rdzv-id=ledger", "--rdzv-conf=last_call_timeout=2", "--max-restarts=4", "-m", "trainapp", "train",
-           f"run.dir={run_dir}", *args]
+    cmd = [TORCHRUN, "--nnodes=1:2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=ledger", "--rdzv-conf=last_call_timeout=2",
+           "--max-restarts=4", "-m", "trainapp", "train", f"run.dir={run_dir}", *args]
     # Without TORCH_DISABLE_SHARE_RDZV_TCP_STORE, a returning node waits for MASTER_ADDR in the new round
     # and fails after 60 s: torch 2.14's agent that was rank 0 before reuses its store and never
     # publishes the address again (docs/elastic.md).
     env = {**ENV, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
 
 
 @pytest.mark.e2e
@@ -82,8 +84,8 @@ def test_torchrun_agents_leaving_and_returning_resize_2_1_2_and_train_every_samp
     the two train on together. The global batch never changes, no step is redone, and the ledger shows
     every sample of every epoch trained exactly once."""
     run_dir, port, rows, gb = tmp_path / "run", free_port(), 1024, 32
-    args = [*LEDGER, f"task.args.rows={rows}", "task.args.step_s=0.05", "train.epochs=10", "train.max_steps=160",
-            "train.log_every=1", "snapshot.every_steps=50"]
+    args = [*LEDGER, f"task.args.rows={rows}", "task.args.step_s=0.05", "train.epochs=10",
+            "train.max_steps=160", "train.log_every=1", "snapshot.every_steps=50"]
     agents = [_agent(port, run_dir, *args)]
     try:
         time.sleep(1)  # the first agent hosts the rendezvous store

@@ -43,7 +43,8 @@ def snapshot_model(snap, part: str = "model") -> dict[str, torch.Tensor]:
     """The weights a snapshot holds, by trainapp's own readers (the whole state, or the shards merged)."""
     state = store.load_state(snap)
     tensors = store.full_sharded_model(snap, part) if isinstance(state[part], str) else state[part]
-    return {k.removeprefix("module.") if part == "ema" else k: v for k, v in tensors.items() if k != "n_averaged"}
+    return {k.removeprefix("module.") if part == "ema" else k: v
+            for k, v in tensors.items() if k != "n_averaged"}
 
 
 def newest(run):
@@ -57,13 +58,15 @@ def test_an_export_of_a_whole_or_sharded_snapshot_loads_strictly_into_the_plain_
     out = tmp_path / "out"
     export(str(run), "--out", str(out))
     model = SmallCNN(num_classes=10)
-    load_model(model, str(out / "model.safetensors"), strict=True)  # safetensors' own loader, nothing of trainapp
+    # safetensors' own loader, nothing of trainapp
+    load_model(model, str(out / "model.safetensors"), strict=True)
     want = snapshot_model(newest(run))
     assert sorted(model.state_dict()) == sorted(want)
     assert all(torch.equal(model.state_dict()[k], want[k]) for k in want)
     rec = record(out)
     assert rec["params_sha256"] == inspect(run)["params_sha256"], (rec["params_sha256"], inspect(run))
-    assert rec["step"] == 24 and rec["source"]["kind"] == ("snapshot" if kind == "ddp" else "sharded snapshot")
+    assert (rec["step"] == 24
+            and rec["source"]["kind"] == ("snapshot" if kind == "ddp" else "sharded snapshot"))
     assert rec["check"]["outputs"]["passed"] and rec["check"]["outputs"]["equal"], rec["check"]
     assert rec["task"]["name"] == "image_classification" and rec["config"]["train"]["max_steps"] == 24
     assert rec["tensors_sha256"] == file_digest(out / "model.safetensors")
@@ -83,7 +86,8 @@ def test_ema_exports_the_averaged_weights_and_bf16_halves_the_file(fsdp_straight
     tensors = load_file(half / "model.safetensors")
     assert {t.dtype for k, t in tensors.items() if "num_batches_tracked" not in k} == {torch.bfloat16}
     check = record(half)["check"]["outputs"]
-    assert record(half)["step"] == 20 and check["passed"] and 0 < check["rel_l2"] < check["tolerance_rel_l2"], check
+    assert (record(half)["step"] == 20 and check["passed"]
+            and 0 < check["rel_l2"] < check["tolerance_rel_l2"]), check
 
 
 def test_a_killed_and_resumed_run_exports_byte_equal_tensors_to_its_straight_twin(torchrun_restarted,
@@ -92,7 +96,8 @@ def test_a_killed_and_resumed_run_exports_byte_equal_tensors_to_its_straight_twi
     a, b = torchrun_straight / "model", torchrun_restarted / "model"
     assert load_file(a / "model.safetensors").keys() == load_file(b / "model.safetensors").keys()
     assert record(a)["tensors_sha256"] == record(b)["tensors_sha256"]
-    assert record(b)["ema"] is True and record(b)["step"] == 24 and record(b)["written_by"] == "the end of the run"
+    assert (record(b)["ema"] is True and record(b)["step"] == 24
+            and record(b)["written_by"] == "the end of the run")
     want = snapshot_model(newest(torchrun_restarted), "ema")
     got = load_file(b / "model.safetensors")
     assert all(torch.equal(got[k], want[k]) for k in want)
@@ -107,7 +112,8 @@ def test_load_model_gives_the_tasks_module_in_eval_mode_with_the_weights(torchru
 
 
 @pytest.mark.e2e
-def test_init_from_starts_lower_and_a_killed_fine_tune_resumes_its_own_snapshot_bitwise(torchrun_restarted, tmp_path):
+def test_init_from_starts_lower_and_a_killed_fine_tune_resumes_its_own_snapshot_bitwise(torchrun_restarted,
+                                                                                        tmp_path):
     """A run started from an export: its first logged loss is lower than the same run's from scratch
     (`torchrun_restarted` is that run); killed and restarted, it resumes its own snapshot (not the
     export) and ends bitwise equal to its straight twin."""
@@ -143,7 +149,8 @@ def one_line_here(capsys, needle: str, *args: str) -> str:
     return lines[0]
 
 
-def test_bad_export_and_init_input_is_one_line_with_exit_2_and_writes_nothing(torchrun_restarted, capsys, tmp_path):
+def test_bad_export_and_init_input_is_one_line_with_exit_2_and_writes_nothing(torchrun_restarted, capsys,
+                                                                              tmp_path):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("mine")
     (tmp_path / "empty-run").mkdir()
@@ -160,9 +167,10 @@ def test_bad_export_and_init_input_is_one_line_with_exit_2_and_writes_nothing(to
         (["export", str(torchrun_restarted), "--out", str(out), "--step", "7"], "--step 7: "),
         (["export", str(torchrun_restarted), "--out", str(tmp_path / "full")], "exists and is not empty"),
         (["train", f"run.dir={tmp_path / 'r1'}", f"init.from={tmp_path / 'nope'}", *quick], "init.from="),
-        (["train", f"run.dir={tmp_path / 'r2'}", f"init.from={corrupt}", *quick], "do not match trainapp.json"),
-        (["train", f"run.dir={tmp_path / 'r3'}", f"init.from={torchrun_restarted / 'model'}", "task.name=char_lm",
-          *quick], "init.exclude="),
+        (["train", f"run.dir={tmp_path / 'r2'}", f"init.from={corrupt}", *quick],
+         "do not match trainapp.json"),
+        (["train", f"run.dir={tmp_path / 'r3'}", f"init.from={torchrun_restarted / 'model'}",
+          "task.name=char_lm", *quick], "init.exclude="),
     ]
     for args, needle in cases:
         one_line_here(capsys, needle, *args)
@@ -237,7 +245,8 @@ def test_init_misfits_name_the_tensors_and_the_ways_out(tmp_path):
     out, _ = written(tmp_path, Tied(head=5))
     source = open_source(out, setting="init.from")
     bigger = Tied(head=7)
-    with pytest.raises(ConfigError, match=r"another shape: head\.bias \(5,\) vs the model's \(7,\).*init\.exclude"):
+    with pytest.raises(ConfigError, match=r"another shape: head\.bias \(5,\) vs the model's \(7,\)"
+                                          r".*init\.exclude"):
         init.fit(bigger, source, [], strict=True)
     names, skipped = init.fit(bigger, source, ["head"], strict=True)  # a new head: excluded
     assert sorted(names) == ["emb.weight"] and skipped == []
@@ -272,7 +281,8 @@ def test_an_fsdp_run_starts_from_another_runs_sharded_snapshot(fsdp_straight, to
     size) into a run that shards its model after the weights are in."""
     run = tmp_path / "ft"
     r = torchrun(2, f"run.dir={run}", "parallel.strategy=fsdp", "train.max_steps=3", "train.log_every=1",
-                 "train.progress=false", "data.train_size=1024", "data.val_size=256", f"init.from={fsdp_straight}")
+                 "train.progress=false", "data.train_size=1024", "data.val_size=256",
+                 f"init.from={fsdp_straight}")
     assert r.returncode == 0, r.output[-3000:]
     (start,) = metrics(run, "start")
     assert start["init"]["kind"] == "sharded snapshot" and start["init"]["step"] == 24, start["init"]

@@ -50,7 +50,8 @@ def _start_ranks(mode: str, run_dir: Path) -> list[subprocess.Popen]:
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return [subprocess.Popen([PY, "-c", RANKS, mode, str(run_dir)], cwd=REPO, env={**env, "RANK": str(rank)},
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
             for rank in (0, 1)]
 
 
@@ -79,12 +80,14 @@ def test_a_peer_blocked_in_a_collective_with_a_failed_rank_exits_within_seconds(
         assert code == PEER_EXIT, procs[0].communicate(timeout=5)
         assert procs[1].poll() is None  # the failed rank is still alive: only the watch ended rank 0
         failed, peer = sorted(metrics(tmp_path, "failure"), key=lambda r: r["rank"], reverse=True)
-        assert (failed["rank"], failed["cause"], failed["error"]) == (1, "exception", "RuntimeError: boom in rank 1")
+        assert ((failed["rank"], failed["cause"], failed["error"])
+                == (1, "exception", "RuntimeError: boom in rank 1"))
         assert peer["rank"] == 0 and peer["cause"] == "peer" and "rank 1 on" in peer["error"], peer
         assert "boom in rank 1" in peer["error"]
         assert at - failed["time"] < 10, at - failed["time"]
         err = procs[0].communicate(timeout=5)[1]
-        assert "trainapp: rank 0 on" in err and "failed after step 0 in phase start: peer: rank 1 on" in err, err
+        assert ("trainapp: rank 0 on" in err
+                and "failed after step 0 in phase start: peer: rank 1 on" in err), err
     finally:
         _kill(procs)
 
@@ -100,7 +103,8 @@ def test_the_ranks_exit_within_seconds_when_the_stores_host_dies(tmp_path):
         code, at = _wait_exit(procs[1], timeout=60)
         assert code == PEER_EXIT and at - killed < 10, (code, at - killed)
         [peer] = metrics(tmp_path, "failure")
-        assert peer["rank"] == 1 and peer["cause"] == "peer" and "store stopped answering" in peer["error"], peer
+        assert (peer["rank"] == 1 and peer["cause"] == "peer"
+                and "store stopped answering" in peer["error"]), peer
     finally:
         _kill(procs)
 
@@ -109,14 +113,17 @@ def test_the_ranks_exit_within_seconds_when_the_stores_host_dies(tmp_path):
 def test_out_of_memory_drill_under_torchrun_is_explained_and_the_restart_finishes(tmp_path):
     run_dir = tmp_path / "run"
     r = run_cmd(torchrun_cmd(2, f"run.dir={run_dir}", *QUICK, "train.epochs=100", "train.max_steps=30",
-                             "snapshot.every_steps=10", "drill.oom_at_step=15", "drill.rank=1", max_restarts=1))
+                             "snapshot.every_steps=10", "drill.oom_at_step=15", "drill.rank=1",
+                             max_restarts=1))
     assert r.returncode == 0, r.output[-3000:]
     oom, peer = metrics(run_dir, "failure")
-    assert (oom["rank"], oom["cause"], oom["step"], oom["phase"], oom["attempt"]) == (1, "oom", 15, "compute", 0)
+    assert ((oom["rank"], oom["cause"], oom["step"], oom["phase"], oom["attempt"])
+            == (1, "oom", 15, "compute", 0))
     assert oom["error"].startswith("OutOfMemoryError: fault drill (drill.oom_at_step=15)"), oom
     assert oom["memory"]["device"] == "cpu" and oom["memory"]["peak_rss_mb"] > 50, oom
     assert oom["host"] == os.uname().nodename and oom["exit_code"] == 1
-    assert (peer["rank"], peer["cause"]) == (0, "peer") and "rank 1 on" in peer["error"] and "oom" in peer["error"]
+    assert ((peer["rank"], peer["cause"]) == (0, "peer") and "rank 1 on" in peer["error"]
+            and "oom" in peer["error"])
     assert peer["time"] - oom["time"] < 10
     assert "trainapp: rank 1 on" in r.stderr
     assert "failed after step 15 in phase compute: oom: OutOfMemoryError" in r.stderr
@@ -124,8 +131,8 @@ def test_out_of_memory_drill_under_torchrun_is_explained_and_the_restart_finishe
     assert [s["resumed_step"] for s in starts] == [None, 10] and metrics(run_dir, "end")[0]["steps"] == 30
     rep = trainapp("report", str(run_dir), timeout=120)
     assert rep.returncode == 0, rep.output
-    assert "failures       1\n  attempt 0: rank 1 on" in rep.stdout and "oom: OutOfMemoryError" in rep.stdout, \
-        rep.stdout
+    assert ("failures       1\n  attempt 0: rank 1 on" in rep.stdout
+            and "oom: OutOfMemoryError" in rep.stdout), rep.stdout
     assert "then rank 0 peer" in rep.stdout
 
 
@@ -134,9 +141,11 @@ def test_cuda_out_of_memory_records_the_allocators_peak_and_summary(monkeypatch)
     import torch.cuda.memory as cuda_memory
 
     gib = 2 ** 30
-    stats = collections.defaultdict(int, {"allocated_bytes.all.peak": 7 * gib, "allocated_bytes.all.current": 6 * gib,
-                                          "reserved_bytes.all.current": 8 * gib, "num_ooms": 1, "num_alloc_retries": 2,
-                                          "num_sync_all_streams": 0, "num_device_alloc": 3, "num_device_free": 0})
+    stats = collections.defaultdict(int, {"allocated_bytes.all.peak": 7 * gib,
+                                          "allocated_bytes.all.current": 6 * gib,
+                                          "reserved_bytes.all.current": 8 * gib, "num_ooms": 1,
+                                          "num_alloc_retries": 2, "num_sync_all_streams": 0,
+                                          "num_device_alloc": 3, "num_device_free": 0})
     monkeypatch.setattr(cuda_memory, "memory_stats", lambda device=None: stats)  # the real summary's input
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: 7 * gib)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 6 * gib)
@@ -162,8 +171,8 @@ def test_which_endings_are_failures():
     assert explain(KeyboardInterrupt()) is None
     cause, error, _ = explain(StorageError("snapshot.max_failures=3: ..."))
     assert (cause, StorageError.everywhere) == ("storage", True)
-    cause, error, extra = explain(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer "
-                                               "[127.0.0.1]:4242"))
+    cause, error, extra = explain(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed "
+                                               "by peer [127.0.0.1]:4242"))
     assert cause == "peer" and "died without a word" in error and extra == {"peer": "unknown"}
     assert explain(ValueError("bad batch\nmore")) == ("exception", "ValueError: bad batch", {})
 

@@ -45,7 +45,8 @@ def test_a_killed_rank_restarted_by_torchrun_ends_bitwise_equal_to_a_straight_fs
     meta = json.loads((tmp_path / "snapshots" / "step_000000024" / "meta.json").read_text())
     assert sorted(meta["shards"]) == ["shards/.metadata", "shards/__0_0.distcp", "shards/__1_0.distcp"]
     assert inspect(tmp_path)["params_sha256"] == inspect(straight)["params_sha256"]
-    assert "params_sha256" not in meta  # no gather of the whole model at each snapshot: inspect reads the shards
+    # no gather of the whole model at each snapshot: inspect reads the shards
+    assert "params_sha256" not in meta
 
 
 @pytest.mark.slow
@@ -66,7 +67,8 @@ def straight_lm(straight_run):
 
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_char_lm_with_fp16_and_ema_resumes_a_killed_rank_bitwise_and_its_snapshot_on_one_rank(straight_lm, tmp_path):
+def test_char_lm_with_fp16_and_ema_resumes_a_killed_rank_bitwise_and_its_snapshot_on_one_rank(straight_lm,
+                                                                                              tmp_path):
     """The character transformer sharded: a rank SIGKILLed after step 13 and restarted ends equal to the
     straight run, bit for bit (parameters, the EMA model's evaluation, the steps fp16 skipped); the
     straight run's step-10 snapshot, resharded onto one rank, goes on at the same global sample."""
@@ -100,11 +102,13 @@ def test_asynchronous_shard_writes_publish_every_snapshot_whole_and_a_killed_ran
     newest published one and ends equal to the synchronous straight run."""
     killed(tmp_path, *LM, "snapshot.async=true")
     resumed = [s["resumed_step"] for s in metrics(tmp_path, "start")]
-    assert resumed[0] is None and resumed[1] in (5, 10), resumed  # step 10's may still be in flight at the kill
+    # step 10's may still be in flight at the kill
+    assert resumed[0] is None and resumed[1] in (5, 10), resumed
     assert inspect(tmp_path)["params_sha256"] == inspect(straight_lm)["params_sha256"]
     for step in (15, 20, 24):
         meta = json.loads((tmp_path / "snapshots" / f"step_{step:09d}" / "meta.json").read_text())
-        assert sorted(meta["shards"]) == ["shards/.metadata", "shards/__0_0.distcp", "shards/__1_0.distcp"], meta
+        assert sorted(meta["shards"]) == ["shards/.metadata", "shards/__0_0.distcp",
+                                          "shards/__1_0.distcp"], meta
     assert not list((tmp_path / "snapshots").glob(".tmp-*"))  # nothing half-written left
 
 
@@ -124,16 +128,19 @@ def test_a_two_rank_snapshot_resumes_on_one_rank_resharded_at_the_same_global_sa
 
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_a_flipped_byte_in_one_shard_is_rejected_in_one_line_and_the_previous_snapshot_is_used(straight, tmp_path):
+def test_a_flipped_byte_in_one_shard_is_rejected_in_one_line_and_the_previous_snapshot_is_used(straight,
+                                                                                               tmp_path):
     shutil.copytree(straight / "snapshots", tmp_path / "snapshots")
     shard = tmp_path / "snapshots" / "step_000000024" / "shards" / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    r = torchrun(2, f"run.dir={tmp_path}", *FSDP, "train.max_steps=30", "run.allow_changes=[run.dir,train.max_steps]")
+    r = torchrun(2, f"run.dir={tmp_path}", *FSDP, "train.max_steps=30",
+                 "run.allow_changes=[run.dir,train.max_steps]")
     assert r.returncode == 0, r.output[-3000:]
     lines = [ln for ln in r.output.splitlines() if "skipping snapshot" in ln]
-    assert len(lines) == 1 and "__1_0.distcp: checksum mismatch" in lines[0] and "a corrupt shard" in lines[0], lines
+    assert (len(lines) == 1 and "__1_0.distcp: checksum mismatch" in lines[0]
+            and "a corrupt shard" in lines[0]), lines
     assert metrics(tmp_path, "start")[0]["resumed_step"] == 20
 
 
@@ -145,10 +152,13 @@ def test_a_full_disk_fails_shard_writes_whole_and_stops_after_max_failures_with_
                                                                                          write):
     run_dir = tmp_path / "run"
     snaps = tmpfs(mounts, run_dir / "snapshots", "1200k")  # one sharded SmallCNN snapshot is about 0.93 MB
-    r = torchrun(2, f"run.dir={run_dir}", *QUICK, "parallel.strategy=fsdp", "train.epochs=100", "train.max_steps=60",
-                 "snapshot.every_steps=10", f"snapshot.async={write == 'async'}".lower())
-    assert r.returncode == 1 and r.stderr.count("exitcode: 3") >= 1, r.output[-3000:]  # both ranks agreed, exit 3
-    assert r.stderr.count("error: snapshot.max_failures=3") == 2 and "forcefully" not in r.stderr, r.stderr[-3000:]
+    r = torchrun(2, f"run.dir={run_dir}", *QUICK, "parallel.strategy=fsdp", "train.epochs=100",
+                 "train.max_steps=60", "snapshot.every_steps=10",
+                 f"snapshot.async={write == 'async'}".lower())
+    # both ranks agreed, exit 3
+    assert r.returncode == 1 and r.stderr.count("exitcode: 3") >= 1, r.output[-3000:]
+    assert (r.stderr.count("error: snapshot.max_failures=3") == 2
+            and "forcefully" not in r.stderr), r.stderr[-3000:]
     failed = metrics(run_dir, "snapshot_failed")
     assert [f["errno"] for f in failed] == ["ENOSPC"] * 3 and [f["in_a_row"] for f in failed] == [1, 2, 3]
     assert inspect(run_dir)["global_step"] == 10  # the newest valid snapshot, every shard intact
@@ -162,7 +172,8 @@ def fsdp_preempt_cmd(run_dir, *args):
 
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_sigterm_to_one_fsdp_worker_snapshots_the_step_reached_and_the_rerun_is_bitwise_equal(straight_run, tmp_path):
+def test_sigterm_to_one_fsdp_worker_snapshots_the_step_reached_and_the_rerun_is_bitwise_equal(straight_run,
+                                                                                              tmp_path):
     """The preemption path of test_preempt.py with sharded snapshots (and low-precision gathers): the notice
     reaches rank 1, both ranks stop at the agreed step, every rank writes its shard of that step; zero
     steps redone."""
@@ -173,7 +184,8 @@ def test_sigterm_to_one_fsdp_worker_snapshots_the_step_reached_and_the_rerun_is_
     rec = check_preempted(run_dir, job, None)
     meta = json.loads((run_dir / "snapshots" / f"step_{rec['step']:09d}" / "meta.json").read_text())
     assert sorted(meta["shards"]) == ["shards/.metadata", "shards/__0_0.distcp", "shards/__1_0.distcp"]
-    rerun_resumes_exactly(run_dir, fsdp_preempt_cmd, rec["step"], straight_sha(straight_run, fsdp_preempt_cmd))
+    rerun_resumes_exactly(run_dir, fsdp_preempt_cmd, rec["step"],
+                          straight_sha(straight_run, fsdp_preempt_cmd))
 
 
 @pytest.mark.slow
@@ -223,21 +235,23 @@ except ConfigError as e:
     print(f"rank {rank} error: {e}", flush=True)
     leave(2)  # past torch's C++ destructors, one of which sometimes aborts a finished rank (trainapp.errors.leave)
 leave(0)
-"""
+"""  # noqa: E501
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs in a mount namespace: needs root")
-def test_snapshot_storage_a_rank_does_not_see_stops_every_rank_in_one_line_before_a_shard_is_written(tmp_path):
+def test_snapshot_storage_a_rank_does_not_see_stops_every_rank_in_one_line_before_a_shard_is_written(
+        tmp_path):
     root = tmp_path / "snapshots"
     root.mkdir()
     blind = f"mount -t tmpfs tmpfs {root} && exec {PY} -c \"$0\" {root}"
     codes, outs = gloo_pair([[PY, "-c", _BLIND_RANK, str(root)],
-                             ["unshare", "--mount", "--propagation", "private", "sh", "-c", blind, _BLIND_RANK]])
+                             ["unshare", "--mount", "--propagation", "private", "sh", "-c", blind,
+                              _BLIND_RANK]])
     assert codes == [2, 2], outs
     for rank, out in enumerate(outs):
         lines = [ln for ln in out.splitlines() if ln.strip()]
-        assert len(lines) == 1 and lines[0].startswith(f"rank {rank} error: {root}: not the same directory on every "
-                                                       "node (rank 1 on "), out
+        assert len(lines) == 1 and lines[0].startswith(f"rank {rank} error: {root}: not the same directory "
+                                                       "on every node (rank 1 on "), out
         assert "point run.dir at a shared filesystem" in lines[0]
     assert list(root.iterdir()) == []  # no shard written, rank 0's empty staging directory removed
 
@@ -266,7 +280,7 @@ stored = sorted({str(p.dtype) for p in model.parameters()} | {str(p.grad.dtype) 
 print(json.dumps({"gathered": seen, "stored": stored}), flush=True)
 dist.destroy_process_group()
 leave(0)  # past torch's C++ destructors, one of which sometimes aborts a finished rank (trainapp.errors.leave)
-"""
+"""  # noqa: E501
 
 
 @pytest.mark.parametrize("mode, conv", [("amp", "torch.bfloat16"), ("fp32", "torch.float32")])
@@ -298,7 +312,7 @@ print(json.dumps({"failed": manager.failed, "left": sorted(os.listdir(local)) if
       flush=True)
 dist.destroy_process_group()
 leave(0)
-"""
+"""  # noqa: E501
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: needs root")
@@ -309,5 +323,6 @@ def test_a_shard_upload_that_fails_on_one_rank_to_a_uri_store_fails_the_snapshot
     assert codes == [0, 0], outs
     got = [json.loads(out.strip().splitlines()[-1]) for out in outs]
     (failed,) = got[0]["failed"]  # rank 0 counted it: rank 1's upload ran out of space
-    assert failed["step"] == 5 and failed["errno"] == "ENOSPC" and failed["path"] == f"file://{store}/run/step_000000005"
+    assert (failed["step"] == 5 and failed["errno"] == "ENOSPC"
+            and failed["path"] == f"file://{store}/run/step_000000005")
     assert got[0]["left"] == [] and list(store.rglob("*")) in ([], [store / "run"]), list(store.rglob("*"))

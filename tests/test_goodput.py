@@ -17,7 +17,8 @@ from trainapp.tools import report
 
 
 def _start(t, step, job, restart=0, resumed=None, launch=None):
-    return {"kind": "start", "time": t, "step": step, "global_batch": 100, "restart": restart, "resumed_step": resumed,
+    return {"kind": "start", "time": t, "step": step, "global_batch": 100, "restart": restart,
+            "resumed_step": resumed,
             "startup": {"worker_process": launch if launch is not None else t - 2},
             "lease": {"holder": {"job": job}}}
 
@@ -32,7 +33,8 @@ def test_a_hang_then_a_resubmission_later_are_detection_redone_and_time_between_
         _train(101.0, 10), _train(102.0, 20),               # 20 steps, 0.1 s each, from 100.0 to 102.0
         {"kind": "snapshot", "time": 102.0, "step": 20, "blocking_s": 0.5},
         _train(103.5, 30),                                  # 10 more (1.0 s) after the 0.5 s snapshot
-        {"kind": "failure", "time": 123.5, "step": 30, "cause": "hang"},  # the watchdog: 20 s after the last step
+        # the watchdog: 20 s after the last step
+        {"kind": "failure", "time": 123.5, "step": 30, "cause": "hang"},
         _start(200.0, 20, "alone:b", resumed=20, launch=195.0),  # a new job 71.5 s later
         _train(201.0, 30), _train(202.0, 40),
         {"kind": "end", "time": 202.0, "steps": 40},
@@ -45,7 +47,8 @@ def test_a_hang_then_a_resubmission_later_are_detection_redone_and_time_between_
     assert acc["steps_redone"] == 10 and bad["redone"] == pytest.approx(1.0)
     assert bad["snapshot"] == pytest.approx(0.5)
     assert bad["between_attempts"] == pytest.approx(195.0 - 123.5) and bad["restart"] == 0
-    assert acc["goodput_s"] == pytest.approx(2.0 + 2.0)  # steps 1-20 of the first attempt, 21-40 of the second
+    # steps 1-20 of the first attempt, 21-40 of the second
+    assert acc["goodput_s"] == pytest.approx(2.0 + 2.0)
     assert abs(bad["other"]) < 1e-6
     assert goodput.table(acc)[0].startswith("goodput        3.8% of 104.0 s")
 
@@ -53,7 +56,8 @@ def test_a_hang_then_a_resubmission_later_are_detection_redone_and_time_between_
 def test_the_same_jobs_restart_is_a_restart_and_a_notice_is_no_failure():
     records = [
         _start(10.0, 0, "torchrun:x"), _train(11.0, 10),
-        {"kind": "preempted", "time": 11.4, "step": 12, "signal": "SIGTERM"},  # 2 steps after the record, then 0.2 s
+        # 2 steps after the record, then 0.2 s
+        {"kind": "preempted", "time": 11.4, "step": 12, "signal": "SIGTERM"},
         _start(20.0, 12, "torchrun:x", resumed=12, launch=15.0),
         _train(21.0, 22), {"kind": "end", "time": 21.0},
     ]
@@ -80,7 +84,8 @@ def _preempt_after(cmd: list[str], run_dir: Path, env: dict, tmp: Path, step: in
     whole process group, as a container runtime does."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
     with open(tmp / "first.err", "w+") as err:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                start_new_session=True)
         try:
             wait_until(at_step(run_dir, "train", step), f"step {step}", 120,
                        gone=exited(proc, lambda: (err.seek(0), err.read())[1]))
@@ -112,7 +117,8 @@ def _reached(attempt: list[dict]) -> int:
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_a_killed_rank_a_hang_and_a_preemption_in_one_run_are_each_accounted_and_add_up_to_its_wall_time(tmp_path):
+def test_a_killed_rank_a_hang_and_a_preemption_in_one_run_are_each_accounted_and_add_up_to_its_wall_time(
+        tmp_path):
     run_dir, t0 = tmp_path / "run", time.monotonic()
     cmd = torchrun_cmd(2, f"run.dir={run_dir}", *E2E_RUN, max_restarts=2)
     env = {"TRAINAPP_RUNTIME_DIR": str(tmp_path / "rt")}
@@ -122,7 +128,8 @@ def test_a_killed_rank_a_hang_and_a_preemption_in_one_run_are_each_accounted_and
     elapsed, records = time.monotonic() - t0, metrics(run_dir)
     acc = goodput.account(records)
     bad = acc["badput_s"]
-    print(*goodput.table(acc), bad, f"test's elapsed {elapsed:.1f} s", sep="\n")  # pytest shows it on a failure
+    # pytest shows it on a failure
+    print(*goodput.table(acc), bad, f"test's elapsed {elapsed:.1f} s", sep="\n")
 
     attempts = _attempts(records)
     starts = [a[0] for a in attempts]
@@ -131,7 +138,8 @@ def test_a_killed_rank_a_hang_and_a_preemption_in_one_run_are_each_accounted_and
     reached = [_reached(a) for a in attempts]
     assert reached[:2] == [KILL_AT, HANG_AT], reached
     redone = [reached[i] - starts[i + 1]["resumed_step"] for i in range(3)]
-    # Each restart resumes from the periodic snapshot before its drill; the preemption's own snapshot loses nothing.
+    # Each restart resumes from the periodic snapshot before its drill; the preemption's own snapshot loses
+    # nothing.
     assert redone == [KILL_AT % SNAPSHOT_EVERY, HANG_AT % SNAPSHOT_EVERY, 0], (redone, starts)
     assert acc["steps_redone"] == sum(redone) and bad["redone"] > 0
 
@@ -155,7 +163,8 @@ def test_a_killed_rank_a_hang_and_a_preemption_in_one_run_are_each_accounted_and
     assert 0 < acc["goodput"] < 1
     end = records[-1]
     assert end["kind"] == "end" and end["goodput"] == pytest.approx(acc["goodput"], abs=0.005), (end, acc)
-    assert end["steps_redone"] == acc["steps_redone"] and end["wall_s"] == pytest.approx(acc["wall_s"], abs=0.5)
+    assert (end["steps_redone"] == acc["steps_redone"]
+            and end["wall_s"] == pytest.approx(acc["wall_s"], abs=0.5))
     assert all(line in report.summarize(run_dir, records) for line in goodput.table(acc))
 
 
@@ -182,10 +191,12 @@ def test_a_slurm_requeue_keeps_its_job_id_but_its_queue_wait_is_time_between_att
         r["lease"]["holder"]["requeue"] = requeue
         return r
 
-    records = [start(10.0, 0, 0), _train(11.0, 10), {"kind": "failure", "time": 11.5, "step": 10, "cause": "peer"},
+    records = [start(10.0, 0, 0), _train(11.0, 10),
+               {"kind": "failure", "time": 11.5, "step": 10, "cause": "peer"},
                start(14.0, 10, 0, restart=1), _train(15.0, 20),  # torchrun's restart inside the allocation
                {"kind": "preempted", "time": 15.2, "step": 20, "signal": "SIGTERM"},
-               start(100.0, 20, 1), _train(101.0, 30), {"kind": "end", "time": 101.0}]  # requeued, 82.8 s later
+               # requeued, 82.8 s later
+               start(100.0, 20, 1), _train(101.0, 30), {"kind": "end", "time": 101.0}]
     bad = goodput.account(records)["badput_s"]
     assert bad["restart"] == pytest.approx(12.0 - 11.5)
     assert bad["between_attempts"] == pytest.approx(98.0 - 15.2)

@@ -29,15 +29,16 @@ CUDA0, CUDA3 = torch.device("cuda", 0), torch.device("cuda", 3)
 
 
 def _seen(available: bool, count: int, **env: str) -> device.Visible:
-    return device.Visible(available, count, env, "" if available else "torch 2.x is built for CUDA 13.0; no NVIDIA "
-                          "driver loaded (no /proc/driver/nvidia/version)")
+    return device.Visible(available, count, env, "" if available else "torch 2.x is built for CUDA 13.0; "
+                          "no NVIDIA driver loaded (no /proc/driver/nvidia/version)")
 
 
 # --- dist.device ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("setting, seen, local_rank, local_world, expected", [
     ("auto", _seen(False, 0), 0, 2, torch.device("cpu")),
-    ("auto", _seen(False, 0, CUDA_VISIBLE_DEVICES=""), 0, 2, torch.device("cpu")),  # Ray's worker without GPUs
+    # Ray's worker without GPUs
+    ("auto", _seen(False, 0, CUDA_VISIBLE_DEVICES=""), 0, 2, torch.device("cpu")),
     ("auto", _seen(False, 0, CUDA_VISIBLE_DEVICES="-1"), 0, 1, torch.device("cpu")),
     ("auto", _seen(False, 0, SLURM_GPUS_ON_NODE="0"), 0, 1, torch.device("cpu")),
     ("cpu", _seen(True, 8, CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7"), 1, 8, torch.device("cpu")),
@@ -45,7 +46,8 @@ def _seen(available: bool, count: int, **env: str) -> device.Visible:
     ("cuda", _seen(True, 4), 3, 4, CUDA3),
     ("cuda", _seen(True, 1, CUDA_VISIBLE_DEVICES="GPU-6f1d"), 3, 4, CUDA0),  # each rank shown its own GPU
 ])
-def test_the_device_follows_dist_device_and_what_the_launcher_gave(setting, seen, local_rank, local_world, expected):
+def test_the_device_follows_dist_device_and_what_the_launcher_gave(setting, seen, local_rank, local_world,
+                                                                   expected):
     chosen, why = device.choose(setting, seen, local_rank, local_world)
     assert chosen == expected and why.startswith(f"dist.device={setting}")
 
@@ -59,7 +61,8 @@ def test_the_device_follows_dist_device_and_what_the_launcher_gave(setting, seen
     ("auto", _seen(False, 0, SLURM_GPUS_ON_NODE="4"), 4, ["(SLURM_GPUS_ON_NODE=4)", "CUDA is not usable"]),
     ("cuda", _seen(False, 0, CUDA_VISIBLE_DEVICES=""), 1, ["CUDA_VISIBLE_DEVICES='' hides every GPU"]),
     ("cuda", _seen(True, 2), 4, ["4 ranks on this node but 2 GPU(s)", "--nproc-per-node=2"]),
-    ("auto", _seen(True, 1), 2, ["2 ranks on this node but 1 GPU(s)"]),  # no CUDA_VISIBLE_DEVICES: one GPU shared
+    # no CUDA_VISIBLE_DEVICES: one GPU shared
+    ("auto", _seen(True, 1), 2, ["2 ranks on this node but 1 GPU(s)"]),
 ])
 def test_a_misconfigured_gpu_node_is_refused_with_one_line(setting, seen, local_world, needles):
     with pytest.raises(ConfigError) as e:
@@ -82,7 +85,8 @@ def test_the_driver_turns_dist_device_into_ray_use_gpu(tmp_path):
         return config.load(None, [f"run.dir={tmp_path}", *args])
 
     assert gpus_for_workers(cfg(), 0) is False and gpus_for_workers(cfg(), 8) is True
-    assert gpus_for_workers(cfg("dist.device=cuda"), 0) is True  # the capacity check then names the missing GPUs
+    # the capacity check then names the missing GPUs
+    assert gpus_for_workers(cfg("dist.device=cuda"), 0) is True
     assert gpus_for_workers(cfg("dist.device=cpu"), 8) is False
     with pytest.raises(ConfigError, match=r"dist.device=cuda with ray.use_gpu=false: .*set ray.use_gpu=true"):
         gpus_for_workers(cfg("dist.device=cuda", "ray.use_gpu=false"), 8)
@@ -141,7 +145,8 @@ def test_sync_bn_with_an_uneven_split_stops_a_cpu_run_before_training(tmp_path):
     # torchrun reports its failed child with a traceback of its own; trainapp's is one line, the same from
     # every rank that printed it before torchrun stopped the others.
     lines = sorted({line for line in r.output.splitlines() if line.startswith("trainapp train: error:")})
-    assert len(lines) == 1 and "model.sync_bn=true: the global batch 48 is 3 micro-batches of 16" in lines[0], r.output
+    assert (len(lines) == 1
+            and "model.sync_bn=true: the global batch 48 is 3 micro-batches of 16" in lines[0]), r.output
     assert "over 2 ranks" in lines[0] and "exitcode  : 2" in r.output
     assert not helpers.metrics(tmp_path, "train", missing_ok=True)
 
@@ -153,10 +158,12 @@ def test_a_snapshot_write_slower_than_dist_timeout_s_is_a_recorded_failure_with_
                          "train.max_steps=12", "snapshot.every_steps=5", *helpers.QUICK, timeout=180)
     assert r.returncode != 0
     waited = "waited dist.timeout_s=6 s for rank 0's file work"
-    assert f"trainapp: rank 1 on {os.uname().nodename} failed after step 5 in phase snapshot: timeout: " in r.output
+    assert (f"trainapp: rank 1 on {os.uname().nodename} failed after step 5 in phase snapshot: timeout: "
+            in r.output)
     assert f"trainapp train: error: {waited}" in r.output, r.output[-3000:]
     failures = {f["rank"]: f for f in helpers.metrics(tmp_path, "failure")}
-    assert failures[1]["cause"] == "timeout" and failures[1]["phase"] == "snapshot" and waited in failures[1]["error"]
+    assert (failures[1]["cause"] == "timeout" and failures[1]["phase"] == "snapshot"
+            and waited in failures[1]["error"])
     assert failures[0]["cause"] == "peer" and failures[0]["step"] == 5, failures
 
 
@@ -190,7 +197,8 @@ def test_only_the_ranks_own_cuda_generator_is_saved_and_restored():
 
 
 def test_old_snapshots_with_every_gpus_generator_still_load():
-    old = {**rng_state(torch.device("cpu")), "cuda": [bytes([i] * 16) for i in range(8)]}  # torch's get_rng_state_all
+    # torch's get_rng_state_all
+    old = {**rng_state(torch.device("cpu")), "cuda": [bytes([i] * 16) for i in range(8)]}
     one = StandInCuda(1)
     set_rng_state(old, CUDA0, one)
     assert one.states[0].tolist() == [0] * 16
@@ -228,9 +236,10 @@ def test_auto_choosing_loopback_is_refused_when_the_ranks_span_hosts():
 
     net.check_hosts([report("node0", "127.0.1.1"), report("node0", "127.0.1.1")])  # one host: lo is right
     net.check_hosts([report("node0", "10.0.0.1"), report("node1", "10.0.0.2")])
-    net.check_hosts([report("node0", "127.0.0.1", "lo"), report("node1", "10.0.0.2", "lo")])  # named: the user's
-    with pytest.raises(net.NetworkError, match=r"rank 0 on host node0 reaches the rendezvous node0 over loopback "
-                                               r"\(127.0.1.1\) while the ranks run on 2 hosts"):
+    # named: the user's
+    net.check_hosts([report("node0", "127.0.0.1", "lo"), report("node1", "10.0.0.2", "lo")])
+    with pytest.raises(net.NetworkError, match=r"rank 0 on host node0 reaches the rendezvous node0 "
+                                               r"over loopback \(127.0.1.1\) while the ranks run on 2 hosts"):
         net.check_hosts([report("node0", "127.0.1.1"), report("node1", "10.0.0.2")])
 
 
@@ -265,7 +274,8 @@ def test_side_groups_are_gloo_and_time_out_after_dist_timeout_s():
     procs = [subprocess.Popen([helpers.PY, "-c", LATE_RANK], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True,
                               env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
-                                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+                                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port)})
              for r in range(2)]
     try:
         outs = [p.communicate(timeout=120)[0] for p in procs]
@@ -289,4 +299,5 @@ def test_doctor_says_where_a_rank_would_train_and_what_would_stop_it(tmp_path):
     assert here.status == doctor.OK and ("cpu (dist.device=auto" in here.detail or "cuda" in here.detail)
     if not torch.cuda.is_available():
         refused = doctor.check_device(config.load(None, [f"run.dir={tmp_path}", "dist.device=cuda"]))
-        assert refused.status == doctor.FAIL and refused.detail.startswith("dist.device=cuda: CUDA is not usable")
+        assert (refused.status == doctor.FAIL
+                and refused.detail.startswith("dist.device=cuda: CUDA is not usable"))

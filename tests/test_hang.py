@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import (FAULT_RUN, PY, QUICK, REPO, inspect, kill_registered, metrics, run_cmd, torchrun2, torchrun_cmd,
-                     wait_for_record, wait_until)
+from helpers import (FAULT_RUN, PY, QUICK, REPO, inspect, kill_registered, metrics, run_cmd, torchrun2,
+                     torchrun_cmd, wait_for_record, wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -30,16 +30,20 @@ def test_a_hung_rank_is_found_by_both_ranks_and_the_restart_resumes_bitwise(torc
     straight run."""
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
-    r = run_cmd(torchrun2(run_dir, *FAULT_RUN, "drill.hang_at_step=13", "drill.rank=1", "fault.hang_timeout_s=5"))
+    r = run_cmd(torchrun2(run_dir, *FAULT_RUN, "drill.hang_at_step=13", "drill.rank=1",
+                          "fault.hang_timeout_s=5"))
     assert r.returncode == 0, r.output[-3000:]
     assert time.monotonic() - t0 < 120
     hung = (run_dir / "hangs" / "rank-1-attempt-0.txt").read_text()
     assert "rank 1 on" in hung and "after step 13 in phase data: hang: no progress" in hung, hung[:2000]
-    assert "Thread 0x" in hung and "in after_step" in hung  # the hung thread's own stack (the drill's) is in the dump
-    # Rank 0 waits for rank 1 in the all-reduce: its own watchdog finds that, or rank 1's word reaches it first.
+    # the hung thread's own stack (the drill's) is in the dump
+    assert "Thread 0x" in hung and "in after_step" in hung
+    # Rank 0 waits for rank 1 in the all-reduce: its own watchdog finds that, or rank 1's word reaches it
+    # first.
     failures = {f["rank"]: f for f in metrics(run_dir, "failure")}
     assert failures[1]["cause"] == "hang" and failures[1]["phase"] == "data" and failures[1]["step"] == 13
-    # Rank 0 is blocked in the gradient all-reduce of the next step's last micro-batch: the phase clock's compute.
+    # Rank 0 is blocked in the gradient all-reduce of the next step's last micro-batch: the phase clock's
+    # compute.
     assert failures[0]["cause"] in ("hang", "peer") and failures[0]["phase"] == "compute", failures[0]
     blocked = run_dir / "hangs" / "rank-0-attempt-0.txt"
     assert failures[0]["cause"] == "peer" or "after step 13 in phase compute" in blocked.read_text()
@@ -53,8 +57,9 @@ def test_a_hung_rank_is_found_by_both_ranks_and_the_restart_resumes_bitwise(torc
 def test_a_sigstopped_rank_is_found_by_its_peer_in_seconds(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINAPP_RUNTIME_DIR": str(tmp_path / "rt")}
-    proc = subprocess.Popen(torchrun(run_dir, "fault.hang_timeout_s=5", "train.max_steps=100"), cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(torchrun(run_dir, "fault.hang_timeout_s=5", "train.max_steps=100"), cwd=REPO,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         wait_for_record(run_dir, "train", lambda r: r["step"] >= 25, timeout=120)
         os.kill(worker_pids(tmp_path / "rt")[1], signal.SIGSTOP)
@@ -78,7 +83,8 @@ def test_a_sigstopped_rank_is_found_by_its_peer_in_seconds(tmp_path):
 
 def worker_pids(runtime_root: Path) -> dict[int, int]:
     """{rank: pid} of the torchrun workers registered under `runtime_root` (TRAINAPP_RUNTIME_DIR)."""
-    return {int((Path(f"/proc/{p.name}/environ").read_bytes().split(b"RANK=", 1)[1].split(b"\0")[0])): int(p.name)
+    return {int((Path(f"/proc/{p.name}/environ").read_bytes().split(b"RANK=", 1)[1]
+                 .split(b"\0")[0])): int(p.name)
             for p in (runtime_root / "workers").iterdir()}
 
 
@@ -114,14 +120,15 @@ def test_a_sigstopped_rank_of_an_fsdp_run_is_found_by_its_peer_within_the_hang_t
 
 
 @pytest.mark.e2e
-def test_a_shard_write_slower_than_the_hang_timeout_is_no_hang_but_a_rank_stopped_inside_one_is_found(tmp_path):
+def test_a_shard_write_slower_than_the_hang_timeout_is_no_hang_but_a_rank_stopped_inside_one_is_found(
+        tmp_path):
     """FSDP: every rank's shards take 5 s to write (the drill's slow disk) against fault.hang_timeout_s=2.
     The step-10 snapshot completes, no watchdog fires; rank 1 SIGSTOPped inside the step-20 write stops
     its shard growing, and rank 0, once its own shard is written, is found silent in the snapshot phase."""
     run_dir, rt = tmp_path / "run", tmp_path / "rt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINAPP_RUNTIME_DIR": str(rt)}
-    cmd = torchrun(run_dir, "parallel.strategy=fsdp", "fault.hang_timeout_s=2", "drill.snapshot_write_delay_s=5",
-                   "train.max_steps=30", restarts=0)
+    cmd = torchrun(run_dir, "parallel.strategy=fsdp", "fault.hang_timeout_s=2",
+                   "drill.snapshot_write_delay_s=5", "train.max_steps=30", restarts=0)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
@@ -160,8 +167,8 @@ def test_no_false_alarm_from_a_long_eval_or_a_slow_snapshot_write(tmp_path, npro
     # hang_timeout_s=2 against an eval of a 40000-image validation set (seconds) and snapshot writes
     # held 4 s by the drill: neither may fire; the other ranks wait out rank 0's write. Alone the
     # writes are asynchronous: the end of the run waits for the last one, which progresses meanwhile.
-    args = ["fault.hang_timeout_s=2", "data.val_size=40000", "train.eval_every=30", "drill.snapshot_write_delay_s=4",
-            "snapshot.every_steps=30"]
+    args = ["fault.hang_timeout_s=2", "data.val_size=40000", "train.eval_every=30",
+            "drill.snapshot_write_delay_s=4", "snapshot.every_steps=30"]
     if nproc == 1:
         r = run_cmd([PY, "-m", "trainapp", "train", f"run.dir={run_dir}", *RUN, *args, "snapshot.async=true"])
     else:
@@ -179,7 +186,8 @@ def test_a_background_snapshot_write_does_not_hide_a_hung_training_thread(tmp_pa
     one step later: the watchdog counts only the training thread, and fires after its 3 s."""
     run_dir = tmp_path / "run"
     r = run_cmd([PY, "-m", "trainapp", "train", f"run.dir={run_dir}", *RUN, "snapshot.async=true",
-                 "drill.snapshot_write_delay_s=30", "drill.hang_at_step=11", "drill.rank=0", "fault.hang_timeout_s=3"])
+                 "drill.snapshot_write_delay_s=30", "drill.hang_at_step=11", "drill.rank=0",
+                 "fault.hang_timeout_s=3"])
     assert r.returncode == 124, r.output[-3000:]
     hung_at = float((run_dir / "fault-fired-hang-step11-rank0").read_text().split()[0])
     (rec,) = metrics(run_dir, "failure")

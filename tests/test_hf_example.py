@@ -15,15 +15,15 @@ from helpers import REPO, torchrun
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                 reason="transformers is not installed (pip install -e '.[dev]'): the Hugging Face "
-                                        "example needs it")]
+                                 reason="transformers is not installed (pip install -e '.[dev]'): "
+                                        "the Hugging Face example needs it")]
 
 EXAMPLE = REPO / "examples" / "hf_causal_lm"
 ON_PATH = {"PYTHONPATH": str(EXAMPLE)}  # torchrun's workers import the task from there
 ARGS = {"arch": "gpt2", "block_size": 32, "n_layer": 2, "n_head": 4, "n_embd": 64, "val_fraction": 0.01}
 RUN = ["task.name=hf_causal_lm_task:CausalLM", *(f"task.args.{k}={v}" for k, v in ARGS.items()),
-       "amp.dtype=off", "train.progress=false", "train.max_steps=6", "train.batch_size=8", "train.log_every=2",
-       "optim.name=adamw", "optim.lr=0.01", "sched.warmup_steps=0"]
+       "amp.dtype=off", "train.progress=false", "train.max_steps=6", "train.batch_size=8",
+       "train.log_every=2", "optim.name=adamw", "optim.lr=0.01", "sched.warmup_steps=0"]
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,8 @@ def test_the_export_stores_gpt2s_tied_embedding_once_and_loads_strictly_into_a_f
     _, out = exported
     record = json.loads((out / "trainapp.json").read_text())
     assert record["check"]["outputs"]["passed"] and record["check"]["outputs"]["equal"], record["check"]
-    assert record["tied"] == {"transformer.wte.weight": "lm_head.weight"} and record["task_export"] == "run", record
+    assert (record["tied"] == {"transformer.wte.weight": "lm_head.weight"}
+            and record["task_export"] == "run"), record
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         assert "lm_head.weight" in f.keys() and "transformer.wte.weight" not in f.keys()
     torch.manual_seed(1234)  # other weights than the run's seed gives: the load must replace every one
@@ -115,7 +116,9 @@ def test_the_end_of_run_export_has_the_hugging_face_directory_too(exported, task
 
     run_dir, out = exported
     record = json.loads((run_dir / "model" / "trainapp.json").read_text())
-    assert record["task_export"] == "run" and record["tied"] == {"transformer.wte.weight": "lm_head.weight"}, record
+    assert (record["task_export"] == "run"
+            and record["tied"] == {"transformer.wte.weight": "lm_head.weight"}), record
     assert {p.name for p in (run_dir / "model" / "hf").iterdir()} >= {"config.json", "model.safetensors"}
     hf = AutoModelForCausalLM.from_pretrained(run_dir / "model" / "hf").eval()
-    assert torch.equal(_logits(hf, _ids()), _logits(trainapp.load_model(out), _ids()))  # the final step's weights
+    # the final step's weights
+    assert torch.equal(_logits(hf, _ids()), _logits(trainapp.load_model(out), _ids()))

@@ -60,7 +60,8 @@ TOKEN_LIKE = re.compile(r"(?<![0-9A-Fa-f])[0-9A-Fa-f]{64}(?![0-9A-Fa-f])")
 # interface routing to the rendezvous address or Ray head). No shipped config may pin them; the
 # manifests show them only commented out, as an example.
 IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
-PIN_SCANNED = sorted(p for d in (K8S, REPO / "ray_cluster") for p in d.rglob("*") if p.suffix in (".yaml", ".yml"))
+PIN_SCANNED = sorted(p for d in (K8S, REPO / "ray_cluster") for p in d.rglob("*")
+                     if p.suffix in (".yaml", ".yml"))
 HEADER_KEYS = ("# Apply:", "# Check:", "# Logs:", "# Clean:")
 
 
@@ -91,7 +92,8 @@ def is_core(obj: dict) -> bool:
 
 
 def ray_pin() -> str:
-    """The Ray of the images and the manifests: the newest of the supported range, which the driver accepts."""
+    """The Ray of the images and the manifests: the newest of the supported range, which the driver
+    accepts."""
     from trainapp.launch.ray import checks
 
     return checks.check_version(checks.NEWEST_TESTED)
@@ -166,7 +168,8 @@ class Pod:
 def cluster_pods(spec: dict, where: str) -> list[Pod]:
     """The head and worker group pod templates of a RayCluster spec."""
     pods = [Pod(f"{where}/head", "head", spec["headGroupSpec"]["template"]["spec"])]
-    pods += [Pod(f"{where}/{g['groupName']}", "worker", g["template"]["spec"]) for g in spec["workerGroupSpecs"]]
+    pods += [Pod(f"{where}/{g['groupName']}", "worker", g["template"]["spec"])
+             for g in spec["workerGroupSpecs"]]
     return pods
 
 
@@ -322,16 +325,19 @@ def preemption_problems(pod: Pod, grace_s: float) -> list[str]:
     drain = drain_numbers(pre, "preStop", say)
     wait, deadline = drain.get("--wait-s"), drain.get("--ray-deadline-s")
     if wait is not None and not wait > grace_s:
-        say(f"preStop --wait-s {wait:g} is not above preempt.grace_s {grace_s:g} (the snapshot may not be done)")
+        say(f"preStop --wait-s {wait:g} is not above preempt.grace_s {grace_s:g} "
+            f"(the snapshot may not be done)")
     if wait is not None and grace_period is not None and not wait + RAY_STOP_S <= grace_period:
-        say(f"preStop --wait-s {wait:g} + {RAY_STOP_S} s for Ray exceeds terminationGracePeriodSeconds {grace_period}")
+        say(f"preStop --wait-s {wait:g} + {RAY_STOP_S} s for Ray exceeds terminationGracePeriodSeconds "
+            f"{grace_period}")
     if deadline is not None and grace_period is not None and deadline != grace_period:
         say(f"preStop --ray-deadline-s {deadline:g} is not terminationGracePeriodSeconds {grace_period}")
     command = [str(w) for w in ray.get("command", []) + ray.get("args", [])]
     if command:
         node = trainapp_call(command)
         if node is None or node[0] != "node":
-            say(f"{ray['name']}: the command is not wrapped in `python -m trainapp node ... --`: {command[:6]}")
+            say(f"{ray['name']}: the command is not wrapped in `python -m trainapp node ... --`: "
+                f"{command[:6]}")
         else:
             numbers = drain_numbers(command, "trainapp node", say)
             for flag in DRAIN_FLAGS:
@@ -376,7 +382,8 @@ def run_checkov(*target: str) -> tuple[int, list[dict], str]:
     try:
         out = json.loads(r.stdout)
     except json.JSONDecodeError:
-        raise AssertionError(f"checkov printed no JSON (exit {r.returncode}): {r.stdout[-1500:]}{r.stderr[-1500:]}")
+        raise AssertionError(f"checkov printed no JSON (exit {r.returncode}): "
+                             f"{r.stdout[-1500:]}{r.stderr[-1500:]}")
     return r.returncode, out if isinstance(out, list) else [out], r.stderr
 
 
@@ -390,7 +397,8 @@ def checkov_problems(result: tuple[int, list[dict], str], expect: set[str]) -> l
         if rep.get("check_type", "kubernetes") != "kubernetes":
             problems.append(f"unexpected check type {rep.get('check_type')}")
         for c in results.get("failed_checks", []):
-            problems.append(f"FAILED {c['check_id']} ({c['check_name']}) on {c['resource']} in {c['file_path']}")
+            problems.append(f"FAILED {c['check_id']} ({c['check_name']}) on {c['resource']} "
+                            f"in {c['file_path']}")
         if summary.get("parsing_errors"):
             problems.append(f"parsing errors: {results.get('parsing_errors')}")
         for c in results.get("skipped_checks", []):
@@ -436,9 +444,11 @@ def skip_entries(objs: list[dict], where: str) -> list[tuple[str, str, str]]:
     found = []
     for obj in objs:
         name = f"{where}:{obj.get('kind')}/{(obj.get('metadata') or {}).get('name', '')}"
-        found += [(name, k, v) for k, v in walk(obj) if isinstance(k, str) and k.startswith("checkov.io/skip")]
+        found += [(name, k, v) for k, v in walk(obj)
+                  if isinstance(k, str) and k.startswith("checkov.io/skip")]
         for patch in obj.get("patches", []) if obj.get("kind") == "Kustomization" else []:
-            target = f"{where}:patch of {patch.get('target', {}).get('kind')}/{patch.get('target', {}).get('name')}"
+            target = (f"{where}:patch of {patch.get('target', {}).get('kind')}/"
+                      f"{patch.get('target', {}).get('name')}")
             for op in yaml.safe_load(patch.get("patch", "")) or []:
                 key = op.get("path", "").rpartition("/")[2].replace("~1", "/")
                 if key.startswith("checkov.io/skip"):
@@ -455,7 +465,8 @@ def skip_problems(entries: list[tuple[str, str, str]]) -> list[str]:
         elif len(m.group(2).strip()) < 15:
             problems.append(f"{where}: {key}: skip of {m.group(1)} without a reason")
         elif m.group(1) not in ALLOWED_CHECKOV_SKIPS:
-            problems.append(f"{where}: {key}: {m.group(1)} is not in ALLOWED_CHECKOV_SKIPS (review it, then add it)")
+            problems.append(f"{where}: {key}: {m.group(1)} is not in ALLOWED_CHECKOV_SKIPS "
+                            f"(review it, then add it)")
     return problems
 
 
@@ -535,8 +546,9 @@ def test_the_plain_manifests_are_the_expected_objects_in_namespace_trainapp():
     kinds = sorted((o["kind"], o["metadata"]["name"]) for o in objs)
     assert kinds == sorted([("Namespace", "trainapp"), ("ConfigMap", "trainapp-nccl"),
                             ("ConfigMap", "trainapp-config"), ("Deployment", "ray-head"),
-                            ("Deployment", "ray-gpu-workers"), ("Service", "ray-head"), ("NetworkPolicy", "ray"),
-                            ("PersistentVolumeClaim", RUNS_CLAIM), ("ServiceAccount", "trainapp")])
+                            ("Deployment", "ray-gpu-workers"), ("Service", "ray-head"),
+                            ("NetworkPolicy", "ray"), ("PersistentVolumeClaim", RUNS_CLAIM),
+                            ("ServiceAccount", "trainapp")])
     # `kubectl apply -f k8s/` goes in lexical order: the Namespace first; and no kustomization here.
     assert PLAIN[0].name.startswith("00-namespace.") and not (K8S / "kustomization.yaml").exists()
     for o in objs:
@@ -570,7 +582,8 @@ def test_no_token_or_secret_is_committed():
 def test_yamllint_strict_passes_on_k8s_ray_cluster_and_configs():
     yamllint = tool("yamllint")
     r = subprocess.run([str(yamllint), "-s", "-f", "parsable", "-c", str(REPO / ".yamllint"),
-                        "k8s", "ray_cluster", "configs"], cwd=REPO, capture_output=True, text=True, timeout=120)
+                        "k8s", "ray_cluster", "configs"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -584,8 +597,9 @@ def test_pod_template_is_locked_down_and_gets_the_token_from_the_secret(pod):
 
 def test_every_pod_template_is_checked():
     roles = sorted((p.where.split(":")[0], p.role) for p in STATIC_PODS)
-    assert roles == [("k8s", "head"), ("k8s", "worker"), (RAYCLUSTER.name, "head"), (RAYCLUSTER.name, "worker"),
-                     (RAYJOB.name, "head"), (RAYJOB.name, "submitter"), (RAYJOB.name, "worker")]
+    assert roles == [("k8s", "head"), ("k8s", "worker"), (RAYCLUSTER.name, "head"),
+                     (RAYCLUSTER.name, "worker"), (RAYJOB.name, "head"), (RAYJOB.name, "submitter"),
+                     (RAYJOB.name, "worker")]
 
 
 def test_gpu_workers_ask_for_the_gpus_they_offer_ray():
@@ -610,7 +624,8 @@ def test_service_reaches_the_heads_gcs_dashboard_and_client_ports():
     workers = load(K8S / "deployment.ray-gpu-workers.yaml")["spec"]["template"]
     named = {p["name"]: p["containerPort"] for p in head["spec"]["containers"][0]["ports"]}
     for p in svc["ports"]:
-        assert named.get(p["targetPort"]) == p["port"], f"targetPort {p['targetPort']} is not the head's {p['port']}"
+        assert named.get(p["targetPort"]) == p["port"], \
+            f"targetPort {p['targetPort']} is not the head's {p['port']}"
     selected = lambda labels: all(labels.get(k) == v for k, v in svc["selector"].items())  # noqa: E731
     assert selected(head["metadata"]["labels"]) and not selected(workers["metadata"]["labels"])
 
@@ -647,7 +662,8 @@ def test_the_config_map_resolves_and_its_worker_range_fits_the_worker_replicas(t
     replicas = load(K8S / "deployment.ray-gpu-workers.yaml")["spec"]["replicas"]
     assert ray["storage_path"] == RUNS_MOUNT
     most = max(ray["num_workers"]) if isinstance(ray["num_workers"], list) else ray["num_workers"]
-    assert most == replicas, f"ray.num_workers {ray['num_workers']}: the largest should be the {replicas} replicas"
+    assert most == replicas, \
+        f"ray.num_workers {ray['num_workers']}: the largest should be the {replicas} replicas"
 
 
 # ------------------------------------------------------------------------------------- KubeRay
@@ -685,7 +701,8 @@ def test_rayjob_runs_the_ray_driver_with_the_worker_groups_elastic_range(tmp_pat
     words = shlex.split(entrypoint)
     config_path = Path(words[words.index("--config") + 1])
     head = spec["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
-    mount = next(m for m in head["containers"][0]["volumeMounts"] if m["mountPath"] == str(config_path.parent))
+    mount = next(m for m in head["containers"][0]["volumeMounts"]
+                 if m["mountPath"] == str(config_path.parent))
     volume = next(v for v in head["volumes"] if v["name"] == mount["name"])
     cm = load(K8S / "configmap.trainapp.yaml")
     assert volume["configMap"]["name"] == cm["metadata"]["name"] and config_path.name in cm["data"]
@@ -722,7 +739,8 @@ def test_rayjob_cleans_up_retries_and_leaves_the_interface_to_network_interface_
         assert re.search(rf"^ +# {var}: \S+$", text, re.M), f"{rel(nccl_map)}: no commented-out {var} example"
     for path in (nccl_map, RAYJOB):
         assert re.search(r'^ +# NCCL_IB_DISABLE: "1"$', path.read_text(), re.M), \
-            f"{rel(path)}: no commented-out NCCL_IB_DISABLE, the switch for clusters without working InfiniBand/RoCE"
+            (f"{rel(path)}: no commented-out NCCL_IB_DISABLE, the switch for clusters without working "
+             f"InfiniBand/RoCE")
 
 
 def test_no_uncommented_line_in_k8s_or_ray_cluster_pins_the_nccl_or_gloo_interface():
@@ -743,7 +761,8 @@ def test_no_uncommented_line_in_k8s_or_ray_cluster_disables_infiniband():
 def test_overlay_lists_every_plain_manifest():
     resources = load(OVERLAY / "kustomization.yaml")["resources"]
     assert sorted(r for r in resources if r.startswith("../../")) == sorted(f"../../{p.name}" for p in PLAIN)
-    assert load(OVERLAY / "kustomization.yaml")["images"] == [{"name": "trainapp", "newTag": f"{VERSION}-cpu"}]
+    assert (load(OVERLAY / "kustomization.yaml")["images"]
+            == [{"name": "trainapp", "newTag": f"{VERSION}-cpu"}])
 
 
 def test_overlay_renders_the_plain_objects_with_cpu_workers_and_a_kind_volume(rendered):
@@ -776,12 +795,14 @@ def test_overlay_claim_binds_by_name_to_the_host_path_volume_on_every_kind_node(
     (pv,) = by_kind(rendered, "PersistentVolume").values()
     assert pvc["spec"]["volumeName"] == pv["metadata"]["name"]
     assert pvc["spec"]["storageClassName"] == pv["spec"]["storageClassName"] == ""
-    assert pv["spec"]["claimRef"] == {"namespace": pvc["metadata"]["namespace"], "name": pvc["metadata"]["name"]}
+    assert pv["spec"]["claimRef"] == {"namespace": pvc["metadata"]["namespace"],
+                                      "name": pvc["metadata"]["name"]}
     assert pvc["spec"]["accessModes"] == pv["spec"]["accessModes"] == ["ReadWriteMany"]
     assert pv["spec"]["capacity"]["storage"] == pvc["spec"]["resources"]["requests"]["storage"]
     nodes = load(KIND_CLUSTER)["nodes"]
     assert len(nodes) == 3 and all(
-        any(m["containerPath"] == pv["spec"]["hostPath"]["path"] for m in n.get("extraMounts", [])) for n in nodes)
+        any(m["containerPath"] == pv["spec"]["hostPath"]["path"] for m in n.get("extraMounts", []))
+        for n in nodes)
 
 
 def test_overlay_pod_templates_are_locked_down_too(rendered):
@@ -799,7 +820,8 @@ def test_overlay_validates_strictly_against_kubernetes_1_32(rendered_file):
 
 def test_checkov_passes_the_plain_manifests(checkov_plain):
     # `-d k8s` also reads k8s/kuberay/ (0 resources: checkov skips custom resources) and the overlay folder.
-    assert checkov_problems(checkov_plain, {"Deployment.trainapp.ray-head", "Deployment.trainapp.ray-gpu-workers",
+    assert checkov_problems(checkov_plain, {"Deployment.trainapp.ray-head",
+                                            "Deployment.trainapp.ray-gpu-workers",
                                             "Service.trainapp.ray-head"}) == []
 
 
@@ -856,7 +878,8 @@ def test_the_run_configs_set_preempt_grace_s_explicitly(rendered, tmp_path):
     configs = {"configmap": load(K8S / "configmap.trainapp.yaml")["data"]["config.yaml"],
                "overlay": by_kind(rendered, "ConfigMap")["trainapp-config"]["data"]["config.yaml"]}
     for where, text in configs.items():
-        assert "grace_s" in (yaml.safe_load(text).get("preempt") or {}), f"{where}: preempt.grace_s is not set"
+        assert "grace_s" in (yaml.safe_load(text).get("preempt") or {}), \
+            f"{where}: preempt.grace_s is not set"
         resolved = resolved_config(text, [], tmp_path)["preempt"]["grace_s"]
         assert resolved == config_grace_s(text) < 30, f"{where}: preempt.grace_s {resolved}"
 
@@ -900,7 +923,8 @@ def _checkov_without_container_security_context(tmp: Path) -> list[str]:
     obj = load(K8S / "deployment.ray-head.yaml")
     del obj["spec"]["template"]["spec"]["containers"][0]["securityContext"]
     (tmp / "deployment.broken.yaml").write_text(yaml.safe_dump(obj, sort_keys=False))
-    return checkov_problems(run_checkov("-f", str(tmp / "deployment.broken.yaml")), {"Deployment.trainapp.ray-head"})
+    return checkov_problems(run_checkov("-f", str(tmp / "deployment.broken.yaml")),
+                            {"Deployment.trainapp.ray-head"})
 
 
 def _validate_unknown_field(tmp: Path) -> list[str]:
@@ -951,22 +975,28 @@ def _unreviewed_and_unexplained_skips(tmp: Path) -> list[str]:
      "capabilities.drop lacks ALL"),
     (_break_pod(lambda s: s["containers"][0]["resources"].pop("limits")), "resources.limits lacks"),
     (_break_pod(lambda s: s["containers"][0].pop("livenessProbe")), "no livenessProbe"),
-    (_break_pod(lambda s: _env(s, "RAY_AUTH_TOKEN").update(value="x" * 64)), "RAY_AUTH_TOKEN does not come from"),
+    (_break_pod(lambda s: _env(s, "RAY_AUTH_TOKEN").update(value="x" * 64)),
+     "RAY_AUTH_TOKEN does not come from"),
     (_break_pod(lambda s: s["volumes"][0]["emptyDir"].pop("medium")), "/dev/shm is not an emptyDir"),
     (_break_pod(lambda s: s["volumes"].pop(2)), f"the claim {RUNS_CLAIM} is not mounted"),
     (_break_worker(lambda s: s["containers"][0].pop("lifecycle")), "preStop does not run"),
     (_break_worker(lambda s: s.pop("terminationGracePeriodSeconds")), "no terminationGracePeriodSeconds"),
     (_break_worker(lambda s: _set_flag(_prestop(s), "--wait-s", "20")), "is not above preempt.grace_s"),
-    (_break_worker(lambda s: s.update(terminationGracePeriodSeconds=30)), "exceeds terminationGracePeriodSeconds"),
-    (_break_worker(lambda s: _set_flag(_prestop(s), "--ray-deadline-s", "60")), "is not terminationGracePeriodSeconds"),
+    (_break_worker(lambda s: s.update(terminationGracePeriodSeconds=30)),
+     "exceeds terminationGracePeriodSeconds"),
+    (_break_worker(lambda s: _set_flag(_prestop(s), "--ray-deadline-s", "60")),
+     "is not terminationGracePeriodSeconds"),
     (_break_worker(lambda s: _prestop(s).remove("--ray-deadline-s")), "--ray-deadline-s given 0 times"),
-    (_break_worker(lambda s: _set_flag(s["containers"][0]["command"], "--wait-s", "31")), "differs from the preStop"),
-    (_break_worker(lambda s: s["containers"][0].update(command=["ray"])), "not wrapped in `python -m trainapp node"),
-    (_break_worker(lambda s: s["containers"][0]["args"].remove("--block")), "does not run `ray start ... --block`"),
+    (_break_worker(lambda s: _set_flag(s["containers"][0]["command"], "--wait-s", "31")),
+     "differs from the preStop"),
+    (_break_worker(lambda s: s["containers"][0].update(command=["ray"])),
+     "not wrapped in `python -m trainapp node"),
+    (_break_worker(lambda s: s["containers"][0]["args"].remove("--block")),
+     "does not run `ray start ... --block`"),
 ], ids=["checkov", "kubernetes-validate", "header", "token", "interface-pin", "skip-reason", "skip-review",
         "pod-root", "capabilities", "limits", "probe", "token-literal", "shm-on-disk", "runs-not-mounted",
-        "no-prestop", "no-grace-period", "drain-wait-short", "grace-period-short", "ray-deadline", "prestop-flag",
-        "node-wait", "unwrapped", "no-block"])
+        "no-prestop", "no-grace-period", "drain-wait-short", "grace-period-short", "ray-deadline",
+        "prestop-flag", "node-wait", "unwrapped", "no-block"])
 def test_the_checks_catch_a_broken_copy(breaks, expect, tmp_path):
     problems = breaks(tmp_path)
     assert any(expect in msg for msg in problems), problems

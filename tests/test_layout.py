@@ -13,8 +13,8 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "trainapp"
 MODULES = sorted(PACKAGE.rglob("*.py"))
 MAX_MODULE_LINES = 500
-LAYERS = ("errors", "config", "group", "tasks", "observe", "snapshots", "weights", "faults", "core", "launch", "tools",
-          "cli", "api", "__main__")
+LAYERS = ("errors", "config", "group", "tasks", "observe", "snapshots", "weights", "faults", "core", "launch",
+          "tools", "cli", "api", "__main__")
 """trainapp's subsystems from the bottom up: a module imports its own layer and the layers below it only."""
 
 
@@ -50,7 +50,8 @@ def _layer(module: str) -> int:
 
 
 def test_no_module_in_trainapp_is_longer_than_500_lines():
-    long = [f"{p.name} ({n} lines)" for p in MODULES if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES]
+    long = [f"{p.name} ({n} lines)" for p in MODULES
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES]
     assert not long, long
 
 
@@ -98,7 +99,8 @@ def _module_state(path: Path) -> list[str]:
             names = [t.id] if isinstance(t, ast.Name) else []
             for name in names:
                 constant = name.lstrip("_").isupper() or name in ("log", "__all__", "__version__")
-                literal = isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp))
+                literal = isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp,
+                                             ast.SetComp))
                 if not constant or (literal and name != "__all__"):
                     found.append(f"{path.relative_to(REPO)}:{node.lineno} {name}")
     found += [f"{path.relative_to(REPO)}:{n.lineno} global {', '.join(n.names)}" for n in ast.walk(tree)
@@ -134,11 +136,14 @@ def test_build_makes_the_parts_in_order_visiting_each_core_module_once():
     build = next(n for n in ast.walk(_tree(PACKAGE / "core" / "build.py"))
                  if isinstance(n, ast.FunctionDef) and n.name == "build")
     by_name = {"resolve": "task", "bind": "task", "task": "task", "data": "data", "Precision": "amp",
-               "Layout": "layout", "optim": "optim", "TrainState": "state", "RngState": "state", "state": "state"}
+               "Layout": "layout", "optim": "optim", "TrainState": "state", "RngState": "state",
+               "state": "state"}
     seen = []
-    for n in sorted((n for n in ast.walk(build) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset)):
+    for n in sorted((n for n in ast.walk(build) if isinstance(n, ast.Call)),
+                    key=lambda n: (n.lineno, n.col_offset)):
         f = n.func
-        head = f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else getattr(f, "id", None)
+        head = (f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
+                else getattr(f, "id", None))
         module = by_name.get(head)
         if module and (not seen or seen[-1] != module):
             seen.append(module)
@@ -154,8 +159,8 @@ def test_the_loop_reads_no_notice_signal_launcher_or_ray():
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
     names |= {n.arg for n in ast.walk(tree) if isinstance(n, ast.arg)}
-    banned = {"notice", "notices", "signal", "signals", "signum", "ray", "launcher", "launch", "publish", "preempted",
-              "resized", "stopped", "stop_by", "stop_kind", "drain", "drains"}
+    banned = {"notice", "notices", "signal", "signals", "signum", "ray", "launcher", "launch", "publish",
+              "preempted", "resized", "stopped", "stop_by", "stop_kind", "drain", "drains"}
     found = sorted(n for n in names if banned & set(n.lower().split("_")) or n.lower() in banned)
     assert not found, found
     assert not [m for m in _imports(path) if m.startswith(("trainapp.launch", "trainapp.faults.preempt"))]

@@ -113,8 +113,8 @@ def test_only_one_of_many_processes_creates_a_generation(tmp_path):
     """Eight processes race to create generation 1 of one folder: exactly one wins."""
     code = ("import sys; from trainapp.snapshots.lease_store import DirStore; "
             "print(DirStore(sys.argv[1]).create('gen-000000001.json', sys.argv[2].encode()))")
-    procs = [subprocess.Popen([PY, "-c", code, str(tmp_path / "lease"), f"writer {i}"], stdout=subprocess.PIPE,
-                              text=True) for i in range(8)]
+    procs = [subprocess.Popen([PY, "-c", code, str(tmp_path / "lease"), f"writer {i}"],
+                              stdout=subprocess.PIPE, text=True) for i in range(8)]
     won = [i for i, p in enumerate(procs) if p.communicate(timeout=60)[0].strip() == "True"]
     assert len(won) == 1, won
     assert (tmp_path / "lease" / "gen-000000001.json").read_text() == f"writer {won[0]}"
@@ -188,8 +188,8 @@ def test_a_fenced_snapshot_write_publishes_nothing_and_leaves_nothing(tmp_path):
     stale = Lease.take(str(tmp_path), "alone", 30)
     Lease.take(str(tmp_path), "alone", 30, take_over=True)
     with pytest.raises(Fenced, match="before its next snapshot"):
-        write_dir(tmp_path / "snapshots" / "step_000000010", {"model": {"w": torch.ones(3)}}, {"global_step": 10},
-                  before_publish=lambda: stale.fence.check("snapshot"))
+        write_dir(tmp_path / "snapshots" / "step_000000010", {"model": {"w": torch.ones(3)}},
+                  {"global_step": 10}, before_publish=lambda: stale.fence.check("snapshot"))
     assert os.listdir(tmp_path / "snapshots") == []
 
 
@@ -250,7 +250,8 @@ def test_a_resize_request_becomes_a_notice_once_training_and_is_answered_at_once
     rid = resize.ask(store, 1, 2)
     wait(lambda: notices.signum, name="a notice")
     watch.stop.set()
-    assert (notices.stop_kind, notices.stop_by, watch.resize_id) == ("resize", "resize from 1 to 2 workers", rid)
+    assert ((notices.stop_kind, notices.stop_by, watch.resize_id)
+            == ("resize", "resize from 1 to 2 workers", rid))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -258,8 +259,10 @@ def test_a_resize_request_becomes_a_notice_once_training_and_is_answered_at_once
 
 
 def test_config_changes_are_listed_and_the_meaningless_ones_refused():
-    old = {"seed": 1, "optim": {"lr": 0.05}, "task": {"name": "x:y", "args": {"hidden": 8}}, "run": {"dir": "a"}}
-    new = {"seed": 1, "optim": {"lr": 0.5}, "task": {"name": "x:y", "args": {"hidden": 8}}, "run": {"dir": "a"}}
+    old = {"seed": 1, "optim": {"lr": 0.05}, "task": {"name": "x:y", "args": {"hidden": 8}},
+           "run": {"dir": "a"}}
+    new = {"seed": 1, "optim": {"lr": 0.5}, "task": {"name": "x:y", "args": {"hidden": 8}},
+           "run": {"dir": "a"}}
     diff = changes.check_resume(old, new, [], "snap")
     assert diff == {"optim.lr": [0.05, 0.5]} and changes.line(diff) == "optim.lr 0.05 -> 0.5"
     for key, value in (("seed", 2), ("task.args.hidden", 16)):
@@ -271,7 +274,8 @@ def test_config_changes_are_listed_and_the_meaningless_ones_refused():
         node[leaf] = value
         with pytest.raises(ConfigError, match=rf"^{key}={value}: the snapshot snap was trained with"):
             changes.check_resume(old, changed, [], "snap")
-        assert key in changes.check_resume(old, changed, [key.split(".")[0]], "snap")  # a section allows its keys
+        # a section allows its keys
+        assert key in changes.check_resume(old, changed, [key.split(".")[0]], "snap")
     assert changes.check_resume(None, new, [], "snap") == {}
 
 
@@ -283,7 +287,8 @@ def test_a_resume_lists_what_changed_and_refuses_another_seed_unless_allowed(tmp
     r = trainapp("train", *short, "seed=5")
     assert r.returncode == 2, r.output
     errors = [ln for ln in r.stderr.splitlines() if "error" in ln]
-    assert len(errors) == 1 and "seed=5: the snapshot" in errors[0] and "run.allow_changes=[seed]" in errors[0]
+    assert (len(errors) == 1 and "seed=5: the snapshot" in errors[0]
+            and "run.allow_changes=[seed]" in errors[0])
     assert "Traceback" not in r.output
     assert len(metrics.read(run_dir, "start")) == 1  # refused before it wrote anything
 
@@ -296,7 +301,8 @@ def test_a_resume_lists_what_changed_and_refuses_another_seed_unless_allowed(tmp
     assert r.returncode == 0, r.output[-2000:]
     assert metrics.read(run_dir, "start")[-1]["config_changes"]["seed"] == [0, 5]
     text = report.summarize(run_dir, report.read(run_dir))
-    assert "config         attempt 1 resumed with optim.lr 0.05 -> 0.5, train.max_steps 20 -> 40" in text, text
+    assert ("config         attempt 1 resumed with optim.lr 0.05 -> 0.5, train.max_steps 20 -> 40"
+            in text), text
 
 
 # ----------------------------------------------------------------------------------------------
@@ -320,7 +326,8 @@ def test_a_second_run_on_a_held_dir_exits_2_in_seconds_and_the_first_is_unharmed
     assert r.returncode == 2, r.output[-3000:]
     assert took < 15, took  # python and torch imports, then at most a few renewal intervals
     errors = [ln for ln in r.stderr.splitlines() if "error" in ln]
-    assert len(errors) == 1 and f"is in use by another run: alone pid {first.proc.pid} on host" in errors[0], errors
+    assert (len(errors) == 1
+            and f"is in use by another run: alone pid {first.proc.pid} on host" in errors[0]), errors
     assert "Traceback" not in r.output
     starts = metrics.read(run_dir, "start")
     assert len(starts) == 1 and {r["pid"] for r in metrics.read(run_dir)} == {first.proc.pid}
@@ -375,7 +382,8 @@ def test_a_sigstopped_holder_resumed_after_the_take_over_publishes_nothing_and_e
     assert said and "was taken over by alone pid" in said[0] and "publishes nothing more" in said[0], said
     records = metrics.read(run_dir)
     heir_start = next(i for i, r in enumerate(records) if r["kind"] == "start" and r["pid"] == heir.proc.pid)
-    assert all(r["pid"] == heir.proc.pid for r in records[heir_start:]), "the zombie wrote into the heir's run"
+    assert all(r["pid"] == heir.proc.pid for r in records[heir_start:]), \
+        "the zombie wrote into the heir's run"
     for snap in (run_dir / "snapshots").iterdir():
         meta = json.loads((snap / "meta.json").read_text())
         assert meta["lease_generation"] == 2 or meta["global_step"] <= stopped_at + 50, meta
@@ -390,6 +398,7 @@ def test_torchruns_restart_takes_the_lease_of_its_own_job_quietly(torchrun_resta
     assert starts[1]["lease"]["took_over"] is None  # the same job: no take-over, no warning
     assert starts[0]["lease"]["holder"]["job"] == starts[1]["lease"]["holder"]["job"]
     assert starts[0]["lease"]["holder"]["job"].startswith("torchrun:")
-    meta = json.loads(sorted((torchrun_restarted / "snapshots").iterdir())[-1].joinpath("meta.json").read_text())
+    meta = json.loads(sorted((torchrun_restarted / "snapshots").iterdir())[-1]
+                      .joinpath("meta.json").read_text())
     assert meta["lease_generation"] == 2
 

@@ -21,7 +21,8 @@ def test_make_run_trains_two_ddp_processes_that_learn(tmp_path):
     assert r.returncode == 0, r.output
     summary = [line for line in r.stdout.splitlines() if line.startswith("trainapp: done")]
     assert len(summary) == 1, r.stdout
-    for key in ("steps=", "final_loss=", "val_acc=", "samples_per_s=", "goodput=", f"snapshots={run_dir}/snapshots"):
+    for key in ("steps=", "final_loss=", "val_acc=", "samples_per_s=", "goodput=",
+                f"snapshots={run_dir}/snapshots"):
         assert key in summary[0]
     train, evals = metrics(run_dir, "train"), metrics(run_dir, "eval")
     assert all(TRAIN_KEYS <= rec.keys() and rec["world_size"] == 2 for rec in train)
@@ -32,14 +33,16 @@ def test_make_run_trains_two_ddp_processes_that_learn(tmp_path):
     assert metrics(run_dir, "start")[0]["amp"] == ("bf16" if cpu_has_native_bf16() else "fp32")
     assert metrics(run_dir, "start")[0]["backend"] == "gloo"
     placement = metrics(run_dir, "start")[0]["placement"]  # one node, two local ranks
-    assert [(p["rank"], p["node_rank"], p["local_rank"]) for p in placement] == [(0, 0, 0), (1, 0, 1)], placement
+    assert ([(p["rank"], p["node_rank"], p["local_rank"]) for p in placement]
+            == [(0, 0, 0), (1, 0, 1)]), placement
     assert inspect(run_dir)["world_size"] == 2
     # Per-rank timings without a drill: both ranks at every log interval, no straggler named, and
     # between two train records rank 0's wall time is its phases (laps leave nothing out; the
     # snapshots are inside, evaluation comes only at the end).
     ranks = metrics(run_dir, "ranks")
     assert [x["step"] for x in ranks] == [t["step"] for t in train]
-    assert all([e["rank"] for e in x["ranks"]] == [0, 1] and all(e["host"] for e in x["ranks"]) for x in ranks)
+    assert all([e["rank"] for e in x["ranks"]] == [0, 1] and all(e["host"] for e in x["ranks"])
+               for x in ranks)
     for prev, cur, rec in zip(train[1:], train[2:-1], ranks[2:-1]):
         wall_ms = 1000 * (cur["time"] - prev["time"]) / (cur["step"] - prev["step"])
         assert rec["ranks"][0]["step_ms"] == pytest.approx(wall_ms, rel=0.15, abs=3), (rec, wall_ms)
@@ -61,7 +64,8 @@ def test_resume_after_sigkill_is_bitwise_identical_alone(tmp_path):
     assert metrics(clean, "eval")[-1]["val_acc"] == metrics(faulty, "eval")[-1]["val_acc"]
 
 
-def test_resume_under_torchrun_restart_is_bitwise_identical_at_world_size_2(torchrun_straight, torchrun_restarted):
+def test_resume_under_torchrun_restart_is_bitwise_identical_at_world_size_2(torchrun_straight,
+                                                                            torchrun_restarted):
     clean, faulty = torchrun_straight, torchrun_restarted
     starts = metrics(faulty, "start")
     assert [s["restart"] for s in starts] == [0, 1]
@@ -93,7 +97,8 @@ def test_resume_at_another_world_size_continues_at_the_same_global_sample(tmp_pa
     assert second["peak_lr"] == first["peak_lr"] and second["total_steps"] == first["total_steps"] == 24
     assert "world size 2 -> 1: global batch kept: 2 micro-batch(es) of 64 per rank" in r.stderr
     after = [m for m in metrics(run, "train") if m["world_size"] == 1]
-    assert after[0]["step"] == 10 and (after[0]["epoch"], after[0]["epoch_sample"]) == (1, 2 * 128)  # 8 steps an epoch
+    # 8 steps an epoch
+    assert after[0]["step"] == 10 and (after[0]["epoch"], after[0]["epoch_sample"]) == (1, 2 * 128)
     assert inspect(run)["global_step"] == 24
 
     # train.on_resize=rescale: global batch 128 -> 64, the epoch continues at sample 5*128 and the peak LR

@@ -48,8 +48,8 @@ def test_named_interface_missing_names_host_request_and_what_it_has():
         net.resolve("eth9", "127.0.0.1", FAKE, host="node-7")
     msg = str(e.value)
     assert "\n" not in msg
-    for part in ("network.interface=eth9", "host node-7", "no interface eth9", "lo 127.0.0.1", "eth0 10.9.0.5",
-                 "docker0 172.17.0.1", "ib0 no-IPv4"):
+    for part in ("network.interface=eth9", "host node-7", "no interface eth9", "lo 127.0.0.1",
+                 "eth0 10.9.0.5", "docker0 172.17.0.1", "ib0 no-IPv4"):
         assert part in msg, msg
 
 
@@ -93,7 +93,8 @@ def test_a_gloo_interface_from_the_environment_is_checked_too():
 
 
 def test_doctor_passes_on_a_healthy_config(tmp_path):
-    r = trainapp("doctor", f"run.dir={tmp_path}/run", f"ray.storage_path={tmp_path}/ray", "--json", timeout=120)
+    r = trainapp("doctor", f"run.dir={tmp_path}/run", f"ray.storage_path={tmp_path}/ray", "--json",
+                 timeout=120)
     assert r.returncode == 0, r.output
     checks = {c["name"]: c for c in json.loads(r.stdout)}
     assert {"torch", "ray", "gpus", "task", "interfaces", "interface", "shm", "storage"} <= set(checks)
@@ -116,7 +117,8 @@ def test_doctor_fails_with_a_summary(tmp_path):
     assert any(line.startswith("FAIL  interface") and "nosuch0" in line for line in lines), r.stdout
     assert any(line.startswith("FAIL  shm") and "data.num_workers=64" in line for line in lines), r.stdout
     assert any(line.startswith("warn  rendezvous") for line in lines), r.stdout
-    assert any(line.startswith("FAIL  task") and "cannot import not_on_this_node.tasks" in line for line in lines)
+    assert any(line.startswith("FAIL  task") and "cannot import not_on_this_node.tasks" in line
+               for line in lines)
     if os.geteuid() != 0:  # root writes anywhere
         assert any(line.startswith("FAIL  storage") for line in lines), r.stdout
 
@@ -160,7 +162,8 @@ class Procs:
         out = open(log, "wb")
         p = subprocess.Popen(host.prefix() + cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                              stdin=subprocess.DEVNULL, start_new_session=True,
-                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})})
+                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                                  **(env or {})})
         out.close()
         self.procs.append(p)
         return p
@@ -200,7 +203,8 @@ def _torchrun_on(hosts, procs, tmp_path, run_dir, iface_a: str, iface_b: str, *e
 
 
 def _wait(ps: list[subprocess.Popen], timeout: float) -> list[int]:
-    wait_until(lambda: all(p.poll() is not None for p in ps), "every host's torchrun to exit", timeout, interval=0.2)
+    wait_until(lambda: all(p.poll() is not None for p in ps), "every host's torchrun to exit", timeout,
+               interval=0.2)
     return [p.returncode for p in ps]
 
 
@@ -236,8 +240,8 @@ def test_a_wrong_interface_stops_both_hosts_within_seconds(hosts, procs, tmp_pat
     # Long before network.check_timeout_s (300 s) or dist.timeout_s (600 s): the stop did not wait for either.
     # (About 8 s on an idle 2-core machine; 50 s seen with a container build beside it.)
     assert elapsed < 150, f"took {elapsed:.0f}s"
-    wanted = "network.interface=trn1: host host-b has no interface trn1 (it has: lo 127.0.0.1, trn0 10.123.0.2, " \
-             "eth0 10.124.0.2)"
+    wanted = "network.interface=trn1: host host-b has no interface trn1 (it has: lo 127.0.0.1, " \
+             "trn0 10.123.0.2, eth0 10.124.0.2)"
     errors_b = [line for line in logs["host-b"].splitlines() if "trainapp train: error:" in line]
     assert errors_b and wanted in errors_b[0], logs["host-b"][-3000:]
     errors_a = [line for line in logs["host-a"].splitlines() if "trainapp train: error:" in line]
@@ -261,8 +265,9 @@ def test_auto_over_loopback_on_a_node_of_two_hosts_is_refused(hosts, procs, tmp_
             (etc / "hosts").write_text(f"127.0.0.1 localhost\n{line}\n")
         port, started = next(_PORTS), []
         for rank, host in enumerate((hosts.a, hosts.b)):
-            cmd = [TORCHRUN, "--nnodes=2", f"--node-rank={rank}", "--nproc-per-node=1", "--master-addr=host-a",
-                   f"--master-port={port}", "-m", "trainapp", "train", f"run.dir={tmp_path / 'run'}", *QUICK]
+            cmd = [TORCHRUN, "--nnodes=2", f"--node-rank={rank}", "--nproc-per-node=1",
+                   "--master-addr=host-a", f"--master-port={port}", "-m", "trainapp", "train",
+                   f"run.dir={tmp_path / 'run'}", *QUICK]
             started.append(procs.start(host, cmd, tmp_path / f"{host.hostname}.log"))
         codes = _wait(started, 180)
     finally:
@@ -270,8 +275,8 @@ def test_auto_over_loopback_on_a_node_of_two_hosts_is_refused(hosts, procs, tmp_
             shutil.rmtree(etc, ignore_errors=True)
     logs = {h: (tmp_path / f"{h}.log").read_text(errors="replace") for h in ("host-a", "host-b")}
     assert codes[0] != 0 and codes[1] != 0, logs
-    wanted = ("network.interface=auto: rank 0 on host host-a reaches the rendezvous host-a over loopback (127.0.0.1) "
-              "while the ranks run on 2 hosts")
+    wanted = ("network.interface=auto: rank 0 on host host-a reaches the rendezvous host-a over loopback "
+              "(127.0.0.1) while the ranks run on 2 hosts")
     for name, log in logs.items():
         errors = sorted({line for line in log.splitlines() if "trainapp train: error:" in line})
         assert len(errors) == 1 and wanted in errors[0], (name, log[-3000:])
@@ -299,20 +304,23 @@ def _ray_on_two_hosts(hosts, procs, tmp_path, short: Path):
     env = {k: v for k, v in cluster.env().items() if k not in ("RAY_ADDRESS",)}
     ray = RAY
     common = ["start", "--block", "--disable-usage-stats", "--num-cpus=1", f"--temp-dir={cluster.dir / 'r'}"]
-    head = procs.start(hosts.a, [ray, *common, "--head", f"--node-ip-address={hosts.a.train_ip}", "--port=6379",
-                          "--dashboard-host=0.0.0.0", "--include-dashboard=true"], tmp_path / "head.log", env)
+    head = procs.start(hosts.a, [ray, *common, "--head", f"--node-ip-address={hosts.a.train_ip}",
+                                 "--port=6379", "--dashboard-host=0.0.0.0", "--include-dashboard=true"],
+                       tmp_path / "head.log", env)
     time.sleep(1)
     procs.start(hosts.b, [ray, *common, f"--address={hosts.a.train_ip}:6379",
                           f"--node-ip-address={hosts.b.train_ip}"], tmp_path / "worker.log", env)
     storage = tmp_path / "storage"
     before = {dev: hosts.a.bytes(dev) for dev in ("trn0", "eth0")}
-    submit = [ray, "job", "submit", "--address", "http://127.0.0.1:8265", "--", "python", "-m", "trainapp", "ray",
-              f"ray.storage_path={storage}", "ray.name=netns", "ray.num_workers=2", "train.max_steps=10", *QUICK]
+    submit = [ray, "job", "submit", "--address", "http://127.0.0.1:8265", "--", "python", "-m", "trainapp",
+              "ray", f"ray.storage_path={storage}", "ray.name=netns", "ray.num_workers=2",
+              "train.max_steps=10", *QUICK]
     deadline, r = time.monotonic() + 240, None
     while time.monotonic() < deadline:
         assert head.poll() is None, (tmp_path / "head.log").read_text(errors="replace")[-3000:]
         # The head's job agent, and the worker node, come up some seconds after `ray start`.
-        r = subprocess.run(hosts.a.prefix() + submit, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+        r = subprocess.run(hosts.a.prefix() + submit, cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=400)
         out = r.stdout + r.stderr
         if r.returncode == 0 or ("trainapp ray" in out and "can hold at most" not in out):
             break  # done, or failed for a reason other than the worker node not having joined yet

@@ -57,7 +57,8 @@ def test_an_interval_back_under_the_line_resets_the_count():
 
 
 def test_a_rank_with_one_more_micro_batch_by_design_is_no_straggler_but_a_slow_one_still_is():
-    """A global batch of 3 micro-batches over 2 ranks: rank 0 runs two, rank 1 one (trainapp/core/layout.py)."""
+    """A global batch of 3 micro-batches over 2 ranks: rank 0 runs two, rank 1 one
+    (trainapp/core/layout.py)."""
     uneven = timings.rank_rows([_row(5, compute=0.2, optim=0.02), _row(5, compute=0.1, optim=0.02, comm=0.1)],
                                ["a", "b"])
     assert timings.Stragglers(ratio=1.2, intervals=1).update(0, uneven)  # without the layout: a false alarm
@@ -70,7 +71,8 @@ def test_a_rank_with_one_more_micro_batch_by_design_is_no_straggler_but_a_slow_o
 
 def test_ranks_within_the_ratio_and_a_single_rank_are_never_stragglers():
     watch = timings.Stragglers(ratio=1.2, intervals=1)
-    close = timings.rank_rows([_row(5, compute=0.10), _row(5, compute=0.11), _row(5, compute=0.12)], ["a"] * 3)
+    close = timings.rank_rows([_row(5, compute=0.10), _row(5, compute=0.11), _row(5, compute=0.12)],
+                              ["a"] * 3)
     assert watch.update(0, close) == []
     assert watch.update(0, timings.rank_rows([_row(5, compute=1.0)], ["a"])) == []
 
@@ -150,7 +152,8 @@ def _named_once_per_streak(found, phase, intervals=3, log_every=5):
     every interval: a second report (a busy machine can end the first streak for one interval) comes only
     after a break and a whole new streak, so at least (intervals + 1) * log_every steps later."""
     assert found, "rank 1 was never named a straggler"
-    assert [(s["rank"], s["phase"], s["intervals"]) for s in found] == [(1, phase, intervals)] * len(found), found
+    assert ([(s["rank"], s["phase"], s["intervals"]) for s in found]
+            == [(1, phase, intervals)] * len(found)), found
     gaps = [b["step"] - a["step"] for a, b in zip(found, found[1:])]
     assert all(g >= (intervals + 1) * log_every for g in gaps), found
 

@@ -35,8 +35,9 @@ def test_no_weight_decay_on_biases_and_norm_weights():
 
 def test_per_module_lr_multipliers_pick_the_longest_prefix():
     model = SmallCNN(10)
-    opt = build_optimizer(model, OptimSection(lr=0.1, base_batch_size=128, lr_mult={"fc": 10.0, "features.0": 0.5,
-                                                                                  "features.0.0": 0.25}), 128)
+    opt = build_optimizer(model, OptimSection(lr=0.1, base_batch_size=128,
+                                              lr_mult={"fc": 10.0, "features.0": 0.5, "features.0.0": 0.25}),
+                          128)
     lr_of = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
     assert lr_of[id(model.fc.weight)] == pytest.approx(1.0)
     assert lr_of[id(model.features[0][0].weight)] == pytest.approx(0.025)  # features.0.0 beats features.0

@@ -33,9 +33,11 @@ class Job:
     def __init__(self, cmd: list[str], tmp: Path, name: str):
         self.tmp, self.name = tmp, name
         self.runtime = tmp / f"rt-{name}"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TRAINAPP_RUNTIME_DIR": str(self.runtime)}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+               "TRAINAPP_RUNTIME_DIR": str(self.runtime)}
         self.out, self.err = open(tmp / f"{name}.out", "w+"), open(tmp / f"{name}.err", "w+")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.out, stderr=self.err, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.out, stderr=self.err,
+                                     start_new_session=True)
 
     def workers(self, n: int, timeout: float = 120) -> dict[int, int]:
         """{rank: pid} of the `n` training processes, from the worker registry."""
@@ -111,7 +113,8 @@ def straight(straight_run):
     return lambda cmd: straight_sha(straight_run, cmd)
 
 
-def check_preempted(run_dir: Path, job: Job, rc: int | None, signum: int = signal.SIGTERM, grace_s: float = 25) -> dict:
+def check_preempted(run_dir: Path, job: Job, rc: int | None, signum: int = signal.SIGTERM,
+                    grace_s: float = 25) -> dict:
     """The stop: exit 128+sig (`rc` None: a launcher's own exit, checked by the caller), one `preempted`
     record whose snapshot is the newest valid one, no traceback from trainapp, within the grace period."""
     out, err = job.output()
@@ -125,7 +128,8 @@ def check_preempted(run_dir: Path, job: Job, rc: int | None, signum: int = signa
     assert rec["step"] >= trained, (rec, trained)  # the snapshot holds every step trained
     assert f"trainapp: preempted ({signal.Signals(signum).name}) at step {rec['step']}" in out, out[-2000:]
     for tb in err.split("Traceback")[1:]:  # torchrun's own SignalException may print one; never trainapp's
-        # The package's own files, not any path that holds "trainapp" (a checkout at ~/trainapp has its venv there).
+        # The package's own files, not any path that holds "trainapp" (a checkout at ~/trainapp has its venv
+        # there).
         assert f'File "{PACKAGE}/' not in tb.split("\n\n", 1)[0], err[-3000:]
     return rec
 
@@ -170,7 +174,8 @@ def test_sigterm_to_one_torchrun_worker_stops_both_at_the_same_step(tmp_path):
     run_dir = tmp_path / "run"
     job = Job(torchrun_cmd(run_dir), tmp_path, "one")
     ranks = job.workers(2)
-    rc = job.signal_after(run_dir, "train", 120, ranks[1])  # rank 0, which writes, hears of it only through the vote
+    # rank 0, which writes, hears of it only through the vote
+    rc = job.signal_after(run_dir, "train", 120, ranks[1])
     out, err = job.output()
     assert "exitcode: 143" in err and "forcefully exiting" not in err, err[-3000:]
     assert rc == 1  # torchrun reports failed workers with 1; their own codes are in its summary
@@ -180,7 +185,8 @@ def test_sigterm_to_one_torchrun_worker_stops_both_at_the_same_step(tmp_path):
 
 @pytest.mark.e2e
 @slow
-def test_second_signal_during_an_async_write_and_during_the_stop_keeps_every_snapshot_valid(tmp_path, straight):
+def test_second_signal_during_an_async_write_and_during_the_stop_keeps_every_snapshot_valid(tmp_path,
+                                                                                            straight):
     """The notice lands while the periodic step-100 snapshot is still being written in the background
     (the drill slows every write by 2 s); a second signal lands while the stop's own snapshot is written."""
     args = ("snapshot.async=true", "drill.snapshot_write_delay_s=2")
@@ -260,7 +266,8 @@ def test_trainapp_node_drains_its_training_processes_before_stopping(tmp_path):
     (a container runtime signals PID 1); it sends the notice to the registered training process,
     waits for its snapshot, then stops the command."""
     run_dir = tmp_path / "run"
-    job = Job([PY, "-m", "trainapp", "node", "--wait-s", "20", "--", *trainapp_cmd(run_dir)], tmp_path, "node")
+    job = Job([PY, "-m", "trainapp", "node", "--wait-s", "20", "--", *trainapp_cmd(run_dir)], tmp_path,
+              "node")
     (pid,) = job.workers(1).values()
     rc = job.signal_after(run_dir, "train", 60, job.proc.pid)
     out, err = job.output()

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import usertasks_ledger
-from helpers import (PY, QUICK, REPO, inspect, metrics, one_error_line, run_cmd, torchrun, trainapp, wait_for_record,
-                     wait_until)
+from helpers import (PY, QUICK, REPO, inspect, metrics, one_error_line, run_cmd, torchrun, trainapp,
+                     wait_for_record, wait_until)
 
 from trainapp.faults.preempt import StopVote
 from trainapp.tools.local_ray import RAY, LocalCluster, free_port, proc_stat
@@ -52,9 +52,10 @@ def _submit_cmd(cluster, name: str, *args: str, sid: str | None = None, wait: bo
                 ship: str | None = None, stop_wait_s: int | None = None) -> list[str]:
     env = ["--runtime-env-json", json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(stop_wait_s)}})] \
         if stop_wait_s else []
-    return [RAY, "job", "submit", "--address", cluster.dashboard_url, *(["--working-dir", ship] if ship else []),
-            *(["--submission-id", sid] if sid else []), *([] if wait else ["--no-wait"]), *env, "--",
-            "python", "-m", "trainapp", "ray", f"ray.storage_path={cluster.storage}", f"ray.name={name}", *args]
+    return [RAY, "job", "submit", "--address", cluster.dashboard_url,
+            *(["--working-dir", ship] if ship else []), *(["--submission-id", sid] if sid else []),
+            *([] if wait else ["--no-wait"]), *env, "--", "python", "-m", "trainapp", "ray",
+            f"ray.storage_path={cluster.storage}", f"ray.name={name}", *args]
 
 
 def submit(cluster, name: str, *args: str, timeout: float = 400):
@@ -126,7 +127,8 @@ def test_sigkilled_ray_worker_costs_at_most_one_snapshot_interval(cluster):
         if autogroup.exists():
             assert autogroup.read_text().split()[-1] == str(cluster.head_nice), autogroup.read_text()
         # Ray Train's controller runs the backend and the callbacks and trains nothing: it has no torch
-        # loaded (trainapp/launch/ray/private/backend.py keeps it out; its import is on the start-up's critical path).
+        # loaded (trainapp/launch/ray/private/backend.py keeps it out; its import is on the start-up's
+        # critical path).
         controller = cluster.state("actors", class_name="TrainController", state="ALIVE")
         assert len(controller) == 1, controller
         assert "libtorch" not in Path(f"/proc/{controller[0]['pid']}/maps").read_text()
@@ -150,8 +152,10 @@ def test_sigkilled_ray_worker_costs_at_most_one_snapshot_interval(cluster):
     said = report.failures(records)
     assert len(said) == 1 and said[0].startswith("attempt 0: Ray Train saw rank"), said
     # The restarted group's start-up phases, for the recovery breakdown (trainapp/observe/timeline.py).
-    assert {"worker_process", "worker_setup", "process_group", "built", "loaded"} <= starts[1]["startup"].keys()
-    assert killed_at < starts[1]["startup"]["worker_setup"] < starts[1]["startup"]["loaded"] < starts[1]["time"]
+    assert ({"worker_process", "worker_setup", "process_group", "built", "loaded"}
+            <= starts[1]["startup"].keys())
+    assert (killed_at < starts[1]["startup"]["worker_setup"] < starts[1]["startup"]["loaded"]
+            < starts[1]["time"])
 
 
 def _steps_on(storage: Path) -> list[int]:
@@ -192,8 +196,8 @@ def test_snapshots_ray_never_registered_resume_a_killed_run_and_are_deleted_once
     # A snapshot Ray knows, deleted by hand: Ray Train would refuse the run with a traceback and the
     # advice to delete the run's directory. The driver says so in one line, and its fix works.
     shutil.rmtree(run_dir / "step_000000040")
-    r = trainapp("ray", f"ray.address={cluster.address}", f"ray.storage_path={cluster.storage}", f"ray.name={name}",
-                 *LONG, timeout=90, env=cluster.client_env())
+    r = trainapp("ray", f"ray.address={cluster.address}", f"ray.storage_path={cluster.storage}",
+                 f"ray.name={name}", *LONG, timeout=90, env=cluster.client_env())
     line = one_error_line(r, "ray", "step_000000040, gone from")
     assert "move the record aside" in line, line
     (run_dir / "checkpoint_manager_snapshot.json").rename(run_dir / "ray-record.json")
@@ -235,7 +239,8 @@ def ray_run_with_restart(cluster):
     write is slowed by the drill.snapshot_write_delay_s drill."""
     name = "drill"
     r = submit(cluster, name, "train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5",
-               "drill.kill_at_step=13", "drill.rank=1", f"drill.snapshot_write_delay_s={DRILL_DELAY_S}", *QUICK)
+               "drill.kill_at_step=13", "drill.rank=1", f"drill.snapshot_write_delay_s={DRILL_DELAY_S}",
+               *QUICK)
     return r, cluster.storage / name
 
 
@@ -249,13 +254,14 @@ def test_job_submit_runs_two_workers_and_inspect_reads_the_ray_run(cluster, ray_
     # Each local node has an address of its own: Ray Train places the ranks as on two machines.
     placement = metrics(run_dir, "start")[0]["placement"]
     assert sorted((p["node_rank"], p["local_rank"]) for p in placement) == [(0, 0), (1, 0)], placement
-    # No Ray Data actor for a run without Ray datasets (private/trainer.py's TorchTrainer), but Ray Train's own
-    # helpers are there: the state API answers and lists them.
+    # No Ray Data actor for a run without Ray datasets (private/trainer.py's TorchTrainer), but Ray Train's
+    # own helpers are there: the state API answers and lists them.
     cluster_actors = {a["class_name"] for a in cluster.state("actors")}
     assert "SynchronizationActor" in cluster_actors and "DatasetManager" not in cluster_actors, cluster_actors
     # Per-rank timings under Ray too: every log interval, both ranks, each on its node.
     ranks = metrics(run_dir, "ranks")
-    assert ranks and all([e["rank"] for e in r_["ranks"]] == [0, 1] and r_["ranks"][1]["step_ms"] > 0 for r_ in ranks)
+    assert ranks and all([e["rank"] for e in r_["ranks"]] == [0, 1] and r_["ranks"][1]["step_ms"] > 0
+                         for r_ in ranks)
     # One copy of each line in the job's output (two attempts): each node streams only its own logs.
     assert r.output.count("Started training worker group") == 2, r.output[-4000:]
     assert r.output.count("trainapp.core.loop: world_size=2 backend=gloo") == 2, r.output[-4000:]
@@ -298,34 +304,37 @@ def test_the_snapshot_write_delay_drill_slows_every_ray_snapshot(ray_run_with_re
 def test_ray_and_torchrun_end_with_the_same_parameters(ray_run_with_restart, tmp_path):
     r, run_dir = ray_run_with_restart
     assert r.returncode == 0, r.output[-4000:]
-    t = torchrun(2, f"run.dir={tmp_path / 'tr'}", "train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5",
-                 *QUICK)
+    t = torchrun(2, f"run.dir={tmp_path / 'tr'}", "train.max_steps=24", "train.epochs=10",
+                 "snapshot.every_steps=5", *QUICK)
     assert t.returncode == 0, t.output
     assert inspect(run_dir)["params_sha256"] == inspect(tmp_path / "tr")["params_sha256"]
 
 
 USER_TASK = ["task.name=tabular_task:Regression", "task.args.hidden=32", "task.args.train_rows=2048",
-             "optim.name=adamw", "optim.lr=0.003", "train.max_steps=24", "train.epochs=20", "snapshot.every_steps=5",
-             "train.progress=false", "train.log_every=5", "train.eval_every=10"]
+             "optim.name=adamw", "optim.lr=0.003", "train.max_steps=24", "train.epochs=20",
+             "snapshot.every_steps=5", "train.progress=false", "train.log_every=5", "train.eval_every=10"]
 
 
 def test_a_user_task_not_shipped_stops_in_the_driver_before_any_worker(cluster):
     """The user's package is on no node and the job does not ship it: one line from the driver."""
     missing = run_cmd(_submit_cmd(cluster, "usertask-unshipped", *USER_TASK), timeout=120, env=cluster.env())
     assert missing.returncode != 0
-    assert "trainapp ray: error: task.name='tabular_task:Regression': cannot import tabular_task" in missing.output
+    assert ("trainapp ray: error: task.name='tabular_task:Regression': cannot import tabular_task"
+            in missing.output)
     assert "Started training worker group" not in missing.output  # the driver's preflight, before any worker
 
 
 @pytest.mark.e2e
-def test_a_user_task_shipped_with_working_dir_resumes_a_killed_worker_bitwise_as_under_torchrun(cluster, tmp_path):
+def test_a_user_task_shipped_with_working_dir_resumes_a_killed_worker_bitwise_as_under_torchrun(cluster,
+                                                                                                tmp_path):
     """`ray job submit --working-dir` ships the user's package to the driver and the workers. Rank 1
     SIGKILLs itself after step 13; the run ends where torchrun's straight run does."""
     task = USER_TASK
     # What `make ray-submit WORKING_DIR=examples/tabular` runs.
     r = run_cmd([PY, "-m", "trainapp.tools.local_ray", "--dir", str(cluster.dir), "submit", "--working-dir",
-                 "examples/tabular", "--", "python", "-m", "trainapp", "ray", f"ray.storage_path={cluster.storage}",
-                 "ray.name=usertask", *task, "drill.kill_at_step=13", "drill.rank=1"], timeout=400, env=cluster.env())
+                 "examples/tabular", "--", "python", "-m", "trainapp", "ray",
+                 f"ray.storage_path={cluster.storage}", "ray.name=usertask", *task,
+                 "drill.kill_at_step=13", "drill.rank=1"], timeout=400, env=cluster.env())
     assert r.returncode == 0, r.output[-4000:]
     assert "trainapp ray: done steps=24" in r.output and "val_mse=" in r.output, r.output[-2000:]
     run_dir = cluster.storage / "usertask"
@@ -370,8 +379,8 @@ def test_char_lm_sharded_resumes_a_killed_worker_from_every_shard_to_torchruns_p
     # snapshots on the URI store: the same tensors as torchrun's run exported at its end.
     exported = json.loads((store / "char-lm" / "model" / "trainapp.json").read_text())
     assert exported["step"] == 24 and exported["source"]["kind"] == "sharded snapshot", exported
-    assert exported["tensors_sha256"] == json.loads((tmp_path / "tr" / "model" / "trainapp.json").read_text())[
-        "tensors_sha256"]
+    assert (exported["tensors_sha256"]
+            == json.loads((tmp_path / "tr" / "model" / "trainapp.json").read_text())["tensors_sha256"])
     assert not (run_dir / "model").exists()  # the local copy went once uploaded
     r = submit(cluster, "char-lm", *lm, "train.max_steps=29", "ray.num_workers=1")
     assert r.returncode == 0, r.output[-4000:]
@@ -382,8 +391,8 @@ def test_char_lm_sharded_resumes_a_killed_worker_from_every_shard_to_torchruns_p
     script = ("import trainapp; from tabular_task import Regression; "
               f"s = trainapp.fit_ray(Regression(hidden=16), overrides=['ray.storage_path={cluster.storage}', "
               "'ray.name=script', 'train.max_steps=10', 'train.progress=false']); print('steps', s['step'])")
-    cmd = [RAY, "job", "submit", "--address", cluster.dashboard_url, "--working-dir", "examples/tabular", "--",
-           "python", "-c", script]
+    cmd = [RAY, "job", "submit", "--address", cluster.dashboard_url, "--working-dir", "examples/tabular",
+           "--", "python", "-c", script]
     r = run_cmd(cmd, timeout=400, env=cluster.env())
     assert r.returncode == 0 and "steps 10" in r.output, r.output[-4000:]
     (start,) = metrics(cluster.storage / "script", "start")
@@ -408,7 +417,8 @@ def test_an_out_of_memory_rank_then_a_hung_rank_are_explained_and_the_ray_run_en
     run_dir = cluster.storage / name
     proc = submit_background(cluster, name, "train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5",
                              *QUICK, "train.log_every=1", "drill.oom_at_step=8", "drill.hang_at_step=17",
-                             "drill.rank=1", "fault.hang_timeout_s=5", "ray.max_failures=2", "snapshot.async=true")
+                             "drill.rank=1", "fault.hang_timeout_s=5", "ray.max_failures=2",
+                             "snapshot.async=true")
     try:
         gone = []  # per attempt: seconds from rank 1's failure record until rank 0's process was gone
         for attempt in (0, 1):
@@ -440,7 +450,8 @@ def test_an_out_of_memory_rank_then_a_hung_rank_are_explained_and_the_ray_run_en
 
 @pytest.mark.e2e
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: needs root")
-def test_a_failed_upload_to_uri_storage_is_a_failed_snapshot_and_the_final_one_stops_the_run(cluster, tmp_path):
+def test_a_failed_upload_to_uri_storage_is_a_failed_snapshot_and_the_final_one_stops_the_run(cluster,
+                                                                                             tmp_path):
     """`ray.storage_path` a URI (file:// on a 1.2 MB tmpfs, room for one snapshot): rank 0 uploads, the
     second upload hits ENOSPC and is counted like a full local disk (training goes on, nothing partial
     stays), the failed final one stops the run with one line and no retry (ray.max_failures=0). With
@@ -464,7 +475,8 @@ def test_a_failed_upload_to_uri_storage_is_a_failed_snapshot_and_the_final_one_s
     assert stored == ["step_000000010"]  # the partial uploads were deleted
     # One line (`ray job submit` shows the job's last lines twice: streamed, then in its status).
     errors = sorted({line for line in r.output.splitlines() if line.startswith("trainapp ray: error:")})
-    assert len(errors) == 1 and "the final snapshot (step 30) failed: [Errno 28] No space left on device" in errors[0]
+    assert (len(errors) == 1
+            and "the final snapshot (step 30) failed: [Errno 28] No space left on device" in errors[0])
     assert f"free space under file://{mount}/uri" in errors[0] and "ray.storage_path" in errors[0], errors
     assert f"the newest valid snapshot is {mount}/uri/step_000000010" in errors[0], errors
     assert [f["cause"] for f in metrics(run_dir, "failure")] == ["storage", "storage"]
@@ -475,7 +487,8 @@ def test_bad_ray_input_fails_fast_with_one_line(cluster, tmp_path):
     cases = {
         "no cluster": (["ray.address=127.0.0.1:1"], "ray.address=127.0.0.1:1: no Ray cluster answers"),
         "min > max": (["ray.num_workers=[3,1]"], "ray.num_workers=[3, 1]"),
-        "global batch under the workers": (["ray.num_workers=[1,4]", "train.batch_size=32", "train.global_batch=64"],
+        "global batch under the workers": (["ray.num_workers=[1,4]", "train.batch_size=32",
+                                            "train.global_batch=64"],
                                            "train.global_batch=64: 2 micro-batch(es)"),
         "too many workers": ([f"ray.address={cluster.address}", "ray.num_workers=5",
                               f"ray.storage_path={tmp_path}"], "can hold at most 2 workers"),
@@ -485,8 +498,8 @@ def test_bad_ray_input_fails_fast_with_one_line(cluster, tmp_path):
                                   "network.interface=nosuch0"], "network.interface=nosuch0: host "),
         # A built-in task is made in the workers (the driver imports no torch): the same one line comes back.
         # (Ray Train retries a worker group's bad input like any failure, up to ray.max_failures times.)
-        "built-in task args": ([f"ray.address={cluster.address}", f"ray.storage_path={tmp_path}", "task.name=char_lm",
-                                "task.args.bogus=1", "ray.max_failures=0"],
+        "built-in task args": ([f"ray.address={cluster.address}", f"ray.storage_path={tmp_path}",
+                                "task.name=char_lm", "task.args.bogus=1", "ray.max_failures=0"],
                                "task.args={'bogus': 1}: char_lm cannot be called with them"),
     }
     for name, (args, needle) in cases.items():
@@ -501,7 +514,8 @@ def test_bad_ray_input_fails_fast_with_one_line(cluster, tmp_path):
             # The workers' tracebacks and Ray Train's account of them stay in Ray's session logs (the
             # driver's own native lines, if any, are not the run's and are not counted).
             assert "RayTrainWorker" not in r.output and "TrainController" not in r.output, r.stderr[-3000:]
-            assert "Ray's " in r.stderr and " lines about it are in the session logs (" in r.stderr, r.stderr[-3000:]
+            assert ("Ray's " in r.stderr
+                    and " lines about it are in the session logs (" in r.stderr), r.stderr[-3000:]
 
 
 @pytest.mark.e2e
@@ -542,7 +556,8 @@ def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back_with_ever
     watched = ("stopped answering" in out and "declared dead after" in out) or "already declared dead" in out
     assert watched, out[-4000:]
     starts = metrics(run_dir, "start")
-    assert [s["world_size"] for s in starts] == [2, 1, 2], [(s["world_size"], s["resumed_step"]) for s in starts]
+    assert [s["world_size"] for s in starts] == [2, 1, 2], \
+        [(s["world_size"], s["resumed_step"]) for s in starts]
     assert {s["global_batch"] for s in starts} == {gb} and starts[1]["layout"]["micro_steps"] == [2]
     # The grow-back: the resize snapshot is the step the bigger group resumed from.
     (resized,) = metrics(run_dir, "resized")
@@ -629,7 +644,8 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
             cluster.wait_for_nodes(3, 120)
     assert rc == 0, out[-4000:]
     if not versions.drain_notices():
-        assert sum("no drain notices reach the training loop" in line for line in out.splitlines()) == 1, out[-3000:]
+        assert sum("no drain notices reach the training loop" in line
+                   for line in out.splitlines()) == 1, out[-3000:]
         assert metrics(run_dir, "start")[-1]["world_size"] == 1 and not metrics(run_dir, "drain_notice")
         return
     # Until a drain, no rank asked Ray (a barrier of every worker through Ray Train's synchronization
@@ -658,7 +674,8 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
     # A drain-time snapshot (rank 0 may die between writing one and recording it: the last one
     # written need not have a record), so at most one poll interval of training is lost.
     assert resumed >= notice["step"] and resumed in trained, (resumed, notice, snaps)
-    assert trained[before] - trained[resumed] <= poll_s + StopVote.INTERVAL_S + 1.0, (before, resumed, trained)
+    assert (trained[before] - trained[resumed]
+            <= poll_s + StopVote.INTERVAL_S + 1.0), (before, resumed, trained)
     assert metrics(run_dir, "start")[-1]["world_size"] == 1
 
 
@@ -677,18 +694,21 @@ def test_ray_job_stop_snapshots_the_step_reached_and_the_resubmission_redoes_non
     args = (*LONG, "train.epochs=100", "train.max_steps=300", "snapshot.every_steps=100", "ray.num_workers=2")
     # Steps of 250 ms (a sleep: the numbers do not change) while a second driver starts on a busy machine.
     slow = ("drill.slow_rank=0", "drill.slow_ms=250")
-    r = run_cmd(_submit_cmd(cluster, name, *args, *slow, sid=sid, wait=False, stop_wait_s=60), env=cluster.env())
+    r = run_cmd(_submit_cmd(cluster, name, *args, *slow, sid=sid, wait=False, stop_wait_s=60),
+                env=cluster.env())
     assert r.returncode == 0, r.output
     wait_for_step(run_dir, 5)
     holder = json.loads((run_dir / "lease" / "gen-000000001.json").read_text())["holder"]
     second = submit(cluster, name, *args, *slow)
     assert second.returncode != 0, second.output[-3000:]
-    assert f"is in use by another run: ray pid {holder['pid']} on host" in second.output, second.output[-3000:]
+    assert f"is in use by another run: ray pid {holder['pid']} on host" in second.output, \
+        second.output[-3000:]
     assert "Traceback" not in second.output
     assert len(metrics(run_dir, "start")) == 1 and not (run_dir / "lease" / "gen-000000002.json").exists()
 
     t0 = time.monotonic()
-    stop = run_cmd([RAY, "job", "stop", "--address", cluster.dashboard_url, sid], env=cluster.env(), timeout=120)
+    stop = run_cmd([RAY, "job", "stop", "--address", cluster.dashboard_url, sid], env=cluster.env(),
+                   timeout=120)
     took = time.monotonic() - t0
     assert stop.returncode == 0, stop.output
     logs = run_cmd([RAY, "job", "logs", "--address", cluster.dashboard_url, sid], env=cluster.env()).output
@@ -701,7 +721,8 @@ def test_ray_job_stop_snapshots_the_step_reached_and_the_resubmission_redoes_non
     assert f"stopped (ray job stop (SIGTERM to the job's driver)) at step {at}" in logs, logs[-3000:]
     assert f"trainapp ray: stopped (ray job stop (SIGTERM to the job's driver)) at step {at};" in logs
     # Every worker ended normally: no worker died, so Ray Train did not start the group again.
-    assert "Training failed due to worker errors" not in logs and "before this attempt" not in logs, logs[-4000:]
+    assert ("Training failed due to worker errors" not in logs
+            and "before this attempt" not in logs), logs[-4000:]
 
     r = submit(cluster, name, *args)
     assert r.returncode == 0, r.output[-4000:]
@@ -719,9 +740,9 @@ def test_ray_job_stop_snapshots_the_step_reached_and_the_resubmission_redoes_non
 @pytest.mark.e2e
 def test_doctor_comm_as_a_ray_job_measures_the_pair_of_worker_nodes(cluster):
     # 1 TB/s: no link reaches it, so the pair is named (exit 0 with no bar is test_comm.py's, under torchrun).
-    r = run_cmd([RAY, "job", "submit", "--address", cluster.dashboard_url, "--", "python", "-m", "trainapp", "doctor",
-                 "--comm", "--size-mb=1", "--iters=2", "--min-bandwidth=1000", f"ray.storage_path={cluster.storage}",
-                 "ray.name=comm"], timeout=300, env=cluster.env())
+    r = run_cmd([RAY, "job", "submit", "--address", cluster.dashboard_url, "--", "python", "-m", "trainapp",
+                 "doctor", "--comm", "--size-mb=1", "--iters=2", "--min-bandwidth=1000",
+                 f"ray.storage_path={cluster.storage}", "ray.name=comm"], timeout=300, env=cluster.env())
     assert r.returncode != 0, r.output[-4000:]
     # Both local worker nodes have the machine's host name: Ray's node ranks tell them apart.
     head = next(line for line in r.output.splitlines() if line.startswith("comm  gloo across 2 node(s)"))
@@ -744,9 +765,11 @@ def test_stop_jobs_a_head_pods_prestop_stops_a_running_job_with_its_snapshot(clu
     wait_for_step(run_dir, 5)
     r = trainapp("stop-jobs", "--address", cluster.dashboard_url, "--wait-s", "60", env=cluster.env())
     assert r.returncode == 0, r.output
-    asked = next(ln for ln in r.stdout.splitlines() if "job(s) to stop" in ln)  # any job a test left running too
+    # any job a test left running too
+    asked = next(ln for ln in r.stdout.splitlines() if "job(s) to stop" in ln)
     assert sid in asked.rsplit(": ", 1)[1].split(", "), r.output
     stopped = metrics(run_dir, "stopped")
     assert len(stopped) == 1 and inspect(run_dir)["global_step"] == stopped[0]["step"], stopped
-    status = run_cmd([RAY, "job", "status", "--address", cluster.dashboard_url, sid], env=cluster.env()).output
+    status = run_cmd([RAY, "job", "status", "--address", cluster.dashboard_url, sid],
+                     env=cluster.env()).output
     assert "stopped" in status.lower()

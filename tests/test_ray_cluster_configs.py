@@ -142,7 +142,8 @@ def test_docker_options(path):
         assert not pinned, f"{role}: {sorted(pinned)} pinned; leave the choice to network.interface=auto"
         # InfiniBand/RoCE stays NCCL's choice (sockets where the node has none); NCCL_IB_DISABLE=1 is
         # the switch for clusters where it does not work, commented out in the config.
-        assert "NCCL_IB_DISABLE" not in env, f"{role}: NCCL_IB_DISABLE set; it forces TCP on RDMA-capable nodes"
+        assert "NCCL_IB_DISABLE" not in env, \
+            f"{role}: NCCL_IB_DISABLE set; it forces TCP on RDMA-capable nodes"
         assert env.get("NCCL_DEBUG"), role
         assert env.get("RAY_AUTH_MODE") == "token", role
         assert "RAY_AUTH_TOKEN" not in env, f"{role}: a token in the config; use RAY_AUTH_TOKEN_PATH"

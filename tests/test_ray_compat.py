@@ -25,8 +25,10 @@ from trainapp.launch.ray import checks, private
 from trainapp.launch.ray.private import backend, controller, trainer
 
 FENCE = REPO / "trainapp" / "launch" / "ray" / "private"
-MODULES = [importlib.import_module(f"{private.__name__}.{m.name}") for m in pkgutil.iter_modules(private.__path__)]
-"""Every module of the fence, found by walking its folder (the package's __init__ is not one: it names no Ray)."""
+MODULES = [importlib.import_module(f"{private.__name__}.{m.name}")
+           for m in pkgutil.iter_modules(private.__path__)]
+"""Every module of the fence, found by walking its folder (the package's __init__ is not one: it names no
+Ray)."""
 
 
 def _short(module: ModuleType) -> str:
@@ -43,11 +45,13 @@ def test_every_private_ray_name_imports_on_the_installed_ray(where, module, name
 
 
 def test_the_fence_is_the_folder_and_every_module_in_it_lists_its_private_names():
-    assert sorted(_short(m) for m in MODULES) == sorted(p.stem for p in FENCE.glob("*.py") if p.stem != "__init__")
+    assert (sorted(_short(m) for m in MODULES)
+            == sorted(p.stem for p in FENCE.glob("*.py") if p.stem != "__init__"))
     unlisted = [_short(m) for m in MODULES if not isinstance(getattr(m, "PRIVATE_NAMES", None), tuple)]
     assert not unlisted, unlisted
     assert all(len(entry) == 2 and all(isinstance(p, str) for p in entry)
-               for m in MODULES for entry in (*m.PRIVATE_NAMES, *getattr(m, "OPTIONAL_NAMES", ()))), "(module, name)"
+               for m in MODULES for entry in (*m.PRIVATE_NAMES, *getattr(m, "OPTIONAL_NAMES", ()))), \
+        "(module, name)"
 
 
 def _private(module: str, name: str = "") -> bool:
@@ -76,7 +80,8 @@ def private_names_used(path: Path) -> tuple[set[str], set[tuple[str, str]]]:
             skip |= {id(n) for n in ast.walk(node)}  # the lists themselves
         elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
             skip.add(id(node.value))  # `ray.a._b.c` is one path, not three
-    bound = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+    bound = {t.id: n.value.value
+             for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
              for t in n.targets if isinstance(t, ast.Name)}
 
     def ray_path(node: ast.AST) -> str | None:
@@ -104,7 +109,8 @@ def private_names_used(path: Path) -> tuple[set[str], set[tuple[str, str]]]:
                 module, name = ray_path(m), n.value if isinstance(n, ast.Constant) else None
                 if module and isinstance(name, str) and _private(module, name):
                     pairs.add((module, name))
-        elif isinstance(node, ast.Attribute) and (path := dotted(node)) and path.startswith("ray.") and _private(path):
+        elif (isinstance(node, ast.Attribute) and (path := dotted(node)) and path.startswith("ray.")
+              and _private(path)):
             pairs.add(tuple(path.rsplit(".", 1)))
     return modules, pairs
 
@@ -114,8 +120,10 @@ def test_every_private_name_a_module_of_the_fence_uses_is_in_its_list_and_every_
     listed = {entry for name in LISTS for entry in getattr(module, name, ())}
     modules, pairs = private_names_used(Path(module.__file__))
     assert pairs <= listed, f"used, not in PRIVATE_NAMES: {sorted(pairs - listed)}"
-    assert modules <= {m for m, _ in listed}, f"used, no name of it listed: {sorted(modules - {m for m, _ in listed})}"
-    # A name the scan would find (private, not an attribute of a class) that it does not: listed, no longer used.
+    assert modules <= {m for m, _ in listed}, \
+        f"used, no name of it listed: {sorted(modules - {m for m, _ in listed})}"
+    # A name the scan would find (private, not an attribute of a class) that it does not: listed, no longer
+    # used.
     stale = {(m, n) for m, n in listed if _private(m, n) and "." not in n} - pairs
     assert not stale, f"listed, not used: {sorted(stale)}"
 
@@ -176,7 +184,8 @@ def test_the_trainer_is_rays_torch_trainer_made_from_its_base_class():
     from ray.train.torch import TorchTrainer
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-    own = {n for n in vars(TorchTrainer) if n not in ("__doc__", "__module__") and not n.startswith("_annotated")}
+    own = {n for n in vars(TorchTrainer)
+           if n not in ("__doc__", "__module__") and not n.startswith("_annotated")}
     assert own == {"__init__", "_get_local_controller"}
     assert issubclass(trainer.TorchTrainer, DataParallelTrainer)
     for use_gpu, chosen in ((False, "gloo"), (True, "nccl")):
@@ -213,7 +222,8 @@ def test_the_optional_hooks_found_are_those_the_installed_ray_is_known_to_offer(
     assert (versions.drain_notices(), versions.RECOMPUTE, versions.TICK) == OFFERS[minor], ray.__version__
     assert versions.RESERVED_CACHE_S > 0 and versions.cluster_reread()
     lost = versions.lost(drains=True, elastic=True)
-    assert len(lost) == (not OFFERS[minor][0]) and all(line.startswith(f"ray {ray.__version__}: ") for line in lost)
+    assert (len(lost) == (not OFFERS[minor][0])
+            and all(line.startswith(f"ray {ray.__version__}: ") for line in lost))
     assert sorted(OFFERS) == [(2, m) for m in range(int(checks.SUPPORTED[0].split(".")[1]),
                                                     int(checks.SUPPORTED[1].split(".")[1]))]
 
@@ -222,8 +232,8 @@ def test_the_controllers_environment_names_the_drain_watch_interval_only_where_r
     from trainapp.launch.ray.private import versions
 
     env = controller.controller_env(60.0, 0.25)
-    assert (versions.PREEMPTION_POLL_INTERVAL_S_ENV_VAR in env) == (versions.PREEMPTION_POLL_INTERVAL_S_ENV_VAR
-                                                                    is not None)
+    assert ((versions.PREEMPTION_POLL_INTERVAL_S_ENV_VAR in env)
+            == (versions.PREEMPTION_POLL_INTERVAL_S_ENV_VAR is not None))
     assert all(isinstance(k, str) and k.startswith("RAY_TRAIN_") for k in env)
 
 
@@ -267,7 +277,8 @@ def test_the_ray_driver_on_another_ray_exits_2_with_one_line(tmp_path):
     # The installed version as Ray reports it is replaced before trainapp asks; nothing else changes.
     code = ("import importlib.metadata as m, sys; real = m.version; "
             "m.version = lambda name: '2.61.0' if name == 'ray' else real(name); "
-            "from trainapp.cli import main; sys.exit(main(['ray', 'ray.storage_path=" + str(tmp_path) + "']))")
+            "from trainapp.cli import main; "
+            "sys.exit(main(['ray', 'ray.storage_path=" + str(tmp_path) + "']))")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert r.returncode == 2, r.stdout + r.stderr
@@ -279,8 +290,8 @@ DRIVER = ("from trainapp.launch.ray import driver, setup; from trainapp.launch.r
           "trainer.TorchTrainer(setup.train_worker, "
           "torch_config=driver._torch_config(driver.Config(), 1, setup.train_worker))")
 CONTROLLER = "import " + ", ".join([m.__name__ for m in MODULES] + ["trainapp.launch.ray.resize"])
-"""Every module of the fence (what the controller unpickles, the backend config and the callbacks, among them),
-and the resize callback's."""
+"""Every module of the fence (what the controller unpickles, the backend config and the callbacks, among
+them), and the resize callback's."""
 
 
 @pytest.mark.parametrize("statement, absent", [
@@ -321,7 +332,8 @@ def test_the_trainer_drops_ray_datas_callback_only_for_a_run_without_datasets():
 
     lean = names(trainer.TorchTrainer(lambda config: None))
     assert DatasetsCallback not in lean and len(lean) >= 3  # the backend, PG cleaner, ... are kept
-    assert DatasetsCallback in names(trainer.TorchTrainer(lambda config: None, datasets={"train": lambda: None}))
+    assert DatasetsCallback in names(trainer.TorchTrainer(lambda config: None,
+                                                          datasets={"train": lambda: None}))
 
 
 def test_the_private_hooks_of_a_stop_are_where_the_fence_expects_them():
@@ -329,7 +341,9 @@ def test_the_private_hooks_of_a_stop_are_where_the_fence_expects_them():
     killed run's resource request is found by Ray Train's requester id."""
     import inspect
 
-    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import _AutoscalingCoordinatorActor
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+        _AutoscalingCoordinatorActor,
+    )
     from ray.train.v2._internal.execution.scaling_policy.scaling_policy import ScalingPolicy
 
     assert callable(getattr(trainer.DataParallelTrainer, "_register_sigint_handler", None))
@@ -344,8 +358,9 @@ def test_a_driver_on_a_real_ray_below_the_range_exits_2_with_one_line(tmp_path):
     version = subprocess.run([py, "-c", "import ray; print(ray.__version__)"], capture_output=True, text=True,
                              timeout=120).stdout.strip()
     assert version == checks.UNSUPPORTED_TESTED
-    r = subprocess.run([py, "-m", "trainapp", "ray", f"ray.storage_path={tmp_path}"], cwd=REPO, capture_output=True,
-                       text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    r = subprocess.run([py, "-m", "trainapp", "ray", f"ray.storage_path={tmp_path}"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120,
+                       env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1, r.stdout + r.stderr
     assert f"ray {version}:" in lines[0] and f">={checks.SUPPORTED[0]},<{checks.SUPPORTED[1]}" in lines[0]

@@ -31,16 +31,17 @@ def metrics_cluster():
         subprocess.run(["rm", "-rf", str(c.dir)], check=False)
 
 
-def test_each_workers_figures_reach_the_nodes_ray_metrics_export_while_the_job_trains(metrics_cluster, tmp_path):
+def test_each_workers_figures_reach_the_nodes_ray_metrics_export_while_the_job_trains(metrics_cluster,
+                                                                                      tmp_path):
     c, name, sid = metrics_cluster, "live", f"live-{uuid.uuid4().hex[:8]}"
     node = next(n for n in c.nodes if n.name == "worker1")
     # A run far longer than the test watches it (3000 steps of at least 60 ms): the job is stopped once the
     # figures have moved, so how often Ray's agents report and how loaded the machine is cannot end the
     # run before two reports were read (seen in CI with a run that trained by itself to the end).
     job = subprocess.Popen([RAY, "job", "submit", "--address", c.dashboard_url, "--submission-id", sid, "--",
-                            "python", "-m", "trainapp", "ray", f"ray.storage_path={tmp_path}", f"ray.name={name}",
-                            "train.max_steps=3000", "train.epochs=1000", "snapshot.every_steps=500",
-                            "drill.slow_rank=1", "drill.slow_ms=60", *QUICK],
+                            "python", "-m", "trainapp", "ray", f"ray.storage_path={tmp_path}",
+                            f"ray.name={name}", "train.max_steps=3000", "train.epochs=1000",
+                            "snapshot.every_steps=500", "drill.slow_rank=1", "drill.slow_ms=60", *QUICK],
                            cwd=REPO, env=c.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            start_new_session=True)
     seen, deadline = [], time.monotonic() + 240
@@ -56,14 +57,16 @@ def test_each_workers_figures_reach_the_nodes_ray_metrics_export_while_the_job_t
                 break
             time.sleep(1)
     finally:
-        subprocess.run([RAY, "job", "stop", "--address", c.dashboard_url, sid], env=c.env(), capture_output=True,
-                       timeout=120, check=False)
+        subprocess.run([RAY, "job", "stop", "--address", c.dashboard_url, sid], env=c.env(),
+                       capture_output=True, timeout=120, check=False)
         out = job.communicate(timeout=300)[0]
     steps = [_one(o, "ray_trainapp_step") for o in seen]
     assert len(set(steps) - {None}) >= 2, (steps, out[-2000:])  # values move as the run goes
     last = seen[-1]
-    assert {_label(k, "rank") for k in last if k[0] == "ray_trainapp_rank_step_seconds"} == {"0", "1"}, last.keys()
-    assert _one(last, "ray_trainapp_total_steps") == 3000 and _one(last, "ray_trainapp_samples_per_second") > 0
+    assert ({_label(k, "rank") for k in last if k[0] == "ray_trainapp_rank_step_seconds"}
+            == {"0", "1"}), last.keys()
+    assert (_one(last, "ray_trainapp_total_steps") == 3000
+            and _one(last, "ray_trainapp_samples_per_second") > 0)
 
 
 def _label(key: tuple, name: str) -> str | None:

@@ -29,10 +29,11 @@ def test_lines_are_held_until_the_first_step_then_shown_in_order_and_passed_thro
     ray_prints(sys.stderr, "(TrainController pid=1) Started training worker group of size 2")
     ray_prints(sys.stdout, "(RayTrainWorker pid=2) network: host a: gloo=lo")
     assert out.getvalue() == err.getvalue() == ""
-    ray_prints(sys.stderr, f"(RayTrainWorker pid=2) 12:00:00 [rank 0] INFO trainapp.core.loop: {FIRST_STEP}: step 1")
+    ray_prints(sys.stderr, f"(RayTrainWorker pid=2) 12:00:00 [rank 0] INFO "
+                           f"trainapp.core.loop: {FIRST_STEP}: step 1")
     assert err.getvalue().splitlines() == ["(TrainController pid=1) Started training worker group of size 2",
-                                           f"(RayTrainWorker pid=2) 12:00:00 [rank 0] INFO trainapp.core.loop: "
-                                           f"{FIRST_STEP}: step 1"]
+                                           f"(RayTrainWorker pid=2) 12:00:00 [rank 0] INFO "
+                                           f"trainapp.core.loop: {FIRST_STEP}: step 1"]
     assert out.getvalue() == "(RayTrainWorker pid=2) network: host a: gloo=lo\n"
     ray_prints(sys.stderr, "(RayTrainWorker pid=2) step=5 loss=1.2")
     assert err.getvalue().endswith("step=5 loss=1.2\n")
@@ -43,7 +44,8 @@ def test_lines_are_held_until_the_first_step_then_shown_in_order_and_passed_thro
 
 def test_a_failed_start_drops_what_was_held_and_what_ray_prints_after(monkeypatch):
     gate, out, err = gated(monkeypatch)
-    ray_prints(sys.stderr, "(RayTrainWorker pid=2) Traceback (most recent call last):", "  File x", "ConfigError: y")
+    ray_prints(sys.stderr, "(RayTrainWorker pid=2) Traceback (most recent call last):", "  File x",
+               "ConfigError: y")
     assert gate.discard() == 3
     ray_prints(sys.stderr, "(pid=gcs_server) E1127 gcs_actor_scheduler.cc:538: Failed")
     gate.uninstall()
@@ -70,8 +72,10 @@ def test_a_stream_a_logger_kept_passes_through_once_the_gate_is_gone(monkeypatch
 
 def test_a_start_that_says_too_much_is_shown_as_it_goes(monkeypatch):
     gate, out, err = gated(monkeypatch)
-    threads = [threading.Thread(target=ray_prints, args=(sys.stderr, *[f"line {i}" for i in range(HELD_MAX // 4)]))
-               for _ in range(4)]  # Ray's printer threads and the driver's own, at once
+    # Ray's printer threads and the driver's own, at once
+    threads = [threading.Thread(target=ray_prints,
+                                args=(sys.stderr, *[f"line {i}" for i in range(HELD_MAX // 4)]))
+               for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:

@@ -37,15 +37,17 @@ def test_report_plots_and_summarizes_a_run_with_a_restart(restarted_run, tmp_pat
 
 def test_the_summary_names_the_slowest_rank_its_phase_and_the_stragglers():
     def entry(rank, compute, comm):
-        phase_ms = {"data": 1.0, "compute": compute, "comm": comm, "optim": 2.0, "snapshot": 0.0, "other": 0.5}
-        return {"rank": rank, "host": f"h{rank}", "step_ms": 100.0, "busy_ms": 100.0 - comm, "phase_ms": phase_ms}
+        phase_ms = {"data": 1.0, "compute": compute, "comm": comm, "optim": 2.0, "snapshot": 0.0,
+                    "other": 0.5}
+        return {"rank": rank, "host": f"h{rank}", "step_ms": 100.0, "busy_ms": 100.0 - comm,
+                "phase_ms": phase_ms}
 
     ranks = {"kind": "ranks", "step": 5, "ranks": [entry(0, 30.0, 66.5), entry(1, 90.0, 6.5)]}
     straggler = {"kind": "straggler", "step": 15, "rank": 1, "host": "h1", "ratio": 1.46, "phase": "compute",
                  "phase_ms": 90.0, "median_phase_ms": 60.0}
     lines = report._rank_lines([ranks, ranks, straggler])
-    assert lines[0] == ("ranks          2; median step 100.0 ms; slowest rank 1 on h1: 93.5 ms of its own work per "
-                        "step, most of it compute (90.0 ms); fastest rank 0: 33.5 ms")
+    assert lines[0] == ("ranks          2; median step 100.0 ms; slowest rank 1 on h1: 93.5 ms "
+                        "of its own work per step, most of it compute (90.0 ms); fastest rank 0: 33.5 ms")
     assert lines[1:] == ["stragglers     1", "  rank 1 on h1 from step 15: 1.46x the median step without "
                          "communication wait; compute 90.0 ms against 60.0 ms"]
     assert report._rank_lines([{"kind": "train", "step": 1}]) == []  # observe.ranks=false: no lines
@@ -63,8 +65,8 @@ def test_report_without_matplotlib_says_how_to_get_it(restarted_run, tmp_path):
     r = trainapp("report", str(restarted_run), "--out", str(tmp_path / "r.png"), timeout=120,
                  env={"PYTHONPATH": str(shadow.parent)})
     assert r.returncode == 2, r.output
-    assert r.stderr.strip().splitlines()[-1] == \
-        "trainapp report: error: matplotlib is not installed (the report extra): pip install 'trainapp[report]'"
+    assert r.stderr.strip().splitlines()[-1] == ("trainapp report: error: matplotlib is not installed "
+                                                 "(the report extra): pip install 'trainapp[report]'")
 
 
 @pytest.mark.slow
@@ -77,10 +79,12 @@ def test_the_account_of_a_restarted_run_adds_up_and_counts_the_steps_redone(rest
     assert acc["steps_redone"] == 3 and bad["redone"] > 0 and bad["restart"] > 0 and bad["startup"] > 0
     assert [a["ended_by"] for a in acc["attempts"]] == ["failure", "end"]
     total = acc["goodput_s"] + sum(bad.values())
-    assert abs(total - acc["wall_s"]) <= 0.01  # by construction, `other` included (each cause rounded to 1 ms)
+    # by construction, `other` included (each cause rounded to 1 ms)
+    assert abs(total - acc["wall_s"]) <= 0.01
     assert abs(bad["other"]) < 0.02 * acc["wall_s"], acc  # what the causes do not explain
     assert 0 < acc["goodput"] < 1
-    # The run's end record carries the account as it stood then (the report's, a moment later, is the same run).
+    # The run's end record carries the account as it stood then (the report's, a moment later, is the same
+    # run).
     end = [r for r in report.read(restarted_run) if r["kind"] == "end"][-1]
     assert end["steps_redone"] == 3 and 0 < end["goodput"] < 1 and set(end["badput_s"]) == set(goodput.CAUSES)
     assert end["wall_s"] == pytest.approx(acc["wall_s"], abs=0.5)
@@ -96,8 +100,10 @@ def test_report_draws_other_runs_over_a_runs_curves_and_names_a_bad_one(restarte
     out = tmp_path / "compare.png"
     alone = report.run(str(restarted_run), str(tmp_path / "alone.png"))[0].stat().st_size
     report.run(str(restarted_run), str(out), compare=[str(restarted_run)])
-    assert out.read_bytes().startswith(PNG_MAGIC) and out.stat().st_size > alone  # more curves, a bigger legend
-    r = trainapp("report", str(restarted_run), "--out", str(out), "--compare", str(tmp_path / "nothing"), timeout=60)
+    # more curves, a bigger legend
+    assert out.read_bytes().startswith(PNG_MAGIC) and out.stat().st_size > alone
+    r = trainapp("report", str(restarted_run), "--out", str(out), "--compare", str(tmp_path / "nothing"),
+                 timeout=60)
     assert r.returncode == 2 and f"{tmp_path / 'nothing'}: no metrics.jsonl here" in r.stderr
 
 
@@ -106,11 +112,12 @@ def test_a_rank_that_died_silently_is_named_from_ray_trains_view():
     peer = {"kind": "failure", "time": 3.0, "attempt": 0, "rank": 1, "host": "b", "step": 13, "phase": "step",
             "cause": "peer", "error": "a peer's connection closed"}
     seen = {"kind": "group_failure", "time": 4.0,
-            "errors": {"0": "WorkerHealthCheckFailedError: A worker health check failed.", "1": "RuntimeError: gloo"}}
+            "errors": {"0": "WorkerHealthCheckFailedError: A worker health check failed.",
+                       "1": "RuntimeError: gloo"}}
     # Rank 0 was SIGKILLed and wrote nothing; rank 1 lost its peer: Ray's word on rank 0 leads.
     said = report.failures([start, peer, seen, {**start, "time": 5.0}])
-    assert said == ["attempt 0: Ray Train saw rank 0: WorkerHealthCheckFailedError: A worker health check failed.; "
-                    "then rank 1 peer"]
+    assert said == ["attempt 0: Ray Train saw rank 0: WorkerHealthCheckFailedError: A worker health check "
+                    "failed.; then rank 1 peer"]
     # A rank's own record of the root cause leads; Ray's view adds only the silent rank.
     oom = {**peer, "rank": 0, "cause": "oom", "error": "OutOfMemoryError"}
     said = report.failures([start, oom, seen, {**start, "time": 5.0}])
@@ -125,11 +132,12 @@ def test_a_rank_hung_in_forward_and_backward_is_named_after_the_rank_that_hung_e
     """Both watchdogs fire, in whichever order their polls fall: the rank blocked in the gradient
     all-reduce (phase compute) is waiting for the one stuck in its data loader, which leads."""
     start = {"kind": "start", "time": 1.0}
-    blocked = {"kind": "failure", "time": 3.0, "attempt": 0, "rank": 0, "host": "a", "step": 17, "phase": "compute",
-               "cause": "hang", "error": "no progress for 6 s"}
+    blocked = {"kind": "failure", "time": 3.0, "attempt": 0, "rank": 0, "host": "a", "step": 17,
+               "phase": "compute", "cause": "hang", "error": "no progress for 6 s"}
     stuck = {**blocked, "time": 3.4, "rank": 1, "phase": "data"}
     said = report.failures([start, blocked, stuck, {**start, "time": 5.0}])
-    assert said == ["attempt 0: rank 1 on a after step 17 (phase data): hang: no progress for 6 s; then rank 0 hang"]
+    assert said == ["attempt 0: rank 1 on a after step 17 (phase data): hang: no progress for 6 s; "
+                    "then rank 0 hang"]
 
 
 @pytest.mark.slow
@@ -169,8 +177,8 @@ def _three_attempts(loss_scale: bool = False) -> list[dict]:
                 "global_batch": 10, "startup": {"worker_process": launch}, "lease": {"holder": {"job": job}}}
 
     def train(t, step):
-        return {"kind": "train", "time": t, "step": step, "loss": 2.0 - step / 20, "lr": 0.1, "samples_per_s": 10.0,
-                **({"loss_scale": 65536.0} if loss_scale else {})}
+        return {"kind": "train", "time": t, "step": step, "loss": 2.0 - step / 20, "lr": 0.1,
+                "samples_per_s": 10.0, **({"loss_scale": 65536.0} if loss_scale else {})}
 
     return [start(100, 98, 0, 0, "torchrun:a"), train(106, 5), {"kind": "snapshot", "time": 106.1, "step": 5},
             train(111, 10), {"kind": "failure", "time": 121, "step": 10, "cause": "hang", "rank": 0},
@@ -196,7 +204,8 @@ def test_the_timeline_draws_each_attempt_as_a_bar_over_the_wall_clock_with_its_m
     assert _stretch(ax, "notice") == pytest.approx((43, 44))  # step 20 ended at 141, preempted at 142
     marks = {line.get_label(): line.get_xdata() for line in ax.lines if not line.get_label().startswith("_")}
     snapshots = [x for line in ax.lines if line.get_marker() == "|" for x in line.get_xdata()]
-    assert snapshots == pytest.approx([8.1, 43.2]) and list(marks["snapshot"]) == pytest.approx([8.1])  # named once
+    # named once
+    assert snapshots == pytest.approx([8.1, 43.2]) and list(marks["snapshot"]) == pytest.approx([8.1])
     assert list(marks["preempted / stopped / resized"]) == pytest.approx([44])
     plt.close(fig)
 
@@ -212,7 +221,8 @@ def test_panels_without_data_are_left_out_not_drawn_empty():
     height = fig.get_figheight()
     plt.close(fig)
     fig = report.figure(_three_attempts(loss_scale=True), "fp16")
-    assert [ax.get_ylabel() for ax in fig.axes[1:]] == ["loss", "samples/s", "learning rate", "loss scale (fp16)"]
+    assert [ax.get_ylabel() for ax in fig.axes[1:]] == ["loss", "samples/s", "learning rate",
+                                                        "loss scale (fp16)"]
     assert fig.get_figheight() > height  # the figure grows with its panels
     plt.close(fig)
 
@@ -228,8 +238,10 @@ def test_the_report_of_a_restarted_run_has_a_timeline_bar_per_attempt_and_no_los
     (bars,) = [c for c in ax.containers if isinstance(c, BarContainer)]
     assert len(bars) == 2 == sum(r["kind"] == "start" for r in records)
     first, second = bars
-    assert first.get_x() == 0 and second.get_x() >= first.get_x() + first.get_width()  # the restart came after
-    assert _stretch(ax, "steps redone")[1] == pytest.approx(first.get_width(), abs=1.0)  # 11-13, before the kill
+    # the restart came after
+    assert first.get_x() == 0 and second.get_x() >= first.get_x() + first.get_width()
+    # 11-13, before the kill
+    assert _stretch(ax, "steps redone")[1] == pytest.approx(first.get_width(), abs=1.0)
     # A bf16 run on CPU: no loss scale panel; evaluation and both ranks' timings have theirs.
     labels = [a.get_ylabel() for a in fig.axes]
     assert "loss scale (fp16)" not in labels and {"loss", "val_acc"} <= set(labels), labels
@@ -240,6 +252,7 @@ def test_the_report_of_a_restarted_run_has_a_timeline_bar_per_attempt_and_no_los
 def test_the_restart_line_counts_the_steps_reached_after_the_last_train_record_as_the_account_does():
     records = [{"kind": "start", "time": 0.0, "step": 0, "world_size": 2},
                {"kind": "train", "time": 1.0, "step": 10},
-               {"kind": "failure", "time": 1.5, "step": 13, "cause": "peer"},  # train records come every 5 steps
+               # train records come every 5 steps
+               {"kind": "failure", "time": 1.5, "step": 13, "cause": "peer"},
                {"kind": "start", "time": 3.0, "step": 10, "resumed_step": 10, "world_size": 2}]
     assert report.restarts(records) == [{"resumed_step": 10, "trained_to": 13, "redone": 3, "world_size": 2}]

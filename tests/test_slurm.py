@@ -34,8 +34,8 @@ def test_sbatch_parses_and_every_tunable_has_a_comment():
     lines = lines[start:end]
     tunables = [(i, m.group(1)) for i, line in enumerate(lines)
                 if (m := re.match(r"^([A-Z_]+)=\$\{\1:-", line))]
-    assert {n for _, n in tunables} >= {"RUN_DIR", "CONFIG", "ARGS", "NETWORK_INTERFACE", "VENV", "NPROC_PER_NODE",
-                                        "RDZV_PORT", "MAX_RESTARTS", "MAX_REQUEUES"}
+    assert {n for _, n in tunables} >= {"RUN_DIR", "CONFIG", "ARGS", "NETWORK_INTERFACE", "VENV",
+                                        "NPROC_PER_NODE", "RDZV_PORT", "MAX_RESTARTS", "MAX_REQUEUES"}
     for i, name in tunables:
         above = lines[i - 1]
         assert above.startswith("#") or re.match(r"^[A-Z_]+=\$\{", above), f"{name} has no comment above it"
@@ -172,13 +172,15 @@ def test_a_preempted_job_requeues_itself_and_resumes_with_zero_steps_redone(slur
     first, second = metrics(run_dir, "start")
     assert first["resumed_step"] is None and second["resumed_step"] == pre["step"] == second["step"]
     # The requeued job takes the run's lease as the job it is, quietly (trainapp/snapshots/lease.py).
-    assert second["lease"]["generation"] == first["lease"]["generation"] + 1 and second["lease"]["took_over"] is None
+    assert (second["lease"]["generation"] == first["lease"]["generation"] + 1
+            and second["lease"]["took_over"] is None)
     assert first["lease"]["holder"]["job"] == second["lease"]["holder"]["job"] != ""
     assert first["lease"]["holder"]["job"].startswith("slurm:")
     assert (first["lease"]["holder"]["requeue"], second["lease"]["holder"]["requeue"]) == (0, 1)
     # The goodput account: the requeue's wait is time between attempts, not a restart of the same job.
     (end,) = metrics(run_dir, "end")
-    assert end["badput_s"]["between_attempts"] > 0 and end["badput_s"]["restart"] == 0 and end["steps_redone"] == 0
+    assert (end["badput_s"]["between_attempts"] > 0 and end["badput_s"]["restart"] == 0
+            and end["steps_redone"] == 0)
     for start in (first, second):  # two nodes, one rank each, over the nodes' own link
         assert [(p["host"], p["node_rank"], p["local_rank"]) for p in start["placement"]] == [
             ("node1", 0, 0), ("node2", 1, 0)], start["placement"]
@@ -186,9 +188,11 @@ def test_a_preempted_job_requeues_itself_and_resumes_with_zero_steps_redone(slur
     steps = [r["step"] for r in metrics(run_dir, "train")]
     assert len(steps) == len(set(steps)) and max(steps) == 200  # zero steps redone, none missing
     assert inspect(run_dir)["params_sha256"] == straight
-    exported = json.loads((run_dir / "model" / "trainapp.json").read_text())  # run.export, at the end of run 1
+    # run.export, at the end of run 1
+    exported = json.loads((run_dir / "model" / "trainapp.json").read_text())
     assert exported["step"] == 200 and exported["source"]["params_sha256"] == straight, exported
-    assert "run 0: got SIGUSR1" in text and "requeueing" in text and "run 1: training ended with exit 0" in text
+    assert ("run 0: got SIGUSR1" in text and "requeueing" in text
+            and "run 1: training ended with exit 0" in text)
 
 
 @pytest.mark.slow
@@ -221,7 +225,8 @@ def test_a_killed_rank_is_restarted_inside_the_allocation_by_torchrun(slurm, str
     run_dir = tmp_path / "run"
     extra = FSDP_RUN if strategy == "fsdp" else ()
     job, out = submit(slurm, tmp_path, f"crash-{strategy}", RUN_DIR=str(run_dir),
-                      ARGS=" ".join([*RUN, "snapshot.every_steps=10", "drill.kill_at_step=13", "drill.rank=1", *extra]))
+                      ARGS=" ".join([*RUN, "snapshot.every_steps=10", "drill.kill_at_step=13", "drill.rank=1",
+                                     *extra]))
     info = slurm.wait_job(job, timeout=300)
     text = out.read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", (info, text[-4000:])
@@ -247,7 +252,8 @@ def test_bad_input_ends_the_job_with_one_line_and_no_requeue(slurm, tmp_path, ca
     job, out = submit(slurm, tmp_path, case, via_make=case == "missing-interface", ARGS=" ".join(RUN), **env)
     info = slurm.wait_job(job, timeout=120)
     text = out.read_text()
-    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0" and info["Restarts"] == "0", (info, text)
+    assert (info["JobState"] == "FAILED" and info["ExitCode"] == "2:0"
+            and info["Restarts"] == "0"), (info, text)
     errors = [line for line in text.splitlines() if "slurm-preflight: error" in line]
     assert errors and all(want in line and "node" in line for line in errors), text
     assert "not requeued" in text and "Traceback" not in text and "[rank 0]" not in text, text
@@ -274,7 +280,7 @@ while time.monotonic() < deadline:
         break
     time.sleep(0.05)
 print(json.dumps(seen))
-"""
+"""  # noqa: E501
 
 
 @pytest.mark.slow
@@ -284,8 +290,8 @@ def test_a_user_task_on_pythonpath_trains_across_two_nodes_to_torchruns_paramete
     Each node serves its rank's live metrics (observe.prometheus_port), scraped over the nodes' network."""
     example = str(REPO / "examples" / "tabular")
     task = ["task.name=tabular_task:Regression", "task.args.hidden=32", "task.args.train_rows=2048",
-            "optim.name=adamw", "optim.lr=0.003", "train.max_steps=60", "train.epochs=60", "train.progress=false",
-            "snapshot.every_steps=10", "train.log_every=5"]
+            "optim.name=adamw", "optim.lr=0.003", "train.max_steps=60", "train.epochs=60",
+            "train.progress=false", "snapshot.every_steps=10", "train.log_every=5"]
     run_dir, port = tmp_path / "run", 19463
     scraper = subprocess.Popen([*slurm.prefix(slurm.ctl), PY, "-c", SCRAPER, str(port),
                                 *(n.train_ip for n in slurm.nodes)], stdout=subprocess.PIPE, text=True)
@@ -297,7 +303,8 @@ def test_a_user_task_on_pythonpath_trains_across_two_nodes_to_torchruns_paramete
     seen = json.loads(scraper.communicate(timeout=240)[0])
     node1, node2 = (seen.get(n.train_ip, []) for n in slurm.nodes)
     assert len({ln for s in node1 for ln in s if ln.startswith("trainapp_step{")}) >= 2, seen  # moving
-    assert any('rank="0"' in ln for s in node1 for ln in s) and not any('rank="1"' in ln for s in node1 for ln in s)
+    assert (any('rank="0"' in ln for s in node1 for ln in s)
+            and not any('rank="1"' in ln for s in node1 for ln in s))
     assert any('rank="1"' in ln for s in node2 for ln in s), seen  # node2 serves its own rank
     assert not any(ln.startswith("trainapp_step{") for s in node2 for ln in s)  # the run's figures: rank 0's
     assert "trainapp: done steps=60" in text and "val_mse=" in text, text[-3000:]

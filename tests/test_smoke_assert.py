@@ -26,20 +26,21 @@ EVERY, TOTAL = 10, 60  # snapshot.every_steps and the planned steps, as in scrip
 CHECKS = ["finished", "restarted", "resumed-latest", "redone", "final-step"]
 
 
-def write_run(run_dir: Path, segments: list[tuple[int | None, int]], *, every: int = EVERY, total: int = TOTAL,
-              log_every: int = 1, finished: bool = True, snapshots: list[int] | None = None,
-              layout: str = "ray") -> Path:
+def write_run(run_dir: Path, segments: list[tuple[int | None, int]], *, every: int = EVERY,
+              total: int = TOTAL, log_every: int = 1, finished: bool = True,
+              snapshots: list[int] | None = None, layout: str = "ray") -> Path:
     """A run directory: one `start` record per (resumed_step, last step trained) segment, `train`
     records every log_every steps, an `end` record if finished, and a snapshot (meta.json) at every
     multiple of `every` that was reached, plus the final step (or exactly `snapshots`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    config = {"snapshot": {"every_steps": every, "keep": 3}, "train": {"log_every": log_every, "max_steps": None}}
+    config = {"snapshot": {"every_steps": every, "keep": 3},
+              "train": {"log_every": log_every, "max_steps": None}}
     records = []
     for resumed, last in segments:
         first = (resumed or 0) + 1
         records.append({"kind": "start", "step": resumed or 0, "world_size": 2, "total_steps": total,
-                        "resumed_step": resumed, "resumed_from": None if resumed is None else f"step_{resumed:09d}",
-                        "config": config})
+                        "resumed_step": resumed,
+                        "resumed_from": None if resumed is None else f"step_{resumed:09d}", "config": config})
         records += [{"kind": "train", "step": s, "loss": 1.0 / s} for s in range(first, last + 1)
                     if s % log_every == 0 or s == total]
     if finished:
@@ -270,8 +271,8 @@ def test_kind_backend_fails_when_the_copy_fails(tmp_path, monkeypatch, capsys):
 def test_the_script_runs_standalone_with_any_python3(tmp_path):
     run = write_run(tmp_path / "run", [(None, 25), (20, TOTAL)])
     for args, rc in (([], 0), (["--expect-steps", "99"], 1)):
-        r = subprocess.run([sys.executable, "-I", str(SCRIPT), str(run), *args], capture_output=True, text=True,
-                           timeout=60)
+        r = subprocess.run([sys.executable, "-I", str(SCRIPT), str(run), *args], capture_output=True,
+                           text=True, timeout=60)
         assert r.returncode == rc, r.stdout + r.stderr
 
 
@@ -281,5 +282,6 @@ def test_the_script_runs_standalone_with_any_python3(tmp_path):
     (5, 10, 1, [0]),         # before the first snapshot: start over
     (25, 10, 10, [30, 20]),  # up to 9 unrecorded steps after 25
 ])
-def test_expected_resume_allows_the_newest_snapshot_and_the_documented_tolerances(before, every, log_every, allowed):
+def test_expected_resume_allows_the_newest_snapshot_and_the_documented_tolerances(before, every, log_every,
+                                                                                  allowed):
     assert smoke_assert.expected_resume(before, every, log_every) == allowed

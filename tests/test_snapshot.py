@@ -19,7 +19,8 @@ from trainapp.snapshots.store import newest_valid, params_sha256, verify
 
 
 def _state(step: int) -> dict:
-    return {"model": {"w": torch.full((4,), float(step)), "b": torch.zeros(2)}, "progress": {"global_step": step}}
+    return {"model": {"w": torch.full((4,), float(step)), "b": torch.zeros(2)},
+            "progress": {"global_step": step}}
 
 
 def _manager(tmp_path, keep=3) -> SnapshotManager:

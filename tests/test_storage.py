@@ -13,7 +13,8 @@ import pytest
 from helpers import PY, QUICK, inspect, metrics, run_cmd, torchrun, trainapp
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs and a read-only bind mount: needs root")]
+              pytest.mark.skipif(os.geteuid() != 0,
+                                 reason="mounts a tmpfs and a read-only bind mount: needs root")]
 
 RUN = [*QUICK, "train.epochs=100", "train.max_steps=60", "snapshot.every_steps=10"]
 
@@ -56,7 +57,8 @@ def test_a_full_disk_with_room_for_two_snapshots_deletes_older_ones_and_the_run_
     r = trainapp("train", f"run.dir={straight}", *RUN)
     assert r.returncode == 0, r.output[-3000:]
     run_dir = tmp_path / "run"
-    snaps = tmpfs(mounts, run_dir / "snapshots", "2m")  # a SmallCNN snapshot is about 0.8 MB; keep=3 needs 2.4
+    # a SmallCNN snapshot is about 0.8 MB; keep=3 needs 2.4
+    snaps = tmpfs(mounts, run_dir / "snapshots", "2m")
     r = trainapp("train", f"run.dir={run_dir}", *RUN)
     assert r.returncode == 0, r.output[-3000:]
     assert "deleted older snapshots to make room, writing it again" in r.stderr
@@ -82,8 +84,10 @@ def test_a_full_disk_with_room_for_one_stops_after_max_failures_with_exit_3(tmp_
         assert r.stderr.count("error: snapshot.max_failures=3") == 2, r.stderr[-3000:]
     else:
         line = error_line(r)
-        assert "snapshot.max_failures=3: 3 snapshots in a row failed" in line and "No space left on device" in line
-        assert f"free space under {snaps}" in line and f"newest valid snapshot is {snaps}/step_000000010" in line
+        assert ("snapshot.max_failures=3: 3 snapshots in a row failed" in line
+                and "No space left on device" in line)
+        assert (f"free space under {snaps}" in line
+                and f"newest valid snapshot is {snaps}/step_000000010" in line)
     failed = metrics(run_dir, "snapshot_failed")
     assert [f["errno"] for f in failed] == ["ENOSPC"] * 3 and [f["in_a_row"] for f in failed] == [1, 2, 3]
     assert inspect(run_dir)["global_step"] == 10  # the newest valid snapshot is intact
@@ -121,8 +125,8 @@ def test_a_directory_without_write_permission_stops_the_run_with_exit_3(tmp_path
     (run_dir / "snapshots").mkdir(parents=True)
     shutil.chown(run_dir / "snapshots", 65534, 65534)
     os.chmod(run_dir / "snapshots", 0o755)
-    r = run_cmd(["setpriv", f"--inh-caps={DAC_CAPS}", f"--bounding-set={DAC_CAPS}", PY, "-m", "trainapp", "train",
-                 f"run.dir={run_dir}", *RUN])
+    r = run_cmd(["setpriv", f"--inh-caps={DAC_CAPS}", f"--bounding-set={DAC_CAPS}", PY, "-m", "trainapp",
+                 "train", f"run.dir={run_dir}", *RUN])
     assert r.returncode == 3, r.output[-3000:]
     line = error_line(r)
     assert "Permission denied" in line and "uid 0 without CAP_DAC_OVERRIDE may not write there" in line, line

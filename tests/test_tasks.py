@@ -10,8 +10,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import (PY, REPO, TORCHRUN, USERTASKS, inspect, metrics, one_error_line, run_cmd, torchrun2, torchrun_cmd,
-                     trainapp)
+from helpers import (PY, REPO, TORCHRUN, USERTASKS, inspect, metrics, one_error_line, run_cmd, torchrun2,
+                     torchrun_cmd, trainapp)
 
 from trainapp import cli
 from trainapp.snapshots.store import load_state, newest_valid
@@ -42,12 +42,14 @@ def train_here(capsys, tmp_path, *args) -> tuple[int, str]:
 @pytest.mark.parametrize("name,args,expected", [
     ("usertasks_probe:Nope", [], "usertasks_probe.py) has no attribute Nope"),
     ("usertasks_probe:NOT_CALLABLE", [], "NOT_CALLABLE is a int, not callable"),
-    ("usertasks_probe:make", ["task.args.hidden=64"], "cannot be called with them (got an unexpected keyword "
-                                                      "argument 'hidden'); its parameters are (rows: int = 256)"),
+    ("usertasks_probe:make", ["task.args.hidden=64"], "cannot be called with them (got an unexpected "
+                                                      "keyword argument 'hidden'); its parameters are "
+                                                      "(rows: int = 256)"),
     ("usertasks_probe:Needy", [], "cannot be called with them (missing a required argument: 'width')"),
     ("usertasks_probe:Good", ["task.args.rows=4"], "rejected them (ValueError: rows=4: need at least 16)"),
     ("usertasks_probe:NoEvaluate", [], "has no evaluate method"),
-    ("usertasks_probe:UnitsList", [], "the task's shard_units is a list, not a method; the optional methods are"),
+    ("usertasks_probe:UnitsList", [],
+     "the task's shard_units is a list, not a method; the optional methods are"),
     ("usertasks_probe:NoLen", [], "a train set without len()"),
     ("usertasks_probe:VectorLoss", [], "returned a tensor of shape (8,); it must return a scalar"),
     ("usertasks_probe:DetachedLoss", [], "returned a tensor without grad"),
@@ -106,9 +108,11 @@ def test_a_user_exception_in_loss_mid_run_is_a_failure_record_with_rank_step_and
 
 @pytest.mark.parametrize("which", ["example", pytest.param("char_lm", marks=pytest.mark.e2e),
                                    pytest.param("example-fsdp", marks=pytest.mark.e2e)])
-def test_a_non_image_task_resumes_bitwise_after_a_sigkilled_rank_under_torchrun(straight_run, tmp_path, which):
+def test_a_non_image_task_resumes_bitwise_after_a_sigkilled_rank_under_torchrun(straight_run, tmp_path,
+                                                                                which):
     # example-fsdp: the user's model sharded by the default units, gathered in bf16, with an EMA copy
-    fsdp = ["parallel.strategy=fsdp", "parallel.fsdp_param_dtype=amp", "amp.dtype=bf16", "train.ema_decay=0.9"]
+    fsdp = ["parallel.strategy=fsdp", "parallel.fsdp_param_dtype=amp", "amp.dtype=bf16",
+            "train.ema_decay=0.9"]
     args = {"example": TABULAR, "char_lm": CHAR_LM, "example-fsdp": [*TABULAR, *fsdp]}[which]
     env = {"PYTHONPATH": str(EXAMPLE)}
     clean, faulty = straight_run(torchrun2, *FAULT, *args, env=env), tmp_path / "faulty"
@@ -133,8 +137,9 @@ ON_PATH = {"PYTHONPATH": str(EXAMPLE)}
 def test_a_sigterm_preempted_user_task_resumes_with_zero_steps_redone_bitwise(straight_run, tmp_path):
     from test_preempt import Job
 
-    args = [*TABULAR, "train.epochs=100", "train.max_steps=200", "snapshot.every_steps=100", "train.progress=false",
-            "train.log_every=5", "task.args.dropout=0.2"]  # dropout: the model draws random numbers every step
+    # dropout: the model draws random numbers every step
+    args = [*TABULAR, "train.epochs=100", "train.max_steps=200", "snapshot.every_steps=100",
+            "train.progress=false", "train.log_every=5", "task.args.dropout=0.2"]
     straight = straight_run(_alone, *args, env=ON_PATH)
     run_dir = tmp_path / "run"
     job = Job(["env", f"PYTHONPATH={EXAMPLE}", *_alone(run_dir, *args)], tmp_path, "alone")
@@ -201,6 +206,7 @@ def test_a_script_of_its_own_trains_its_task_object_under_torchrun(tmp_path):
     assert r.returncode == 0, r.output[-3000:]
     assert "trainapp: done steps=12" in r.stdout and "val_mse=" in r.stdout and "world_size=2" in r.stdout
     task = metrics(tmp_path, "start")[0]["config"]["task"]
-    assert task == {"name": "tabular_task.task:Regression", "args": {}}  # the object's class; its args are its own
+    # the object's class; its args are its own
+    assert task == {"name": "tabular_task.task:Regression", "args": {}}
     r = run_cmd([*script, "task.args.hidden=8"], env=ON_PATH)
     assert r.returncode != 0 and "task.args={'hidden': 8}: the task comes made by the script" in r.stderr

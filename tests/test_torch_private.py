@@ -15,7 +15,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "trainapp"
 FENCE = PACKAGE / "core" / "torch_private.py"
 TORCH_ROOTS = {"torch", "nn", "F", "dist", "tdist", "dcp"}
 """Names trainapp's modules import torch (or a part of it) as."""
-PRIVATE_ATTRIBUTES = {"_get_fsdp_state", "_fsdp_param_groups", "_scale", "_BatchNorm", "_is_mkldnn_bf16_supported"}
+PRIVATE_ATTRIBUTES = {"_get_fsdp_state", "_fsdp_param_groups", "_scale", "_BatchNorm",
+                      "_is_mkldnn_bf16_supported"}
 """torch's private names that are attributes of an object, not of torch: found wherever they are read."""
 
 
@@ -25,7 +26,8 @@ def test_every_private_name_of_torch_trainapp_reads_exists_here():
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     scaler.scale(torch.ones(()))  # makes the scale tensor
     assert float(torch_private.scale_tensor(scaler)) == 1024.0
-    assert isinstance(torch_private.onednn_bf16(), bool) and hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported")
+    assert (isinstance(torch_private.onednn_bf16(), bool)
+            and hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported"))
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
@@ -46,7 +48,8 @@ def test_no_module_but_the_fence_reads_a_private_name_of_torch():
         if path == FENCE:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            private = isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+            private = (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                       and not node.attr.startswith("__"))
             if private and (node.attr in PRIVATE_ATTRIBUTES or _root(node) in TORCH_ROOTS):
                 found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.attr}")
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):

@@ -39,7 +39,8 @@ class Ledger:
         return train, train[:64]
 
     def model(self, ctx):
-        return nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 2))
+        return nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2),
+                             nn.Linear(32, 2))
 
     def loss(self, model, batch):
         x, y, index = batch
@@ -88,8 +89,10 @@ def check(run_dir: str | Path, rows: int, global_batch: int, seed: int = 0) -> d
         if len(samples) != global_batch:
             bad_steps.append((step, len(samples)))
         epochs[(step - 1) // per_epoch].extend(samples)
-    report = {"steps": len(by_step), "redone": sum(len(a) > 1 for a in by_step.values()), "bad_steps": bad_steps,
-              "world_sizes": sorted({line["world_size"] for a in by_step.values() for ls in a.values() for line in ls}),
+    report = {"steps": len(by_step), "redone": sum(len(a) > 1 for a in by_step.values()),
+              "bad_steps": bad_steps,
+              "world_sizes": sorted({line["world_size"] for a in by_step.values() for ls in a.values()
+                                     for line in ls}),
               "epochs": {}}
     for epoch, samples in sorted(epochs.items()):
         # The epoch's order is the sampler's permutation (seed + epoch); its whole global batches are trained.
@@ -97,5 +100,6 @@ def check(run_dir: str | Path, rows: int, global_batch: int, seed: int = 0) -> d
         steps = len(samples) // global_batch
         expected = set(order[:steps * global_batch])
         report["epochs"][epoch] = {"samples": len(samples), "duplicates": len(samples) - len(set(samples)),
-                                   "missing": len(expected - set(samples)), "foreign": len(set(samples) - expected)}
+                                   "missing": len(expected - set(samples)),
+                                   "foreign": len(set(samples) - expected)}
     return report
