@@ -243,8 +243,8 @@ def main() -> int:
     p.add_argument("--depth", type=int, help=f"its layers (default {FULL['depth']}; smoke {SMOKE['depth']})")
     p.add_argument("--out", help="result file (default bench/results/export.json)")
     args = p.parse_args()
-    from machine import describe
-    from scratch import scratch
+    from bench.machine import describe
+    from bench.scratch import scratch
 
     size = dict(SMOKE if args.smoke else FULL)
     size.update({k: v for k, v in (("width", args.width), ("depth", args.depth)) if v})
