@@ -300,14 +300,14 @@ import json, os, sys, torch, torch.distributed as dist
 from trainapp.errors import leave
 from trainapp.group import DistContext
 from trainapp.launch.ray.publish import RayPublish
-from trainapp.snapshots.manager import SnapshotManager
+from trainapp.snapshots.manager import SnapshotManager, SnapshotRequest
 rank, local, store = int(os.environ["RANK"]), sys.argv[1], sys.argv[2]
 dist.init_process_group("gloo", rank=rank, world_size=2)
 ctx = DistContext(rank, 0, 2, torch.device("cpu"), "gloo", True)
 manager = SnapshotManager(RayPublish(local, f"file://{store}", False, "run"), every_steps=5)
 elements = 1000 if rank == 0 else 400_000  # 4 kB, then 1.6 MB against the store's 1 MB
 manager.save(ctx, 5, {"model": "sharded"} if rank == 0 else None, {"step": 5} if rank == 0 else None, {},
-             announce=False, shards={"model": {f"w{rank}": torch.full((elements,), float(rank))}})
+             SnapshotRequest(announce=False), shards={"model": {f"w{rank}": torch.full((elements,), float(rank))}})
 print(json.dumps({"failed": manager.failed, "left": sorted(os.listdir(local)) if os.path.isdir(local) else []}),
       flush=True)
 dist.destroy_process_group()
