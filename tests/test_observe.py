@@ -194,8 +194,9 @@ def test_a_slowed_rank_is_named_a_straggler_under_fsdp_too(tmp_path, phase):
     ranks = metrics(tmp_path, "ranks")
     busy = lambda rank: sorted(x["ranks"][rank]["busy_ms"] for x in ranks)[len(ranks) // 2]  # noqa: E731
     # Rank 1's own work is about the 200 ms drill over rank 0's; before the waits were split out, the two
-    # ranks' busy times were the same.
-    assert 140 < busy(1) - busy(0) < 280, ranks
+    # ranks' busy times were the same. Over half the drill: with the other lane of `make test` beside it,
+    # rank 0's own work stretches too (124 ms over it seen once, 140 the earlier bound).
+    assert 100 < busy(1) - busy(0) < 280, ranks
     comm = lambda rank: sorted(x["ranks"][rank]["phase_ms"]["comm"] for x in ranks)[len(ranks) // 2]  # noqa: E731
     assert comm(0) > comm(1) + 40, ranks
     if phase == "optim":  # the wrapped FSDP methods and the drill's sleeps change no number
