@@ -11,7 +11,7 @@ import torch
 from helpers import (FAULT_RUN, PY, QUICK, REPO, exited, inspect, metrics, run_cmd, torchrun2, trainapp,
                      wait_until)
 
-from trainapp.faults.slow_disk import SlowDisk
+from trainapp.faults.drills import SlowDisk
 from trainapp.group import DistContext
 from trainapp.snapshots import store as snapshot
 from trainapp.snapshots.manager import SnapshotManager

@@ -21,7 +21,6 @@ from trainapp.errors import PEER_EXIT, Failure, first_line
 from trainapp.faults.boundary import DrainNotices, StepBoundary
 from trainapp.faults.drills import Drills
 from trainapp.faults.guard import RankGuard
-from trainapp.faults.slow_disk import SlowDisk
 from trainapp.group import DistContext
 from trainapp.launch import dist, malloc
 from trainapp.observe import logs, metrics
@@ -122,9 +121,8 @@ def trainer(launcher: Launcher, cfg: Config, ctx: DistContext, guard: RankGuard,
     held = held or RunLease.none()
     publish = launcher.publish(cfg, ctx)
     guard.notices.snapshots = publish.where
-    snapshots = SnapshotManager.from_config(cfg, publish, guard.heartbeat, held.fence,
-                                            SlowDisk.drill(cfg.drill.snapshot_write_delay_s))
     drills = Drills(cfg.drill, ctx.rank, ctx.world_size, cfg.run.dir, guard.heartbeat)
+    snapshots = SnapshotManager.from_config(cfg, publish, guard.heartbeat, held.fence, drills.disk)
     records = Records(cfg, ctx, held.fence.check, held.summary, launcher.live(cfg, ctx))
     parts = build(cfg, ctx, snapshots.load, guard.timeline.mark, task)
     drills.attach(parts)

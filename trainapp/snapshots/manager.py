@@ -124,7 +124,7 @@ class SnapshotManager:
         """The run's lease: checked before a snapshot is published (trainapp/snapshots/lease.py)."""
         self.every_steps, self.async_write, self.max_failures = every_steps, async_write, max_failures
         self.disk = disk or Disk()
-        """What every write goes through (a failure drill's slow disk: trainapp/faults/slow_disk.py)."""
+        """What every write goes through (a failure drill's slow disk: trainapp/faults/drills.py)."""
         self.heartbeat: _Watch = heartbeat or _Unwatched()
         self.last_blocking_s = 0.0
         """Seconds the last `save` held training (the copy with async writes, the whole write without)."""

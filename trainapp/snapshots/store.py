@@ -124,7 +124,7 @@ def check_seen(ctx: DistContext, tmp: Path, setting: str, where: str) -> None:
 
 class Disk:
     """What a snapshot's write goes through on its way to storage: the seam a failure drill wraps
-    (trainapp/faults/slow_disk.py). This one adds nothing to the write."""
+    (trainapp/faults/drills.py). This one adds nothing to the write."""
 
     def before_meta(self, progress: Callable[[], None]) -> None:
         """Rank 0, a snapshot without shards: between its state file and the meta file that completes
