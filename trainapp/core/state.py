@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from trainapp.errors import ConfigError
+from trainapp.observe.records import Position
 from trainapp.snapshots.store import LOCAL_COPY, SHARDED, SHARDS
 
 if TYPE_CHECKING:
@@ -38,19 +39,6 @@ class Stateful(Protocol):
     def state_dict(self) -> Any: ...
 
     def load_state_dict(self, state: Any) -> Any: ...
-
-
-class _Position(Protocol):
-    """Where training is: trainapp/core/data.py's Progress (which imports this module)."""
-
-    @property
-    def global_step(self) -> int: ...
-
-    @property
-    def epoch(self) -> int: ...
-
-    @property
-    def epoch_sample(self) -> int: ...
 
 
 class ShardedState:
@@ -125,7 +113,7 @@ class TrainState:
             first = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
             raise ConfigError(f"run.dir={run_dir}: snapshot {where} does not fit this config ({first}); "
                               "use a new run.dir or the config it was written with") from None
-        p = cast(_Position, self.parts["progress"])  # data.Progress, the first part `build` registers
+        p = cast(Position, self.parts["progress"])  # data.Progress, the first part `build` registers
         log.info("resumed from %s: step=%d epoch=%d epoch_sample=%d", where, p.global_step, p.epoch,
                  p.epoch_sample)
 
@@ -211,7 +199,7 @@ class RngState:
 
     collective = True
 
-    def __init__(self, ctx: DistContext, seed: int, progress: _Position, cuda: Any = torch.cuda):
+    def __init__(self, ctx: DistContext, seed: int, progress: Position, cuda: Any = torch.cuda):
         """Seeds this rank's generators apart from the others' (dropout, augmentation) until a snapshot's
         are loaded. `cuda`: torch.cuda, or a stand-in for its generator (tests on machines without one)."""
         self.ctx, self.seed, self.progress, self.cuda = ctx, seed, progress, cuda

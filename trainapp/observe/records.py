@@ -38,15 +38,21 @@ class _Layout(Protocol):
     def to_dict(self) -> dict[str, Any]: ...
 
 
-class _Progress(Protocol):
-    @property
-    def layout(self) -> _Layout: ...
+class Position(Protocol):
+    """Where training is: trainapp/core/data.py's Progress (also what a snapshot's RNG state is saved at,
+    trainapp/core/state.py)."""
+
     @property
     def global_step(self) -> int: ...
     @property
     def epoch(self) -> int: ...
     @property
     def epoch_sample(self) -> int: ...
+
+
+class _Progress(Position, Protocol):
+    @property
+    def layout(self) -> _Layout: ...
     @property
     def global_batch(self) -> int: ...
     @property
