@@ -3,7 +3,7 @@ transformer (`task.name=char_lm`, AdamW) trained by 2 torchrun workers on CPU (g
 rounds of one run per strategy.
 
 - memory: the bytes of each rank's parameters, gradients (one per parameter, as every backward makes
-  them) and AdamW state, from the run's `end` record (`state_bytes`, trainapp/core/parallel.py); the
+  them) and AdamW state, from the run's `end` record (`state_bytes`, trainapp/core/parallel/checks.py); the
   ratio FSDP / DDP of the larger rank's total (target <= 0.55: a half, plus what is not sharded);
 - step time: the median over a run's log intervals of global batch / samples per second (snapshots and
   evaluation left out), the ratio FSDP / DDP per round, then the median over rounds: for information (on

@@ -1,4 +1,4 @@
-"""FSDP2 (`parallel.strategy=fsdp`, trainapp/core/parallel.py) with sharded snapshots (every rank's shard
+"""FSDP2 (`parallel.strategy=fsdp`, trainapp/core/parallel/fsdp.py) with sharded snapshots (every rank's shard
 through torch.distributed.checkpoint, trainapp/snapshots/store.py): a rank SIGKILLed and restarted by
 torchrun ends bitwise equal to a straight run, a snapshot resumes at another world size (resharded), a
 flipped byte in one shard makes the whole snapshot invalid, and what FSDP runs do not have yet stops in
@@ -262,7 +262,7 @@ _GATHER_DTYPES = """
 import os, sys, json, torch, torch.distributed as dist
 from torch import nn
 from trainapp.config import load
-from trainapp.core import parallel
+from trainapp.core.parallel import fsdp
 from trainapp.errors import leave
 rank = int(os.environ["RANK"])
 dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -273,7 +273,7 @@ seen = {}
 for name, m in model.named_modules():
     if hasattr(m, "weight"):
         m.register_forward_pre_hook(lambda mod, args, name=name: seen.__setitem__(name, str(mod.weight.dtype)))
-parallel.shard(model, cfg, dtype=torch.bfloat16)
+fsdp.shard(model, cfg.parallel, dtype=torch.bfloat16)
 with torch.autocast("cpu", dtype=torch.bfloat16):
     model(torch.randn(2, 3, 8, 8)).float().sum().backward()
 stored = sorted({str(p.dtype) for p in model.parameters()} | {str(p.grad.dtype) for p in model.parameters()})

@@ -164,3 +164,18 @@ def test_the_loop_reads_no_notice_signal_launcher_or_ray():
     found = sorted(n for n in names if banned & set(n.lower().split("_")) or n.lower() in banned)
     assert not found, found
     assert not [m for m in _imports(path) if m.startswith(("trainapp.launch", "trainapp.faults.preempt"))]
+
+
+def test_the_loop_and_build_ask_the_strategy_and_name_no_data_parallel_kind():
+    """DDP and FSDP live in trainapp/core/parallel/: the loop and `build` neither branch on them nor name
+    them, in code or comments, so a strategy (or compile, or checkpointing) changes nothing there."""
+    import re
+
+    found = []
+    for path in (PACKAGE / "core" / "loop.py", PACKAGE / "core" / "build.py"):
+        text = path.read_text()
+        found += [f"{path.name}: {m}" for m in re.findall(
+            r"(?i)\w*(?:ddp|fsdp|DistributedDataParallel|fully_shard)\w*", text)]
+        found += [f"{path.name}:{n.lineno} .{n.attr}" for n in ast.walk(ast.parse(text))
+                  if isinstance(n, ast.Attribute) and n.attr in ("sharded", "ddp")]
+    assert not found, found

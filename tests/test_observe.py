@@ -209,9 +209,9 @@ def test_a_slowed_rank_is_named_a_straggler_under_fsdp_too(tmp_path, phase):
 def test_fsdp_internals_torch_moved_are_found_missing_not_an_error():
     """The backward's waits are timed through FSDP's private parameter groups: where torch lays them out
     otherwise, `time_waits` warns and training goes on with the backward's waits counted as compute."""
-    from trainapp.core import parallel
+    from trainapp.core.parallel import fsdp
 
-    assert parallel._param_groups([torch.nn.Linear(2, 2)]) is None
+    assert fsdp._param_groups([torch.nn.Linear(2, 2)]) is None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ FENCE = PACKAGE / "core" / "torch_private.py"
 TORCH_ROOTS = {"torch", "nn", "F", "dist", "tdist", "dcp"}
 """Names trainapp's modules import torch (or a part of it) as."""
 PRIVATE_ATTRIBUTES = {"_get_fsdp_state", "_fsdp_param_groups", "_scale", "_BatchNorm",
-                      "_is_mkldnn_bf16_supported"}
+                      "_is_mkldnn_bf16_supported", "graph_break_reasons", "get_cpp_compiler",
+                      "counters", "cache_dir"}
 """torch's private names that are attributes of an object, not of torch: found wherever they are read."""
 
 
@@ -33,6 +34,17 @@ def test_every_private_name_of_torch_trainapp_reads_exists_here():
 
     assert callable(FSDPModule._get_fsdp_state)
     assert "self._fsdp_param_groups" in inspect.getsource(FSDPState)
+    assert isinstance(torch_private.graph_breaks(), list)
+    before = torch_private.compiled_graphs()
+    torch.compile(lambda x: x * 2 + 1)(torch.ones(3))
+    assert torch_private.compiled_graphs() == before + 1
+    assert any(Path(torch_private.inductor_cache_dir()).iterdir())  # that compile's code is there
+    from torch._dynamo.utils import graph_break_reasons
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    assert isinstance(graph_break_reasons, list) and callable(get_cpp_compiler)
+    compiler, tried = torch_private.cpp_compiler()
+    assert tried and (compiler is None or compiler in tried), (compiler, tried)
     assert len(torch_private.PRIVATE) == len(PRIVATE_ATTRIBUTES)
 
 

@@ -27,7 +27,7 @@ class DistSection:
 
 @dataclass(config=STRICT)
 class ParallelSection:
-    """How the model is spread over the ranks (trainapp/core/parallel.py)."""
+    """How the model is spread over the ranks (trainapp/core/parallel/)."""
 
     strategy: Literal["ddp", "fsdp"] = "ddp"
     """`ddp`: every rank holds the whole model, gradients all-reduced (DistributedDataParallel). `fsdp`:
@@ -48,6 +48,17 @@ class ParallelSection:
     bytes of every all-gather and of the gathered parameters, the gradients reduce-scattered and
     accumulated in fp32 into the fp32 shards the optimizer steps; BatchNorm layers stay fp32 (units of
     their own: their running statistics are fp32). No difference with `amp.dtype=off`."""
+    compile: bool = False
+    """torch.compile each unit's forward (the units: `fsdp_units` as under FSDP, whatever the strategy;
+    a model without units as a whole), before it is sharded or wrapped in DDP: each unit's forward and
+    backward become graphs of their own, so DDP's buckets and FSDP's reduce-scatters still start as each
+    unit's backward ends. Graph breaks are allowed (the first is named in one warning). The compiled code
+    is carried with the run (`run.dir/compile/`), so a restart on a node with an empty local cache loads it
+    instead of compiling again (docs/compile.md)."""
+    activation_checkpoint: Literal["none", "full"] = "none"
+    """`full`: each unit keeps only its inputs for the backward, which runs its forward again
+    (torch.utils.checkpoint, non-reentrant, the RNG state restored): the activation memory of one unit
+    instead of all of them, for about one more forward per step. The same math: bitwise the same run."""
 
 
 _IFNAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")

@@ -5,9 +5,8 @@ pytorch/examples' multinode.py does; it never builds or loads anything itself.
 
 Order matters in three places, each said where it happens: the model is made from the same seed on
 every rank; the state's parts load in registration order, the data position first (the schedule's
-horizon depends on it); and the snapshot is loaded into the plain module before it is wrapped in DDP,
-while an FSDP model is sharded first (the optimizer holds the sharded parameters) and loads its shards
-into them (trainapp/core/parallel.py).
+horizon depends on it); and the strategy (trainapp/core/parallel/) readies the model before the
+optimizer is made over its parameters, and wraps it only after the snapshot was loaded.
 """
 
 from __future__ import annotations
@@ -18,14 +17,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from trainapp.config import Config, changes
 from trainapp.core import data, kernels, optim, parallel
 from trainapp.core.amp import Precision
 from trainapp.core.layout import Layout
-from trainapp.core.state import RngState, ShardedState, TrainState
+from trainapp.core.state import RngState, TrainState
 from trainapp.core.task import BoundTask, bind
 from trainapp.weights import init as weights_init
 
@@ -43,10 +41,9 @@ class Parts:
     model: torch.nn.Module
     """The plain module: snapshots, clipping and evaluation use it."""
     train_model: torch.nn.Module
-    """What the step calls: the DDP wrapper when distributed, else the plain (or FSDP-sharded) module."""
-    ddp: DDP | None
-    sharded: bool
-    """FSDP's `fully_shard` was applied (`parallel.strategy=fsdp` with more than one rank)."""
+    """What the step calls: the strategy's wrapper of the model, or the model itself."""
+    strategy: parallel.Strategy
+    """How the model is spread over the ranks (trainapp/core/parallel/): the loop asks it."""
     precision: Precision
     optimizer: torch.optim.Optimizer
     schedule: optim.Schedule
@@ -64,6 +61,12 @@ class Parts:
     kernels: dict[str, Any] | None = None
     """The kernel choice (`train.deterministic`, trainapp/core/kernels.py), for the start record."""
 
+    @property
+    def parallel(self) -> dict[str, Any]:
+        """What the strategy did to the model (strategy, compile, activation checkpointing): the start
+        record's `parallel`."""
+        return self.strategy.described
+
 
 def build(cfg: Config, ctx: DistContext,
           load: Callable[[DistContext], tuple[str, dict[str, Any]] | None] = lambda ctx: None,
@@ -75,9 +78,10 @@ def build(cfg: Config, ctx: DistContext,
     chosen = kernels.configure(cfg.train.deterministic, cuda)
     made: list[data.Progress] = []  # made once the data are known; the task may ask for its steps before
     task = bind(task, cfg, ctx, steps_done=lambda: made[0].global_step if made else 0)
+    strategy = parallel.make(cfg.parallel, ctx, task, cfg.run.dir)  # checked before anything is built
     train_ds, val_ds = task.datasets()
     model = task.model()  # after the datasets: a task may size its model by its data (classes, vocabulary)
-    found, init = _init(cfg, ctx, model, load)  # before the EMA copy, sharding and DDP: they start from it
+    found, init = _init(cfg, ctx, model, load)  # before the EMA copy and the strategy: they start from it
     layout = Layout(cfg.train, ctx.world_size, ctx.rank, len(train_ds))
     if task.random_items:
         train_ds = data.SeededItems(train_ds, cfg.seed)
@@ -96,17 +100,13 @@ def build(cfg: Config, ctx: DistContext,
     precision = Precision(cfg.amp, ctx.device)
     if precision.note and ctx.is_main:
         log.warning("%s", precision.note)
-    sharded = (fsdp := cfg.parallel.strategy == "fsdp") and ctx.distributed  # alone: whole, in DCP snapshots
-    ema = optim.build_ema(model, cfg.train.ema_decay)  # a copy of the whole model, so made before sharding
-    if sharded:  # before the optimizer, which must hold the sharded parameters; the EMA copy sharded alike
-        parallel.shard(model, cfg, task, ema.module if ema is not None else None, precision.dtype)
+    ema = optim.build_ema(model, cfg.train.ema_decay)  # a copy of the whole, eager model: made first
+    # Before the optimizer, which must hold the parameters as the strategy placed them (shards, maybe).
+    strategy.prepare(model, ema.module if ema is not None else None, precision.dtype)
     opt = optim.build(model, cfg.optim, cfg.sched, ema, horizon, progress, fused=cuda,
                       groups=task.param_groups)
-    weights = ShardedState(model, opt.optimizer) if fsdp else None  # model and optimizer, every rank's shard
-    state = TrainState({"progress": progress, "model": weights or model,
-                        "optimizer": None if fsdp else opt.optimizer,
+    state = TrainState({"progress": progress, **strategy.state(model, opt.optimizer, ema),
                         "scheduler": opt.schedule, "scaler": precision.scaler, "task": task.state,
-                        "ema": ShardedState(ema) if fsdp and ema is not None else ema,
                         "rng": RngState(ctx, cfg.seed, progress)},
                        records={"config": cfg.to_dict(), "init": init})
     mark("built")
@@ -115,9 +115,9 @@ def build(cfg: Config, ctx: DistContext,
     parallel.check_sync_bn(model, layout, cfg.task.name == "image_classification" and cfg.model.sync_bn)
     if ctx.is_main and layout.line():
         log.warning("%s", layout.line())
-    ddp = None if fsdp else parallel.wrap_ddp(model, ctx)  # wrap last: the snapshot is in the plain module
-    return Parts(task=task, batches=batches, val_loader=val_loader, model=model, train_model=ddp or model,
-                 ddp=ddp, sharded=sharded, precision=precision, optimizer=opt.optimizer,
+    train_model = strategy.wrap(model)  # last: the snapshot is in the model as placed
+    return Parts(task=task, batches=batches, val_loader=val_loader, model=model, train_model=train_model,
+                 strategy=strategy, precision=precision, optimizer=opt.optimizer,
                  schedule=opt.schedule, ema=opt.ema, progress=progress, state=state,
                  total_steps=opt.schedule.total_steps, peak_lr=opt.schedule.peak_lr,
                  resumed_from=found[0] if found else None, config_changes=diff, init=init, kernels=chosen)

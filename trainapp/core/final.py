@@ -46,7 +46,7 @@ DIR = "model"
 def export_final(cfg: Config, ctx: DistContext, parts: Parts, snapshots: SnapshotManager) -> str | None:
     """Every rank, after the final snapshot: the final model exported; where it went (rank 0), or None
     (`run.export=false`, another rank, or a storage error, said in one warning line)."""
-    if not cfg.run.export or not (parts.sharded or ctx.is_main):
+    if not cfg.run.export or not (parts.strategy.sharded or ctx.is_main):
         return None
     t0 = time.perf_counter()
     model = parts.ema.module if parts.ema is not None else parts.model
@@ -139,7 +139,7 @@ def _task_export(parts: Parts, model: torch.nn.Module, artifact: ArtifactDir) ->
     hook = getattr(parts.task.task, "export", None)
     if not callable(hook):
         return "the task has no export method"
-    if parts.sharded:
+    if parts.strategy.sharded:
         return "not run: the model is sharded (parallel.strategy=fsdp); `trainapp export RUN_DIR` runs it"
     hook(model, artifact.stage)
     return "run"
@@ -150,7 +150,7 @@ def _about(cfg: Config, parts: Parts, snapshots: SnapshotManager) -> dict[str, A
     step = parts.progress.global_step
     where = snapshots.last_written or snapshots.path_for(step)
     source: dict[str, Any] = {"path": str(where), "step": step,
-                              "kind": "sharded snapshot" if parts.sharded else "snapshot"}
+                              "kind": "sharded snapshot" if parts.strategy.sharded else "snapshot"}
     meta = Path(str(where)) / META
     if meta.is_file():
         info = json.loads(meta.read_text())

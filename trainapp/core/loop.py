@@ -1,4 +1,4 @@
-"""The training loop: DDP + autocast, gradient accumulation, distributed eval, snapshots. What is
+"""The training loop: data parallel + autocast, gradient accumulation, distributed eval, snapshots. What is
 trained, on what data, with which loss, is the task's (trainapp/core/task.py): the loop calls its
 `loss` and `evaluate` and knows nothing else about it.
 
@@ -29,7 +29,6 @@ from trainapp.observe.metrics import Throughput, val_metrics
 from trainapp.observe.records import Records
 from trainapp.observe.timings import PhaseClock
 from trainapp.snapshots.manager import SnapshotManager, SnapshotRequest
-from trainapp.snapshots.store import params_sha256
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +53,8 @@ class Trainer:
         self._loss_sum = torch.zeros((), device=ctx.device)  # summed on the device, read at log time
         self._loss_steps = 0
         self.clock = PhaseClock(ctx.device, cfg.observe.ranks, guard.heartbeat.set_phase)
-        if parts.ddp is not None and cfg.observe.ranks:
-            self.clock.attach(parts.ddp)
-        elif parts.sharded and cfg.observe.ranks:
-            parallel.time_waits(parts.train_model, self.clock.wait_begins, self.clock.wait_ends)
+        if cfg.observe.ranks:
+            parts.strategy.time_waits(self.clock)
 
     def train(self) -> dict[str, Any]:
         t, p = self.cfg.train, self.parts.progress
@@ -128,7 +125,7 @@ class Trainer:
             clock.enter("compute")
             seed_slot(self.cfg.seed, parts.progress.global_step, layout.slot(micro))
             # All-reduce (reduce-scatter) only on the last micro-step; the others accumulate local gradients.
-            with parallel.no_sync(parts.train_model, parts.ddp, parts.sharded, sync=micro == micro_steps - 1):
+            with parts.strategy.no_sync(sync=micro == micro_steps - 1):
                 with parts.precision.autocast():
                     loss = parts.task.loss(parts.train_model, batch)
                 scaler.scale(loss * weight).backward()
@@ -147,11 +144,9 @@ class Trainer:
             parts.progress.skipped += (after < before).to(torch.int64)
         parts.optimizer.zero_grad(set_to_none=True)
         parts.schedule.step()
-        # The step's running statistics are rank 0's, as DDP's broadcast_buffers makes them, before the EMA
-        # averages them; a peer late for it is waited for here.
-        if parts.sharded:
-            with clock.waiting():
-                parallel.buffers_from_rank0(parts.model, self.ctx)
+        # Whatever the strategy does after a step (rank 0's running statistics on every rank), before
+        # the EMA averages them.
+        parts.strategy.after_step(parts.model, clock)
         if parts.ema is not None:
             parts.ema.update_parameters(parts.model)
         clock.enter("other")
@@ -167,13 +162,13 @@ class Trainer:
         was_training = model.training
         model.eval()
         sums: dict[str, torch.Tensor] = {}
-        interrupted, sharded = False, parts.sharded
-        for padding, batch in parallel.eval_batches(parts.val_loader, self.ctx, sharded):
+        interrupted = False
+        for padding, batch in parts.strategy.eval_batches(parts.val_loader):
             # The stop comes after the next step, so a partial eval is not recorded. The last step's eval
             # runs to the end: no stop follows it, the run ends normally. A sharded model's ranks must run
             # their forwards together: its eval always runs to the end.
             if (self.boundary.interrupts_eval() and parts.progress.global_step < parts.total_steps
-                    and not sharded):
+                    and parts.strategy.interruptible_eval):
                 interrupted = True
                 break
             self.guard.heartbeat.beat()
@@ -233,11 +228,8 @@ class Trainer:
     def _save(self, samples_per_s: float, request: SnapshotRequest) -> None:
         p = self.parts.progress
         state = self.parts.state.state_dict(self.ctx.is_main)  # every rank: the RNG part gathers all ranks'
-        shards = self.parts.state.shards()  # every rank's shard of an FSDP model and optimizer
-        # A sharded model's digest would gather the whole model onto rank 0 at every snapshot, what FSDP is
-        # used to avoid: `trainapp inspect` computes it from the shards instead.
-        digest = ({} if state is None or self.parts.sharded
-                  else {"params_sha256": params_sha256(self.parts.model)})
+        shards = self.parts.state.shards()  # every rank's shard of a sharded model and optimizer
+        digest = {} if state is None else self.parts.strategy.digest(self.parts.model)
         init = {"init": self.parts.init} if self.parts.init else {}  # where the run's weights started from
         meta = {**state["progress"], **digest, **init} if state is not None else None
         report: dict[str, Any] = {"step": p.global_step, "epoch": p.epoch, "loss": self.last_loss,

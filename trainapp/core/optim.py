@@ -198,7 +198,7 @@ def build(model: nn.Module, optim: OptimSection, sched: SchedSection, ema: Avera
     """The optimizer over `model`'s parameter groups (or the task's `groups`) and its schedule to
     `horizon()`, with the EMA weights (`build_ema`, made before an FSDP model is sharded)."""
     # The task's groups are asked for here, over the parameters as they are now: an FSDP model's are the
-    # sharded ones that replaced the module's own (trainapp/core/parallel.py).
+    # sharded ones that replaced the module's own (trainapp/core/parallel/fsdp.py).
     optimizer = build_optimizer(model, optim, progress.global_batch, fused=fused,
                                 groups=groups(model) if groups is not None else None)
     return Optimization(optimizer, Schedule(optimizer, optim, sched, horizon, progress), ema)

@@ -4,11 +4,19 @@ that every one of them still exists, so a torch upgrade that moves one fails tha
 a run on a cluster.
 
 - `BatchNormBase`: the common base of BatchNorm1d/2d/3d and SyncBatchNorm (FSDP keeps those fp32 when it
-  gathers parameters in bf16, trainapp/core/parallel.py).
+  gathers parameters in bf16, trainapp/core/parallel/fsdp.py).
 - `fsdp_param_groups`: FSDP2's parameter groups of a sharded unit, whose backward methods are where a
   rank waits for its peers (the per-rank timings bracket them).
 - `scale_tensor`: the GradScaler's live scale tensor: `get_scale()` would sync the host every step.
 - `onednn_bf16`: oneDNN's own answer whether it runs bf16 (it also says yes where it emulates it).
+- `graph_breaks`: where and why dynamo broke a compiled function's graph (for `parallel.compile`'s
+  one warning: torch logs breaks only with TORCH_LOGS set).
+- `compiled_graphs`: how many graphs dynamo compiled in this process (the carried compile cache is
+  written again when the number grew).
+- `inductor_cache_dir`: the local directory inductor caches its compiled code in (the carried compile
+  cache is unpacked there).
+- `cpp_compiler`: the C++ compiler inductor compiles CPU kernels with (`parallel.compile` checks it
+  before anything is built).
 """
 
 from __future__ import annotations
@@ -23,10 +31,13 @@ if TYPE_CHECKING:
 
 PRIVATE = ("torch.nn.modules.batchnorm._BatchNorm", "GradScaler._scale",
            "torch.ops.mkldnn._is_mkldnn_bf16_supported", "FSDPModule._get_fsdp_state",
-           "FSDPState._fsdp_param_groups")
+           "FSDPState._fsdp_param_groups", "torch._dynamo.utils.graph_break_reasons",
+           "torch._inductor.cpp_builder.get_cpp_compiler", "torch._dynamo.utils.counters",
+           "torch._inductor.runtime.cache_dir_utils.cache_dir")
 """Every private name read here; tests/test_torch_private.py checks each on the installed torch."""
 
-__all__ = ["BatchNormBase", "PRIVATE", "fsdp_param_groups", "onednn_bf16", "scale_tensor"]
+__all__ = ["BatchNormBase", "PRIVATE", "compiled_graphs", "cpp_compiler", "fsdp_param_groups", "graph_breaks",
+           "inductor_cache_dir", "onednn_bf16", "scale_tensor"]
 
 
 def fsdp_param_groups(unit: FSDPModule) -> list[Any]:
@@ -47,3 +58,47 @@ def onednn_bf16() -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
+
+
+def graph_breaks() -> list[str]:
+    """Every graph break dynamo met in this process so far, as 'why (file:line)', first first ([] where
+    this torch keeps them elsewhere)."""
+    try:
+        from torch._dynamo.utils import graph_break_reasons
+    except ImportError:
+        return []
+    out = []
+    for r in graph_break_reasons:
+        where = f" ({r.user_stack[-1].filename}:{r.user_stack[-1].lineno})" if r.user_stack else ""
+        out.append(f"{str(r.reason).strip().splitlines()[0]}{where}")
+    return out
+
+
+def cpp_compiler() -> tuple[str | None, list[str]]:
+    """(the C++ compiler inductor would use on CPU, or None when none answers; the names it tries)."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor import cpp_builder
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    tried = [str(c) for c in inductor_config.cpp.cxx if c]
+    try:
+        return cpp_builder.get_cpp_compiler(), tried
+    except InvalidCxxCompiler:
+        return None, tried
+
+
+def compiled_graphs() -> int:
+    """The graphs dynamo compiled in this process so far (0 where this torch counts them elsewhere)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return int(counters["stats"]["unique_graphs"])
+
+
+def inductor_cache_dir() -> str:
+    """TORCHINDUCTOR_CACHE_DIR when set, else torch's default (a directory under the temp directory, per
+    user): where inductor looks for compiled code before it compiles (made if missing)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()

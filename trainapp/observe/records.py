@@ -78,6 +78,8 @@ class _Parts(Protocol):
     @property
     def kernels(self) -> dict[str, Any] | None: ...
     @property
+    def parallel(self) -> dict[str, Any]: ...
+    @property
     def resumed_from(self) -> str | None: ...
     @property
     def config_changes(self) -> dict[str, list[Any]]: ...
@@ -130,7 +132,7 @@ class Records:
                            world_size=ctx.world_size, global_batch=p.global_batch, layout=p.layout.to_dict(),
                            total_steps=parts.total_steps, peak_lr=parts.peak_lr, amp=parts.precision.name,
                            amp_why=parts.precision.why, backend=ctx.backend, device=str(ctx.device),
-                           device_why=ctx.device_why, kernels=parts.kernels,
+                           device_why=ctx.device_why, kernels=parts.kernels, parallel=parts.parallel,
                            threads=torch.get_num_threads(), interop_threads=torch.get_num_interop_threads(),
                            restart=restart, resumed_from=parts.resumed_from,
                            resumed_step=resumed.get("global_step"),

@@ -12,7 +12,7 @@ watchdog, the failure records and the timings name the same phases:
   and the gradient all-reduce after this rank's backward is done. A forward pre-hook on the wrapped
   model and a DDP communication hook (`attach`) take the two moments. Under FSDP the waits are inside
   the forward and backward (each unit's all-gather, again in backward, and its reduce-scatter): hooks
-  around them (trainapp/core/parallel.py's `time_waits`) call `wait_begins`/`wait_ends`, and what lies
+  around them (trainapp/core/parallel/fsdp.py's `time_waits`) call `wait_begins`/`wait_ends`, and what lies
   between moves from the phase to comm; the loop does the same around its own collectives in other
   phases (FSDP's broadcast of rank 0's buffers in `optim`);
 - `optim`: clipping, the optimizer and scheduler steps, EMA;
