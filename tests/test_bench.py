@@ -121,6 +121,15 @@ def test_char_lm_benchmark_smoke(tmp_path):
     assert "char_lm:" in r.stdout
 
 
+def test_compile_benchmark_smoke(tmp_path):
+    result, r = smoke("compile", tmp_path, timeout=600)
+    assert result["smoke"] is True and len(result["rounds"]) == 1
+    assert result["compile_step_ratio"] > 0 and result["control_ratio"] > 0
+    assert all(result[k] > 0 for k in ("compile_resume_warm_s", "compile_resume_cold_s", "eager_resume_s"))
+    assert 0 < result["ac_activation_ratio"] < 0.6 and result["compile_loss_rel_diff_max"] < 0.05
+    assert "compile:" in r.stdout
+
+
 def test_hang_benchmark_smoke(tmp_path):
     # torchrun only: the Ray half starts a cluster of its own (a minute and a half), and the Ray hang
     # path is tested in test_ray.py.

@@ -11,8 +11,9 @@ a run on a cluster.
 - `onednn_bf16`: oneDNN's own answer whether it runs bf16 (it also says yes where it emulates it).
 - `graph_breaks`: where and why dynamo broke a compiled function's graph (for `parallel.compile`'s
   one warning: torch logs breaks only with TORCH_LOGS set).
-- `compiled_graphs`: how many graphs dynamo compiled in this process (the carried compile cache is
-  written again when the number grew).
+- `compiled_graphs`, `compile_cache_counts`: how many graphs dynamo compiled in this process (the
+  carried compile cache is written again when the number grew), and how many of inductor's and
+  AOTAutograd's lookups hit their caches.
 - `inductor_cache_dir`: the local directory inductor caches its compiled code in (the carried compile
   cache is unpacked there).
 - `cpp_compiler`: the C++ compiler inductor compiles CPU kernels with (`parallel.compile` checks it
@@ -36,8 +37,8 @@ PRIVATE = ("torch.nn.modules.batchnorm._BatchNorm", "GradScaler._scale",
            "torch._inductor.runtime.cache_dir_utils.cache_dir")
 """Every private name read here; tests/test_torch_private.py checks each on the installed torch."""
 
-__all__ = ["BatchNormBase", "PRIVATE", "compiled_graphs", "cpp_compiler", "fsdp_param_groups", "graph_breaks",
-           "inductor_cache_dir", "onednn_bf16", "scale_tensor"]
+__all__ = ["BatchNormBase", "PRIVATE", "compile_cache_counts", "compiled_graphs", "cpp_compiler",
+           "fsdp_param_groups", "graph_breaks", "inductor_cache_dir", "onednn_bf16", "scale_tensor"]
 
 
 def fsdp_param_groups(unit: FSDPModule) -> list[Any]:
@@ -102,3 +103,15 @@ def inductor_cache_dir() -> str:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return cache_dir()
+
+
+def compile_cache_counts() -> dict[str, int]:
+    """Cache hits and misses of inductor's FX-graph cache and AOTAutograd's cache in this process so far."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return {}
+    return {"fxgraph_hits": counters["inductor"]["fxgraph_cache_hit"],
+            "fxgraph_misses": counters["inductor"]["fxgraph_cache_miss"],
+            "aot_hits": counters["aot_autograd"]["autograd_cache_hit"],
+            "aot_misses": counters["aot_autograd"]["autograd_cache_miss"]}

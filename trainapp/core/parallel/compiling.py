@@ -49,6 +49,14 @@ def compile_units(units: list[torch.nn.Module]) -> None:
         unit.forward = torch.compile(unit.forward)
 
 
+def first_step_line() -> str:
+    """What compiling the first step took from the caches: the line rank 0 logs after it."""
+    c = torch_private.compile_cache_counts()
+    return (f"parallel.compile: {torch_private.compiled_graphs()} graphs by the first step; inductor's cache "
+            f"{c.get('fxgraph_hits', 0)} hits, {c.get('fxgraph_misses', 0)} compiled; AOTAutograd's "
+            f"{c.get('aot_hits', 0)} hits, {c.get('aot_misses', 0)} compiled")
+
+
 def warn_first_break() -> None:
     """One warning naming the first graph break dynamo met so far, if any: the model still trains, a
     part of it eagerly."""

@@ -99,6 +99,7 @@ class Strategy:
         if not self._breaks_told:
             self._breaks_told = True
             if self.ctx.is_main:
+                log.info("%s", compiling.first_step_line())
                 compiling.warn_first_break()
         if self.cache is not None:
             self.cache.save_if_grown()
