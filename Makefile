@@ -221,7 +221,7 @@ test-fast: $(STAMP) $(TOOLS_STAMP) lint typecheck ## The edit-test loop: ruff an
 # No $(STAMP) prerequisite: a GPU machine gets a copy of .venv and no network, where a stamp older than
 # pyproject.toml (mtimes are not always kept by the copy) would start a pip install that cannot succeed.
 .PHONY: gpu-check
-gpu-check: ## On a GPU machine, ~5 min: bf16/fp16 runs, killed-and-resumed bitwise with train.deterministic, NCCL with 2+ GPUs; without CUDA one check (OUT=dir)
+gpu-check: ## On a GPU machine, under 8 min: bf16/fp16, killed-and-resumed bitwise, compile + warm resume, checkpointing memory, FSDP, ResNet-50 img/s (bench/results/gpu.json; OUT=dir); without CUDA exit 2
 	@test -x $(BIN)/python || { echo "gpu-check: $(BIN)/python is missing: run make venv first" >&2; exit 2; }
 	$(BIN)/python scripts/gpu_check.py
 

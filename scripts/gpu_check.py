@@ -10,13 +10,11 @@ ID TITLE: key=value ...`; INFO is a result that is reported, not judged. Every c
 session, SIGKILLed as a group on a timeout; their run directories live in one temporary directory,
 removed at the end.
 
-    refuse-cuda      `dist.device=cuda` where CUDA is unavailable: exit 2, exactly one line of output,
-                     `trainapp train: error: dist.device...`, no traceback, run.dir not created. On a
-                     machine without CUDA (torch.cuda.is_available() False) that is all: a line says
-                     there is nothing else to check, the exit status is this check's.
-With CUDA, in this order:
-    e-refuse-cuda    refuse-cuda with `CUDA_VISIBLE_DEVICES=` (empty); whether the line names that
-                     variable is reported, not judged
+On a machine without CUDA (torch.cuda.is_available() False) it checks nothing: one line says so, exit
+code 2 (tests/test_gpu_path.py runs it so). With CUDA, in this order:
+    e-refuse-cuda    `dist.device=cuda` with `CUDA_VISIBLE_DEVICES=` (empty): exit 2, exactly one line,
+                     `trainapp train: error: dist.device...`, no traceback, run.dir not created; whether
+                     the line names that variable is reported, not judged
     a-auto-image     one process, `dist.device` and `amp.dtype` left at auto, 10 steps of the image task
     a-auto-char_lm   (SmallCNN, synthetic data) and of char_lm: exit 0, the start record's device cuda
                      and amp bf16 on a GPU of compute capability >= 8.0 (fp16 below), losses finite,
@@ -37,14 +35,26 @@ With CUDA, in this order:
     f-fewer-ddp      c's 2-rank snapshots (step 10) resumed by one rank shown one GPU (the last, by
     f-fewer-fsdp     `CUDA_VISIBLE_DEVICES`): exit 0, resumed at step 10 from world size 2, on to 20;
                      with 2 or more GPUs only, else SKIP
+    g-compile        a 4-layer 512-wide char_lm eager and with `parallel.compile=true`, 30 steps each:
+                     step times (median after step 5) and their ratio, the losses side by side (INFO
+                     beyond both finishing); then the compiled run resumed for 5 more steps with an
+                     empty TORCHINDUCTOR_CACHE_DIR: nothing compiled again (the carried cache), its
+                     first step's seconds beside the cold run's
+    g-ckpt-memory    the same model's peak CUDA memory for one bf16 training step at 1024-character
+                     blocks with `activation_checkpoint` none and full (in this process): the ratio,
+                     target <= 0.6 of the activation memory (peak less the weights' and the optimizer's)
+    g-sharded        `parallel.strategy=fsdp` on an NCCL process group of one (torchrun, 1 process), 10
+                     steps: backend nccl, its snapshots sharded (torch.distributed.checkpoint files)
+    g-resnet50       INFO: ResNet-50 training images/s at batch 128 (bf16 autocast, channels_last, SGD,
+                     synthetic 224x224 images in GPU memory, 30 timed steps), beside NVIDIA's published
+                     single-GPU mixed-precision figure for the same GPU where there is one
 
 Results: one JSON summary (GPU names and memory, compute capability, torch, CUDA, cuDNN and NCCL
 versions, the driver from nvidia-smi when present, each check's status, numbers and seconds, and the
-last lines of a failed run's output) in bench/results/gpu_check.json when CUDA was there (a machine
-without CUDA leaves a GPU machine's results alone), and in $OUT/gpu_check.json when OUT is set; there
-also each run's output and metrics.jsonl (gpu_check/NAME.log, NAME.metrics.jsonl).
+last lines of a failed run's output) in bench/results/gpu.json, and in $OUT/gpu.json when OUT is set;
+there also each run's output and metrics.jsonl (gpu_check/NAME.log, NAME.metrics.jsonl).
 
-Usage:  make gpu-check      (or .venv/bin/python scripts/gpu_check.py [--budget-s 330])
+Usage:  make gpu-check      (or .venv/bin/python scripts/gpu_check.py [--budget-s 420])
 No run starts with less than 20 s of --budget-s left, and a run still going when it is spent is killed
 (its check fails): the whole check ends in about the budget. One run may take at most 150 s.
 CUBLAS_WORKSPACE_CONFIG is removed from the runs' environment: trainapp sets it for
@@ -376,6 +386,146 @@ def on_cpu(s: Session) -> Verdict:
     return v
 
 
+LM_BIG = ["task.name=char_lm", "task.args.n_layer=4", "task.args.n_embd=512", "task.args.n_head=8",
+          "task.args.block_size=256", "train.batch_size=32", "train.epochs=10", "train.log_every=1",
+          "snapshot.every_steps=30"]
+RESNET50_PUBLISHED = {
+    "A100": (2470, "A100 80GB, 1 GPU, mixed precision, batch 256, ImageNet through DALI, pytorch-21.03"),
+    "V100-SXM2-16GB": (1200, "V100 16GB, 1 GPU, mixed precision, batch 256, ImageNet through DALI"),
+    "V100-SXM2-32GB": (1156, "V100 32GB, 1 GPU, mixed precision, batch 256, ImageNet through DALI"),
+}
+"""NVIDIA's training throughput of ResNet-50 v1.5 (DeepLearningExamples, PyTorch/Classification/ConvNets/
+resnet50v1.5/README.md, "Training performance results"), by a part of the GPU's name; none there for
+other GPUs."""
+
+
+def step_ms(run: Run, skip: int = 5) -> float | None:
+    """The median step time of the run's last attempt, its first `skip` steps left out."""
+    batch, trains = run.start().get("global_batch"), run.records("train")[skip:]
+    if not batch or not trains:
+        return None
+    times = sorted(batch / r["samples_per_s"] * 1000 for r in trains if r.get("samples_per_s"))
+    return round(times[len(times) // 2], 2) if times else None
+
+
+def first_step_s(run: Run) -> float | None:
+    start = run.start()
+    trains = [r for r in run.records("train") if r["step"] > (start.get("step") or 0)]
+    return round(trains[0]["time"] - start["time"], 2) if start and trains else None
+
+
+def compiled(s: Session) -> Verdict:
+    v = Verdict()
+    args = [*CUDA, *LM_BIG, "train.max_steps=30"]
+    eager = s.train("g-eager", args, env={"TORCHINDUCTOR_CACHE_DIR": str(s.scratch / "inductor-1")})
+    comp = s.train("g-compiled", [*args, "parallel.compile=true"],
+                   env={"TORCHINDUCTOR_CACHE_DIR": str(s.scratch / "inductor-1")})
+    if not (v.ran(eager) and v.ran(comp)):
+        return v
+    finite_losses(v, comp)
+    e, c = step_ms(eager), step_ms(comp)
+    losses = [(a.get("loss"), b.get("loss")) for a, b in zip(eager.records("train"), comp.records("train"))]
+    diff = max((abs(a - b) / abs(a) for a, b in losses), default=None)
+    v.numbers.update(eager_step_ms=e, compiled_step_ms=c, loss_rel_diff_max=diff,
+                     compile_step_ratio=round(c / e, 3) if e and c else None,
+                     cold_first_step_s=first_step_s(comp))
+    resumed = s.train("g-compiled-resume", [*args, "parallel.compile=true", "train.max_steps=35"],
+                      env={"TORCHINDUCTOR_CACHE_DIR": str(s.scratch / "inductor-2")}, run_dir=comp.run_dir)
+    if v.ran(resumed):
+        cache = resumed.start().get("parallel", {}).get("compile", {}).get("cache", {})
+        line = next((ln for ln in resumed.output.splitlines() if "graphs by the first step" in ln), "")
+        v.numbers.update(warm_first_step_s=first_step_s(resumed), carried_files=cache.get("files"),
+                         first_step_line=line.split("parallel.compile: ")[-1])
+        v.need(bool(cache.get("files")), f"the resume loaded no carried compile cache: {cache}")
+        v.need("0 compiled; AOTAutograd's" in line and line.endswith(" 0 compiled"),
+               f"the warm resume compiled again: {line!r}")
+    return v
+
+
+def ckpt_memory(s: Session) -> Verdict:
+    """Peak memory of one bf16 training step, activation checkpointing off and on, in this process."""
+    from trainapp.core.parallel import checkpointing
+    from trainapp.tasks.char_lm import CharTransformer
+
+    v = Verdict()
+    peaks = {}
+    for mode in ("none", "full"):
+        torch.manual_seed(0)
+        model = CharTransformer(96, 1024, 4, 8, 512, dropout=0.0).cuda()
+        opt = torch.optim.AdamW(model.parameters())
+        if mode == "full":
+            checkpointing.checkpoint(list(model.blocks))
+        x = torch.randint(0, 96, (16, 1024), device="cuda")
+        for _ in range(2):  # the optimizer's state exists from the first step on
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(x).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+        peaks[mode] = torch.cuda.max_memory_allocated() - base
+        del model, opt, x, loss
+        torch.cuda.empty_cache()
+    ratio = peaks["full"] / peaks["none"]
+    v.numbers.update(activation_mib={k: round(b / 2**20, 1) for k, b in peaks.items()}, ratio=round(ratio, 3))
+    v.need(ratio <= 0.6, f"checkpointing kept {ratio:.2f} of the step's memory above the weights, target "
+           "<= 0.6")
+    return v
+
+
+def sharded(s: Session) -> Verdict:
+    v = Verdict()
+    run = s.train("g-sharded", [*CUDA, *TASKS["image"], "parallel.strategy=fsdp", "train.max_steps=10",
+                                "snapshot.every_steps=5"], nproc=1)
+    if v.ran(run):
+        start = run.start()
+        meta = run.run_dir / "snapshots" / "step_000000010" / "meta.json"
+        shards = sorted(json.loads(meta.read_text()).get("shards", {})) if meta.exists() else []
+        v.numbers.update(backend=start.get("backend"), world_size=start.get("world_size"), shards=shards)
+        v.need(start.get("backend") == "nccl", f"backend {start.get('backend')}, expected nccl")
+        v.need(any(n.endswith(".distcp") for n in shards),
+               f"the snapshot of step 10 is not sharded: {shards}")
+    v.numbers["seconds"] = round(run.seconds, 1)
+    return v
+
+
+def resnet50(s: Session) -> Verdict:
+    """Images/s of ResNet-50 training at batch 128 on synthetic images, beside NVIDIA's figure."""
+    import torchvision
+
+    v = Verdict(status="INFO")
+    model = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(128, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (128,), device="cuda")
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(10):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(30):
+        step()
+    torch.cuda.synchronize()
+    rate = 30 * 128 / (time.perf_counter() - t0)
+    name = torch.cuda.get_device_name(0)
+    published = next((f for key, f in RESNET50_PUBLISHED.items() if key in name), None)
+    v.numbers.update(gpu=name, images_per_s=round(rate, 1),
+                     published=published[0] if published else None,
+                     published_setup=published[1] if published else "no published figure for this GPU",
+                     ratio=round(rate / published[0], 3) if published else None)
+    return v
+
+
 def with_two_gpus(fn: Callable[[], Verdict], reason: str) -> Callable[[], Verdict]:
     """`fn` with 2 or more GPUs; else a SKIP that says why."""
     if torch.cuda.device_count() >= 2:
@@ -408,6 +558,11 @@ def gpu_checks(s: Session) -> list[tuple[str, str, Callable[[], Verdict]]]:
          with_two_gpus(lambda: fewer_gpus(s, "ddp"), fewer)),
         ("f-fewer-fsdp", "c's FSDP snapshot resumed by 1 rank shown 1 GPU",
          with_two_gpus(lambda: fewer_gpus(s, "fsdp"), fewer)),
+        ("g-compile", "char_lm eager and compiled, the compiled one resumed warm on an empty local cache",
+         lambda: compiled(s)),
+        ("g-ckpt-memory", "peak memory with activation checkpointing none and full", lambda: ckpt_memory(s)),
+        ("g-sharded", "FSDP on an NCCL process group of one: sharded snapshots", lambda: sharded(s)),
+        ("g-resnet50", "ResNet-50 images/s at batch 128 beside NVIDIA's figure", lambda: resnet50(s)),
     ]
 
 
@@ -474,11 +629,9 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def write_summary(summary: dict[str, Any], out: Path | None, cuda: bool) -> list[Path]:
-    """bench/results/gpu_check.json when CUDA was there (a run without CUDA leaves a GPU machine's
-    results alone), and $OUT/gpu_check.json when OUT is set."""
-    paths = [REPO / "bench" / "results" / "gpu_check.json"] if cuda else []
-    paths += [out / "gpu_check.json"] if out else []
+def write_summary(summary: dict[str, Any], out: Path | None) -> list[Path]:
+    """bench/results/gpu.json, and $OUT/gpu.json when OUT is set."""
+    paths = [REPO / "bench" / "results" / "gpu.json"] + ([out / "gpu.json"] if out else [])
     for path in paths:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
@@ -486,9 +639,6 @@ def write_summary(summary: dict[str, Any], out: Path | None, cuda: bool) -> list
 
 
 def run_all(s: Session, info: dict[str, Any]) -> list[dict[str, Any]]:
-    if not info["cuda_available"]:  # one check, its result line only
-        return [run_check("refuse-cuda", "dist.device=cuda without a CUDA device",
-                          lambda: refuse_cuda(s, "refuse-cuda"), announce=False)]
     gpus = ", ".join(f"{g['name']} (cc {g['capability']}, {g['memory_gib']} GiB)" for g in info["gpus"])
     print(f"gpu-check: {len(info['gpus'])} GPU(s): {gpus}; torch {info['torch']}, CUDA {info['cuda']}, "
           f"driver {info.get('driver')}; budget {s.budget_s:.0f} s", flush=True)
@@ -497,10 +647,15 @@ def run_all(s: Session, info: dict[str, Any]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget-s", type=float, default=330.0,
-                        help="start no run after this many seconds (default 330: done in under 6 minutes)")
+    parser.add_argument("--budget-s", type=float, default=420.0,
+                        help="start no run after this many seconds (default 420: done in under 8 minutes)")
     args = parser.parse_args(argv)
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    if not torch.cuda.is_available():
+        print(f"gpu-check: error: no CUDA device on this machine (torch {torch.__version__}, CUDA "
+              f"{torch.version.cuda}: torch.cuda.is_available() is False); nothing to check: run it on a GPU "
+              "machine", file=sys.stderr, flush=True)
+        return 2
     began, info = time.monotonic(), machine()
     scratch = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     try:
@@ -510,11 +665,7 @@ def main(argv: list[str] | None = None) -> int:
     passed = all(c["status"] != "FAIL" for c in checks)
     summary = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **info,
                "passed": passed, "wall_s": round(time.monotonic() - began, 1), "checks": checks}
-    paths = write_summary(summary, out, info["cuda_available"])
-    if not info["cuda_available"]:
-        print(f"gpu-check: no CUDA device here (torch {torch.__version__}, CUDA {torch.version.cuda}); "
-              "nothing to check", flush=True)
-        return 0 if passed else 1
+    paths = write_summary(summary, out)
     counts = " ".join(f"{k.lower()}={sum(c['status'] == k for c in checks)}"
                       for k in ("PASS", "FAIL", "SKIP", "INFO"))
     print(f"gpu-check: {'passed' if passed else 'FAILED'}: {counts} wall_s={summary['wall_s']} "

@@ -301,3 +301,14 @@ def test_doctor_says_where_a_rank_would_train_and_what_would_stop_it(tmp_path):
         refused = doctor.check_device(config.load(None, [f"run.dir={tmp_path}", "dist.device=cuda"]))
         assert (refused.status == doctor.FAIL
                 and refused.detail.startswith("dist.device=cuda: CUDA is not usable"))
+
+
+def test_gpu_check_without_a_gpu_says_so_in_one_line_and_exits_2():
+    """`make gpu-check` is prepared for the day a GPU is at hand; here (no CUDA) it checks nothing."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: make gpu-check runs its checks")
+    r = helpers.run_cmd([helpers.PY, "scripts/gpu_check.py"], timeout=120)
+    assert r.returncode == 2, r.output
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("gpu-check: error: no CUDA device"), r.output
+    assert helpers.run_cmd(["make", "--no-print-directory", "gpu-check"], timeout=120).returncode == 2
