@@ -9,8 +9,10 @@ per-step `train` records after its first steps; `compile_step_ratio` is compiled
 then the median (`control_ratio`: eager over the other eager run of the round). Each resume starts from
 a copy of a finished run at its last snapshot and trains 3 more steps, its own local inductor cache
 empty (`TORCHINDUCTOR_CACHE_DIR`, as on a fresh node); its first-step time runs from its `start` record
-to its first `train` record. Activation memory is what a training forward keeps for the backward
-(the bytes of the tensors autograd saves, with and without checkpointing, at 512-character blocks),
+to its first `train` record, its evaluation at the end (`*_eval_s`) from its last `train` record to the
+`eval` record (a compiled model's evaluation graphs compiled, or found in the carried cache). Activation
+memory is what a training forward keeps for the backward (the bytes of the tensors autograd saves, with
+and without checkpointing, at 512-character blocks),
 measured in this process: a CPU has no allocator peak to read.
 
     python -m bench.compile            # writes bench/results/compile.json
@@ -34,7 +36,7 @@ from bench.machine import describe
 from bench.scratch import scratch
 
 MODEL = ["task.name=char_lm", "task.args.n_layer=4", "task.args.n_embd=256", "task.args.n_head=4",
-         "task.args.block_size=128", "train.batch_size=32", "train.progress=false", "train.log_every=1",
+         "task.args.block_size=64", "train.batch_size=16", "train.progress=false", "train.log_every=1",
          "train.epochs=100", "amp.dtype=off"]
 VARIANTS = {"eager": [], "compiled": ["parallel.compile=true"],
             "checkpointed": ["parallel.activation_checkpoint=full"]}
@@ -69,6 +71,14 @@ def step_ms(run_dir: Path, skip: int) -> float:
 def first_step_s(run_dir: Path) -> float:
     start, trains = attempt(run_dir)
     return trains[0]["time"] - start["time"]
+
+
+def eval_s(run_dir: Path) -> float:
+    """The last attempt's final evaluation: from its last step's record to the evaluation's."""
+    recs = records(run_dir)
+    last_eval = max(i for i, r in enumerate(recs) if r["kind"] == "eval")
+    last_train = max(i for i, r in enumerate(recs[:last_eval]) if r["kind"] == "train")
+    return recs[last_eval]["time"] - recs[last_train]["time"]
 
 
 def activation_bytes(checkpointed: bool, block: int = 512) -> int:
@@ -109,7 +119,9 @@ def resumes(tmp: Path, runs: dict[str, Path], steps: int) -> dict[str, float]:
             shutil.rmtree(run / "compile")
         train(run, tmp / f"local-{name}", steps + 3, *extra)
         out[name] = round(first_step_s(run), 2)
-        print(f"  {name}: first step {out[name]} s after the start", flush=True)
+        out[name.replace("_s", "_eval_s")] = round(eval_s(run), 2)
+        print(f"  {name}: first step {out[name]} s after the start, its evaluation "
+              f"{out[name.replace('_s', '_eval_s')]} s", flush=True)
     return out
 
 

@@ -115,6 +115,26 @@ ROWS = [
      None, "{:.2f}"),
     ("export", "sharded_export_s", "the sharded export's time, fp32 with the check, 2 cores (s)", None,
      "{:.1f}"),
+    ("compile", "compile_warm_minus_eager_resume_s", "compiled char_lm resumed on an empty local inductor "
+     "cache with the carried cache: first step after the start, minus an eager resume's (s)", ("<=", 5),
+     "{:.1f}"),
+    ("compile", "compile_resume_cold_s", "the same resume without the carried cache: first step after the "
+     "start (s)", None, "{:.1f}"),
+    ("compile", "eager_resume_s", "an eager resume: first step after the start (s)", None, "{:.1f}"),
+    ("compile", "compile_step_ratio", "compiled / eager step time, char_lm 4x256 alone, 2 threads", None,
+     "{:.3f}"),
+    ("compile", "control_ratio", "eager / eager, the same rounds (noise floor)", None, "{:.3f}"),
+    ("compile", "ac_activation_ratio", "activation checkpointing (`full`) / none: the bytes a training "
+     "forward keeps for the backward, char_lm 4x256 at 512-character blocks", ("<=", 0.6), "{:.3f}"),
+    ("compile", "ac_step_ratio", "activation checkpointing / none, step time", None, "{:.3f}"),
+    ("lightning", "trainapp_vs_lightning_step_ratio", "trainapp / Lightning's Trainer, step time, the same "
+     "char_lm, data, batch and optimizer, DDP x2", ("<=", 1.0), "{:.3f}"),
+    ("lightning", "control_ratio", "trainapp / trainapp, the same rounds (noise floor)", None, "{:.3f}"),
+    ("lightning", "compiled_vs_lightning_step_ratio", "trainapp compiled / Lightning, step time", None,
+     "{:.3f}"),
+    ("lightning", "trainapp_vs_lightning_cpu_ratio", "trainapp / Lightning, CPU per step of rank 0", None,
+     "{:.3f}"),
+    ("lightning", "cpu_control_ratio", "trainapp / trainapp, the same (noise floor)", None, "{:.3f}"),
 ]
 
 

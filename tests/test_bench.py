@@ -130,6 +130,14 @@ def test_compile_benchmark_smoke(tmp_path):
     assert "compile:" in r.stdout
 
 
+def test_lightning_benchmark_smoke(tmp_path):
+    result, r = smoke("lightning", tmp_path, timeout=600)
+    assert result["smoke"] is True and len(result["rounds"]) == 1 and result["global_batch"] == 32
+    assert all(result[f"{n}_step_ms"] > 0 and result[f"{n}_cpu_ms"] > 0
+               for n in ("trainapp", "lightning", "compiled", "control"))
+    assert "lightning:" in r.stdout
+
+
 def test_hang_benchmark_smoke(tmp_path):
     # torchrun only: the Ray half starts a cluster of its own (a minute and a half), and the Ray hang
     # path is tested in test_ray.py.

@@ -72,6 +72,18 @@ def test_a_compiled_run_resumes_a_killed_rank_bitwise_and_restarts_warm_on_an_em
     assert kernels and kernels <= names, kernels - names
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_a_compiled_fsdp_run_resumes_a_killed_rank_bitwise(straight_run, tmp_path):
+    """Each unit compiled, then sharded: FSDP's gathers run around the compiled forwards."""
+    fsdp = [*COMPILED, "parallel.strategy=fsdp", "snapshot.keep=10"]
+    r = run_cmd(torchrun2(tmp_path, *fsdp, "drill.kill_at_step=13", "drill.rank=1"), timeout=600)
+    assert r.returncode == 0, r.output[-3000:]
+    assert [s["resumed_step"] for s in metrics(tmp_path, "start")] == [None, 10]
+    assert metrics(tmp_path, "start")[0]["parallel"]["strategy"] == "fsdp"
+    assert inspect(tmp_path)["params_sha256"] == inspect(straight_run(torchrun2, *fsdp))["params_sha256"]
+
+
 def _cache(tmp_path: Path) -> CompileCache:
     return CompileCache(tmp_path / "run", torch.device("cpu"), is_main=True)
 
