@@ -160,7 +160,9 @@ class TrainSection:
     eval_every: int = Field(default=0, ge=0)
     """Evaluate every N optimizer steps (0: only at the end)."""
     log_every: int = Field(default=10, ge=1)
-    """Write a metrics record and a log line every N optimizer steps."""
+    """Write a metrics record and a log line every N optimizer steps. Each interval costs one host sync
+    and one small all-gather (the loss and every rank's timings) and a file write: at 1, a small model's
+    step pays for them every time (docs/benchmarks.md, trainapp against Lightning)."""
     grad_clip: float = Field(default=1.0, ge=0)
     """Clip the global gradient norm to this value after unscaling (0 disables clipping)."""
     ema_decay: float = Field(default=0.0, ge=0, lt=1)
