@@ -216,7 +216,7 @@ test-ray-oldest: $(RAY_OLDEST_VENV)/.installed $(RAY_UNSUPPORTED_VENV)/.installe
 
 .PHONY: test-fast
 test-fast: $(STAMP) $(TOOLS_STAMP) lint typecheck ## The edit-test loop: ruff and mypy, then every test that starts no training process, cluster, namespace or container
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 # No $(STAMP) prerequisite: a GPU machine gets a copy of .venv and no network, where a stamp older than
 # pyproject.toml (mtimes are not always kept by the copy) would start a pip install that cannot succeed.

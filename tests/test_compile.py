@@ -145,6 +145,7 @@ def _host_side(h):  # torch's own way to keep a part eager, and a graph break wh
     return h.sum().item()
 
 
+@pytest.mark.slow  # compiles in this process (half a minute on a slow CPU)
 def test_a_graph_break_is_named_in_one_warning_and_the_model_still_trains(caplog):
     from types import SimpleNamespace
 

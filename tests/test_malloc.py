@@ -48,6 +48,7 @@ print(sum(faults) / len(faults), sum(f > 100 for f in faults))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator and RUSAGE_THREAD")
 def test_training_steps_keep_their_freed_memory_instead_of_faulting_it_back_every_step():
     def faults_per_step(mode, where="thread"):

@@ -106,6 +106,7 @@ def test_a_user_exception_in_loss_mid_run_is_a_failure_record_with_rank_step_and
     assert "user bug in loss" in fails[0]["error"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["example", pytest.param("char_lm", marks=pytest.mark.e2e),
                                    pytest.param("example-fsdp", marks=pytest.mark.e2e)])
 def test_a_non_image_task_resumes_bitwise_after_a_sigkilled_rank_under_torchrun(straight_run, tmp_path,
