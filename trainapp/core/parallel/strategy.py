@@ -63,12 +63,12 @@ class Strategy:
         """Before the optimizer is made: activation checkpointing, compile, then the strategy's placement
         of `model` and of `copy` (the EMA copy, made before: it stays eager, it is only evaluated)."""
         pieces = units(model, self.cfg.fsdp_units, self.task) or [model]
-        names = {id(m): n or "(the model)" for n, m in model.named_modules()}
         if self.cfg.activation_checkpoint == "full":
             checkpointing.checkpoint(pieces)
             self.described["activation_checkpoint"] = {"mode": "full", "units": len(pieces)}
         if self.cfg.compile:
             compiling.compile_units(pieces)
+            names = {id(m): n or "(the model)" for n, m in model.named_modules()}
             self.described["compile"].update(units=[names[id(m)] for m in pieces], how="each unit's forward")
         self.place(model, copy, dtype)
 
