@@ -1,4 +1,4 @@
-"""Command line: `trainapp train|ray|inspect|export|config|doctor|report|drain|node|slurm-preflight`.
+"""Command line: `trainapp train|ray|inspect|export|config|doctor|report|track|drain|node|slurm-preflight`.
 
 Every command prints one line on stderr for an ending trainapp explains and exits with its code: 2
 for bad config or bad input (the line names the key, path or value and what is expected), 3 when
@@ -50,6 +50,21 @@ def _add_export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="replace --out when it exists and is not empty")
 
 
+def _add_run_readers(sub: argparse._SubParsersAction) -> None:
+    """The commands that read a run's records: `report` and `track`."""
+    p = sub.add_parser("report", help="plot a run: a wall-clock timeline of its attempts, then loss, "
+                                      "validation, samples/s, lr, loss scale and per-rank timings; print "
+                                      "a summary with where the wall time went (goodput)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="run.dir of a run (or STORAGE/NAME of a Ray run)")
+    p.add_argument("--out", metavar="PNG", help="where the plot goes (default RUN_DIR/report.png)")
+    p.add_argument("--compare", metavar="RUN_DIR", nargs="+", default=[],
+                   help="other runs whose loss, validation, samples/s and lr are drawn over this run's")
+    p = sub.add_parser("track", help="send a run's trackers (observe.mlflow_uri, observe.wandb_project) "
+                                     "what they have not taken from metrics.jsonl: each step once")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="run.dir of a run (or STORAGE/NAME of a Ray run)")
+    p.add_argument("--wait-s", type=float, default=120.0, help="give up after this long (default 120)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainapp", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -66,13 +81,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="instead: the reference of every key, default and meaning "
                         "(docs/configuration.md's table)")
     _add_config_args(p)
-    p = sub.add_parser("report", help="plot a run: a wall-clock timeline of its attempts, then loss, "
-                                      "validation, samples/s, lr, loss scale and per-rank timings; print "
-                                      "a summary with where the wall time went (goodput)")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="run.dir of a run (or STORAGE/NAME of a Ray run)")
-    p.add_argument("--out", metavar="PNG", help="where the plot goes (default RUN_DIR/report.png)")
-    p.add_argument("--compare", metavar="RUN_DIR", nargs="+", default=[],
-                   help="other runs whose loss, validation, samples/s and lr are drawn over this run's")
+    _add_run_readers(sub)
     p = sub.add_parser("drain", help="this node is going away (a pod's preStop, a container's stop): "
                                      "SIGTERM every trainapp training process on it and wait for their "
                                      "snapshots")
@@ -240,6 +249,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_track(args: argparse.Namespace) -> int:
+    from trainapp.tools import track
+
+    lines, whole = track.run(args.run_dir, args.wait_s)
+    print("\n".join(lines))
+    return 0 if whole else 1
+
+
 def _check_drain_args(args: argparse.Namespace) -> None:
     if args.wait_s <= 0:
         raise config.ConfigError(f"--wait-s={args.wait_s:g}: must be > 0 (seconds to wait for the snapshots)")
@@ -316,7 +333,7 @@ def main(argv: list[str] | None = None, task: Any = None) -> int:
         if args.command in ("train", "ray"):
             return {"train": cmd_train, "ray": cmd_ray}[args.command](args, task)
         return {"inspect": cmd_inspect, "export": cmd_export, "config": cmd_config, "doctor": cmd_doctor,
-                "report": cmd_report,
+                "report": cmd_report, "track": cmd_track,
                 "drain": cmd_drain, "node": cmd_node, "slurm-preflight": cmd_slurm_preflight,
                 "stop-jobs": cmd_stop_jobs}[args.command](args)
     except Failure as e:  # an ending trainapp explains: one line, its own exit code (trainapp.errors)

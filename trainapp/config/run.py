@@ -265,5 +265,32 @@ class ObserveSection:
     ray_metrics: bool = True
     """Under Ray, each worker records the same figures with `ray.util.metrics`; each node's Ray metrics
     agent serves them (as `ray_trainapp_*`) where Ray's Prometheus scrape already looks."""
+    mlflow_uri: str = ""
+    """MLflow tracking URI rank 0 logs the run to: a tracking server (`http://mlflow:5000`) or a local
+    store (`file:/path/mlruns`, `sqlite:///path/mlflow.db`); empty: off. One MLflow run per run
+    directory across every restart, one value per step (docs/observability.md#experiment-tracking);
+    needs `trainapp[mlflow]`."""
+    mlflow_experiment: str = "trainapp"
+    """The MLflow experiment the run goes in (made when missing)."""
+    wandb_project: str = ""
+    """Weights & Biases project rank 0 logs the run to; empty: off. Entity, mode and key come from W&B's
+    own environment variables (`WANDB_ENTITY`, `WANDB_MODE=offline`, `WANDB_API_KEY`); needs
+    `trainapp[wandb]`."""
+    tracking_wait_s: float = Field(default=30.0, ge=0)
+    """At the run's end, how long rank 0 waits for a tracker to take what it has not yet taken (and the
+    report and model artifacts); what is still unsent then is named in one warning line and stays in
+    metrics.jsonl, and `trainapp track RUN_DIR` sends it later. A stop or failure waits at most 5 s:
+    the next attempt sends the rest."""
+
+    def __post_init__(self) -> None:
+        scheme = self.mlflow_uri.split(":", 1)[0] if ":" in self.mlflow_uri else ""
+        if self.mlflow_uri and scheme not in MLFLOW_SCHEMES:
+            raise ValueError(f"observe.mlflow_uri={self.mlflow_uri!r}: unknown scheme {scheme!r}; use "
+                             "http(s)://HOST:PORT of a tracking server, file:/PATH or sqlite:///PATH.db "
+                             "(or empty: off)")
+
+
+MLFLOW_SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks")
+"""The tracking URIs MLflow's client takes: a server, or a store it writes itself."""
 
 

@@ -39,6 +39,11 @@ class Launcher:
     `context`, `publish`, `lease` and `close`; the other steps default to a launcher that has none of
     them (signals its only notices, no restarts of its own to count, nothing to watch, no live metrics)."""
 
+    @property
+    def name(self) -> str:
+        """What started the rank, for the start record and the trackers' tags."""
+        raise NotImplementedError
+
     def guard(self, cfg: Config) -> RankGuard:
         """The process set up for training: the rank's guard, its signal handlers installed."""
         raise NotImplementedError
@@ -123,7 +128,7 @@ def trainer(launcher: Launcher, cfg: Config, ctx: DistContext, guard: RankGuard,
     guard.notices.snapshots = publish.where
     drills = Drills(cfg.drill, ctx.rank, ctx.world_size, cfg.run.dir, guard.heartbeat)
     snapshots = SnapshotManager.from_config(cfg, publish, guard.heartbeat, held.fence, drills.disk)
-    records = Records(cfg, ctx, held.fence.check, held.summary, launcher.live(cfg, ctx))
+    records = Records(cfg, ctx, held.fence.check, held.summary, launcher.live(cfg, ctx), launcher.name)
     parts = build(cfg, ctx, snapshots.load, guard.timeline.mark, task)
     drills.attach(parts)
     boundary = StepBoundary(ctx, guard.notices, snapshots.due, launcher.drains(cfg), cfg.preempt.ray_poll_s,

@@ -27,6 +27,12 @@ class Torchrun(Launcher):
     def __init__(self) -> None:
         self._entry: Path | None = None
 
+    @property
+    def name(self) -> str:
+        if "SLURM_JOB_ID" in os.environ:
+            return "slurm"
+        return "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "alone"
+
     def guard(self, cfg: Config) -> RankGuard:
         guard = RankGuard()
         guard.timeline.mark_process("worker_process")

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 import torch
 
 from trainapp.config import Config
-from trainapp.observe import goodput, logs, tboard, timings
+from trainapp.observe import goodput, logs, tboard, timings, tracking
 from trainapp.observe.live import LiveMetrics
 from trainapp.observe.metrics import METRICS, MetricsWriter, read, val_metrics
 
@@ -96,6 +96,8 @@ class _Snapshots(Protocol):
     def async_write(self) -> bool: ...
     @property
     def last_blocking_s(self) -> float: ...
+    @property
+    def published_step(self) -> int | None: ...
 
 
 class Records:
@@ -103,12 +105,17 @@ class Records:
     package is said before anything is built."""
 
     def __init__(self, cfg: Config, ctx: DistContext, fence: Callable[[str], None] | None = None,
-                 lease: dict[str, Any] | None = None, live: LiveMetrics | None = None) -> None:
+                 lease: dict[str, Any] | None = None, live: LiveMetrics | None = None,
+                 launcher: str = "alone") -> None:
         """`fence`: raises when the run's lease was taken over (before every record); `lease`: what the
-        start record says of it; `live`: where this rank's live metrics go (trainapp/observe/live.py)."""
-        self.cfg, self.ctx, self.lease, self.live = cfg, ctx, lease, live
+        start record says of it; `live`: where this rank's live metrics go (trainapp/observe/live.py);
+        `launcher`: what started the rank (torchrun, slurm, ray, alone), for the start record."""
+        self.cfg, self.ctx, self.lease, self.live, self.launcher = cfg, ctx, lease, live, launcher
         if cfg.observe.tensorboard:
             tboard.check()
+        tracking.check(cfg)
+        self.trackers = tracking.senders(cfg, launcher, fence) if ctx.is_main else []
+        self._ending = "FAILED"  # how the trackers' runs close unless a stop or the end says otherwise
         self.metrics = MetricsWriter(Path(cfg.run.dir) / METRICS if ctx.is_main else None, fence)
         self.board: tboard.Board | None = None
         self.stragglers = timings.Stragglers(cfg.observe.straggler_ratio, cfg.observe.straggler_intervals)
@@ -138,7 +145,9 @@ class Records:
                            resumed_step=resumed.get("global_step"),
                            resumed_world_size=resumed.get("world_size"), network=network, placement=placed,
                            startup=startup, lease=self.lease, config_changes=parts.config_changes,
-                           init=parts.init, config=cfg.to_dict())
+                           init=parts.init, launcher=self.launcher, config=cfg.to_dict())
+        for tracker in self.trackers:
+            tracker.start()
         if self.live is not None:
             self.live.started(p.global_step, parts.total_steps, ctx.world_size)
             self._account_live()
@@ -199,6 +208,9 @@ class Records:
                                background=snapshots.async_write)
             if self.live is not None:
                 self.live.snapshot(step)
+        for tracker in self.trackers:  # what the snapshot covers is final once it is published
+            tracker.published = lambda: snapshots.published_step
+            tracker.nudge()
 
     def snapshot_failures(self, failed: list[dict[str, Any]]) -> None:
         while failed:
@@ -214,6 +226,7 @@ class Records:
         """An agreed stop's record: `preempted`, `stopped` or `resized` (trainapp/faults/boundary.py's
         `Stop`). A stopped run's workers end normally, and its `end` record follows."""
         self.metrics.write(kind, **fields)
+        self._ending = "KILLED"  # the next attempt (or resubmission) opens the trackers' runs again
         if kind != "stopped":
             self.metrics.close()
 
@@ -245,9 +258,13 @@ class Records:
                          "badput_s": acc["badput_s"], "steps_redone": acc["steps_redone"]}
         self.metrics.write("end", **summary, **added)
         self.metrics.close()
+        for tracker in self.trackers:
+            tracker.finish("FINISHED", self.cfg.observe.tracking_wait_s, summary.get("model"))
         return added
 
     def close(self) -> None:
+        for tracker in self.trackers:  # after `end` a no-op; else what this attempt published, briefly
+            tracker.finish(self._ending, min(tracking.STOP_WAIT_S, self.cfg.observe.tracking_wait_s))
         if self.board is not None:
             self.board.close()
         self.metrics.close()

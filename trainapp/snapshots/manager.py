@@ -134,6 +134,8 @@ class SnapshotManager:
         """Rank 0: failures not yet recorded in metrics.jsonl (the loop takes them)."""
         self.last_written: Path | str | None = None
         """Rank 0: where this process's last successful snapshot went."""
+        self.published_step: int | None = None
+        """Rank 0: the step of that snapshot (what a restart could resume from; trackers send up to it)."""
         self._pending: threading.Thread | None = None
         self._staging: Any = None  # the CPU copy the last async snapshot was written from (see cpu_copy)
         self._error: BaseException | None = None
@@ -318,7 +320,7 @@ class SnapshotManager:
             self._count_failure(step, e)
             return
         self.failures, self._last = 0, None
-        self.last_written = where
+        self.last_written, self.published_step = where, step
 
     def _count_failure(self, step: int, e: OSError) -> None:
         if e.filename is None:  # os.write's errors name no file: say which snapshot it was

@@ -51,6 +51,8 @@ def _ray_device() -> torch.device:
 class RayWorker(Launcher):
     """`Launcher` (trainapp/launch/rank.py) for a Ray Train worker; `payload` is what the driver sent."""
 
+    name = "ray"
+
     def __init__(self, payload: dict[str, Any]) -> None:
         self.payload = payload
         self._guard: RankGuard | None = None
