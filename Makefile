@@ -174,8 +174,12 @@ TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 .PHONY: test
-test: $(STAMP) $(TOOLS_STAMP) lint typecheck ## The suite: every subsystem end to end, but the long fault scenarios, benchmarks, real Slurm; two lanes (TEST_WORKERS=2, PYTEST_ARGS="-k resume -x")
-	$(BIN)/python -m pytest $(XDIST) --durations=15 $(PYTEST_ARGS)
+test: $(STAMP) $(TOOLS_STAMP) lint typecheck ## The suite: every subsystem end to end, but the fault-scenario files of test-long and test-e2e, benchmarks, real Slurm; two lanes (TEST_WORKERS=2, PYTEST_ARGS="-k resume -x")
+	$(BIN)/python -m pytest $(XDIST) -m "not long" --durations=15 $(PYTEST_ARGS)
+
+.PHONY: test-long
+test-long: $(STAMP) $(TOOLS_STAMP) ## The fault-scenario files (tests/conftest.py LONG: Ray, kills, preemption, lease, FSDP, hangs, compile, tracking) make test leaves out; CI runs it after make test
+	$(BIN)/python -m pytest $(XDIST) -m long --durations=15 $(PYTEST_ARGS)
 
 .PHONY: test-e2e
 test-e2e: $(STAMP) $(TOOLS_STAMP) ## The long end-to-end fault scenarios (Ray faults, hangs, namespaces); CI runs them last where the CPU leaves room

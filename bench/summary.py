@@ -135,6 +135,14 @@ ROWS = [
     ("lightning", "trainapp_vs_lightning_cpu_ratio", "trainapp / Lightning, CPU per step of rank 0", None,
      "{:.3f}"),
     ("lightning", "cpu_control_ratio", "trainapp / trainapp, the same (noise floor)", None, "{:.3f}"),
+    ("tracking", "delay_median_s", "a step's value reaching a real MLflow server, torchrun x2, log_every=1, "
+     "snapshot.every_steps=5: median (s)", None, "{:.2f}"),
+    ("tracking", "delay_p90_s", "the same, 90th percentile (s)", None, "{:.2f}"),
+    ("tracking", "delay_median_s_every_20", "the same at snapshot.every_steps=20: median (s)", None,
+     "{:.2f}"),
+    ("tracking", "tracking_throughput_ratio", "training samples/s with MLflow tracking / without", None,
+     "{:.3f}"),
+    ("tracking", "control_ratio", "without / without, the same rounds (noise floor)", None, "{:.3f}"),
 ]
 
 

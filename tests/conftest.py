@@ -29,7 +29,18 @@ def pytest_addoption(parser):
         parser.addoption(option, action="store_true", help=f"also run the tests marked {marker} ({why})")
 
 
+LONG = ("test_ray.py", "test_compile.py", "test_lease.py", "test_preempt.py", "test_fsdp.py",
+        "test_hang.py", "test_tracking.py")
+"""The files of `make test-long` (marker `long`): the fault scenarios that each train, kill, restart or
+compile runs for minutes on a 2-core machine (a Ray cluster, torchrun's restarts, preemption, the lease,
+FSDP, hangs, compile, a tracking server), which `make test` leaves out to stay under 10 minutes; CI runs
+both."""
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in LONG:
+            item.add_marker(pytest.mark.long)
     for marker, (option, why) in SEPARATE.items():
         if config.getoption(option):
             continue

@@ -195,3 +195,12 @@ def test_export_benchmark_smoke(tmp_path):
     assert result["sharded_peak_ratio"] > 0.8 and result["whole_peak_ratio"] > 0.8, variants
     assert run["baseline_fsdp"]["peak_rss"] > 100 * 2**20  # a process that imported torch
     assert "sharded_peak_ratio=" in r.stdout
+
+
+def test_tracking_benchmark_smoke(tmp_path):
+    """A real MLflow server, one run per case: every logged step's value reached it (after the record was
+    written), and the throughput rounds ran."""
+    result, _ = smoke("tracking", tmp_path, timeout=600)
+    (cadence, delay), = result["delay_by_snapshot_every"].items()
+    assert result["smoke"] is True and not delay["unseen_steps"] and 0 < delay["median_s"] <= delay["max_s"]
+    assert result["tracking_throughput_ratio"] > 0 and len(result["rounds"]) == 1

@@ -236,11 +236,11 @@ DRILL_DELAY_S = 0.5
 @pytest.fixture(scope="module")
 def ray_run_with_restart(cluster):
     """A 2-worker job whose rank 1 SIGKILLs itself after step 13 (drill.kill_at_step); every snapshot
-    write is slowed by the drill.snapshot_write_delay_s drill."""
+    write is slowed by the drill.snapshot_write_delay_s drill; it logs to an MLflow store (SQLite)."""
     name = "drill"
     r = submit(cluster, name, "train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5",
                "drill.kill_at_step=13", "drill.rank=1", f"drill.snapshot_write_delay_s={DRILL_DELAY_S}",
-               *QUICK)
+               f"observe.mlflow_uri=sqlite:///{cluster.storage}/mlflow.db", *QUICK)
     return r, cluster.storage / name
 
 
@@ -293,6 +293,28 @@ def test_fault_drill_inside_a_ray_worker_resumes_and_reaches_the_planned_step(ra
     assert [s["lease"]["generation"] for s in starts] == [1, 1]
     assert starts[0]["lease"]["holder"]["launcher"] == "ray" and starts[1]["lease"]["took_over"] is None
     assert json.loads((run_dir / "lease" / "gen-000000001.json").read_text())["released"]
+
+
+def test_a_ray_retry_logs_to_the_same_mlflow_run_each_step_once(cluster, ray_run_with_restart):
+    """Ray Train's retry of the worker group opens the MLflow run the first attempt made (its id kept in
+    the run directory), and the steps the retry trained again are there once, with the retry's values."""
+    from mlflow.tracking import MlflowClient
+
+    r, run_dir = ray_run_with_restart
+    assert r.returncode == 0, r.output[-4000:]
+    client = MlflowClient(tracking_uri=f"sqlite:///{cluster.storage}/mlflow.db")
+    run = client.get_run(json.loads((run_dir / "tracking.json").read_text())["mlflow"]["run_id"])
+    assert len(client.search_runs([run.info.experiment_id])) == 1 and run.info.status == "FINISHED"
+    assert run.data.tags["trainapp.launcher"] == "ray" and run.data.tags["trainapp.attempts"] == "2"
+    kept: dict[int, tuple[float, int]] = {}
+    for rec in metrics(run_dir):  # the final lineage: a restart drops what it trains again
+        if rec["kind"] == "start":
+            kept = {s: v for s, v in kept.items() if s <= (rec.get("resumed_step") or 0)}
+        elif rec["kind"] == "train":
+            kept[rec["step"]] = (rec["loss"], int(rec["time"] * 1000))
+    assert sorted(kept) == [5, 10, 15, 20, 24]
+    got = sorted((m.step, (m.value, m.timestamp)) for m in client.get_metric_history(run.info.run_id, "loss"))
+    assert got == sorted(kept.items())
 
 
 def test_the_snapshot_write_delay_drill_slows_every_ray_snapshot(ray_run_with_restart):
@@ -688,13 +710,15 @@ def test_ray_job_stop_snapshots_the_step_reached_and_the_resubmission_redoes_non
     periodic snapshots: the driver asks the workers through the lease, they stop at one step with a
     snapshot registered with Ray and a `stopped` record, and the job ends well before Ray's wait runs
     out. The resubmission takes the released lease, resumes at that step, redoes none, and ends bitwise
-    equal to a run never stopped (torchrun's, the same math)."""
+    equal to a run never stopped (torchrun's, the same math). Both submissions log to one MLflow run
+    (an MLflow store), each step once."""
     name, sid = "graceful", f"graceful-{uuid.uuid4().hex[:6]}"
     run_dir = cluster.storage / name
     args = (*LONG, "train.epochs=100", "train.max_steps=300", "snapshot.every_steps=100", "ray.num_workers=2")
     # Steps of 250 ms (a sleep: the numbers do not change) while a second driver starts on a busy machine.
     slow = ("drill.slow_rank=0", "drill.slow_ms=250")
-    r = run_cmd(_submit_cmd(cluster, name, *args, *slow, sid=sid, wait=False, stop_wait_s=60),
+    track = f"observe.mlflow_uri=sqlite:///{cluster.storage}/mlflow-stop.db"
+    r = run_cmd(_submit_cmd(cluster, name, *args, *slow, track, sid=sid, wait=False, stop_wait_s=60),
                 env=cluster.env())
     assert r.returncode == 0, r.output
     wait_for_step(run_dir, 5)
@@ -724,7 +748,7 @@ def test_ray_job_stop_snapshots_the_step_reached_and_the_resubmission_redoes_non
     assert ("Training failed due to worker errors" not in logs
             and "before this attempt" not in logs), logs[-4000:]
 
-    r = submit(cluster, name, *args)
+    r = submit(cluster, name, *args, track)
     assert r.returncode == 0, r.output[-4000:]
     start = metrics(run_dir, "start")[-1]
     assert start["resumed_step"] == at and start["lease"]["generation"] == 2
@@ -735,6 +759,14 @@ def test_ray_job_stop_snapshots_the_step_reached_and_the_resubmission_redoes_non
     control = tmp_path / "control"
     assert torchrun(2, f"run.dir={control}", *args).returncode == 0
     assert inspect(run_dir)["params_sha256"] == inspect(control)["params_sha256"]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=track.split("=", 1)[1])
+    run = client.get_run(json.loads((run_dir / "tracking.json").read_text())["mlflow"]["run_id"])
+    assert len(client.search_runs([run.info.experiment_id])) == 1 and run.info.status == "FINISHED"
+    assert run.data.tags["trainapp.attempts"] == "2" and run.data.tags["trainapp.launcher"] == "ray"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == sorted(steps)
+    assert run.data.params[f"drill.slow_ms/resumed_at_{at}"] == "100.0"  # the resubmission's change
 
 
 @pytest.mark.e2e

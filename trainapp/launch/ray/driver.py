@@ -34,6 +34,7 @@ from trainapp.launch.ray.checks import (
 )
 from trainapp.launch.ray.output import StartGate
 from trainapp.launch.ray.stop import DriverStop, note_request, release_left_behind
+from trainapp.observe import tracking
 from trainapp.observe.timeline import Timeline
 
 if TYPE_CHECKING:
@@ -216,6 +217,7 @@ def run(cfg: Config, task: Any = None) -> dict[str, Any]:
     each worker, where Ray's runtime environment ships the user's code); returns the rank-0 summary
     (with `stopped_by` and `exit_code` when the driver was told to stop: trainapp/launch/ray/stop.py)."""
     check_global_batch(cfg)
+    tracking.check(cfg)  # a tracker set without its package: one line here, before any worker starts
     if task is None:
         preflight_task(cfg)
     result, storage, stopped = _fit(cfg, **({"task": task} if task is not None else {}))
