@@ -178,7 +178,7 @@ test: $(STAMP) $(TOOLS_STAMP) lint typecheck ## The suite: every subsystem end t
 	$(BIN)/python -m pytest $(XDIST) -m "not long" --durations=15 $(PYTEST_ARGS)
 
 .PHONY: test-long
-test-long: $(STAMP) $(TOOLS_STAMP) ## The fault-scenario files (tests/conftest.py LONG: Ray, kills, preemption, lease, FSDP, hangs, compile, tracking) make test leaves out; CI runs it after make test
+test-long: $(STAMP) $(TOOLS_STAMP) ## The fault-scenario files (tests/conftest.py LONG: Ray, kills, preemption, lease, FSDP, hangs, full disks, failures, compile, tracking) make test leaves out; CI runs it after make test
 	$(BIN)/python -m pytest $(XDIST) -m long --durations=15 $(PYTEST_ARGS)
 
 .PHONY: test-e2e

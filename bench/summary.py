@@ -143,6 +143,9 @@ ROWS = [
     ("tracking", "tracking_throughput_ratio", "training samples/s with MLflow tracking / without", None,
      "{:.3f}"),
     ("tracking", "control_ratio", "without / without, the same rounds (noise floor)", None, "{:.3f}"),
+    ("tracking", "tracking_cpu_ratio", "rank 0's process CPU per step with tracking / without (the sender's "
+     "own cost)", None, "{:.3f}"),
+    ("tracking", "cpu_control_ratio", "the same, without / without (noise floor)", None, "{:.3f}"),
 ]
 
 

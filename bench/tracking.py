@@ -6,8 +6,9 @@ so its delay is set by `snapshot.every_steps`: measured at two cadences, by poll
 API every 0.2 s and noting when each step's `loss` first shows; the delay is that moment less the
 `train` record's time. Beside it the bound the design gives: a snapshot interval of steps plus the
 sender's poll. The cost: rounds with tracking on and off alternate (plus off against off, the noise
-floor), compared by the training throughput of each run's `end` record; it includes importing MLflow's
-client (about 3 s of CPU) while the first steps train.
+floor), compared by the training throughput of each run's `end` record, and by rank 0's process CPU per
+step (every thread: the sender's own cost, without the server's, which shares this machine; importing
+MLflow's client, about 3 s of CPU, falls in the first steps).
 
     python -m bench.tracking            # writes bench/results/tracking.json
     python -m bench.tracking --smoke    # one short round per case, bench/results/smoke/
@@ -73,13 +74,15 @@ def _watch(url: str, run_dir: Path, seen: dict[int, float], stop: threading.Even
         stop.wait(0.2)
 
 
-def one_run(tmp: Path, name: str, args: list[str], url: str | None) -> dict:
+def one_run(tmp: Path, name: str, args: list[str], url: str | None, watch: bool = False) -> dict:
+    """One torchrun run, tracked to `url` if given; `watch`: note when each step shows in the server (the
+    polling loads the server, which shares this machine: only for the delay runs)."""
     run_dir = tmp / name
     extra = [f"observe.mlflow_uri={url}", "observe.mlflow_experiment=bench"] if url else []
     cmd, env = launch_cmd("torchrun", run_dir, [*args, *extra], None, 0)
     seen: dict[int, float] = {}
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch, args=(url, run_dir, seen, stop), daemon=True) if url else None
+    watcher = threading.Thread(target=_watch, args=(url, run_dir, seen, stop), daemon=True) if watch else None
     if watcher:
         watcher.start()
     done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -95,8 +98,10 @@ def one_run(tmp: Path, name: str, args: list[str], url: str | None) -> dict:
     steps = sorted(train)
     step_s = (train[steps[-1]] - train[steps[0]]) / max(len(steps) - 1, 1)
     delays = [seen[s] - train[s] for s in steps if s in seen]
-    return {"samples_per_s": end["samples_per_s"], "step_s": step_s, "delays": delays,
-            "unseen": [s for s in steps if url and s not in seen]}
+    # Rank 0's process CPU per step (every thread, the sender's included), from its `ranks` records.
+    cpu = statistics.median(r["ranks"][0]["cpu_ms"] for r in recs if r["kind"] == "ranks")
+    return {"samples_per_s": end["samples_per_s"], "rank0_cpu_ms": cpu, "step_s": step_s, "delays": delays,
+            "unseen": [s for s in steps if watch and s not in seen]}
 
 
 def flat(delay: dict) -> dict:
@@ -124,7 +129,8 @@ def main() -> int:
         try:
             delay = {}
             for every in cadences:
-                r = one_run(tmp, f"delay-{every}", overrides(steps, every, "train.log_every=1"), url)
+                r = one_run(tmp, f"delay-{every}", overrides(steps, every, "train.log_every=1"), url,
+                            watch=True)
                 d = sorted(r["delays"])
                 delay[str(every)] = {"median_s": statistics.median(d), "p90_s": d[int(0.9 * (len(d) - 1))],
                                      "max_s": d[-1], "step_s": r["step_s"], "unseen_steps": r["unseen"],
@@ -136,7 +142,7 @@ def main() -> int:
                 row = {}
                 for case in ("on", "off", "off-control"):
                     run = one_run(tmp, f"{case}-{i}", base, url if case == "on" else None)
-                    row[case] = run["samples_per_s"]
+                    row[case], row[f"{case}_cpu"] = run["samples_per_s"], run["rank0_cpu_ms"]
                 per_round.append(row)
                 print(f"tracking: round {i + 1}/{rounds}: {row}", flush=True)
         finally:
@@ -147,6 +153,8 @@ def main() -> int:
         "delay_by_snapshot_every": delay,
         "tracking_throughput_ratio": statistics.median(r["on"] / r["off"] for r in per_round),
         "control_ratio": statistics.median(r["off-control"] / r["off"] for r in per_round),
+        "tracking_cpu_ratio": statistics.median(r["on_cpu"] / r["off_cpu"] for r in per_round),
+        "cpu_control_ratio": statistics.median(r["off-control_cpu"] / r["off_cpu"] for r in per_round),
         "rounds": per_round, "steps": steps, "machine": describe(), "date": time.strftime("%Y-%m-%d"),
         "smoke": args.smoke,
         "what": "2 ranks under torchrun, SmallCNN, log_every=1; an MLflow server (SQLite) on 127.0.0.1",
@@ -154,7 +162,8 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"tracking: throughput with tracking {result['tracking_throughput_ratio']:.3f}x without (control "
-          f"{result['control_ratio']:.3f}) -> {out}")
+          f"{result['control_ratio']:.3f}), rank 0 CPU per step {result['tracking_cpu_ratio']:.3f}x (control "
+          f"{result['cpu_control_ratio']:.3f}) -> {out}")
     return 0
 
 

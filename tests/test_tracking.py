@@ -99,6 +99,45 @@ def test_a_bad_tracker_setting_stops_before_training_with_one_line(tmp_path):
     assert not (tmp_path / "b" / "metrics.jsonl").exists() or not metrics(tmp_path / "b", "train")
 
 
+@pytest.mark.slow
+def test_trainapp_track_sends_a_runs_final_values_once_and_a_changed_resume_as_params_of_its_own(tmp_path):
+    """`trainapp track` on a run that ended (two attempts; the second resumed from step 8 with another
+    learning rate) into a real MLflow store (SQLite): each step once, the resumed attempt's value for the
+    step both logged, the first config as params and the change as a param of its own; a second
+    `trainapp track` sends nothing."""
+    from mlflow.tracking import MlflowClient
+
+    from trainapp.config import Config
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    first = Config().to_dict()
+    first["observe"]["mlflow_uri"] = uri
+    second = json.loads(json.dumps(first))
+    second["optim"]["lr"] = 0.5
+    run_dir = tmp_path / "run"
+    _write(run_dir, [{"kind": "start", "step": 0, "config": first, "world_size": 2, "launcher": "torchrun"},
+                     *[_train(s, 1.0 + s) for s in range(2, 11, 2)], {"kind": "snapshot", "step": 8},
+                     {"kind": "start", "step": 8, "resumed_step": 8, "config": second, "world_size": 1,
+                      "launcher": "torchrun", "config_changes": {"optim.lr": [0.05, 0.5]}},
+                     *[_train(s, 2.0 + s) for s in range(10, 15, 2)],
+                     {"kind": "eval", "step": 14, "val_loss": 0.25, "val_count": 4},
+                     {"kind": "end", "steps": 14, "goodput": 0.5, "badput_s": {"restart": 2.0}}])
+    r = trainapp("track", str(run_dir), "--wait-s", "60")
+    assert r.returncode == 0 and ": 24 values sent; its run closed" in r.output, r.output[-3000:]
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(json.loads((run_dir / "tracking.json").read_text())["mlflow"]["run_id"])
+    loss = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss"))
+    assert loss == [(2, 3.0), (4, 5.0), (6, 7.0), (8, 9.0), (10, 12.0), (12, 14.0), (14, 16.0)], loss
+    assert run.data.params["optim.lr"] == "0.05" and run.data.params["optim.lr/resumed_at_8"] == "0.5"
+    assert run.data.tags["trainapp.world_size"] == "1" and run.data.tags["trainapp.attempts"] == "2"
+    assert run.data.tags["trainapp.config_changes"] == "optim.lr 0.05 -> 0.5"
+    assert run.data.metrics["goodput"] == 0.5 and run.data.metrics["badput_s/restart"] == 2.0
+    assert run.info.status == "FINISHED"
+    r = trainapp("track", str(run_dir), "--wait-s", "60")
+    assert r.returncode == 0 and ": 0 values sent" in r.output, r.output[-3000:]
+    assert len(client.get_metric_history(run.info.run_id, "loss")) == 7
+
+
 class Door:
     """A TCP door in front of the MLflow server: shut, nothing listens on its port (connection refused, as
     a server that is down or gone); open, each connection is passed through to the server."""

@@ -23,7 +23,7 @@ def run(run_dir: str, wait_s: float) -> tuple[list[str], bool]:
     last = records[starts[-1]:]
     cfg = from_dict(last[0]["config"])
     tracking.check(cfg)
-    senders = tracking.senders(cfg, last[0].get("launcher", "alone"))
+    senders = tracking.senders(cfg, last[0].get("launcher", "alone"), run_dir=root)
     if not senders:
         raise ConfigError(f"{root}: its config sets no tracker (observe.mlflow_uri, observe.wandb_project)")
     ended = any(r.get("kind") == "end" for r in last)

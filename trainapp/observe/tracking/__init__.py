@@ -29,9 +29,11 @@ def check(cfg: Config) -> None:
                               f"'trainapp[{package}]' (or set {key}='')")
 
 
-def senders(cfg: Config, launcher: str, fence: Callable[[str], None] | None = None) -> list[Sender]:
-    """Rank 0: a sender per tracker set (not started)."""
-    o, run_dir = cfg.observe, Path(cfg.run.dir)
+def senders(cfg: Config, launcher: str, fence: Callable[[str], None] | None = None,
+            run_dir: Path | None = None) -> list[Sender]:
+    """Rank 0: a sender per tracker set (not started), for `run_dir` (default `run.dir`; `trainapp track`
+    names the directory it reads, wherever the run had it)."""
+    o, run_dir = cfg.observe, run_dir or Path(cfg.run.dir)
     out = []
     if o.mlflow_uri:
         from trainapp.observe.tracking.mlflow_sink import MlflowSink

@@ -18,7 +18,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainapp.observe.metrics import METRICS, parse, val_metrics
 
@@ -27,8 +27,9 @@ TRAIN_KEYS = ("loss", "lr", "samples_per_s", "loss_scale", "skipped_steps", "wor
 END_KEYS = ("goodput", "wall_s", "steps_redone")
 """What the `end` record gives, at the run's last step, with `badput_s/<cause>` for each cause."""
 
-Row = dict[str, tuple[float, int]]
-"""metric -> (value, the record's time in ms): what one step gives a tracker."""
+if TYPE_CHECKING:
+    Row = dict[str, tuple[float, int]]
+    """metric -> (value, the record's time in ms): what one step gives a tracker."""
 
 
 def _number(v: Any) -> bool:

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from trainapp.observe.tracking.lineage import Row, chunks
+from trainapp.observe.tracking.lineage import chunks
+
+if TYPE_CHECKING:
+    from trainapp.observe.tracking.lineage import Row
 
 KEY_TAG, SENT_TAG = "trainapp.run_key", "trainapp.sent_through"
 MOST = 900

@@ -18,11 +18,13 @@ import sys
 import threading
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from trainapp import __version__
 from trainapp.config.changes import line
-from trainapp.observe.tracking.lineage import Reader, Row, params
+from trainapp.observe.tracking.lineage import Reader, params
+
+if TYPE_CHECKING:
+    from trainapp.observe.tracking.lineage import Row
 
 log = logging.getLogger("trainapp.observe.tracking")
 
@@ -210,7 +212,7 @@ class Sender:
                 "trainapp.launcher": str(last.get("launcher", self.launcher)),
                 "trainapp.world_size": str(last.get("world_size")),
                 "trainapp.attempts": str(len(reader.starts)),
-                "trainapp.version": __version__, "torch.version": torch.__version__,
+                "trainapp.version": _version(), "torch.version": torch.__version__,
                 "trainapp.run_dir": str(self.run_dir)}
         if last.get("config_changes"):
             tags["trainapp.config_changes"] = line(last["config_changes"])[:5000]
@@ -233,6 +235,15 @@ class Sender:
 
 class _Fenced(Exception):
     """The run's lease was taken over: this attempt sends nothing more."""
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("trainapp")
+    except PackageNotFoundError:  # run from a checkout that is not installed
+        return "unknown"
 
 
 def _key(key: str) -> str:

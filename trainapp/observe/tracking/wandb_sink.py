@@ -11,9 +11,10 @@ across a crash is not drawn twice once synced.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from trainapp.observe.tracking.lineage import Row
+if TYPE_CHECKING:
+    from trainapp.observe.tracking.lineage import Row
 
 
 class WandbSink:
