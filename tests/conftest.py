@@ -30,11 +30,13 @@ def pytest_addoption(parser):
 
 
 LONG = ("test_ray.py", "test_compile.py", "test_lease.py", "test_preempt.py", "test_fsdp.py",
-        "test_hang.py", "test_tracking.py", "test_storage.py", "test_failure.py")
-"""The files of `make test-long` (marker `long`): the fault scenarios that each train, kill, restart or
-compile runs for minutes on a 2-core machine (a Ray cluster, torchrun's restarts, preemption, the lease,
-FSDP, hangs, full disks, failures explained, compile, a tracking server), which `make test` leaves out to
-stay under 10 minutes; CI runs both."""
+        "test_hang.py", "test_tracking.py", "test_storage.py", "test_failure.py", "test_async_snapshot.py",
+        "test_malloc.py")
+"""The files of `make test-long` (marker `long`): the process-heavy ones, mostly fault scenarios, that each
+train, kill, restart or compile runs for minutes on a 2-core machine (a Ray cluster, torchrun's restarts,
+preemption, the lease, FSDP, hangs, full disks, failures explained, background snapshot writes, compile,
+a tracking server, the allocator check), which `make test` leaves out to stay under 10 minutes; CI runs
+both."""
 
 
 def pytest_collection_modifyitems(config, items):
