@@ -29,6 +29,14 @@ def result_path(name: str, smoke: bool, out: str | None = None) -> Path:
     return Path(out) if out else HERE / "results" / ("smoke" if smoke else "") / name
 
 
+def write_result(out: Path, result: dict) -> None:
+    """A benchmark's result as indented JSON at `out` (its folder made)."""
+    import json
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+
+
 def overrides(steps: int, snapshot_every: int, *extra: str) -> list[str]:
     """The benchmarks' run: the built-in model on 2048 synthetic images, `steps` steps."""
     return [f"train.max_steps={steps}", "train.epochs=100", f"snapshot.every_steps={snapshot_every}",

@@ -28,7 +28,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.common import BIN, launch_cmd, overrides, records, result_path
+from bench.common import BIN, launch_cmd, overrides, records, result_path, write_result
 from bench.machine import describe
 from bench.scratch import scratch
 
@@ -159,8 +159,7 @@ def main() -> int:
         "smoke": args.smoke,
         "what": "2 ranks under torchrun, SmallCNN, log_every=1; an MLflow server (SQLite) on 127.0.0.1",
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result)
     print(f"tracking: throughput with tracking {result['tracking_throughput_ratio']:.3f}x without (control "
           f"{result['control_ratio']:.3f}), rank 0 CPU per step {result['tracking_cpu_ratio']:.3f}x (control "
           f"{result['cpu_control_ratio']:.3f}) -> {out}")

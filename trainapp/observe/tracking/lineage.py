@@ -18,7 +18,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from trainapp.observe.metrics import METRICS, parse, val_metrics
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     """metric -> (value, the record's time in ms): what one step gives a tracker."""
 
 
-def _number(v: Any) -> bool:
+def _number(v: Any) -> TypeGuard[int | float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -50,7 +50,7 @@ def values(record: dict[str, Any]) -> tuple[int, Row] | None:
         step = record.get("steps")
     else:
         return None
-    row = {k: (float(v), ms) for k, v in picked.items() if isinstance(v, (int, float)) and _number(v)}
+    row = {k: (float(v), ms) for k, v in picked.items() if _number(v)}
     return (step, row) if isinstance(step, int) and row else None
 
 

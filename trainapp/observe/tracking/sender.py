@@ -46,13 +46,17 @@ class Sink(Protocol):
     def close(self, status: str) -> None: ...
 
 
+def _kept(run_dir: Path) -> dict[str, Any]:
+    """What tracking.json holds: tracker name -> that tracker's identity (empty when there is none)."""
+    try:
+        return dict(json.loads((run_dir / IDENTITY).read_text()))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
 def identity(run_dir: Path, name: str) -> dict[str, Any]:
     """This run directory's identity at tracker `name` (its key made and kept on first use)."""
-    path = run_dir / IDENTITY
-    try:
-        kept = json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        kept = {}
+    kept = _kept(run_dir)
     if name not in kept:
         kept[name] = {"key": uuid.uuid4().hex[:16]}
         keep(run_dir, kept)
@@ -67,10 +71,7 @@ def keep(run_dir: Path, kept: dict[str, Any]) -> None:
 
 
 def _update(run_dir: Path, name: str, ident: dict[str, Any]) -> None:
-    try:
-        kept = json.loads((run_dir / IDENTITY).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        kept = {}
+    kept = _kept(run_dir)
     if kept.get(name) != ident:
         kept[name] = ident
         keep(run_dir, kept)
@@ -184,10 +185,11 @@ class Sender:
             last = self.sink.send(ready)
             self.sent_values += sum(len(r) for _, r in ready)
             reader.sent_through(last)
-            if self.sink.name == "wandb":  # W&B keeps no mark of its own a resumed offline run can read
-                self.ident = {**self.ident, "sent_through": last}
-                self._check_fence()
-                _update(self.run_dir, self.sink.name, self.ident)
+            # Kept beside the identity for every tracker: the mark of one that keeps none a resumed run can
+            # read (W&B offline); a tracker's own mark (MLflow's tag) wins where it is further.
+            self.ident = {**self.ident, "sent_through": last}
+            self._check_fence()
+            _update(self.run_dir, self.sink.name, self.ident)
         if self._status is not None:
             if self._status == "FINISHED":
                 self.sink.artifacts(self._artifacts(), self.model)

@@ -3,7 +3,7 @@ environment variables (`WANDB_ENTITY`, `WANDB_MODE`, `WANDB_API_KEY`), read by `
 
 One W&B run per run directory: its id is chosen here, kept in the run directory before the run starts,
 and every attempt opens it again with `resume="allow"`. W&B keeps no mark a resumed offline run can read,
-so how far the metrics go is kept in the run directory beside the id, after each batch; a step at or
+so how far the metrics go is the sender's own mark in the run directory (tracking.json); a step at or
 below one W&B already holds is dropped by W&B itself (its steps only grow), so a batch sent twice
 across a crash is not drawn twice once synced.
 """
@@ -31,8 +31,7 @@ class WandbSink:
         # console="off": W&B would otherwise wrap this process's stdout and stderr, the launcher's logs.
         self.run = wandb.init(project=self.project, id=ident["key"], resume="allow", name=self.run_name,
                               dir=str(self.run_dir), settings=wandb.Settings(console="off"))
-        sent = int(ident.get("sent_through", -1))
-        return {**ident, "project": self.project}, sent
+        return {**ident, "project": self.project}, -1  # no mark a resumed offline run can read
 
     def describe(self, params: dict[str, str], tags: dict[str, str]) -> None:
         self.run.config.update(params, allow_val_change=True)
