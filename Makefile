@@ -155,7 +155,7 @@ kind-smoke: ## Needs Docker + kind: CPU image, kind cluster, job survives a dele
 
 .PHONY: container-smoke
 container-smoke: $(STAMP) ## Needs root, docker.io, debootstrap: CPU image, Ray head + 2 worker containers, jobs survive a killed and a stopped worker
-	RAY=$(abspath $(BIN))/ray DOCKER=$(DOCKER) $(PYTHON) scripts/container_smoke.py
+	RAY=$(abspath $(BIN))/ray DOCKER=$(DOCKER) $(BIN)/python scripts/container_smoke.py
 
 ##@ Test
 

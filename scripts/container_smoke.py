@@ -1,7 +1,13 @@
 #!/usr/bin/env python3
-"""Smoke test on a real Docker engine (CPU only): a Ray head and two Ray workers as containers, and two
-training jobs: one survives a killed worker container, the other a stopped one without redoing a step.
+"""Smoke test on a real Docker engine (CPU only): the kind overlay's pods started from the rendered
+manifests as a kubelet would, and two training jobs submitted as the RayJob's entrypoint: one survives a
+worker pod killed, the other a worker pod deleted (preStop, SIGTERM) without redoing a step.
 
+    manifests `make k8s-render-kind` (the overlay a user applies to kind), the Secret `make k8s-token`
+             makes, and k8s/kuberay/rayjob.train.yaml's entrypoint and runtime env; every field of every
+             Deployment's pod template must be one the runner implements (scripts/dockerlet/podspec.py),
+             else one line names the manifest, the object and the field; then, with the image, what a
+             schema cannot see (scripts/dockerlet/preflight.py): modules, Service names, config paths
     engine   a private dockerd: its own socket, data root and exec root in a temporary directory; no
              docker0, no iptables rules, no ip_forward change (containers reach nothing outside their
              network; only the build uses the host's network)
@@ -12,29 +18,37 @@ training jobs: one survives a killed worker container, the other a stopped one w
     task     a user's task added the documented way (examples/tabular/Dockerfile: FROM the image, the
              task's package copied in, on PYTHONPATH) and trained 20 steps in a container with a read-only
              root, no capabilities, the image's user and no network
-    cluster  a bridge network, a volume for the runs at /mnt/runs, a Ray head and two Ray workers:
-             read-only root, /tmp a tmpfs, all capabilities dropped, the image's user (uid 1000),
-             token auth; no NCCL/Gloo interface pinned: network.interface=auto must pick eth0 (the
-             bridge toward the head) in every worker container, as in the k8s manifests. A worker
-             container's command is `python -m trainapp node --wait-s 30 --ray-deadline-s 40 -- ray
-             start ... --block`, run with `--stop-timeout 45`: on `docker stop` it drains its Ray node,
-             sends the node's training processes SIGTERM and waits for their snapshot, then stops Ray
-             (docker stop's default of 10 s would SIGKILL before the snapshot)
-    kill     `ray job submit` (through the head's dashboard, published on 127.0.0.1 only) of a short
-             run: 2 workers, 60 steps, a snapshot every 10 -> `docker kill` of rank 0's worker container
-             at step >= 25 and a replacement worker container (the run asks for 2 workers, so Ray
-             Train waits for it) -> the job resumes from its newest snapshot (20) and succeeds
-    stop     a second run (100 steps, so that it is still going when the notice lands) -> `docker stop`
-             of rank 0's worker container at step >= 25 (between two periodic snapshots) and a
-             replacement -> all ranks stop after the next step with a snapshot of it and a `preempted`
-             record, the container exits by itself (143, not SIGKILLed at the stop timeout), and the
-             job resumes from exactly that step: zero steps redone
+    pods     Deployment/ray-head (k8s/deployment.ray-head.yaml) and Deployment/ray-cpu-workers
+             (k8s/deployment.ray-gpu-workers.yaml as the overlay patches it), each pod one container made
+             from its template by scripts/dockerlet: command/args, env (valueFrom, envFrom), volumes (the
+             ConfigMap as files, emptyDirs as tmpfs of their sizeLimit, the claim as one shared Docker
+             volume), securityContext (user, groups, fsGroup, read-only root, capabilities, no new
+             privileges, seccomp), resources.limits, the Service's names resolving to the head pod, the
+             probes on their periods (a pod counts as ready when its readiness probe passes); one line per
+             pod says its Deployment, the file under k8s/ it comes from and when it was ready. The head's
+             Deployment goes first. No NCCL/Gloo interface pinned: network.interface=auto must pick eth0
+             in every worker pod
+    kill     `ray job submit` (to the head pod's IP, as a port-forward would give) of the RayJob's
+             entrypoint plus the smoke's sizes (2 workers, 60 steps, a snapshot every 10) -> the pod of
+             rank 0 deleted with --grace-period=0 --force (SIGKILL, no preStop) at step >= 25 -> the
+             Deployment replaces it -> the job resumes from its newest snapshot (20) and succeeds
+    stop     a second run (100 steps) -> rank 0's pod deleted as `kubectl delete pod` does: preStop
+             (`trainapp drain`), then SIGTERM, SIGKILL only after terminationGracePeriodSeconds -> all ranks
+             stop after the next step with a snapshot of it and a `preempted` record, the container exits
+             by itself (143), and the job resumes from exactly that step: zero steps redone
     checks   scripts/smoke_assert.py on each run directory (copied out with docker cp): finished,
-             restarted, final step, every process in the containers non-root, and for the kill run a
-             resume from the newest snapshot with at most snapshot.every_steps redone, for the stop run
+             restarted, final step, every process in the pods non-root, and for the kill run a resume
+             from the newest snapshot with at most snapshot.every_steps redone, for the stop run
              (--preempted SIGTERM) a `preempted` record and a resume from exactly its step
-    teardown containers, network, volume, the dockerd (by PID) and the temporary directory, also
+    mutation the worker Deployment changed in a copy (its command's module renamed) fails in one line
+             naming the Deployment: in the preflight, and at run time (its pod's container exits)
+    teardown containers, network, volumes, the dockerd (by PID) and the temporary directory, also
              on failure or Ctrl-C
+
+What Kubernetes does that this cannot (scripts/dockerlet/__init__.py): scheduling (one host), NetworkPolicy
+enforcement, the device plugin (no GPUs), ClusterIPs (a Service's name resolves to its pods' IPs), Service
+environment variables, emptyDirs that outlive a container restart. KubeRay's RayCluster and RayJob pod
+templates are not started here (the operator generates their commands): see k8s/README.md.
 
 Usage: scripts/container_smoke.py   (or `make container-smoke`); as root (it starts dockerd).
 Environment:
@@ -52,6 +66,7 @@ Environment:
   RAY=PATH                        Ray CLI for `ray job` (default .venv/bin/ray, else ray on PATH)
   DOCKER=docker                   docker CLI for everything but the build (see build_command)
   TIMEOUT=900                     seconds for each job, from submission to SUCCEEDED
+  SMOKE_RENDERED_FILE=PATH        start the pods of this rendered YAML instead of `make k8s-render-kind`
 Needs: Linux, root, the docker CLI, dockerd + containerd + debootstrap
 (`apt-get install -y docker.io debootstrap`), the Ray CLI (`make venv`), ~7 GB free disk.
 Exit status: 0 passed, 1 failed, 2 a prerequisite is missing or a setting is wrong, 130 interrupted.
@@ -67,6 +82,7 @@ goes into the Dockerfile: these are build arguments of this run.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import re
@@ -85,6 +101,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "scripts"), str(REPO)]
 import smoke_assert  # noqa: E402  (the shared assertions, beside this script)
 
+import yaml  # noqa: E402
+from dockerlet import preflight  # noqa: E402  (pods from the rendered manifests, beside this script)
+from dockerlet.manifests import ManifestError, Objects, namespace_of, ref  # noqa: E402
+from dockerlet.podspec import check_fields  # noqa: E402
+from dockerlet.runtime import PodFailure, Runtime  # noqa: E402
+
 from trainapp.observe import metrics  # noqa: E402  (standard library only: the one metrics.jsonl reader)
 
 PROG = "container-smoke"
@@ -100,30 +122,25 @@ PKG_PORT = 28180  # the local package server's port when free (else any)
 # pixels the 60 steps are over in 6 s, before a poll can see step 20). The kill comes between two
 # snapshots (20 and 30), so that steps are redone and a resume from anything but step 20 would show.
 STEPS, EVERY, KILL_AT = 60, 10, 25
-# The stop run: stopped at step >= 25 too, but the notice takes longer to land than a kill (docker
-# stop -> `ray drain-node` -> SIGTERM -> the next step), and the run must still be going then.
+# The stop run: stopped at step >= 25 too, but the notice takes longer to land than a kill (preStop ->
+# `trainapp drain` -> SIGTERM to the training processes -> the next step), and the run must still be
+# going then.
 STOP_STEPS, STOP_AT = 100, 25
-# A worker container's `trainapp node` wrapper: it waits up to NODE_WAIT_S for the training processes'
-# snapshot, within the container's stop timeout (docker stop's default of 10 s is too short).
-NODE_WAIT_S, RAY_DEADLINE_S, STOP_TIMEOUT = 30, 40, 45
-RUNS = "/mnt/runs"  # the volume, in every container
+RUNS = "/mnt/runs"  # the run claim's mountPath in every Ray pod (the entrypoint's ray.storage_path)
+RAYJOB = REPO / "k8s/kuberay/rayjob.train.yaml"  # the job's entrypoint and runtime env
 
 
-def train_args(steps: int) -> list[str]:
+def train_args(steps: int, name: str) -> list[str]:
+    """The smoke's overrides, after the RayJob's entrypoint (the later value of a key wins)."""
     return [
-        f"ray.storage_path={RUNS}", "ray.num_workers=2", "ray.max_failures=3",
-        # Time for the replacement container's node to join (~10 s) before Ray Train gives up on a group of 2.
+        f"ray.name={name}", "ray.num_workers=2", "ray.max_failures=3",
+        # Time for the replacement pod's node to join (~10 s) before Ray Train gives up on a group of 2.
         "ray.worker_group_start_timeout_s=120",
         f"train.max_steps={steps}", "train.epochs=20", "train.log_every=1", f"snapshot.every_steps={EVERY}",
         "data.train_size=2048", "data.val_size=256", "data.image_size=96", "model.name=smallcnn",
         "train.progress=false",
     ]
 
-
-TRAIN_ARGS = train_args(STEPS)
-# Node death after 3 missed 1 s health checks, as k8s/deployment.ray-head.yaml.
-SYSTEM_CONFIG = '{"health_check_period_ms":1000,"health_check_failure_threshold":3}'
-OBJECT_STORE = str(256 * 1024 * 1024)  # must fit --shm-size
 
 T0 = time.monotonic()
 
@@ -210,15 +227,11 @@ class Smoke:
             raise Usage(f"Ray CLI {ray} not found: run `make venv` (Ray 2.60.0), or set RAY=path/to/ray")
 
         self.id = secrets.token_hex(3)
-        prefix = f"trainapp-smoke-{self.id}"
         self.label = f"trainapp.smoke={self.id}"
-        self.net, self.volume = f"{prefix}-net", f"{prefix}-runs"
-        self.head = f"{prefix}-head"
-        self.workers = [f"{prefix}-worker-1", f"{prefix}-worker-2"]
+        self.head = ""  # the Ray head pod's name (its container's too)
         self.name = time.strftime("smoke-%Y%m%d-%H%M%S")
         self.stop_name = f"{self.name}-stop"
         self.job = self.name  # the job being run (status, records, diagnostics)
-        self.replacements = 0
         self.last_status = 0.0
         self.summaries: list[str] = []
 
@@ -232,7 +245,10 @@ class Smoke:
         self.task_image: str | None = None
         self.servers: list[subprocess.Popen] = []
         self.submitted = False
-        self.port = ""
+        self.port_host = ""  # the head pod's IP: the job API is on its port 8265
+        self.image_answers: dict[str, bool] = {}
+        self.k8s: Runtime | None = None
+        self.objects: Objects | None = None
         self.stage = "checking prerequisites"
         self.build_cmd: list[str] = []
         self.build_env: dict[str, str] = {}
@@ -258,9 +274,9 @@ class Smoke:
     def jobs_api(self, path: str = "") -> dict | list:
         """GET the head's job REST API (/api/jobs/...) with the token: a poll costs milliseconds, where
         `ray job status` takes seconds and prints no status word for a finished job."""
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/api/jobs/{path}",
+        req = urllib.request.Request(f"http://{self.port_host}:8265/api/jobs/{path}",
                                      headers={"Authorization": f"Bearer {os.environ['RAY_AUTH_TOKEN']}"})
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=30) as r:
             return json.load(r)
 
     def job_status(self) -> str:
@@ -306,6 +322,9 @@ class Smoke:
             if self.keep_root is None and free < MIN_FREE_GB:
                 raise Usage(f"SMOKE_TMPDIR={self.tmp_parent}: {free:.1f} GB free, the engine's data root "
                             f"needs {MIN_FREE_GB} GB; point SMOKE_TMPDIR at a larger disk")
+        if not self.env.get("SMOKE_RENDERED_FILE") and not shutil.which("kubectl"):
+            raise Usage("kubectl not found: `make k8s-render-kind` renders the kind overlay with it "
+                        "(or set SMOKE_RENDERED_FILE to a rendered YAML)")
         if not self.skip_build:
             self.build_cmd = self.build_command()
 
@@ -396,10 +415,10 @@ class Smoke:
         if self.cpu_base:
             log(f"base: CPU_BASE={self.cpu_base}")
             return self.cpu_base
-        for ref in (LOCAL_BASE, PYTHON_BASE):
-            if self.image_exists(ref):
-                log(f"base: {ref}, already in the engine")
-                return ref
+        for known in (LOCAL_BASE, PYTHON_BASE):
+            if self.image_exists(known):
+                log(f"base: {known}, already in the engine")
+                return known
         if not shutil.which("debootstrap"):
             raise Usage("debootstrap not found (it makes the base image): apt-get install -y debootstrap, "
                         "or set CPU_BASE to an image")
@@ -581,16 +600,61 @@ class Smoke:
 
     # ---------------------------------------------------------------------------------- cluster
 
-    def ray_container(self, name: str, command: list[str], publish: bool = False,
-                      stop_timeout: int = 0) -> None:
-        self.d("run", "-d", "--name", name, "--hostname", name, "--label", self.label, "--network", self.net,
-               *([f"--stop-timeout={stop_timeout}"] if stop_timeout else []),
-               # As the k8s manifests: read-only root, /tmp an emptyDir-like tmpfs, no capabilities.
-               "--read-only", "--tmpfs", "/tmp:rw,nosuid,nodev,noexec,size=2g", "--shm-size=512m",
-               "--cap-drop=ALL", "--security-opt=no-new-privileges",
-               "-e", "RAY_AUTH_MODE=token", "-e", "RAY_AUTH_TOKEN",  # the value comes from this environment
-               "-v", f"{self.volume}:{RUNS}", *(["-p", "127.0.0.1::8265"] if publish else []),
-               self.image, *command)
+    def manifests(self) -> None:
+        """The kind overlay as `make k8s-render-kind` prints it, the Secret a user makes with
+        `make k8s-token`, and the job of k8s/kuberay/rayjob.train.yaml; every field checked before
+        anything starts."""
+        text = self.env.get("SMOKE_RENDERED_FILE")
+        if text:
+            text = Path(text).read_text()
+            how = f"SMOKE_RENDERED_FILE={self.env['SMOKE_RENDERED_FILE']}"
+        else:
+            r = run(["make", "-s", "-C", str(REPO), "k8s-render-kind"], check=False)
+            if r.returncode != 0:
+                raise Usage(f"make k8s-render-kind failed: {(r.stderr or r.stdout).strip()[-200:]} "
+                            "(it needs kubectl)")
+            text, how = r.stdout, "make k8s-render-kind"
+        objects = Objects.load(text, REPO / "k8s")
+        ns = next((namespace_of(o) for o in objects.of_kind("Deployment")), "default")
+        # `make k8s-token`: the Secret every Ray pod reads its token from (never committed).
+        objects.add({"apiVersion": "v1", "kind": "Secret",
+                     "metadata": {"name": "ray-auth-token", "namespace": ns},
+                     "stringData": {"token": os.environ["RAY_AUTH_TOKEN"]}})
+        check_fields(objects)
+        rayjob = yaml.safe_load(RAYJOB.read_text())
+        self.entrypoint = " ".join(rayjob["spec"]["entrypoint"].split())
+        self.runtime_env = yaml.safe_load(rayjob["spec"].get("runtimeEnvYAML") or "{}") or {}
+        self.job_source = f"{RAYJOB.relative_to(REPO)} spec.entrypoint"
+        deployments = objects.of_kind("Deployment")
+        ray = [d for d in deployments if preflight.is_ray_pod(d["spec"]["template"]["spec"]["containers"][0])]
+        heads = [d for d in ray if preflight.is_head(d["spec"]["template"]["spec"]["containers"][0])]
+        if len(heads) != 1 or len(ray) != 2:
+            raise Failure(f"{how}: expected one Ray head Deployment and one of Ray workers, found "
+                          f"{', '.join(ref(d) for d in deployments) or 'none'}")
+        self.head_dep, self.worker_dep = heads[0], next(d for d in ray if d is not heads[0])
+        self.objects = objects
+        log(f"manifests: {how}: {len(objects.items)} objects; "
+            + ", ".join(f"{ref(d)} x{d['spec'].get('replicas', 1)} ({objects.source(d)})"
+                        for d in deployments))
+
+    def module_in_image(self, mod: str) -> bool:
+        return self.image_has(f"importlib.util.find_spec({mod!r}) is not None")
+
+    def check_manifests(self) -> None:
+        """preflight.check with the image: its modules and files, one container per question."""
+        preflight.check(self.objects, module_exists=self.module_in_image,
+                        file_in_image=lambda path: self.image_has(f"os.path.isfile({path!r})"),
+                        jobs=[preflight.Job(self.entrypoint, self.job_source)])
+        log("manifests: every pod template field implemented; modules, Service names and paths checked")
+
+    def image_has(self, expr: str) -> bool:
+        if expr not in self.image_answers:
+            image = self.head_dep["spec"]["template"]["spec"]["containers"][0]["image"]
+            r = self.d("run", "--rm", "--label", self.label, "--network", "none", "--entrypoint", "python",
+                       image, "-c", f"import importlib.util, os, sys; sys.exit(0 if {expr} else 1)",
+                       check=False)
+            self.image_answers[expr] = r.returncode == 0
+        return self.image_answers[expr]
 
     def job_server_ready(self) -> bool:
         try:
@@ -600,14 +664,8 @@ class Smoke:
             time.sleep(1)
             return False
 
-    def start_worker(self, name: str) -> None:
-        # `trainapp node` as the main process: `docker stop` SIGTERMs it, and it drains the node (Ray drain,
-        # SIGTERM to the training processes, their snapshot) before it stops `ray start` (see the docstring).
-        self.ray_container(name, ["python", "-m", "trainapp", "node", "--wait-s", str(NODE_WAIT_S),
-                                  "--ray-deadline-s", str(RAY_DEADLINE_S), "--",
-                                  "ray", "start", "--address", f"{self.head}:6379", "--block", "--num-cpus=1",
-                                  f"--object-store-memory={OBJECT_STORE}", "--disable-usage-stats"],
-                           stop_timeout=STOP_TIMEOUT)
+    def pod_ip(self, deployment: dict) -> str:
+        return self.k8s.of(deployment["metadata"]["name"])[0].plan.ip
 
     def alive_nodes(self) -> int:
         r = self.d("exec", self.head, "ray", "status", check=False, timeout=60)
@@ -615,45 +673,50 @@ class Smoke:
         return len(re.findall(r"\bnode_[0-9a-f]+", active))
 
     def start_cluster(self) -> None:
-        user = self.d("image", "inspect", "-f", "{{.Config.User}}", self.image).stdout.strip()
-        log(f"starting Ray: network {self.net}, volume {self.volume} at {RUNS}, head + 2 workers "
-            f"(user {user or 'root'}, read-only root, token auth)")
-        self.d("network", "create", "--label", self.label, self.net)
-        self.made.add("network")
-        self.d("volume", "create", "--label", self.label, self.volume)
-        self.made.add("volume")
-        # A new volume's root belongs to root: hand it to the image's user, which every Ray container runs as.
-        self.d("run", "--rm", "--label", self.label, "--network", "none", "--user", "0:0", "--cap-drop=ALL",
-               "--cap-add=CHOWN", "-v", f"{self.volume}:{RUNS}", self.image, "chown", user or "0", RUNS)
-        self.ray_container(self.head, [
-            "ray", "start", "--head", "--block", "--num-cpus=0", "--port=6379", "--dashboard-host=0.0.0.0",
-            "--dashboard-port=8265", "--include-dashboard=true", f"--object-store-memory={OBJECT_STORE}",
-            "--disable-usage-stats", f"--system-config={SYSTEM_CONFIG}"], publish=True)
-        self.port = self.d("port", self.head, "8265/tcp").stdout.splitlines()[0].rsplit(":", 1)[-1].strip()
-        deadline = time.monotonic() + 180
-        # The dashboard answers some seconds before its job module does: wait for the job list.
+        """The Deployments' pods from their templates, the head's first (a worker's `ray start` gives up when
+        no GCS answers; on a cluster the kubelet would restart it until the head is up)."""
+        self.k8s = Runtime(self.objects, docker=self.d, label=self.label, prefix=f"trainapp-smoke-{self.id}",
+                           workdir=self.tmp, log=log)
+        self.k8s.up()
+        self.made.add("runtime")
+        log(f"pods: network {self.k8s.network} ({self.k8s.subnet}), the claims as Docker volumes")
+        head_name, workers_name = self.head_dep["metadata"]["name"], self.worker_dep["metadata"]["name"]
+        self.k8s.apply(self.head_dep)
+        self.head = self.k8s.wait_ready(head_name, 1, 180)[0].name
+        self.port_host = self.pod_ip(self.head_dep)
+        self.k8s.apply(self.worker_dep)
+        replicas = int(self.worker_dep["spec"].get("replicas", 1))
+        self.k8s.wait_ready(workers_name, replicas, 180)
+        deadline = time.monotonic() + 120
         while not self.job_server_ready():
             if time.monotonic() > deadline:
-                raise Failure(f"the head's job server on 127.0.0.1:{self.port} accepts no requests "
-                              f"after 180s")
-            time.sleep(2)
-        for w in self.workers:
-            self.start_worker(w)
-        while (n := self.alive_nodes()) < 3:
+                raise Failure(f"the head's job server on {self.port_host}:8265 accepts no requests "
+                              "after 120s")
+        while (n := self.alive_nodes()) < 1 + replicas:
             if time.monotonic() > deadline:
-                raise Failure(f"{n} of 3 Ray nodes alive after 180s")
+                raise Failure(f"{n} of {1 + replicas} Ray nodes alive 120s after every pod was ready")
             time.sleep(2)
-        log(f"cluster up: 3 nodes, dashboard on 127.0.0.1:{self.port}")
+        log(f"cluster up: {1 + replicas} Ray nodes; the dashboard at the head pod's {self.port_host}:8265 "
+            f"(what `kubectl port-forward svc/ray-head 8265` gives a user)")
+
+    @property
+    def workers(self) -> list[str]:
+        return [p.name for p in self.k8s.of(self.worker_dep["metadata"]["name"])]
 
     # -------------------------------------------------------------------------------------- job
 
     def submit(self, name: str, steps: int) -> float:
-        """Submit a run named `name` (its job id too) and make it the current job; returns its deadline."""
-        # The entrypoint runs in the head container's shell: `python` is the image's venv.
-        run([self.ray, "job", "submit", "--address", f"http://127.0.0.1:{self.port}", "--submission-id", name,
-             "--no-wait", "--", "python", "-m", "trainapp", "ray", f"ray.name={name}", *train_args(steps)])
+        """Submit a run named `name` (its job id too) and make it the current job; returns its deadline.
+        The entrypoint and runtime env are the RayJob's, then the smoke's overrides (its sizes and steps;
+        ray.num_workers=2: the two one-CPU worker pods, where the entrypoint's elastic [1,4] would go on with
+        one after a loss and change what the checks count)."""
+        cmd = f"{self.entrypoint} {shlex.join(train_args(steps, name))}"
+        env = {**os.environ, "NO_PROXY": self.port_host, "no_proxy": self.port_host}
+        run([self.ray, "job", "submit", "--address", f"http://{self.port_host}:8265", "--submission-id", name,
+             "--no-wait", "--runtime-env-json", json.dumps(self.runtime_env), "--", cmd], env=env)
         self.job, self.submitted, self.last_status = name, True, 0.0
-        log(f"submitted job {name}: 2 workers, {steps} steps, a snapshot every {EVERY}")
+        log(f"submitted job {name}: {self.job_source} + {len(train_args(steps, name))} overrides "
+            f"({steps} steps, a snapshot every {EVERY})")
         return time.monotonic() + self.timeout
 
     def keep_waiting(self, deadline: float, what: str) -> None:
@@ -673,16 +736,14 @@ class Smoke:
         return step, records
 
     def pick_victim(self, records: list[dict]) -> tuple[str, str]:
-        """Rank 0's node if the start record says which host it is (trainapp's `network` field):
-        that rank writes the snapshots, so losing it is the harder case. Also checks that
-        network.interface=auto chose eth0 on every rank."""
+        """Rank 0's pod if the start record says which host it is (trainapp's `network` field): that rank
+        writes the snapshots, so losing it is the harder case. Also checks that network.interface=auto
+        chose eth0 on every rank."""
         victim, why = self.workers[0], ""
         start = next((r for r in records if r.get("kind") == "start"), {})
         nets = [n for n in start.get("network") or [] if isinstance(n, dict)]
         if nets:
-            log("ranks: " + ", ".join(f"{i} on "
-                                      f"{str(n.get('host')).removeprefix(f'trainapp-smoke-{self.id}-')} "
-                                      f"(gloo={n.get('gloo')}, nccl={n.get('nccl')}"
+            log("ranks: " + ", ".join(f"{i} on {n.get('host')} (gloo={n.get('gloo')}, nccl={n.get('nccl')}"
                                       f"{', kept ' + ','.join(n['kept']) if n.get('kept') else ''})"
                                       for i, n in enumerate(nets)))
         auto = [n for n in nets if str(n.get("reason", "")).startswith("auto") and n.get("gloo") == "eth0"
@@ -691,15 +752,8 @@ class Smoke:
             raise Failure(f"network.interface=auto did not choose eth0 (toward the head) on every rank: "
                           f"{nets}")
         if nets and nets[0].get("host") in self.workers:
-            victim, why = nets[0]["host"], " (rank 0's node)"
+            victim, why = nets[0]["host"], " (rank 0's pod)"
         return victim, why
-
-    def replace_worker(self, victim: str) -> None:
-        self.replacements += 1
-        replacement = f"trainapp-smoke-{self.id}-worker-{2 + self.replacements}"
-        self.start_worker(replacement)
-        self.workers = [w for w in self.workers if w != victim] + [replacement]
-        log(f"started replacement worker container {replacement}")
 
     def wait_restart(self, deadline: float, what: str) -> dict:
         while True:
@@ -721,17 +775,17 @@ class Smoke:
             status = self.job_status()
             if status in ("FAILED", "STOPPED"):
                 raise Failure(f"job {self.job} is {status} (its log is below)")
-        log(f"job {self.job} succeeded; checking the run directory and the containers' users")
+        log(f"job {self.job} succeeded; checking the run directory and the pods' users")
 
     def run_job(self) -> None:
-        """The kill case: `docker kill` of a worker container between two snapshots."""
+        """The kill case: a worker pod deleted with --grace-period=0 --force (SIGKILL, no preStop: what a
+        lost node looks like) between two snapshots; the Deployment replaces it."""
         deadline = self.submit(self.name, STEPS)
         step, records = self.wait_for_step(KILL_AT, deadline)
         victim, why = self.pick_victim(records)
-        self.d("kill", victim)
         killed_at, self.kill_step = time.time(), step
-        log(f"killed worker container {victim}{why} at step {step}")
-        self.replace_worker(victim)
+        log(f"deleting worker pod {victim}{why} at step {step} with --grace-period=0 --force")
+        self.k8s.delete(victim, grace=0)
         resumed = self.wait_restart(deadline, f"the run never restarted after {victim} was killed")
         self.resumed_step = resumed["resumed_step"]
         log(f"resumed from step {self.resumed_step} (killed at {step}), "
@@ -740,52 +794,77 @@ class Smoke:
         self.wait_succeeded(deadline)
 
     def run_stop_job(self) -> None:
-        """The stop case: `docker stop` of a worker container between two snapshots; its `trainapp node`
-        drains the node, the run stops with a snapshot of the step reached and resumes from it."""
+        """The stop case: a worker pod deleted as `kubectl delete pod` does between two snapshots: its
+        preStop hook (`trainapp drain`) drains the node, then SIGTERM, SIGKILL only after
+        terminationGracePeriodSeconds; the run stops with a snapshot of the step reached and resumes from
+        it."""
         deadline = self.submit(self.stop_name, STOP_STEPS)
         step, records = self.wait_for_step(STOP_AT, deadline)
         victim, why = self.pick_victim(records)
-        log(f"docker stop {victim}{why} at step {step} (its stop timeout: {STOP_TIMEOUT}s)")
-        stopped_at, began = time.time(), time.monotonic()
-        # docker waits the container's --stop-timeout, then SIGKILLs: the CLI returns in any case.
-        self.d("stop", victim, timeout=STOP_TIMEOUT + 60)
-        took = time.monotonic() - began
-        code = self.d("inspect", "-f", "{{.State.ExitCode}}", victim).stdout.strip()
-        logs = self.d("logs", victim, check=False)
-        node_lines = [x for x in (logs.stdout + logs.stderr).splitlines() if x.startswith("trainapp node:")]
-        tail("\n".join(node_lines) or "(no `trainapp node:` line in its log)", 6, "node: ")
+        grace = self.k8s.pods[victim].plan.grace_s
+        stopped_at = time.time()
+        log(f"deleting worker pod {victim}{why} at step {step} (terminationGracePeriodSeconds {grace:g})")
+        took, code, said = self.k8s.delete(victim)
         self.stop_step, self.stop_took, self.stop_code = step, took, code
-        log(f"docker stop returned after {took:.1f}s: {victim} exited with {code}")
-        if code == "137" or took >= STOP_TIMEOUT:
-            raise Failure(f"docker stop of {victim} took {took:.1f}s and it exited with {code}: SIGKILLed at "
-                          f"the stop timeout ({STOP_TIMEOUT}s) instead of exiting after the drain")
+        if code == "137" or took >= grace:
+            raise Failure(f"{self.k8s.gone[-1].describe()}: stopping took {took:.1f}s and it exited with "
+                          f"{code}: "
+                          f"SIGKILLed at the grace period ({grace:g}s) instead of exiting after the drain")
         if code not in ("143", "0"):
-            raise Failure(f"{victim} exited with {code} after docker stop "
+            raise Failure(f"{self.k8s.gone[-1].describe()}: exited with {code} after preStop and SIGTERM "
                           f"(expected 143 from `trainapp node`, or 0)")
-        if any("still running" in x for x in node_lines):
-            raise Failure(f"`trainapp node` in {victim}: training processes still running after "
-                          f"--wait-s {NODE_WAIT_S}")
-        self.replace_worker(victim)
-        resumed = self.wait_restart(deadline, f"the run never restarted after {victim} was stopped")
+        if said and not said.startswith("passed"):
+            raise Failure(f"{self.k8s.gone[-1].describe()}: its preStop hook {said}")
+        resumed = self.wait_restart(deadline, f"the run never restarted after {victim} was deleted")
         notice = smoke_assert.latest_preempted(self.records())
         if notice is None:
-            raise Failure(f"the run restarted after docker stop of {victim} without a `preempted` record: "
-                          "the notice did not reach the training processes "
-                          "(no snapshot of the step reached)")
+            raise Failure(f"the run restarted after {victim} was deleted without a `preempted` record: "
+                          "the notice did not reach the training processes (no snapshot of the step reached)")
         self.stop_preempted, self.stop_resumed = notice.get("step"), resumed["resumed_step"]
         self.stop_snapshot_s = notice["time"] - stopped_at
         log(f"preempted at step {notice.get('step')} ({notice.get('signal')}, phase {notice.get('phase')}): "
-            f"its snapshot {self.stop_snapshot_s:.1f}s after docker stop "
+            f"its snapshot {self.stop_snapshot_s:.1f}s after the deletion "
             f"({notice.get('seconds')}s after the signal); resumed from step {self.stop_resumed}, "
-            f"{resumed['time'] - stopped_at:.1f}s after docker stop, world size {resumed.get('world_size')}; "
+            f"{resumed['time'] - stopped_at:.1f}s after the deletion, "
+            f"world size {resumed.get('world_size')}; "
             f"waiting for the job to finish")
         self.wait_succeeded(deadline)
+
+    def mutation(self) -> None:
+        """A manifest changed in a copy (the worker command's module name) fails in one line naming its
+        Deployment, twice: in the preflight, and at run time with the preflight skipped."""
+        dep = copy.deepcopy(self.worker_dep)
+        command = dep["spec"]["template"]["spec"]["containers"][0]["command"]
+        i = command.index("-m") + 1
+        command[i] += "_renamed"
+        dep["spec"]["replicas"] = 1
+        broken = copy.deepcopy(self.objects)
+        broken.items = [dep if o is self.worker_dep else o for o in self.objects.items]
+        try:
+            preflight.check(broken, file_in_image=lambda p: True, module_exists=self.module_in_image)
+            raise Failure(f"preflight passed a worker command running `python -m {command[i]}`")
+        except ManifestError as e:
+            log(f"mutation (preflight): {e}")
+        self.k8s.replace = False
+        pod = self.k8s.create(dep)
+        try:
+            self.k8s.wait_ready(dep["metadata"]["name"], 1, 60, only=[pod.name])
+            raise Failure(f"a worker pod running `python -m {command[i]}` became ready")
+        except PodFailure as e:
+            if "No module named" not in str(e) or ref(dep) not in str(e):
+                raise Failure(f"the mutated worker pod failed, but not naming its Deployment and the "
+                              f"module: {e}") from None
+            log(f"mutation (run time): {e}")
+        finally:
+            self.k8s.delete(pod.name, grace=0)
+        self.summaries.append(f"a worker command's module renamed in a copy fails in one line, in the "
+                              f"preflight and at run time ({ref(dep)})")
 
     def check(self, name: str, steps: int, *extra: str) -> None:
         cmd = [sys.executable, str(REPO / "scripts/smoke_assert.py"), f"{RUNS}/{name}", "--backend", "docker",
                "--docker-container", self.head, "--dest", str(self.tmp / "copy" / name),
                "--expect-steps", str(steps), *extra]
-        for c in [self.head, *self.workers]:
+        for c in self.k8s.containers():
             cmd += ["--nonroot", c]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         print((r.stdout + r.stderr).rstrip(), flush=True)
@@ -854,14 +933,13 @@ class Smoke:
                 self.build.wait(timeout=30)
         self.stop_servers()
         if self.engine_up:
-            ids = self.d("ps", "-aq", "--filter", f"label={self.label}", check=False).stdout.split()
-            if ids:
-                self.d("rm", "-f", *ids, check=False, timeout=120)
-            gone = [f"{len(ids)} containers"] if ids else []
-            if "network" in self.made and self.d("network", "rm", self.net, check=False).returncode == 0:
-                gone.append(f"network {self.net}")
-            if "volume" in self.made and self.d("volume", "rm", self.volume, check=False).returncode == 0:
-                gone.append(f"volume {self.volume}")
+            if self.k8s is not None:
+                gone = self.k8s.down()
+            else:
+                ids = self.d("ps", "-aq", "--filter", f"label={self.label}", check=False).stdout.split()
+                if ids:
+                    self.d("rm", "-f", *ids, check=False, timeout=120)
+                gone = [f"{len(ids)} containers"] if ids else []
             if self.task_image and self.d("rmi", self.task_image, check=False).returncode == 0:
                 gone.append(f"image {self.task_image}")
             if gone:
@@ -888,6 +966,7 @@ class Smoke:
                               HOME=str(self.tmp), RAY_USAGE_STATS_ENABLED="0")
             with self.timed("engine"):
                 self.start_engine()
+            self.manifests()  # before the build: a manifest the runner cannot run fails in seconds
             if self.skip_build:
                 if not self.image_exists(self.image):
                     raise Usage(f"SKIP_BUILD=1 but the engine has no image {self.image}")
@@ -900,6 +979,7 @@ class Smoke:
             with self.timed("user task"):
                 self.run_user_task()
             with self.timed("cluster"):
+                self.check_manifests()
                 self.start_cluster()
             with self.timed("job"):
                 self.run_job()
@@ -909,14 +989,17 @@ class Smoke:
                 self.run_stop_job()
             with self.timed("stop checks"):
                 self.check_stop()
+            with self.timed("mutation"):
+                self.mutation()
             self.detail = "; ".join(self.summaries) + "; every process non-root"
             rc = 0
         except Usage as e:
             self.detail, rc = str(e), 2
             log(f"error: {e}")
-        except Failure as e:
-            self.detail = str(e)
-            log(f"error: {e}")
+        except (Failure, ManifestError, PodFailure) as e:
+            trouble = self.k8s.trouble() if self.k8s is not None and not isinstance(e, PodFailure) else ""
+            self.detail = str(e) + (f"; {trouble}" if trouble and trouble not in str(e) else "")
+            log(f"error: {self.detail}")
             with contextlib.suppress(Exception):
                 self.diagnostics()
         except (KeyboardInterrupt, Interrupted):
