@@ -104,7 +104,7 @@ import smoke_assert  # noqa: E402  (the shared assertions, beside this script)
 import yaml  # noqa: E402
 from dockerlet import preflight  # noqa: E402  (pods from the rendered manifests, beside this script)
 from dockerlet.manifests import ManifestError, Objects, namespace_of, ref  # noqa: E402
-from dockerlet.podspec import check_fields  # noqa: E402
+from dockerlet.podspec import check_fields, selects  # noqa: E402
 from dockerlet.runtime import PodFailure, Runtime  # noqa: E402
 
 from trainapp.observe import metrics  # noqa: E402  (standard library only: the one metrics.jsonl reader)
@@ -698,6 +698,25 @@ class Smoke:
             time.sleep(2)
         log(f"cluster up: {1 + replicas} Ray nodes; the dashboard at the head pod's {self.port_host}:8265 "
             f"(what `kubectl port-forward svc/ray-head 8265` gives a user)")
+        self.check_services(self.workers[0])
+
+    def check_services(self, client: str) -> None:
+        """Every Service's names, short to cluster.local, resolve to the pods it selects, from a pod."""
+        for svc in self.objects.of_kind("Service"):
+            name, ns = svc["metadata"]["name"], namespace_of(svc)
+            ips = sorted(p.plan.ip for p in self.k8s.pods.values()
+                         if not p.deleting and selects(svc, p.plan.labels))
+            names = [name, f"{name}.{ns}", f"{name}.{ns}.svc", f"{name}.{ns}.svc.cluster.local"]
+            code = ("import socket, sys; print(' '.join(sorted({a[4][0] for n in sys.argv[1:] "
+                    "for a in socket.getaddrinfo(n, None, socket.AF_INET)})))")
+            r = self.d("exec", client, "python", "-c", code, *names, check=False, timeout=60)
+            got = r.stdout.split()
+            if r.returncode != 0 or got != ips:
+                said = got or (r.stderr.strip().splitlines() or ["nothing"])[-1]
+                raise Failure(f"{self.objects.source(svc)} {ref(svc)}: {', '.join(names)} resolve to {said} "
+                              f"from pod {client}, not to the pods it selects ({', '.join(ips) or 'none'})")
+            log(f"{ref(svc)} ({self.objects.source(svc)}): {', '.join(names)} resolve to {', '.join(ips)} "
+                f"from pod {client}")
 
     @property
     def workers(self) -> list[str]:
@@ -710,10 +729,11 @@ class Smoke:
         The entrypoint and runtime env are the RayJob's, then the smoke's overrides (its sizes and steps;
         ray.num_workers=2: the two one-CPU worker pods, where the entrypoint's elastic [1,4] would go on with
         one after a loss and change what the checks count)."""
-        cmd = f"{self.entrypoint} {shlex.join(train_args(steps, name))}"
+        # As separate words: the Ray CLI quotes each one for the head's shell.
+        cmd = [*shlex.split(self.entrypoint), *train_args(steps, name)]
         env = {**os.environ, "NO_PROXY": self.port_host, "no_proxy": self.port_host}
         run([self.ray, "job", "submit", "--address", f"http://{self.port_host}:8265", "--submission-id", name,
-             "--no-wait", "--runtime-env-json", json.dumps(self.runtime_env), "--", cmd], env=env)
+             "--no-wait", "--runtime-env-json", json.dumps(self.runtime_env), "--", *cmd], env=env)
         self.job, self.submitted, self.last_status = name, True, 0.0
         log(f"submitted job {name}: {self.job_source} + {len(train_args(steps, name))} overrides "
             f"({steps} steps, a snapshot every {EVERY})")
@@ -860,6 +880,34 @@ class Smoke:
         self.summaries.append(f"a worker command's module renamed in a copy fails in one line, in the "
                               f"preflight and at run time ({ref(dep)})")
 
+    def liveness(self) -> None:
+        """A copy of the worker template whose liveness probe checks a port nothing listens on: the runner
+        restarts its container (its command only sleeps: no Ray node joins the cluster)."""
+        dep = copy.deepcopy(self.worker_dep)
+        source = self.objects.source(dep)
+        dep["metadata"]["name"] += "-liveness"
+        self.objects.sources[("Deployment", dep["metadata"]["name"])] = f"a copy of {source}"
+        spec = dep["spec"]["template"]["spec"]
+        c = spec["containers"][0]
+        c["command"], c["args"] = ["python", "-c", "import time; time.sleep(600)"], []
+        c.pop("lifecycle", None)
+        c.pop("readinessProbe", None)
+        c["livenessProbe"] = {"tcpSocket": {"port": 6399}, "periodSeconds": 1, "failureThreshold": 2}
+        spec["terminationGracePeriodSeconds"] = 2
+        pod = self.k8s.create(dep)
+        deadline = time.monotonic() + 60
+        try:
+            while pod.restarts == 0:
+                if time.monotonic() > deadline:
+                    raise Failure(f"{pod.describe()}: its failing liveness probe did not restart it in 60s")
+                time.sleep(0.5)
+            if not pod.reason.startswith("liveness probe failed"):
+                raise Failure(f"{pod.describe()}: restarted, but for {pod.reason!r}")
+        finally:
+            self.k8s.delete(pod.name, grace=0)
+        self.summaries.append(f"a failing liveness probe restarted its container "
+                              f"({time.monotonic() - pod.created:.0f}s)")
+
     def check(self, name: str, steps: int, *extra: str) -> None:
         cmd = [sys.executable, str(REPO / "scripts/smoke_assert.py"), f"{RUNS}/{name}", "--backend", "docker",
                "--docker-container", self.head, "--dest", str(self.tmp / "copy" / name),
@@ -873,16 +921,16 @@ class Smoke:
 
     def check_kill(self) -> None:
         self.check(self.name, STEPS)
-        line = (f"kill: worker container killed at step {self.kill_step}, "
+        line = (f"kill: worker pod deleted with --force (SIGKILL) at step {self.kill_step}, "
                 f"resumed from step {self.resumed_step}, {STEPS}/{STEPS} steps")
         log(f"PASS {line}")
         self.summaries.append(line)
 
     def check_stop(self) -> None:
         self.check(self.stop_name, STOP_STEPS, "--preempted", "SIGTERM")
-        line = (f"stop: worker container stopped at step {self.stop_step} "
-                f"(docker stop {self.stop_took:.0f}s, exit {self.stop_code}), snapshot of step "
-                f"{self.stop_preempted} {self.stop_snapshot_s:.1f}s after the stop, resumed from step "
+        line = (f"stop: worker pod deleted at step {self.stop_step} "
+                f"(preStop + SIGTERM {self.stop_took:.0f}s, exit {self.stop_code}), snapshot of step "
+                f"{self.stop_preempted} {self.stop_snapshot_s:.1f}s after the deletion, resumed from step "
                 f"{self.stop_resumed} ({self.stop_preempted - self.stop_resumed} redone), "
                 f"{STOP_STEPS}/{STOP_STEPS} steps")
         log(f"PASS {line}")
@@ -991,6 +1039,7 @@ class Smoke:
                 self.check_stop()
             with self.timed("mutation"):
                 self.mutation()
+                self.liveness()
             self.detail = "; ".join(self.summaries) + "; every process non-root"
             rc = 0
         except Usage as e:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ SCRIPT = REPO / "scripts" / "container_smoke.py"
 
 # A stand-in for `docker` / `kubectl`: `exec NAME ... python3 -I -c CODE` prints the processes of
 # FAKE_PROCS[NAME] (uid 0 for names containing "root"); `cp NAME:SRC DEST` copies FAKE_RUNS/basename;
-# `version` fails (no engine); anything else exits 1.
+# `version` fails (no engine) unless FAKE_ENGINE is set; anything else exits 1.
 FAKE_CLI = r"""
 import json, os, shutil, sys
 args = sys.argv[1:]
@@ -38,6 +39,8 @@ elif args[:1] == ["cp"]:
     shutil.copytree(os.path.join(os.environ["FAKE_RUNS"], os.path.basename(src)), args[2])
 elif args[:2] == ["get", "pod"]:
     print("ray-head-0 ray-worker-0")
+elif args[:1] == ["version"] and os.environ.get("FAKE_ENGINE"):
+    print("20.10.24")
 else:
     sys.exit(1)
 """
@@ -103,6 +106,37 @@ def test_an_engine_that_does_not_answer_exits_2_and_leaves_no_temporary_director
                "SMOKE_TMPDIR": str(tmp_path / "t")})
     assert r.returncode == 2
     assert "SMOKE_DOCKER_HOST=unix:///nonexistent.sock: no Docker engine answers there" in last_line(r)
+    assert list((tmp_path / "t").iterdir()) == []
+
+
+@pytest.mark.parametrize(("old", "new", "expected"), [
+    ("      serviceAccountName: trainapp\n      terminationGracePeriodSeconds: 45\n",
+     "      serviceAccountName: trainapp\n      terminationGracePeriodSeconds: 45\n"
+     "      hostNetwork: true\n",
+     "k8s/deployment.ray-gpu-workers.yaml, renamed ray-cpu-workers by k8s/overlays/kind-cpu "
+     "Deployment/ray-cpu-workers: spec.template.spec.hostNetwork is not implemented by the container "
+     "smoke's pod runner"),
+    ("        name: ray-head\n        ports:\n",
+     "        name: ray-head\n        stdin: true\n        ports:\n",
+     "k8s/deployment.ray-head.yaml Deployment/ray-head: spec.template.spec.containers[0].stdin is not "
+     "implemented"),
+])
+def test_a_rendered_manifest_with_a_field_the_runner_lacks_fails_the_smoke_in_one_line(
+        tmp_path, fake_bin, old, new, expected):
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is missing: the kind overlay cannot be rendered")
+    rendered = subprocess.run(
+        [kubectl, "kustomize", "--load-restrictor=LoadRestrictionsNone", "k8s/overlays/kind-cpu"],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=True).stdout
+    assert old in rendered
+    (tmp_path / "rendered.yaml").write_text(rendered.replace(old, new))
+    r = smoke({"PATH": f"{fake_bin}:{os.environ['PATH']}", "RAY": str(fake_bin / "ray"), "FAKE_ENGINE": "1",
+               "SMOKE_DOCKER_HOST": "unix:///fake.sock", "SKIP_BUILD": "1",
+               "SMOKE_TMPDIR": str(tmp_path / "t"),
+               "SMOKE_RENDERED_FILE": str(tmp_path / "rendered.yaml")})
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert last_line(r).startswith("container-smoke: FAIL in ") and expected in last_line(r), last_line(r)
     assert list((tmp_path / "t").iterdir()) == []
 
 

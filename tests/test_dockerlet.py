@@ -145,7 +145,8 @@ def test_the_head_pod_runs_as_its_template_says(objects, tmp_path):
 
 def test_the_worker_pods_come_from_the_gpu_manifest_as_the_overlay_renames_it(objects, tmp_path):
     plan = translate(objects, deployment(objects, "ray-cpu-workers"), ctx(tmp_path))
-    assert plan.source == "k8s/deployment.ray-gpu-workers.yaml (as ray-cpu-workers: k8s/overlays/kind-cpu)"
+    renamed = "renamed ray-cpu-workers by k8s/overlays/kind-cpu"
+    assert plan.source == f"k8s/deployment.ray-gpu-workers.yaml, {renamed}"
     assert "--network-alias" not in plan.create_args  # no Service selects the workers
     assert plan.pre_stop is not None and plan.pre_stop.command[:4] == ["python", "-m", "trainapp", "drain"]
     assert plan.grace_s == 45 and plan.probes["readiness"].action.port == 6380  # the named port raylet
@@ -364,7 +365,7 @@ def test_the_run_claim_missing_from_the_worker_pods_fails_naming_their_manifest(
     with pytest.raises(
         ManifestError,
         match="storage /mnt/runs is not on a claim mounted by "
-        r"k8s/deployment.ray-gpu-workers.yaml \(as ray-cpu-workers",
+        r"k8s/deployment.ray-gpu-workers.yaml, renamed ray-cpu-workers",
     ):
         check(objects)
 

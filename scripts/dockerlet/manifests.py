@@ -114,6 +114,6 @@ def sources(k8s_dir: Path) -> dict[tuple[str, str], str]:
                 key = (target.get("kind"), target.get("name"))
                 if op.get("path") == "/metadata/name" and key in found:
                     found[(target["kind"], op["value"])] = (
-                        f"{found[key]} (as {op['value']}: {path.parent.relative_to(root)})"
+                        f"{found[key]}, renamed {op['value']} by {path.parent.relative_to(root)}"
                     )
     return found
