@@ -149,6 +149,10 @@ k8s-token: ## Create the Secret ray-auth-token (random token) in namespace K8S_N
 k8s-render-kind: ## Print the kind overlay (k8s/overlays/kind-cpu) as plain YAML, for `| kubectl apply -f -`
 	@kubectl kustomize --load-restrictor=LoadRestrictionsNone k8s/overlays/kind-cpu
 
+.PHONY: k8s-render-kind-kuberay
+k8s-render-kind-kuberay: ## Print the KubeRay kind overlay (k8s/overlays/kind-cpu-kuberay: the RayCluster on CPU) as plain YAML
+	@kubectl kustomize --load-restrictor=LoadRestrictionsNone k8s/overlays/kind-cpu-kuberay
+
 .PHONY: kind-smoke
 kind-smoke: ## Needs Docker + kind: CPU image, kind cluster, job survives a deleted worker pod (scripts/kind-smoke.sh)
 	scripts/kind-smoke.sh

@@ -102,7 +102,7 @@ sys.path[:0] = [str(REPO / "scripts"), str(REPO)]
 import smoke_assert  # noqa: E402  (the shared assertions, beside this script)
 
 import yaml  # noqa: E402
-from dockerlet import preflight  # noqa: E402  (pods from the rendered manifests, beside this script)
+from dockerlet import kuberay, preflight  # noqa: E402  (pods from the rendered manifests, beside this script)
 from dockerlet.manifests import ManifestError, Objects, namespace_of, ref  # noqa: E402
 from dockerlet.podspec import check_fields, selects  # noqa: E402
 from dockerlet.runtime import PodFailure, Runtime  # noqa: E402
@@ -126,6 +126,7 @@ STEPS, EVERY, KILL_AT = 60, 10, 25
 # `trainapp drain` -> SIGTERM to the training processes -> the next step), and the run must still be
 # going then.
 STOP_STEPS, STOP_AT = 100, 25
+KUBERAY_STEPS = 20  # a short run on the RayCluster's pods: they start and train
 RUNS = "/mnt/runs"  # the run claim's mountPath in every Ray pod (the entrypoint's ray.storage_path)
 RAYJOB = REPO / "k8s/kuberay/rayjob.train.yaml"  # the job's entrypoint and runtime env
 
@@ -600,51 +601,59 @@ class Smoke:
 
     # ---------------------------------------------------------------------------------- cluster
 
-    def manifests(self) -> None:
-        """The kind overlay as `make k8s-render-kind` prints it, the Secret a user makes with
-        `make k8s-token`, and the job of k8s/kuberay/rayjob.train.yaml; every field checked before
-        anything starts."""
-        text = self.env.get("SMOKE_RENDERED_FILE")
-        if text:
-            text = Path(text).read_text()
-            how = f"SMOKE_RENDERED_FILE={self.env['SMOKE_RENDERED_FILE']}"
-        else:
-            r = run(["make", "-s", "-C", str(REPO), "k8s-render-kind"], check=False)
-            if r.returncode != 0:
-                raise Usage(f"make k8s-render-kind failed: {(r.stderr or r.stdout).strip()[-200:]} "
-                            "(it needs kubectl)")
-            text, how = r.stdout, "make k8s-render-kind"
+    def render(self, target: str) -> tuple[str, str]:
+        """`make TARGET`'s rendered YAML, and how it was made."""
+        r = run(["make", "-s", "-C", str(REPO), target], check=False)
+        if r.returncode != 0:
+            raise Usage(f"make {target} failed: {(r.stderr or r.stdout).strip()[-200:]} (it needs kubectl)")
+        return r.stdout, f"make {target}"
+
+    def load(self, text: str, how: str) -> tuple[Objects, dict, dict]:
+        """The rendered objects (RayClusters as KubeRay builds their pods), the Secret a user makes with
+        `make k8s-token`, every field checked; and its Ray head and worker Deployments."""
         objects = Objects.load(text, REPO / "k8s")
+        kuberay.expand(objects)
         ns = next((namespace_of(o) for o in objects.of_kind("Deployment")), "default")
         # `make k8s-token`: the Secret every Ray pod reads its token from (never committed).
         objects.add({"apiVersion": "v1", "kind": "Secret",
                      "metadata": {"name": "ray-auth-token", "namespace": ns},
                      "stringData": {"token": os.environ["RAY_AUTH_TOKEN"]}})
         check_fields(objects)
-        rayjob = yaml.safe_load(RAYJOB.read_text())
-        self.entrypoint = " ".join(rayjob["spec"]["entrypoint"].split())
-        self.runtime_env = yaml.safe_load(rayjob["spec"].get("runtimeEnvYAML") or "{}") or {}
-        self.job_source = f"{RAYJOB.relative_to(REPO)} spec.entrypoint"
         deployments = objects.of_kind("Deployment")
         ray = [d for d in deployments if preflight.is_ray_pod(d["spec"]["template"]["spec"]["containers"][0])]
         heads = [d for d in ray if preflight.is_head(d["spec"]["template"]["spec"]["containers"][0])]
         if len(heads) != 1 or len(ray) != 2:
             raise Failure(f"{how}: expected one Ray head Deployment and one of Ray workers, found "
                           f"{', '.join(ref(d) for d in deployments) or 'none'}")
-        self.head_dep, self.worker_dep = heads[0], next(d for d in ray if d is not heads[0])
-        self.objects = objects
         log(f"manifests: {how}: {len(objects.items)} objects; "
             + ", ".join(f"{ref(d)} x{d['spec'].get('replicas', 1)} ({objects.source(d)})"
                         for d in deployments))
+        return objects, heads[0], next(d for d in ray if d is not heads[0])
+
+    def manifests(self) -> None:
+        """The kind overlays as `make k8s-render-kind` and `make k8s-render-kind-kuberay` print them, and the
+        job of k8s/kuberay/rayjob.train.yaml; every field checked before anything starts."""
+        if self.env.get("SMOKE_RENDERED_FILE"):
+            text, how = (Path(self.env["SMOKE_RENDERED_FILE"]).read_text(),
+                         f"SMOKE_RENDERED_FILE={self.env['SMOKE_RENDERED_FILE']}")
+        else:
+            text, how = self.render("k8s-render-kind")
+        self.objects, self.head_dep, self.worker_dep = self.load(text, how)
+        self.kuberay_objects = self.load(*self.render("k8s-render-kind-kuberay"))
+        rayjob = yaml.safe_load(RAYJOB.read_text())
+        self.entrypoint = " ".join(rayjob["spec"]["entrypoint"].split())
+        self.runtime_env = yaml.safe_load(rayjob["spec"].get("runtimeEnvYAML") or "{}") or {}
+        self.job_source = f"{RAYJOB.relative_to(REPO)} spec.entrypoint"
 
     def module_in_image(self, mod: str) -> bool:
         return self.image_has(f"importlib.util.find_spec({mod!r}) is not None")
 
     def check_manifests(self) -> None:
         """preflight.check with the image: its modules and files, one container per question."""
-        preflight.check(self.objects, module_exists=self.module_in_image,
-                        file_in_image=lambda path: self.image_has(f"os.path.isfile({path!r})"),
-                        jobs=[preflight.Job(self.entrypoint, self.job_source)])
+        for objects in (self.objects, self.kuberay_objects[0]):
+            preflight.check(objects, module_exists=self.module_in_image,
+                            file_in_image=lambda path: self.image_has(f"os.path.isfile({path!r})"),
+                            jobs=[preflight.Job(self.entrypoint, self.job_source)])
         log("manifests: every pod template field implemented; modules, Service names and paths checked")
 
     def image_has(self, expr: str) -> bool:
@@ -680,12 +689,17 @@ class Smoke:
         self.k8s.up()
         self.made.add("runtime")
         log(f"pods: network {self.k8s.network} ({self.k8s.subnet}), the claims as Docker volumes")
-        head_name, workers_name = self.head_dep["metadata"]["name"], self.worker_dep["metadata"]["name"]
-        self.k8s.apply(self.head_dep)
+        self.start_ray(self.head_dep, self.worker_dep)
+
+    def start_ray(self, head_dep: dict, worker_dep: dict) -> None:
+        """The head's pods, ready; then the workers', ready; then Ray's job server and nodes."""
+        head_name, workers_name = head_dep["metadata"]["name"], worker_dep["metadata"]["name"]
+        self.head_dep, self.worker_dep = head_dep, worker_dep
+        self.k8s.apply(head_dep)
         self.head = self.k8s.wait_ready(head_name, 1, 180)[0].name
-        self.port_host = self.pod_ip(self.head_dep)
-        self.k8s.apply(self.worker_dep)
-        replicas = int(self.worker_dep["spec"].get("replicas", 1))
+        self.port_host = self.pod_ip(head_dep)
+        self.k8s.apply(worker_dep)
+        replicas = int(worker_dep["spec"].get("replicas", 1))
         self.k8s.wait_ready(workers_name, replicas, 180)
         deadline = time.monotonic() + 120
         while not self.job_server_ready():
@@ -880,6 +894,27 @@ class Smoke:
         self.summaries.append(f"a worker command's module renamed in a copy fails in one line, in the "
                               f"preflight and at run time ({ref(dep)})")
 
+    def kuberay(self) -> None:
+        """The RayCluster of k8s/overlays/kind-cpu-kuberay: its pods as KubeRay builds them (the operator's
+        `ray start` command, environment, init container and head Service; scripts/dockerlet/kuberay.py),
+        then a short run of the RayJob's entrypoint on them. The Deployments' pods go first: one Ray
+        cluster at a time on this machine's cores."""
+        self.k8s.replace = False
+        for name in list(self.k8s.pods):
+            self.k8s.delete(name, grace=0)
+        objects, head, workers = self.kuberay_objects
+        self.objects = self.k8s.objects = objects
+        self.k8s.replace = True
+        self.start_ray(head, workers)
+        name = f"{self.name}-kuberay"
+        deadline = self.submit(name, KUBERAY_STEPS)
+        self.wait_succeeded(deadline)
+        step = smoke_assert.max_train_step(self.records())
+        if step != KUBERAY_STEPS:
+            raise Failure(f"the run on the KubeRay pods ended at step {step}, not {KUBERAY_STEPS}")
+        self.summaries.append(f"the RayCluster's pods as KubeRay {kuberay.KUBERAY_VERSION} builds them "
+                              f"trained {KUBERAY_STEPS} steps")
+
     def liveness(self) -> None:
         """A copy of the worker template whose liveness probe checks a port nothing listens on: the runner
         restarts its container (its command only sleeps: no Ray node joins the cluster)."""
@@ -1040,6 +1075,8 @@ class Smoke:
             with self.timed("mutation"):
                 self.mutation()
                 self.liveness()
+            with self.timed("kuberay"):
+                self.kuberay()
             self.detail = "; ".join(self.summaries) + "; every process non-root"
             rc = 0
         except Usage as e:

@@ -18,7 +18,7 @@ import yaml
 from helpers import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
-from dockerlet import preflight  # noqa: E402
+from dockerlet import kuberay, preflight  # noqa: E402
 from dockerlet.manifests import ManifestError, Objects  # noqa: E402
 from dockerlet.podspec import PodContext, check_fields, cpu, expand, memory, translate  # noqa: E402
 from dockerlet.probes import ContainerProbes  # noqa: E402
@@ -383,3 +383,70 @@ def test_the_config_key_renamed_in_the_config_map_fails_naming_the_volume(render
 def test_a_free_subnet_avoids_the_hosts_routes():
     routes = "default via 10.0.0.1 dev eth0\n10.244.100.0/22 dev br0\n10.0.0.0/24 dev eth0\n"
     assert free_subnet(routes) == "10.244.104.0/24"
+
+
+# ------------------------------------------------------------------------------------------- KubeRay
+
+
+@pytest.fixture(scope="module")
+def rendered_kuberay() -> str:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is missing: the KubeRay kind overlay cannot be rendered")
+    r = subprocess.run(
+        [kubectl, "kustomize", "--load-restrictor=LoadRestrictionsNone", "k8s/overlays/kind-cpu-kuberay"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_the_rayclusters_pods_are_built_as_the_kuberay_operator_builds_them(rendered_kuberay, tmp_path):
+    objects = objects_of(rendered_kuberay)
+    kuberay.expand(objects)
+    check_fields(objects)
+    check(objects)  # modules, the head Service's name in the workers' address, the job's config and storage
+    head = deployment(objects, "trainapp-cpu-head")
+    workers = deployment(objects, "trainapp-cpu-cpu-worker")
+    assert workers["spec"]["replicas"] == 2
+    assert objects.source(workers) == ("k8s/kuberay/raycluster.gpu.yaml, renamed trainapp-cpu by "
+                                       "k8s/overlays/kind-cpu-kuberay RayCluster/trainapp-cpu "
+                                       "spec.workerGroupSpecs[cpu] (as KubeRay v1.7.0 builds it)")
+    hc = head["spec"]["template"]["spec"]["containers"][0]
+    assert hc["command"] == ["/bin/bash", "-c", "--"]
+    assert hc["args"][0].startswith(
+        "ulimit -n ${RAY_START_ULIMIT_OPEN_FILES:-65536}; ray start --head --block "
+        "--dashboard-agent-listen-port=52365 --dashboard-host=0.0.0.0 ")
+    assert "--num-cpus=0" in hc["args"][0] and f"--memory={3 * 2**30}" in hc["args"][0]
+    wc = workers["spec"]["template"]["spec"]["containers"][0]
+    address = "trainapp-cpu-head-svc.trainapp.svc.cluster.local:6379"
+    assert f"ray start --address={address} --block" in wc["args"][0] and "--num-cpus=1" in wc["args"][0]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in wc["env"]}
+    assert env["FQ_RAY_IP"] == address.split(":")[0] and env["RAY_IP"] == "trainapp-cpu-head-svc"
+    assert env["KUBERAY_GEN_RAY_START_CMD"] == wc["args"][0].split("; ", 1)[1]
+    assert env["RAY_CLUSTER_NAME"] == {"fieldRef": {"fieldPath": "metadata.labels['ray.io/cluster']"}}
+    labels = workers["spec"]["template"]["metadata"]["labels"]
+    assert (labels["ray.io/node-type"], labels["ray.io/group"], labels["app.kubernetes.io/created-by"]) == (
+        "worker", "cpu", "kuberay-operator")
+    # The worker pod: its init container waits for the GCS through the head Service, then the container.
+    plan = translate(objects, workers, ctx(tmp_path, "w-0"))
+    assert [p.container for p in plan.init] == ["wait-gcs-ready"]
+    init = plan.init[0]
+    assert ("--ip", "10.244.100.10") in pairs(init.create_args)
+    assert f"ray health-check --address {address}" in init.create_args[-1]
+    assert init.env["RAY_AUTH_TOKEN"] == "t0ken" and ("--cpus", "0.2") in pairs(init.create_args)
+    assert plan.env["RAY_CLUSTER_NAME"] == "trainapp-cpu" and plan.env["RAY_CLOUD_INSTANCE_ID"] == "w-0"
+    # The head Service KubeRay makes selects the head pod: its names resolve there.
+    head_plan = translate(objects, head, ctx(tmp_path, "h-0"))
+    assert "trainapp-cpu-head-svc.trainapp.svc.cluster.local" in head_plan.create_args
+
+
+def test_the_gpu_raycluster_as_written_is_refused_by_the_cpu_runner_in_one_line(tmp_path):
+    objects = Objects([yaml.safe_load((REPO / "k8s/kuberay/raycluster.gpu.yaml").read_text())],
+                      sources={("RayCluster", "trainapp-gpu"): "k8s/kuberay/raycluster.gpu.yaml"})
+    kuberay.expand(objects)
+    with pytest.raises(ManifestError) as e:
+        check_fields(objects)
+    assert str(e.value).startswith(
+        "k8s/kuberay/raycluster.gpu.yaml RayCluster/trainapp-gpu spec.workerGroupSpecs[gpu]")
+    assert "spec.template.spec.tolerations is not implemented" in str(e.value)

@@ -19,6 +19,7 @@ KINDS = {
     "PersistentVolumeClaim": "one Docker volume shared by every pod that mounts it",
     "Deployment": "spec.replicas pods from spec.template",
     "NetworkPolicy": "not enforced (the pods' network has no route out)",
+    "RayCluster": "its groups' pods, as the KubeRay operator builds them (kuberay.py)",
 }
 
 

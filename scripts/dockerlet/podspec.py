@@ -7,6 +7,8 @@ the manifest, the object and the field's path, so the manifests cannot grow unte
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
 import json
 import re
@@ -72,6 +74,8 @@ CONTAINER = {
 ITEMS = [{"key": LEAF, "path": LEAF, "mode": LEAF}]
 POD_SPEC = {
     "containers": [CONTAINER],
+    # Run to completion, one after the other, before the container: on the pod's IP, its volumes.
+    "initContainers": [{k: v for k, v in CONTAINER.items() if not k.endswith("Probe") and k != "lifecycle"}],
     "volumes": [
         {
             "name": LEAF,
@@ -258,6 +262,7 @@ class PodPlan:
     post_start: Action | None
     grace_s: float
     user: str
+    init: list[PodPlan] = field(default_factory=list)  # init containers, in order
 
 
 def template_hash(deployment: dict) -> str:
@@ -615,6 +620,19 @@ def translate(objects: Objects, deployment: dict, ctx: PodContext) -> PodPlan:
         args += ["--entrypoint", command[0], c["image"], *command[1:], *cargs]
     else:
         args += [c["image"], *cargs]
+    init = []
+    for i, ic in enumerate(spec.get("initContainers") or []):
+        # An init container as a pod of its own container, same name, IP and volumes, run before the main one.
+        alone = copy.deepcopy(deployment)
+        alone["spec"]["template"]["spec"]["containers"] = [ic]
+        alone["spec"]["template"]["spec"].pop("initContainers")
+        sub = dataclasses.replace(ctx, pod_dir=ctx.pod_dir / f"init-{i}")
+        try:
+            init.append(translate(objects, alone, sub))
+        except ManifestError as e:
+            raise ManifestError(
+                str(e).replace("spec.template.spec.containers[0]", f"spec.template.spec.initContainers[{i}]")
+            ) from None
     probes = {
         kind: probe(c[f"{kind}Probe"], ports, where, f"{cp}.{kind}Probe")
         for kind in ("startup", "liveness", "readiness")
@@ -651,4 +669,5 @@ def translate(objects: Objects, deployment: dict, ctx: PodContext) -> PodPlan:
         post_start=post_start,
         grace_s=float(spec.get("terminationGracePeriodSeconds", 30)),
         user=user,
+        init=init,
     )

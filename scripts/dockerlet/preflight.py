@@ -14,6 +14,7 @@ that fails), later and less plainly; the smoke runs one such case for real (scri
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shlex
 from collections.abc import Callable
@@ -56,17 +57,29 @@ def storage_paths(argv: list[str]) -> list[str]:
     return [a.split("=", 1)[1] for a in argv if a.split("=", 1)[0] in STORAGE_KEYS and "=" in a]
 
 
+def words(argv: list[str]) -> list[str]:
+    """argv, and the words of a shell script in it (`bash -c "...; ray start ..."`, as KubeRay writes)."""
+    out = list(argv)
+    shells = [i for i, a in enumerate(argv) if re.fullmatch(r"(?:.*/)?(?:ba)?sh", a)]
+    if shells and any(a.startswith("-") and "c" in a for a in argv[shells[0] + 1:shells[0] + 3]):
+        for script in argv[shells[0] + 2:]:
+            with contextlib.suppress(ValueError):
+                out += [w.rstrip(";") for w in shlex.split(script.replace(";", " ; ").replace("&&", " && "))]
+    return out
+
+
 def argvs(container: dict) -> dict[str, list[str]]:
-    """Every command line of a container, by the field it is in."""
-    out = {"command": [str(x) for x in (container.get("command") or []) + (container.get("args") or [])]}
+    """Every command line of a container, by the field it is in (a shell script's words included)."""
+    argv = [str(x) for x in (container.get("command") or []) + (container.get("args") or [])]
+    out = {"command": words(argv)}
     for kind in ("liveness", "readiness", "startup"):
         cmd = ((container.get(f"{kind}Probe") or {}).get("exec") or {}).get("command")
         if cmd:
-            out[f"{kind}Probe.exec.command"] = [str(x) for x in cmd]
+            out[f"{kind}Probe.exec.command"] = words([str(x) for x in cmd])
     for hook in ("preStop", "postStart"):
         cmd = (((container.get("lifecycle") or {}).get(hook) or {}).get("exec") or {}).get("command")
         if cmd:
-            out[f"lifecycle.{hook}.exec.command"] = [str(x) for x in cmd]
+            out[f"lifecycle.{hook}.exec.command"] = words([str(x) for x in cmd])
     return out
 
 
@@ -105,7 +118,7 @@ def provides(path: str, mount: dict, volume: dict, objects: Objects, namespace: 
 
 def is_ray_pod(container: dict) -> bool:
     argv = argvs(container)["command"]
-    return "ray" in [a.rsplit("/", 1)[-1] for a in argv] and "start" in argv
+    return any(a.rsplit("/", 1)[-1] == "ray" and b == "start" for a, b in zip(argv, argv[1:]))
 
 
 def is_head(container: dict) -> bool:

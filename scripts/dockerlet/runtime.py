@@ -179,9 +179,21 @@ class Runtime:
     def create(self, deployment: dict) -> Pod:
         with self.lock:
             plan = self.plan(deployment)
-        write_files(plan)
         for volume in plan.claims:
             self._claim(volume, plan.fs_group, plan.image)
+        for i, step in enumerate(plan.init):
+            write_files(step)
+            name = f"{plan.name}-init-{i}"
+            self.d("create", "--name", name, *step.create_args)
+            r = self.d("start", "--attach", name, check=False, timeout=600)
+            self.d("rm", "-f", name, check=False)
+            lines = (r.stdout + r.stderr).strip().splitlines()
+            said = f"init container {step.container} exited {r.returncode}"
+            said += f": {lines[-1]}" if lines else ""
+            self.log(f"{plan.owner} ({plan.source}) pod {plan.name}: {said}")
+            if r.returncode != 0:
+                raise PodFailure(f"{plan.owner} ({plan.source}) pod {plan.name}: {said}")
+        write_files(plan)
         self.d("create", "--name", plan.name, *plan.create_args)
         self.d("start", plan.name)
         now = time.monotonic()
