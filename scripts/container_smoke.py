@@ -41,14 +41,19 @@ worker pod killed, the other a worker pod deleted (preStop, SIGTERM) without red
              from the newest snapshot with at most snapshot.every_steps redone, for the stop run
              (--preempted SIGTERM) a `preempted` record and a resume from exactly its step
     mutation the worker Deployment changed in a copy (its command's module renamed) fails in one line
-             naming the Deployment: in the preflight, and at run time (its pod's container exits)
+             naming the Deployment: in the preflight, and at run time (its pod's container exits); a copy
+             whose liveness probe fails is restarted
+    kuberay  those pods removed, the RayCluster of k8s/overlays/kind-cpu-kuberay started, its pods as the
+             KubeRay operator v1.7.0 builds them (scripts/dockerlet/kuberay.py: the generated `ray start`,
+             env, labels, the workers' wait-gcs-ready init container, the head Service), and a 20-step run
+             of the RayJob's entrypoint on them
     teardown containers, network, volumes, the dockerd (by PID) and the temporary directory, also
              on failure or Ctrl-C
 
 What Kubernetes does that this cannot (scripts/dockerlet/__init__.py): scheduling (one host), NetworkPolicy
 enforcement, the device plugin (no GPUs), ClusterIPs (a Service's name resolves to its pods' IPs), Service
-environment variables, emptyDirs that outlive a container restart. KubeRay's RayCluster and RayJob pod
-templates are not started here (the operator generates their commands): see k8s/README.md.
+environment variables, emptyDirs that outlive a container restart, the KubeRay operator itself (its pods
+are built from a reading of its code) and the RayJob's submitter pod and autoscaler sidecar.
 
 Usage: scripts/container_smoke.py   (or `make container-smoke`); as root (it starts dockerd).
 Environment:
@@ -677,9 +682,11 @@ class Smoke:
         return self.k8s.of(deployment["metadata"]["name"])[0].plan.ip
 
     def alive_nodes(self) -> int:
+        """Ray nodes alive, from `ray status` on the head: the Active and Idle lines (" 1 node_ab12..." or,
+        with the node types KubeRay's environment names, " 2 cpu")."""
         r = self.d("exec", self.head, "ray", "status", check=False, timeout=60)
-        active = r.stdout.split("Active:", 1)[-1].split("Pending:", 1)[0] if "Active:" in r.stdout else ""
-        return len(re.findall(r"\bnode_[0-9a-f]+", active))
+        alive = r.stdout.split("Active:", 1)[-1].split("Pending:", 1)[0] if "Active:" in r.stdout else ""
+        return sum(int(m) for m in re.findall(r"^\s*(\d+)\s+\S+\s*$", alive, re.M))
 
     def start_cluster(self) -> None:
         """The Deployments' pods from their templates, the head's first (a worker's `ray start` gives up when
