@@ -450,3 +450,17 @@ def test_the_gpu_raycluster_as_written_is_refused_by_the_cpu_runner_in_one_line(
     assert str(e.value).startswith(
         "k8s/kuberay/raycluster.gpu.yaml RayCluster/trainapp-gpu spec.workerGroupSpecs[gpu]")
     assert "spec.template.spec.tolerations is not implemented" in str(e.value)
+
+
+def test_a_head_template_that_names_itself_leaves_kuberays_head_service_without_a_pod(rendered_kuberay,
+                                                                                      tmp_path):
+    # KubeRay's head Service selects app.kubernetes.io/name=kuberay: the raycluster's header says to leave it.
+    old = "app.kubernetes.io/component: ray-head\n"
+    rendered = rendered_kuberay.replace(old, old + "          app.kubernetes.io/name: mine\n")
+    assert rendered != rendered_kuberay
+    objects = objects_of(rendered)
+    kuberay.expand(objects)
+    plan = translate(objects, deployment(objects, "trainapp-cpu-head"), ctx(tmp_path, "h-0"))
+    assert "trainapp-cpu-head-svc" not in plan.create_args
+    with pytest.raises(ManifestError, match=r"Service/trainapp-cpu-head-svc: spec.selector .* selects no"):
+        check(objects)

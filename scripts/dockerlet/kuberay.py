@@ -212,7 +212,14 @@ def objects_of(cluster: dict, source: str) -> tuple[list[dict], dict, dict[tuple
         "kind": "Service",
         "metadata": {"name": head_service_name(cluster), "namespace": ns},
         "spec": {
-            "selector": {"ray.io/cluster": name, "ray.io/node-type": "head"},
+            # HeadServiceLabels (service.go): a template label app.kubernetes.io/name would leave it no pod.
+            "selector": {
+                "ray.io/cluster": name,
+                "ray.io/node-type": "head",
+                "ray.io/identifier": f"{name}-head",
+                "app.kubernetes.io/name": "kuberay",
+                "app.kubernetes.io/created-by": "kuberay-operator",
+            },
             "ports": [
                 {"name": p["name"], "port": p["containerPort"], "targetPort": p["containerPort"]}
                 for p in head.get("ports") or []

@@ -176,6 +176,13 @@ def check(
                         f"{head}: {cp}: {v!r}: Service {name} has no port {port} "
                         f"(ports: {', '.join(map(str, sorted(services[name])))})"
                     )
+    for svc in objects.of_kind("Service"):
+        selector = svc["spec"].get("selector") or {}
+        templates = [d["spec"]["template"].get("metadata", {}).get("labels") or {} for d in deployments
+                     if namespace_of(d) == namespace_of(svc)]
+        if selector and not any(all(t.get(k) == v for k, v in selector.items()) for t in templates):
+            problems.append(f"{objects.source(svc)} {ref(svc)}: spec.selector {selector} selects no pod of "
+                            "any Deployment: its name would resolve to nothing")
     ray = [(d, c) for d in deployments for c in d["spec"]["template"]["spec"]["containers"] if is_ray_pod(c)]
     heads = [(d, c) for d, c in ray if is_head(c)]
     for job in jobs:
