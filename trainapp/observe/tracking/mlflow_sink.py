@@ -23,6 +23,32 @@ MOST = 900
 """Values per `log_batch` call (MLflow takes 1000 metrics, params and tags together)."""
 
 
+def make_sqlite_store(uri: str) -> None:
+    """A new SQLite store (`sqlite:///PATH`) made whole in a file beside PATH, then linked into place.
+
+    MLflow creates a store's tables in many steps; a process killed among them (a rank Ray Train stops
+    because another one failed) leaves a store no later process can open ("table ... already exists").
+    Made aside, a store is either whole at PATH or not there at all; a process that loses the race to
+    link it keeps the one that won."""
+    if not uri.startswith("sqlite:///"):
+        return
+    path = Path(uri.removeprefix("sqlite:///").split("?", 1)[0])
+    if not path.name or path.exists():
+        return
+    from mlflow.tracking import MlflowClient
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    MlflowClient(tracking_uri=f"sqlite:///{tmp.resolve()}").search_experiments(max_results=1)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 class MlflowSink:
     name = "mlflow"
 
@@ -39,6 +65,7 @@ class MlflowSink:
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
             from mlflow.tracking import MlflowClient
 
+            make_sqlite_store(self.uri)
             self._client = MlflowClient(tracking_uri=self.uri)
         return self._client
 
