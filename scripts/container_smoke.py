@@ -109,7 +109,7 @@ import smoke_assert  # noqa: E402  (the shared assertions, beside this script)
 import yaml  # noqa: E402
 from dockerlet import kuberay, preflight  # noqa: E402  (pods from the rendered manifests, beside this script)
 from dockerlet.manifests import ManifestError, Objects, namespace_of, ref  # noqa: E402
-from dockerlet.podspec import check_fields, selects  # noqa: E402
+from dockerlet.podspec import check_fields, dns_names, selects  # noqa: E402
 from dockerlet.runtime import PodFailure, Runtime  # noqa: E402
 
 from trainapp.observe import metrics  # noqa: E402  (standard library only: the one metrics.jsonl reader)
@@ -247,7 +247,6 @@ class Smoke:
         self.engine_up = False
         self.build: subprocess.Popen | None = None
         self.debootstrap: subprocess.Popen | None = None
-        self.made: set[str] = set()
         self.task_image: str | None = None
         self.servers: list[subprocess.Popen] = []
         self.submitted = False
@@ -694,7 +693,6 @@ class Smoke:
         self.k8s = Runtime(self.objects, docker=self.d, label=self.label, prefix=f"trainapp-smoke-{self.id}",
                            workdir=self.tmp, log=log)
         self.k8s.up()
-        self.made.add("runtime")
         log(f"pods: network {self.k8s.network} ({self.k8s.subnet}), the claims as Docker volumes")
         self.start_ray(self.head_dep, self.worker_dep)
 
@@ -727,7 +725,7 @@ class Smoke:
             name, ns = svc["metadata"]["name"], namespace_of(svc)
             ips = sorted(p.plan.ip for p in self.k8s.pods.values()
                          if not p.deleting and selects(svc, p.plan.labels))
-            names = [name, f"{name}.{ns}", f"{name}.{ns}.svc", f"{name}.{ns}.svc.cluster.local"]
+            names = dns_names(name, ns)
             code = ("import socket, sys; print(' '.join(sorted({a[4][0] for n in sys.argv[1:] "
                     "for a in socket.getaddrinfo(n, None, socket.AF_INET)})))")
             r = self.d("exec", client, "python", "-c", code, *names, check=False, timeout=60)

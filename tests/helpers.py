@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from trainapp.observe.metrics import read as metrics  # noqa: F401  (the tests' name for the one reader)
@@ -50,6 +53,19 @@ class Result:
     @property
     def output(self) -> str:
         return self.stdout + self.stderr
+
+
+@functools.cache
+def render_overlay(overlay: str) -> str:
+    """`kubectl kustomize` of k8s/overlays/OVERLAY as `make k8s-render-kind` does it (once per process);
+    the test is skipped where kubectl is missing."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip(f"kubectl is missing: k8s/overlays/{overlay} cannot be rendered")
+    r = subprocess.run([kubectl, "kustomize", "--load-restrictor=LoadRestrictionsNone",
+                        f"k8s/overlays/{overlay}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
 
 
 def tool(name: str) -> Path:

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO
+from helpers import REPO, render_overlay
 from test_smoke_assert import TOTAL, smoke_assert, write_run
 
 SCRIPT = REPO / "scripts" / "container_smoke.py"
@@ -123,12 +122,7 @@ def test_an_engine_that_does_not_answer_exits_2_and_leaves_no_temporary_director
 ])
 def test_a_rendered_manifest_with_a_field_the_runner_lacks_fails_the_smoke_in_one_line(
         tmp_path, fake_bin, old, new, expected):
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is missing: the kind overlay cannot be rendered")
-    rendered = subprocess.run(
-        [kubectl, "kustomize", "--load-restrictor=LoadRestrictionsNone", "k8s/overlays/kind-cpu"],
-        cwd=REPO, capture_output=True, text=True, timeout=120, check=True).stdout
+    rendered = render_overlay("kind-cpu")
     assert old in rendered
     (tmp_path / "rendered.yaml").write_text(rendered.replace(old, new))
     r = smoke({"PATH": f"{fake_bin}:{os.environ['PATH']}", "RAY": str(fake_bin / "ray"), "FAKE_ENGINE": "1",

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO
+from helpers import REPO, render_overlay
 
 sys.path.insert(0, str(REPO / "scripts"))
 from dockerlet import kuberay, preflight  # noqa: E402
@@ -32,18 +30,7 @@ JOB = preflight.Job(
 
 @pytest.fixture(scope="module")
 def rendered() -> str:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is missing: the kind overlay cannot be rendered")
-    r = subprocess.run(
-        [kubectl, "kustomize", "--load-restrictor=LoadRestrictionsNone", "k8s/overlays/kind-cpu"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stderr
-    return r.stdout
+    return render_overlay("kind-cpu")
 
 
 def objects_of(text: str) -> Objects:
@@ -390,15 +377,7 @@ def test_a_free_subnet_avoids_the_hosts_routes():
 
 @pytest.fixture(scope="module")
 def rendered_kuberay() -> str:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is missing: the KubeRay kind overlay cannot be rendered")
-    r = subprocess.run(
-        [kubectl, "kustomize", "--load-restrictor=LoadRestrictionsNone", "k8s/overlays/kind-cpu-kuberay"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )
-    assert r.returncode == 0, r.stderr
-    return r.stdout
+    return render_overlay("kind-cpu-kuberay")
 
 
 def test_the_rayclusters_pods_are_built_as_the_kuberay_operator_builds_them(rendered_kuberay, tmp_path):

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import pytest
 import tomllib
 import yaml
-from helpers import PY, REPO, tool
+from helpers import PY, REPO, render_overlay, tool
 
 K8S = REPO / "k8s"
 PLAIN = sorted(K8S.glob("*.yaml"))  # `kubectl apply -f k8s/` applies exactly these
@@ -485,13 +485,7 @@ def resolved_config(config_yaml: str, overrides: list[str], tmp: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def rendered_text() -> str:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is missing: the kind overlay cannot be rendered")
-    r = subprocess.run([kubectl, "kustomize", "--load-restrictor=LoadRestrictionsNone", str(OVERLAY)],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    return r.stdout
+    return render_overlay(OVERLAY.name)
 
 
 @pytest.fixture(scope="module")

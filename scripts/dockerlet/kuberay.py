@@ -27,9 +27,10 @@ submitter pod; the runner refuses what they would need.
 from __future__ import annotations
 
 import copy
+import math
 
 from .manifests import Objects, namespace_of
-from .podspec import memory
+from .podspec import cpu, memory
 
 KUBERAY_VERSION = "v1.7.0"
 AGENT_PORT, METRICS_PORT = 52365, 8080
@@ -59,13 +60,9 @@ def params_flags(params: dict[str, str]) -> str:
 
 def ray_start(kind: str, params: dict[str, str], resources: dict) -> str:
     limits, requests = resources.get("limits") or {}, resources.get("requests") or {}
-    cpu = limits.get("cpu", requests.get("cpu"))
-    if "num-cpus" not in params and cpu is not None:
-        s = str(cpu)
-        cores = (
-            -(-int(s[:-1]) // 1000) if s.endswith("m") else -(-float(s) // 1)
-        )  # Quantity.Value() rounds up
-        params["num-cpus"] = str(int(cores))
+    cores = limits.get("cpu", requests.get("cpu"))
+    if "num-cpus" not in params and cores is not None:
+        params["num-cpus"] = str(math.ceil(cpu(cores)))  # Quantity.Value() rounds up
     if "memory" not in params and "memory" in limits:
         params["memory"] = str(memory(limits["memory"]))
     if "num-gpus" not in params and "nvidia.com/gpu" in limits:

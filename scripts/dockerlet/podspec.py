@@ -102,10 +102,13 @@ POD_SPEC = {
     "dnsPolicy": LEAF,
     "enableServiceLinks": LEAF,
 }
-DEPLOYMENT = {
+OBJECT = {
     "apiVersion": LEAF,
     "kind": LEAF,
     "metadata": {"name": LEAF, "namespace": LEAF, "labels": LEAF, "annotations": LEAF},
+}
+DEPLOYMENT = {
+    **OBJECT,
     "spec": {
         "replicas": LEAF,
         "selector": {"matchLabels": LEAF},
@@ -117,9 +120,7 @@ DEPLOYMENT = {
     },
 }
 SERVICE = {
-    "apiVersion": LEAF,
-    "kind": LEAF,
-    "metadata": {"name": LEAF, "namespace": LEAF, "labels": LEAF, "annotations": LEAF},
+    **OBJECT,
     "spec": {
         "type": LEAF,
         "selector": LEAF,
@@ -255,6 +256,7 @@ class PodPlan:
     env: dict[str, str]  # written to the env file (values stay off command lines)
     env_file: Path
     files: dict[Path, tuple[bytes, int]]  # ConfigMap and Secret files: host path -> (content, mode)
+    dirs: list[Path]  # their volumes' directories, made even when a volume holds no file
     claims: dict[str, str]  # Docker volume -> claim name
     fs_group: int | None
     probes: dict[str, ProbeSpec]
@@ -356,14 +358,13 @@ def service_aliases(
                     f"port {p['port']} -> targetPort {target}: the runner's "
                     "Service names resolve to the pods' IPs, with no port mapping between",
                 )
-        name = svc["metadata"]["name"]
-        names += [
-            name,
-            f"{name}.{namespace}",
-            f"{name}.{namespace}.svc",
-            f"{name}.{namespace}.svc.cluster.local",
-        ]
+        names += dns_names(svc["metadata"]["name"], namespace)
     return names
+
+
+def dns_names(name: str, namespace: str) -> list[str]:
+    """A Service's names in the cluster's DNS, short to fully qualified."""
+    return [name, f"{name}.{namespace}", f"{name}.{namespace}.svc", f"{name}.{namespace}.svc.cluster.local"]
 
 
 @dataclass
@@ -552,6 +553,7 @@ def translate(objects: Objects, deployment: dict, ctx: PodContext) -> PodPlan:
     # --- volumes
     volumes = {v["name"]: v for v in spec.get("volumes") or []}
     files: dict[Path, tuple[bytes, int]] = {}
+    dirs: list[Path] = []
     claims: dict[str, str] = {}
     mounted: set[str] = set()
     for i, m in enumerate(c.get("volumeMounts") or []):
@@ -592,7 +594,7 @@ def translate(objects: Objects, deployment: dict, ctx: PodContext) -> PodPlan:
             source = vdir / sub if sub else vdir
             args += ["--mount", f"type=bind,source={source},destination={target},readonly"]
             if not sub:
-                files.setdefault(vdir, (b"", -1))  # the directory itself, even when empty
+                dirs.append(vdir)
         elif "persistentVolumeClaim" in vol:
             claim = vol["persistentVolumeClaim"]["claimName"]
             if objects.get("PersistentVolumeClaim", claim, namespace) is None:
@@ -662,6 +664,7 @@ def translate(objects: Objects, deployment: dict, ctx: PodContext) -> PodPlan:
         env=env,
         env_file=ctx.pod_dir / "env",
         files=files,
+        dirs=dirs,
         claims=claims,
         fs_group=fs_group,
         probes=probes,

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .manifests import ManifestError, Objects, namespace_of, ref
+from .podspec import selects
 
 HOST_PORT = re.compile(r"^(?:--[\w-]+=)?(?:[a-z]+://)?([a-z][a-z0-9-]*(?:\.[a-z0-9-]+)*):(\d+)(?:/.*)?$")
 STORAGE_KEYS = ("ray.storage_path", "run.dir")
@@ -180,7 +181,7 @@ def check(
         selector = svc["spec"].get("selector") or {}
         templates = [d["spec"]["template"].get("metadata", {}).get("labels") or {} for d in deployments
                      if namespace_of(d) == namespace_of(svc)]
-        if selector and not any(all(t.get(k) == v for k, v in selector.items()) for t in templates):
+        if selector and not any(selects(svc, t) for t in templates):
             problems.append(f"{objects.source(svc)} {ref(svc)}: spec.selector {selector} selects no pod of "
                             "any Deployment: its name would resolve to nothing")
     ray = [(d, c) for d in deployments for c in d["spec"]["template"]["spec"]["containers"] if is_ray_pod(c)]

@@ -220,14 +220,18 @@ class Runtime:
         with self.lock:
             return [p.name for p in self.pods.values() if not p.deleting]
 
-    def state(self, pod: Pod) -> tuple[bool, int]:
-        r = self.d(
-            "inspect", "-f", "{{.State.Running}} {{.State.ExitCode}}", pod.name, check=False, timeout=30
-        )
-        if r.returncode != 0:
-            return False, -1
-        running, code = r.stdout.split()
-        return running == "true", int(code)
+    def states(self, pods: list[Pod]) -> dict[str, tuple[bool, int]]:
+        """Running and exit code of every pod's container, in one `docker inspect` (a pod whose container
+        is gone: not running, -1)."""
+        if not pods:
+            return {}
+        r = self.d("inspect", "-f", "{{.Name}} {{.State.Running}} {{.State.ExitCode}}",
+                   *[p.name for p in pods], check=False, timeout=30)
+        found = {}
+        for line in r.stdout.splitlines():
+            name, running, code = line.split()
+            found[name.lstrip("/")] = (running == "true", int(code))
+        return {p.name: found.get(p.name, (False, -1)) for p in pods}
 
     def last_log(self, pod: Pod, n: int = 1) -> str:
         r = self.d("logs", "--tail", str(n), pod.name, check=False, timeout=30)
@@ -322,21 +326,22 @@ class Runtime:
         while not self.stopping.wait(TICK_S):
             with self.lock:
                 pods = [p for p in self.pods.values() if not p.deleting]
+            try:
+                states = self.states([p for p in pods if p.restart_at is None])
+            except Exception:  # the engine is busy: ask again at the next tick
+                continue
             for pod in pods:
                 try:
-                    self._tick(pod)
+                    self._tick(pod, *states.get(pod.name, (False, -1)))
                 except Exception as e:  # one pod's trouble must not stop the others' probes
                     pod.reason = f"runner: {e.__class__.__name__}: {e}"
 
-    def _tick(self, pod: Pod) -> None:
+    def _tick(self, pod: Pod, running: bool, code: int) -> None:
         now = time.monotonic()
-        if pod.deleting:
-            return
         if pod.restart_at is not None:
             if now >= pod.restart_at:
                 self._start_again(pod, pod.reason)
             return
-        running, code = self.state(pod)
         if not running:
             if pod.deleting:
                 return
@@ -431,11 +436,10 @@ def write_files(plan: PodPlan) -> None:
     with os.fdopen(fd, "w") as f:
         f.writelines(f"{k}={v}\n" for k, v in plan.env.items())
     gid = plan.fs_group if plan.fs_group is not None else 0
+    for path in plan.dirs:
+        path.mkdir(parents=True, exist_ok=True)
+        path.chmod(0o755)
     for path, (content, mode) in sorted(plan.files.items()):
-        if mode < 0:
-            path.mkdir(parents=True, exist_ok=True)
-            path.chmod(0o755)
-            continue
         path.parent.mkdir(parents=True, exist_ok=True)
         path.parent.chmod(0o755)
         path.write_bytes(content)
