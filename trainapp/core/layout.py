@@ -35,7 +35,7 @@ class Layout:
     """The global batch of this run and how rank `rank` of `world_size` takes part in it. Mutable in one
     place only: `resume`, when the snapshot's progress is loaded (before anything reads it)."""
 
-    def __init__(self, train: TrainSection, world_size: int, rank: int, samples: int):
+    def __init__(self, train: TrainSection, world_size: int, rank: int, samples: int | None):
         self.train, self.world_size, self.rank, self.samples = train, world_size, rank, samples
         self.micro_batch = train.batch_size
         self.global_batch = train.global_batch or train.batch_size * train.grad_accum * world_size
@@ -85,7 +85,7 @@ class Layout:
             raise ConfigError(f"{key}: the global batch {G} is {self.slots} micro-batch(es) of {b}, fewer "
                               f"than the {W} ranks; set train.global_batch to at least {b * W}, lower "
                               "train.batch_size, run on fewer workers, or set train.on_resize=rescale")
-        if G > self.samples:
+        if self.samples is not None and G > self.samples:  # a stream's length is not known
             raise ConfigError(f"{key}: the global batch {G} exceeds the {self.samples} training samples; "
                               "lower train.batch_size, train.grad_accum or train.global_batch")
 

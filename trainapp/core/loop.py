@@ -78,9 +78,9 @@ class Trainer:
     def _loop(self, bar: tqdm, meter: Throughput) -> None:
         t, p, total = self.cfg.train, self.parts.progress, self.parts.total_steps
         batches = None
-        while p.global_step < total:
+        while p.global_step < total and p.epoch < t.epochs:  # a stream may run out before `total`
             batches = self._counted_step(batches, meter, bar)
-            last = p.global_step == total
+            last = p.global_step == total or p.epoch == t.epochs
             decision = self.boundary.decide(p.global_step, last)
             if decision.stop:
                 self._stop(decision.stop, meter, bar)
@@ -100,11 +100,14 @@ class Trainer:
         snapshot in flight polled; the batches of the next step (None when this one ended the epoch)."""
         p = self.parts.progress
         if batches is None:
-            batches = self.parts.batches.epoch(p.epoch, p.epoch_sample)
+            with self.clock.phase("data"):
+                batches = self.parts.batches.epoch(p.epoch, p.epoch_sample)
         self._loss_sum += self._step(batches)
         self._loss_steps += 1
         meter.step()
-        if p.advance(self.parts.batches.steps_from):
+        with self.clock.phase("data"):  # a stream reads the next step's batches here (trainapp/core/stream.py)
+            ended = p.advance(self.parts.batches.steps_from)
+        if ended:
             batches = None  # the epoch is over: the next step starts the next one
         bar.update(1)
         self.guard.heartbeat.beat(p.global_step)
@@ -274,6 +277,7 @@ class Trainer:
                    "final_loss": self.last_loss, **val_metrics(self.last_eval),
                    "world_size": self.ctx.world_size, "samples_per_s": samples_per_s,
                    "skipped_steps": int(p.skipped.item()), "snapshots": self.snapshots.where,
+                   **({"data": dict(self.parts.batches.account)} if hasattr(self.parts.batches, "account") else {}),
                    "state_bytes": parallel.state_bytes(self.parts.model, self.parts.optimizer, self.ctx)}
         self._finish_snapshots()  # the final snapshot is on disk before the run says it ended
         summary["model"] = export_final(self.cfg, self.ctx, self.parts, self.snapshots)  # run.export

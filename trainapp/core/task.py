@@ -7,6 +7,7 @@ the task's.
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
@@ -15,6 +16,7 @@ from torch.utils.data import default_collate
 
 from trainapp.config import Config, ConfigError
 from trainapp.errors import first_line
+from trainapp.streams.api import is_stream
 from trainapp.tasks.api import TaskContext
 
 if TYPE_CHECKING:
@@ -58,19 +60,35 @@ class BoundTask:
         self.state = task if has_state else None
         """The task as a stateful part of the run, when it has state of its own."""
 
-    def datasets(self) -> tuple[MapStyle, MapStyle]:
+    def datasets(self) -> tuple[Any, Any]:
+        """(train, val): each a map-style dataset or a stream (trainapp/streams/), checked."""
         out = self.task.datasets(self.ctx)
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
             raise ConfigError(f"task.name={self.name!r}: datasets(ctx) returned {_what(out)}; it must return "
-                              f"(train, val), two map-style datasets ({DOCS})")
+                              f"(train, val), two map-style datasets or streams ({DOCS})")
         for which, ds in zip(("train", "val"), out):
+            if is_stream(ds):
+                self._check_stream(which, ds)
+                continue
             if not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
                 raise ConfigError(f"task.name={self.name!r}: datasets(ctx) returned a {which} set without "
                                   f"len() and [index] ({_what(ds)}); return map-style datasets, such as a "
-                                  "torch.utils.data.Dataset or a list")
+                                  "torch.utils.data.Dataset or a list, or a stream with shards() and "
+                                  f"open(shard, start) ({DOCS})")
             if len(ds) == 0:
                 raise ConfigError(f"task.name={self.name!r}: datasets(ctx) returned an empty {which} set")
         return out[0], out[1]
+
+    def _check_stream(self, which: str, stream: Any) -> None:
+        shards = stream.shards()
+        if not isinstance(shards, (list, tuple)) or not shards:
+            raise ConfigError(f"task.name={self.name!r}: the {which} stream's shards() returned {_what(shards)}; "
+                              "it must return a non-empty list of shard descriptors (paths, URLs, indices)")
+        try:
+            pickle.dumps(list(shards))
+        except Exception as e:
+            raise ConfigError(f"task.name={self.name!r}: the {which} stream's shards cannot be pickled "
+                              f"({first_line(e)}); describe each shard by a path, URL or number") from None
 
     def model(self) -> torch.nn.Module:
         torch.manual_seed(self.ctx.seed)  # the same initial weights on every rank and in every run

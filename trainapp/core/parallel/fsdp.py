@@ -175,11 +175,14 @@ def _padded(loader: DataLoader, ctx: DistContext) -> Iterator[tuple[bool, Any]]:
     """(padding, batch) pairs: this rank's validation batches, then as many more
     (padding=True, results dropped) as the rank with the most has: every forward of a sharded model is a
     collective of all ranks."""
-    yield from ((False, b) for b in loader)
-    mine = len(loader)
+    mine, last = 0, None  # counted: a stream's loader has no length
+    for last in loader:
+        mine += 1
+        yield False, last
     extra = max(ctx.all_gather_objects(mine)) - mine
     if extra > 0:
-        pad = loader.collate_fn([loader.dataset[0]])
+        sample = getattr(loader.dataset, "sample_batch", None)  # a validation stream's (trainapp/core/stream.py)
+        pad = last if mine else sample() if sample else loader.collate_fn([loader.dataset[0]])  # type: ignore[index]
         for _ in range(extra):
             yield True, pad
 

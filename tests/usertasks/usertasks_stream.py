@@ -1,0 +1,124 @@
+"""A user's task whose training data is a stream of shards (trainapp/streams/): JSON Lines files or
+WebDataset-style tar files written under RUN_DIR/shards by rank 0. Its items carry an id; its loss writes
+the sample ledger as usertasks_ledger's does (the same model: dropout and BatchNorm), so tests can count
+what every step trained (tests/test_stream.py, bench/stream.py).
+
+`lengths`: the shards' lengths ("equal": `rows` split evenly; "uneven": lengths that differ by up to 3x).
+`fault`: "ignore_start" (an `open` that starts every shard at its first item whatever `start` says),
+"broken:N" (shard N fails to open every time), "flaky:N" (shard N fails its first two opens).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import torch
+from usertasks_ledger import Ledger
+
+from trainapp import streams
+
+
+def lengths_of(rows: int, shards: int, lengths: str) -> list[int]:
+    if lengths == "equal":
+        return [rows // shards] * shards
+    weights = [1 + (i * 7) % 5 for i in range(shards)]  # 1..5, a fixed pattern
+    out = [max(1, rows * w // sum(weights)) for w in weights]
+    out[0] += rows - sum(out)
+    return out
+
+
+def write_shards(folder: Path, seed: int, rows: int, shards: int, lengths: str, fmt: str) -> list[Path]:
+    """The shards' files (ids 0 .. rows-1 in shard order), written once."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 8, generator=g)
+    y = (x[:, :4].sum(1) > 0).long()
+    folder.mkdir(parents=True, exist_ok=True)
+    paths, first = [], 0
+    for s, n in enumerate(lengths_of(rows, shards, lengths)):
+        path = folder / f"shard-{s:04d}.{fmt}"
+        paths.append(path)
+        ids = range(first, first + n)
+        first += n
+        if path.exists():
+            continue
+        tmp = path.with_suffix(".tmp")
+        if fmt == "jsonl":
+            tmp.write_text("".join(json.dumps({"x": x[i].tolist(), "y": int(y[i]), "id": i}) + "\n" for i in ids))
+        else:
+            with tarfile.open(tmp, "w") as t:
+                for i in ids:
+                    for ext, data in (("x.json", json.dumps(x[i].tolist())), ("cls", str(int(y[i])))):
+                        raw = data.encode()
+                        info = tarfile.TarInfo(f"{i:08d}.{ext}")
+                        info.size = len(raw)
+                        t.addfile(info, io.BytesIO(raw))
+        os.replace(tmp, path)
+    return paths
+
+
+def from_json(row: dict) -> tuple:
+    return torch.tensor(row["x"]), row["y"], row["id"]
+
+
+def from_tar(sample: dict) -> tuple:
+    return torch.tensor(json.loads(sample["x.json"])), int(sample["cls"]), int(sample["__key__"])
+
+
+class Faulty:
+    """A stream that misbehaves as `fault` says."""
+
+    def __init__(self, inner, fault: str, folder: Path):
+        self.inner, self.fault, self.folder = inner, fault, folder
+
+    def shards(self):
+        return self.inner.shards()
+
+    def open(self, shard, start):
+        kind, _, n = self.fault.partition(":")
+        if kind == "ignore_start":
+            return self.inner.open(shard, 0)
+        if str(shard).endswith(f"shard-{int(n):04d}.jsonl"):
+            if kind == "broken":
+                raise OSError(f"cannot reach {shard}")
+            marker = self.folder / f"opened-{os.getpid()}"
+            tries = int(marker.read_text()) if marker.exists() else 0
+            marker.write_text(str(tries + 1))
+            if tries < 2:
+                raise OSError(f"connection reset reading {shard}")
+        return self.inner.open(shard, start)
+
+
+class StreamLedger(Ledger):
+    def __init__(self, rows: int = 1024, shards: int = 8, lengths: str = "equal", fmt: str = "jsonl",
+                 fault: str = "", val: str = "stream", step_s: float = 0.0, record: bool = True):
+        super().__init__(rows=rows, step_s=step_s, record=record)
+        self.shards, self.lengths, self.fmt, self.fault, self.val = shards, lengths, fmt, fault, val
+
+    def datasets(self, ctx):
+        super().datasets(ctx)  # the attempt's name
+        folder = Path(ctx.run_dir) / "shards"
+        if ctx.is_main:
+            write_shards(folder, ctx.seed, self.rows, self.shards, self.lengths, self.fmt)
+            write_shards(folder / "val", ctx.seed + 1, 64, 2, "equal", "jsonl")
+        ctx.barrier()
+        paths = sorted(folder.glob(f"shard-*.{self.fmt}"))
+        train = streams.jsonl(paths, from_json) if self.fmt == "jsonl" else streams.tar(paths, from_tar)
+        if self.fault:
+            train = Faulty(train, self.fault, folder)
+        val = streams.jsonl(sorted((folder / "val").glob("*.jsonl")), from_json)
+        if self.val == "map":
+            val = [item for shard in val.shards() for item in val.open(shard, 0)]
+        return train, val
+
+
+def shard_ids(rows: int, shards: int, lengths: str) -> list[range]:
+    """Each shard's ids, in shard order (as write_shards numbers them)."""
+    out, first = [], 0
+    for n in lengths_of(rows, shards, lengths):
+        out.append(range(first, first + n))
+        first += n
+    return out

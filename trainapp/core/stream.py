@@ -1,0 +1,380 @@
+"""A stream's batches (trainapp/streams/): the lanes of trainapp/core/lanes.py read by this rank's
+loader, the position the steps consumed, and the epoch's end agreed by every rank.
+
+Rank r runs slots r, r + W, ... of each step (trainapp/core/layout.py), so it reads those lanes. A
+loader worker serves every n-th of the rank's lanes (n divides the rank's micro-batches per step, so
+DataLoader's round-robin over workers gives the micro-batches in slot order) and yields each
+micro-batch with the lane's position after it; the position becomes the run's only when a step
+consumes the micro-batch. Before each step every rank reads its micro-batches ahead, and one
+all-reduce says whether all ranks have theirs: when a lane runs dry the epoch ends on every rank at
+the same step, and what the other lanes had not read is dealt first in the next epoch.
+
+Items are read with the generators seeded from (seed, epoch, shard, item), as map-style items are
+(trainapp/core/data.py `SeededItems`), so a resumed run's augmentations are the straight run's.
+A lane reopened after a snapshot first re-reads the item before its position and compares its
+digest: a stream whose `open(shard, start)` does not start at `start` is found at the first resume.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import pickle
+import random
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from trainapp.config import ConfigError
+from trainapp.core.lanes import Deal, Piece
+from trainapp.core.state import derived_seed
+from trainapp.errors import Failure, first_line
+
+if TYPE_CHECKING:
+    from trainapp.core.layout import Layout
+    from trainapp.group import DistContext
+
+log = logging.getLogger(__name__)
+
+DOCS = "docs/your-own-model.md#streaming-data"
+
+
+class ShardError(Failure):
+    """A shard that could not be read after `data.shard_retries` retries (and was not to be skipped)."""
+
+    cause = "data"
+
+
+def item_digest(item: Any) -> str:
+    """A digest of an item's content (tensors, arrays, numbers, strings, bytes, and dicts, lists and tuples
+    of them; anything else by its pickle)."""
+    h = hashlib.blake2b(digest_size=12)
+
+    def feed(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(x, np.ndarray):
+            h.update(f"A{x.dtype}{x.shape}".encode())
+            h.update(np.ascontiguousarray(x).tobytes())
+        elif isinstance(x, dict):
+            h.update(b"D")
+            for k in sorted(x, key=repr):
+                feed(k)
+                feed(x[k])
+        elif isinstance(x, (list, tuple)):
+            h.update(f"L{len(x)}".encode())
+            for v in x:
+                feed(v)
+        elif isinstance(x, (bytes, bytearray)):
+            h.update(b"B" + bytes(x))
+        elif isinstance(x, (str, int, float, bool)) or x is None:
+            h.update(repr(x).encode())
+        else:
+            h.update(pickle.dumps(x))
+
+    feed(item)
+    return h.hexdigest()
+
+
+def shards_digest(shards: list[Any]) -> str:
+    return hashlib.blake2b(repr(shards).encode(), digest_size=8).hexdigest()
+
+
+class _Source:
+    """The stream as one loader worker reads it: shards opened with retries, items read seeded."""
+
+    def __init__(self, stream: Any, shards: list[Any], seed: int, random_items: bool, retries: int,
+                 skip_bad: bool):
+        self.stream, self.shards, self.seed, self.random_items = stream, shards, seed, random_items
+        self.retries, self.skip_bad = retries, skip_bad
+
+    def read(self, it: Iterator[Any], piece: Piece, item: int) -> Any:
+        """The next item of `it`, item number `item` of the piece's shard (StopIteration at its end)."""
+        if not self.random_items:
+            return next(it)
+        seed = derived_seed(self.seed, piece[0], "shard", piece[1], item)
+        gen = torch.default_generator
+        saved = gen.get_state()
+        gen.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed & 0xFFFFFFFF)
+        try:
+            return next(it)
+        finally:
+            gen.set_state(saved)
+
+    def open(self, piece: Piece, item: int, check: str | None) -> Iterator[Any]:
+        """The piece's shard from `item` on; with `check`, the item before it is re-read first and must
+        have that digest (ConfigError otherwise: the stream's `open` did not start where asked)."""
+        shard = self.shards[piece[1]]
+        if check is None or item == 0:
+            return iter(self.stream.open(shard, item))
+        it = iter(self.stream.open(shard, item - 1))
+        try:
+            before = item_digest(self.read(it, piece, item - 1))
+        except StopIteration:
+            before = "(the shard ended before it)"
+        if before != check:
+            raise ConfigError(f"the train stream's open({shard!r}, {item - 1}) gave an item other than item "
+                              f"{item - 1} of a read from the start: open(shard, start) must start at item "
+                              f"`start` and give the same items every time ({DOCS})")
+        return it
+
+
+class _Lane:
+    """One lane's reader in a loader worker: its pieces, and how far it has read."""
+
+    def __init__(self, source: _Source, pieces: list[Piece], pos: list[Any]):
+        self.source, self.pieces = source, pieces
+        self.index, self.item, self.check = pos
+        self.it: Iterator[Any] | None = None
+        self.failures = 0
+
+    def take(self, n: int) -> tuple[list[Any], list[str]]:
+        """Up to `n` next items (fewer: the lane ran dry), and the shards skipped on the way."""
+        items: list[Any] = []
+        skipped: list[str] = []
+        while len(items) < n and self.index < len(self.pieces):
+            piece = self.pieces[self.index]
+            try:
+                if self.it is None:
+                    self.it = self.source.open(piece, self.item, self.check)
+                items.append(self.source.read(self.it, piece, self.item))
+            except StopIteration:
+                self._next_piece()
+                continue
+            except ConfigError:
+                raise
+            except Exception as e:  # the user's reader: any error is a failed read of this shard
+                self.it = None
+                self.failures += 1
+                if self.failures <= self.source.retries:
+                    time.sleep(min(0.5 * 2 ** (self.failures - 1), 5.0))
+                    continue
+                shard = self.source.shards[piece[1]]
+                what = (f"shard {shard!r} failed {self.failures} time(s) at item {self.item} "
+                        f"({first_line(e)})")
+                if not self.source.skip_bad:
+                    raise ShardError(f"{what}; data.shard_retries={self.source.retries} retries spent; set "
+                                     "data.skip_bad_shards=true to go on without the rest of such a shard")
+                skipped.append(what)
+                self._next_piece()
+                continue
+            self.item += 1
+            self.check = None
+            self.failures = 0
+        if items:
+            self.check = item_digest(items[-1])
+        return items, skipped
+
+    def _next_piece(self) -> None:
+        self.index, self.it, self.failures = self.index + 1, None, 0
+        if self.index < len(self.pieces):
+            self.item, self.check = self.pieces[self.index][2], self.pieces[self.index][3]
+
+    def pos(self) -> list[Any]:
+        return [self.index, self.item, self.check]
+
+
+class LaneReader(IterableDataset):
+    """This rank's lanes as a loader's dataset: per step, one entry per lane in slot order,
+    ("ok", lane, batch, position after, skipped shards), ("dry", lane) or ("failed", lane, error); a worker
+    ends after the step in which one of its lanes ran dry."""
+
+    def __init__(self, source: _Source, deal: Deal, lanes: list[int], micro_batch: int,
+                 collate: Callable[[list[Any]], Any]):
+        self.source, self.deal, self.lanes, self.micro_batch, self.collate = source, deal, lanes, micro_batch, collate
+
+    def __iter__(self) -> Iterator[tuple[Any, ...]]:
+        info = get_worker_info()
+        w, n = (info.id, info.num_workers) if info is not None else (0, 1)
+        mine = self.lanes[w::n]
+        readers = {k: _Lane(self.source, self.deal.lanes[k], self.deal.pos[k]) for k in mine}
+        while True:
+            ended = False
+            for k in mine:
+                try:
+                    items, skipped = readers[k].take(self.micro_batch)
+                except (ConfigError, ShardError) as e:
+                    yield ("failed", k, e)
+                    return
+                if len(items) < self.micro_batch:
+                    yield ("dry", k)
+                    ended = True
+                else:
+                    yield ("ok", k, self.collate(items), readers[k].pos(), skipped)
+            if ended:
+                return
+
+
+class ValReader(IterableDataset):
+    """A validation stream: rank r of W reads shards r, r + W, ... whole (a loader worker every n-th of
+    them), in batches of `batch_size`."""
+
+    def __init__(self, stream: Any, shards: list[Any], rank: int, world_size: int, batch_size: int,
+                 collate: Callable[[list[Any]], Any]):
+        self.stream, self.shards, self.mine = stream, shards, shards[rank::world_size]
+        self.batch_size, self.collate = batch_size, collate
+
+    def sample_batch(self) -> Any:
+        """A batch of the stream's first item: what a rank without validation batches runs when a sharded
+        model's forwards must be run by every rank."""
+        return self.collate([next(iter(self.stream.open(self.shards[0], 0)))])
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        w, n = (info.id, info.num_workers) if info is not None else (0, 1)
+        items: list[Any] = []
+        for shard in self.mine[w::n]:
+            for item in self.stream.open(shard, 0):
+                items.append(item)
+                if len(items) == self.batch_size:
+                    yield self.collate(items)
+                    items = []
+        if items:
+            yield self.collate(items)
+
+
+def val_loader(stream: Any, ctx: DistContext, batch_size: int, num_workers: int, pin_memory: bool,
+               collate: Callable[[list[Any]], Any]) -> DataLoader:
+    shards = list(stream.shards())
+    reader = ValReader(stream, shards, ctx.rank, ctx.world_size, batch_size, collate)
+    workers = min(num_workers, len(reader.mine))
+    return DataLoader(reader, batch_size=None, num_workers=workers, pin_memory=pin_memory)
+
+
+def _keep(entry: Any) -> Any:
+    return entry
+
+
+def loader_workers(wanted: int, micro_steps: int) -> int:
+    """The loader workers a rank with `micro_steps` micro-batches per step uses for a stream: the largest
+    divisor of `micro_steps` not above `wanted` (so each worker serves fixed lanes)."""
+    return max((d for d in range(1, min(wanted, micro_steps) + 1) if micro_steps % d == 0), default=0)
+
+
+class StreamBatches:
+    """The training batches of a stream, epoch by epoch (the `Batches` of trainapp/core/data.py), and
+    the stream's position as a part of the run's state (`stream` in a snapshot: the epoch's deal and
+    every lane's position, gathered from the ranks that read them)."""
+
+    collective = True
+
+    def __init__(self, stream: Any, shards: list[Any], layout: Layout, ctx: DistContext, seed: int,
+                 random_items: bool, collate: Callable[[list[Any]], Any], num_workers: int,
+                 pin_memory: bool, retries: int, skip_bad: bool, epochs: int):
+        self.stream, self.shards, self.layout, self.ctx, self.seed = stream, shards, layout, ctx, seed
+        self.collate, self.num_workers, self.pin_memory, self.epochs = collate, num_workers, pin_memory, epochs
+        self.source = _Source(stream, shards, seed, random_items, retries, skip_bad)
+        self.deal: Deal | None = None
+        self._entries: Iterator[Any] | None = None
+        self._ahead: collections.deque[Any] = collections.deque()
+        self.account: dict[str, Any] = {"carried_pieces": 0, "dropped_pieces": 0, "skipped_shards": 0,
+                                        "resized": 0}
+        """What the stream did that the straight reading of its shards would not: pieces carried into a
+        next epoch, dropped after the last, shards skipped (`data.skip_bad_shards`), re-deals."""
+
+    def _mine(self) -> list[int]:
+        return [self.layout.slot(m) for m in range(self.layout.micro_steps())]
+
+    def epoch(self, epoch: int, start: int) -> Iterator[Any]:
+        if self.deal is None:
+            self.deal = Deal.first(self.seed, epoch, len(self.shards), self.layout.slots)
+        if self.deal.slots != self.layout.slots:
+            if self.ctx.is_main:
+                log.info("stream: the unread rest of epoch %d's %d lanes dealt to %d", epoch, self.deal.slots,
+                         self.layout.slots)
+            self.deal = self.deal.redeal(self.layout.slots)
+            self.account["resized"] += 1
+        lanes = self._mine()
+        workers = loader_workers(self.num_workers, len(lanes))
+        if workers < self.num_workers and self.ctx.is_main:
+            log.info("stream: %d loader worker(s) per rank, not data.num_workers=%d: each serves whole lanes "
+                     "of the rank's %d micro-batches per step", workers, self.num_workers, len(lanes))
+        reader = LaneReader(self.source, self.deal, lanes, self.layout.micro_batch, self.collate)
+        loader = DataLoader(reader, batch_size=None, num_workers=workers, pin_memory=self.pin_memory,
+                            collate_fn=_keep,
+                            generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
+        self._entries, self._ahead = iter(loader), collections.deque()
+        if not self._ready():
+            raise ConfigError(f"task stream: epoch {epoch} cannot fill one step: a lane of the global batch has "
+                              f"fewer than train.batch_size={self.layout.micro_batch} items left; give the "
+                              f"stream at least {self.layout.slots} shards of at least that many items")
+        return self
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        _, lane, batch, pos, skipped = self._ahead.popleft()
+        assert self.deal is not None
+        self.deal.pos[lane] = list(pos)
+        for what in skipped:
+            self.account["skipped_shards"] += 1
+            log.warning("stream: skipped the rest of a shard (data.skip_bad_shards): %s", what)
+        return batch
+
+    def steps_from(self, start: int) -> int:
+        """After a step: 1 when every rank has its micro-batches of the next, else 0 (the epoch ended on
+        every rank; its unread rest is dealt first in the next). A collective of every rank."""
+        if self._ready():
+            return 1
+        self._end_epoch()
+        return 0
+
+    def _ready(self) -> bool:
+        """Every rank: whether every rank read its micro-batches of the next step (a failed read ends
+        every rank: its own error here, a ShardError naming the rank elsewhere)."""
+        assert self._entries is not None
+        while len(self._ahead) < len(self._mine()):
+            try:
+                self._ahead.append(next(self._entries))
+            except StopIteration:
+                self._ahead.append(("dry", -1))
+        kinds = {e[0] for e in self._ahead}
+        flags = torch.tensor([float("dry" in kinds), float("failed" in kinds)], device=self.ctx.device)
+        dry, failed = self.ctx.all_reduce_sum(flags).tolist()
+        if failed:
+            mine = [e for e in self._ahead if e[0] == "failed"]
+            if mine:
+                raise mine[0][2]
+            raise ShardError("another rank could not read its shards of the train stream (its failure record "
+                             "names the shard)")
+        return not dry
+
+    def _end_epoch(self) -> None:
+        assert self.deal is not None
+        self._entries, self._ahead = None, collections.deque()
+        for lanes in self.ctx.all_gather_objects({k: self.deal.pos[k] for k in self._mine()}):
+            self.deal.merge(lanes)
+        rest = self.deal.remainder()
+        last = self.deal.epoch + 1 >= self.epochs
+        self.account["dropped_pieces" if last else "carried_pieces"] += len(rest)
+        if rest and self.ctx.is_main:
+            log.info("stream: epoch %d ended with %d unread piece(s) of shards: %s", self.deal.epoch, len(rest),
+                     "dropped (the last epoch)" if last else "read first in the next epoch")
+        self.deal = self.deal.next_epoch(self.seed, len(self.shards))
+
+    def state_dict(self) -> dict[str, Any] | None:
+        assert self.deal is not None
+        gathered = self.ctx.gather_objects({k: self.deal.pos[k] for k in self._mine()})
+        if gathered is None:
+            return None
+        deal = Deal.from_state(self.deal.state_dict())
+        for lanes in gathered:
+            deal.merge(lanes)
+        return {**deal.state_dict(), "shards": len(self.shards), "shards_digest": shards_digest(self.shards),
+                "account": dict(self.account)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["shards"] != len(self.shards) or state["shards_digest"] != shards_digest(self.shards):
+            raise ValueError(f"the train stream's shards() differ from the snapshot's ({state['shards']} "
+                             f"then, {len(self.shards)} now, or another order)")
+        self.deal = Deal.from_state(state)
+        self.account.update(state.get("account", {}))
