@@ -122,3 +122,26 @@ def shard_ids(rows: int, shards: int, lengths: str) -> list[range]:
         out.append(range(first, first + n))
         first += n
     return out
+
+
+def trained(run_dir: str | Path) -> dict[int, list[int]]:
+    """step -> the ids its micro-batches trained, from the last attempt that trained it (an attempt that
+    was killed may have trained steps its successor redid)."""
+    from usertasks_ledger import read
+
+    by_step: dict[int, dict[str, list[int]]] = {}
+    for line in read(run_dir):
+        by_step.setdefault(line["step"], {}).setdefault(line["attempt"], []).extend(line["indices"])
+    return {step: attempts[max(attempts, key=lambda a: int(a.split("-")[0]))]
+            for step, attempts in sorted(by_step.items())}
+
+
+def left_unread(state: dict, rows: int, shards: int, lengths: str, before_epoch: int) -> list[int]:
+    """The ids of the pieces a snapshot's stream state has not read yet, of epochs before `before_epoch`."""
+    ids = shard_ids(rows, shards, lengths)
+    out: list[int] = []
+    for lane, (index, item, _) in zip(state["lanes"], state["pos"]):
+        for k, (epoch, shard, start, _) in enumerate(lane[index:]):
+            if epoch < before_epoch:
+                out.extend(ids[shard][item if k == 0 else start:])
+    return out

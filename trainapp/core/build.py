@@ -125,6 +125,8 @@ def build(cfg: Config, ctx: DistContext,
                        records={"config": cfg.to_dict(), "init": init})
     mark("built")
     diff = _resume(cfg, ctx, state, found) if found is not None else {}
+    if stream_part is not None and found is not None:
+        stream_part.settle(progress)  # the resumed epoch's rest may not fill a step: then it ends here
     mark("loaded")
     parallel.check_sync_bn(model, layout, cfg.task.name == "image_classification" and cfg.model.sync_bn)
     if ctx.is_main and layout.line():

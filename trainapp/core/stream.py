@@ -284,8 +284,32 @@ class StreamBatches:
         return [self.layout.slot(m) for m in range(self.layout.micro_steps())]
 
     def epoch(self, epoch: int, start: int) -> Iterator[Any]:
+        if self._entries is not None and self.deal is not None and self.deal.epoch == epoch:
+            return self  # opened by `settle`, its first step read
+        self._open(epoch)
+        if not self._ready():
+            raise ConfigError(f"the train stream's epoch {epoch} cannot fill one step: a lane of the global batch "
+                              f"has fewer than train.batch_size={self.layout.micro_batch} items; give the stream "
+                              f"at least {self.layout.slots} shards of at least that many items ({DOCS})")
+        return self
+
+    def settle(self, progress: Any) -> None:
+        """Every rank, after a resume: open the resumed epoch and read its next step. When what is left of it
+        cannot fill one (re-dealt to more lanes than it has pieces, near its end), the epoch ends there:
+        `progress` moves on to the next, its rest carried into it as at any epoch's end."""
+        self._open(progress.epoch)
+        while not self._ready():
+            self._end_epoch()
+            progress.epoch, progress.epoch_sample = progress.epoch + 1, 0
+            if progress.epoch >= self.epochs:
+                return
+            self.epoch(progress.epoch, 0)
+
+    def _open(self, epoch: int) -> None:
         if self.deal is None:
             self.deal = Deal.first(self.seed, epoch, len(self.shards), self.layout.slots)
+        if self.deal.epoch != epoch:
+            raise ValueError(f"the stream's position is in epoch {self.deal.epoch}, the run's in {epoch}")
         if self.deal.slots != self.layout.slots:
             if self.ctx.is_main:
                 log.info("stream: the unread rest of epoch %d's %d lanes dealt to %d", epoch, self.deal.slots,
@@ -302,11 +326,6 @@ class StreamBatches:
                             collate_fn=_keep,
                             generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
         self._entries, self._ahead = iter(loader), collections.deque()
-        if not self._ready():
-            raise ConfigError(f"task stream: epoch {epoch} cannot fill one step: a lane of the global batch has "
-                              f"fewer than train.batch_size={self.layout.micro_batch} items left; give the "
-                              f"stream at least {self.layout.slots} shards of at least that many items")
-        return self
 
     def __iter__(self) -> Iterator[Any]:
         return self

@@ -1,0 +1,235 @@
+"""Streams (trainapp/streams/, trainapp/core/lanes.py, trainapp/core/stream.py): shards dealt to the
+global batch's lanes, every item of an epoch read exactly once across resizes and epoch ends, a killed
+rank's run bitwise its straight twin's (loader workers or not, JSON Lines or tar), and the stream's bad
+input in one line. The stream's 2 -> 1 -> 2 under torchrun's elastic agents is in test_elastic.py; under
+Ray, test_ray.py."""
+
+from __future__ import annotations
+
+import collections
+import io
+import json
+import os
+import random
+import tarfile
+
+import pytest
+import torch
+import usertasks_stream as us
+from helpers import USERTASKS, inspect, metrics, one_error_line, torchrun, trainapp
+from torch.utils.data import DataLoader
+
+from trainapp import streams
+from trainapp.core.lanes import Deal
+from trainapp.core.stream import LaneReader, _keep, _Source, item_digest
+from trainapp.snapshots.store import list_snapshots
+
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(USERTASKS), os.environ.get("PYTHONPATH", "")])}
+TASK = ["task.name=usertasks_stream:StreamLedger", "train.batch_size=16", "amp.dtype=off", "train.progress=false"]
+
+
+def _read_all(deal: Deal, lengths: list[int]) -> list[tuple[int, int, int]]:
+    """(epoch, shard, item) of everything the deal's lanes have left, read to their ends."""
+    out = []
+    for lane, (index, item, _) in zip(deal.lanes, deal.pos):
+        for k, (e, shard, start, _) in enumerate(lane[index:]):
+            out += [(e, shard, i) for i in range(item if k == 0 else start, lengths[shard])]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_lanes_redealt_and_carried_read_every_item_of_an_epoch_once(seed):
+    """A deal read part-way, re-dealt to another number of lanes, then ended and carried into the next
+    epoch: every (epoch, shard, item) once, whatever the cut points."""
+    rng = random.Random(seed)
+    n, lengths = 13, [rng.randint(1, 40) for _ in range(13)]
+    deal = Deal.first(seed, 0, n, 4)
+    assert sorted(s for lane in deal.lanes for _, s, _, _ in lane) == list(range(n))
+    seen = []
+    for rounds in range(3):
+        for k, lane in enumerate(deal.lanes):  # each lane reads a few items of its current piece
+            index, item, _ = deal.pos[k]
+            if index < len(lane):
+                take = min(rng.randint(0, 10), lengths[lane[index][1]] - item)
+                seen += [(lane[index][0], lane[index][1], i) for i in range(item, item + take)]
+                deal.pos[k] = [index, item + take, "digest"]
+        deal = deal.redeal(rng.choice([1, 2, 3, 5, 8]))
+    rest = _read_all(deal, lengths)
+    assert sorted(seen + rest) == [(0, s, i) for s in range(n) for i in range(lengths[s])]
+    carried = deal.next_epoch(seed, n)
+    assert carried.epoch == 1 and carried.slots == deal.slots
+    assert sorted(_read_all(carried, lengths)) == sorted(rest + [(1, s, i) for s in range(n)
+                                                                  for i in range(lengths[s])])
+    assert Deal.from_state(json.loads(json.dumps(carried.state_dict()))) == carried
+
+
+def test_the_shard_order_is_seeded_per_epoch():
+    first = [lane for lane in Deal.first(0, 0, 50, 1).lanes[0]]
+    assert first == Deal.first(0, 0, 50, 1).lanes[0]
+    assert first != Deal.first(0, 1, 50, 1).lanes[0] and first != Deal.first(1, 0, 50, 1).lanes[0]
+
+
+def _tar(path, samples):
+    with tarfile.open(path, "w") as t:
+        for key, parts in samples:
+            for ext, raw in parts.items():
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(raw)
+                t.addfile(info, io.BytesIO(raw))
+
+
+def test_the_adapters_open_each_shard_at_its_item(tmp_path):
+    for s in range(3):
+        (tmp_path / f"{s}.jsonl").write_text("".join(json.dumps({"v": s * 10 + i}) + "\n" for i in range(5)))
+        _tar(tmp_path / f"{s}.tar", [(f"k{s}{i}", {"txt": f"{s}{i}".encode(), "cls": b"1"}) for i in range(4)])
+    lines = streams.jsonl(reversed(list(tmp_path.glob("*.jsonl"))), lambda r: r["v"])
+    assert lines.shards() == sorted(str(p) for p in tmp_path.glob("*.jsonl"))  # one order on every rank
+    assert list(lines.open(lines.shards()[1], 3)) == [13, 14] and list(lines.open(lines.shards()[2], 5)) == []
+    tars = streams.tar(tmp_path.glob("*.tar"))
+    assert [x["__key__"] for x in tars.open(tars.shards()[2], 1)] == ["k21", "k22", "k23"]
+    assert list(tars.open(tars.shards()[0], 0))[0] == {"__key__": "k00", "txt": b"00", "cls": b"1"}
+    assert isinstance(lines, streams.Stream) and streams.is_stream(tars) and not streams.is_stream([1, 2])
+
+
+def test_a_hugging_face_streaming_dataset_opens_each_file_at_its_item(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    for s in range(3):
+        (tmp_path / f"{s}.jsonl").write_text("".join(json.dumps({"v": s * 10 + i}) + "\n" for i in range(5)))
+    ds = datasets.load_dataset("json", data_files=sorted(str(p) for p in tmp_path.glob("*.jsonl")),
+                               split="train", streaming=True)
+    hf = streams.HuggingFace(ds.map(lambda r: {"v": r["v"] + 100}))
+    assert hf.shards() == [0, 1, 2]
+    assert [r["v"] for r in hf.open(1, 2)] == [112, 113, 114] and [r["v"] for r in hf.open(2, 0)][:1] == [120]
+    with pytest.raises(TypeError, match="not a datasets.IterableDataset"):
+        streams.HuggingFace([1, 2])
+
+
+def test_item_digests_follow_content():
+    a = {"x": torch.arange(4.0), "y": [1, "a", b"b"]}
+    assert item_digest(a) == item_digest({"y": [1, "a", b"b"], "x": torch.arange(4.0)})
+    assert item_digest(a) != item_digest({"x": torch.arange(4.0) + 1, "y": [1, "a", b"b"]})
+    assert item_digest(torch.zeros(2, dtype=torch.int32)) != item_digest(torch.zeros(2, dtype=torch.int64))
+
+
+def _entries(stream, deal, lanes, workers, steps):
+    source = _Source(stream, stream.shards(), 0, True, 0, False)
+    reader = LaneReader(source, deal, lanes, 4, lambda items: items)
+    it = iter(DataLoader(reader, batch_size=None, num_workers=workers, collate_fn=_keep))
+    return [next(it) for _ in range(steps * len(lanes))]
+
+
+def test_loader_workers_give_a_ranks_lanes_in_slot_order_with_their_positions(tmp_path):
+    """Four lanes on one rank: two loader workers, each serving every other lane, yield what one process
+    reads, in the same order, with the same positions after each micro-batch; a reader reopened at such a
+    position goes on with the next items."""
+    for s in range(8):
+        (tmp_path / f"{s}.jsonl").write_text("".join(json.dumps(s * 100 + i) + "\n" for i in range(10 + s)))
+    stream = streams.jsonl(tmp_path.glob("*.jsonl"))
+    deal = Deal.first(3, 0, 8, 4)
+    alone, two = _entries(stream, deal, [0, 1, 2, 3], 0, 5), _entries(stream, deal, [0, 1, 2, 3], 2, 5)
+    assert [e[:2] for e in alone] == [("ok", k % 4) for k in range(20)]
+    assert [(e[1], e[2], e[3]) for e in alone] == [(e[1], e[2], e[3]) for e in two]
+    ids = [i for e in alone for i in e[2]]
+    assert len(ids) == len(set(ids)) == 80
+    for k in range(4):  # resume lane k after its second micro-batch
+        deal.pos[k] = alone[4 + k][3]
+    again = _entries(stream, deal, [0, 1, 2, 3], 0, 3)
+    assert [e[2] for e in again] == [e[2] for e in alone[8:]]
+
+
+def _params_sha(run_dir) -> str:
+    return inspect(run_dir)["params_sha256"]
+
+
+@pytest.mark.slow
+def test_a_killed_ranks_stream_run_resumes_bitwise_with_loader_workers_and_tar_shards(tmp_path):
+    """Uneven JSON Lines shards, 2 ranks, 2 micro-batches each (4 lanes): the straight run, and the same
+    items from tar shards read by 2 loader workers per rank with rank 1 SIGKILLed at step 13 (torchrun
+    restarts the group from step 10). Both epochs end early (a lane ran dry) and carry the rest; the final
+    parameters are bitwise equal."""
+    args = [*TASK, "task.args.lengths=uneven", "train.grad_accum=2", "train.max_steps=200", "train.epochs=2",
+            "snapshot.every_steps=5", "train.log_every=1"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    r = torchrun(2, f"run.dir={straight}", *args, env=ENV)
+    assert r.returncode == 0, r.output[-3000:]
+    r = torchrun(2, f"run.dir={killed}", *args, "task.args.fmt=tar", "data.num_workers=2",
+                 "drill.kill_at_step=13", "drill.rank=1", max_restarts=1, env=ENV)
+    assert r.returncode == 0, r.output[-3000:]
+    starts = metrics(killed, "start")
+    assert [s["resumed_step"] for s in starts] == [None, 10], starts
+    (end,) = metrics(straight, "end")
+    steps = inspect(straight)["global_step"]
+    assert 0 < steps < 200 and end["data"]["carried_pieces"] > 0 and end["data"]["dropped_pieces"] > 0, end
+    assert inspect(killed)["global_step"] == steps and _params_sha(killed) == _params_sha(straight)
+    # What the final model was trained on: every id twice (two epochs), but for what the last epoch left.
+    state = torch.load(list_snapshots(straight / "snapshots")[-1] / "state.pt", weights_only=False)["stream"]
+    seen = collections.Counter(i for ids in us.trained(killed).values() for i in ids)
+    left = collections.Counter(us.left_unread(state, 1024, 8, "uneven", 2))
+    assert all(seen[i] + left[i] == 2 for i in range(1024)), (seen, left)
+
+
+@pytest.mark.slow
+def test_a_stream_resized_2_1_2_with_a_rescaled_global_batch_reads_every_item_once(tmp_path):
+    """`train.on_resize=rescale`: 2 ranks (4 lanes), rank 1 killed at step 9; 1 rank resumes (2 lanes: the
+    unread rest of the 4 dealt to 2), killed at step 20 (resumed from 16); 2 ranks again (4 lanes) to the end of 2 epochs.
+    Every id is trained once per epoch, but for what the last epoch left unread."""
+    run = tmp_path / "run"
+    args = [f"run.dir={run}", *TASK, "task.args.lengths=uneven", "train.grad_accum=2", "train.max_steps=300",
+            "train.epochs=2", "snapshot.every_steps=4", "train.on_resize=rescale", "train.log_every=1"]
+    r = torchrun(2, *args, "drill.kill_at_step=9", "drill.rank=1", env=ENV)
+    assert r.returncode != 0
+    r = trainapp("train", *args, "drill.kill_at_step=20", "drill.rank=0", env=ENV)
+    assert r.returncode != 0
+    r = torchrun(2, *args, env=ENV)
+    assert r.returncode == 0, r.output[-3000:]
+    starts = metrics(run, "start")
+    assert [(s["world_size"], s["global_batch"], s["resumed_step"]) for s in starts] == \
+        [(2, 64, None), (1, 32, 8), (2, 64, 16)], starts
+    (end,) = metrics(run, "end")
+    assert end["data"]["resized"] == 2, end
+    state = torch.load(list_snapshots(run / "snapshots")[-1] / "state.pt", weights_only=False)["stream"]
+    seen = collections.Counter(i for ids in us.trained(run).values() for i in ids)
+    left = collections.Counter(us.left_unread(state, 1024, 8, "uneven", 2))
+    assert all(seen[i] + left[i] == 2 for i in range(1024)), (seen, left)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["too few shards", "no max_steps"])
+def test_a_stream_that_cannot_train_is_one_line_before_training(tmp_path, case):
+    extra = {"too few shards": ["task.args.shards=3", "train.grad_accum=4", "train.max_steps=10"],
+             "no max_steps": []}[case]
+    r = trainapp("train", f"run.dir={tmp_path}", *TASK, *extra, env=ENV)
+    needle = {"too few shards": "the train stream has 3 shard(s), and each of the global batch's 4",
+              "no max_steps": "train.max_steps is not set"}[case]
+    one_error_line(r, "train", needle)
+    assert not list(tmp_path.glob("snapshots/step_*"))
+
+
+@pytest.mark.slow
+def test_an_open_that_ignores_start_is_found_at_the_first_resume(tmp_path):
+    args = [f"run.dir={tmp_path}", *TASK, "task.args.fault=ignore_start", "train.max_steps=30",
+            "snapshot.every_steps=5"]
+    r = trainapp("train", *args, "drill.kill_at_step=7", env=ENV)
+    assert r.returncode != 0 and list_snapshots(tmp_path / "snapshots")
+    r = trainapp("train", *args, env=ENV)
+    one_error_line(r, "train", "gave an item other than item")
+
+
+@pytest.mark.slow
+def test_a_shard_that_stays_broken_ends_the_run_named_or_is_skipped_when_allowed(tmp_path):
+    args = [*TASK, "train.max_steps=40", "data.shard_retries=1"]
+    r = trainapp("train", f"run.dir={tmp_path / 'broken'}", *args, "task.args.fault=broken:3", env=ENV)
+    assert r.returncode == 1
+    (failure,) = metrics(tmp_path / "broken", "failure")
+    assert "shard-0003.jsonl" in failure["error"] and "failed 2 time(s)" in failure["error"], failure
+    assert "data.skip_bad_shards=true" in failure["error"], failure
+    r = trainapp("train", f"run.dir={tmp_path / 'skipped'}", *args, "task.args.fault=broken:3",
+                 "data.skip_bad_shards=true", env=ENV)
+    assert r.returncode == 0, r.output[-3000:]
+    assert metrics(tmp_path / "skipped", "end")[0]["data"]["skipped_shards"] == 1
+    assert "skipped the rest of a shard (data.skip_bad_shards)" in r.output
+    # A shard that fails twice and then opens: retried (data.shard_retries=2), nothing skipped.
+    r = trainapp("train", f"run.dir={tmp_path / 'flaky'}", *TASK, "train.max_steps=40", "task.args.fault=flaky:3",
+                 env=ENV)
+    assert r.returncode == 0, r.output[-3000:]
+    assert metrics(tmp_path / "flaky", "end")[0]["data"]["skipped_shards"] == 0
