@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 import usertasks_ledger
+import usertasks_stream
 from helpers import REPO, TORCHRUN, USERTASKS, inspect, metrics, torchrun, trainapp, wait_for_record
 
 from trainapp.tools.local_ray import free_port
@@ -76,15 +77,18 @@ def _agent(port: int, run_dir, *args: str) -> subprocess.Popen:
                             text=True, start_new_session=True)
 
 
-@pytest.mark.e2e
-def test_torchrun_agents_leaving_and_returning_resize_2_1_2_and_train_every_sample_once(tmp_path):
+@pytest.mark.parametrize("data", [pytest.param("map-style", marks=pytest.mark.e2e),
+                                  pytest.param("stream", marks=pytest.mark.long)])
+def test_torchrun_agents_leaving_and_returning_resize_2_1_2_and_train_every_sample_once(tmp_path, data):
     """Two torchrun agents (`--nnodes=1:2`, c10d rendezvous): the second is preempted (SIGTERM: its
     worker and the peer snapshot the agreed step), the first goes on alone with two micro-batches a
     step; the second comes back, the first agent's membership change stops its worker the same way, and
     the two train on together. The global batch never changes, no step is redone, and the ledger shows
-    every sample of every epoch trained exactly once."""
+    every sample of every epoch trained exactly once: of a map-style dataset, and of a stream of 8 JSON
+    Lines shards (its 2 lanes move between the ranks; tests/test_stream.py has the re-deal)."""
     run_dir, port, rows, gb = tmp_path / "run", free_port(), 1024, 32
-    args = [*LEDGER, f"task.args.rows={rows}", "task.args.step_s=0.05", "train.epochs=10",
+    task = LEDGER if data == "map-style" else ["task.name=usertasks_stream:StreamLedger", *LEDGER[1:]]
+    args = [*task, f"task.args.rows={rows}", "task.args.step_s=0.05", "train.epochs=10",
             "train.max_steps=160", "train.log_every=1", "snapshot.every_steps=50"]
     agents = [_agent(port, run_dir, *args)]
     try:
@@ -109,9 +113,16 @@ def test_torchrun_agents_leaving_and_returning_resize_2_1_2_and_train_every_samp
     assert {s["global_batch"] for s in starts} == {gb} and starts[1]["layout"]["micro_steps"] == [2]
     # Each resize resumed from the step the notice snapshotted: none redone.
     assert [s["resumed_step"] for s in starts[1:]] == [p["step"] for p in preempted][-2:], (starts, preempted)
-    ledger = usertasks_ledger.check(run_dir, rows, gb)
-    assert ledger["world_sizes"] == [1, 2] and ledger["steps"] == 160 and ledger["redone"] == 0, ledger
-    assert not ledger["bad_steps"], ledger
-    for epoch, counts in ledger["epochs"].items():
-        assert counts["duplicates"] == counts["missing"] == counts["foreign"] == 0, (epoch, counts)
+    if data == "stream":  # equal shards, 2 lanes of 512 items: every epoch is 32 whole steps
+        trained = usertasks_stream.trained(run_dir)
+        assert sorted(trained) == list(range(1, 161)) and {len(ids) for ids in trained.values()} == {gb}
+        for epoch in range(5):
+            ids = [i for step in range(epoch * 32 + 1, epoch * 32 + 33) for i in trained[step]]
+            assert sorted(ids) == list(range(rows)), epoch
+    else:
+        ledger = usertasks_ledger.check(run_dir, rows, gb)
+        assert ledger["world_sizes"] == [1, 2] and ledger["steps"] == 160 and ledger["redone"] == 0, ledger
+        assert not ledger["bad_steps"], ledger
+        for epoch, counts in ledger["epochs"].items():
+            assert counts["duplicates"] == counts["missing"] == counts["foreign"] == 0, (epoch, counts)
     assert inspect(run_dir)["global_step"] == 160

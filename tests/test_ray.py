@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import usertasks_ledger
+import usertasks_stream
 from helpers import (PY, QUICK, REPO, inspect, metrics, one_error_line, run_cmd, torchrun, trainapp,
                      wait_for_record, wait_until)
 
@@ -541,17 +542,21 @@ def test_bad_ray_input_fails_fast_with_one_line(cluster, tmp_path):
 
 
 @pytest.mark.e2e
-def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back_with_every_sample_once(cluster):
+@pytest.mark.parametrize("data", ["map-style", "stream"])
+def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back_with_every_sample_once(cluster, data):
     """An elastic run of a user's task (its items carry their index, its loss writes down what each rank
     trained at each step) loses a worker node (its raylet SIGKILLed): the run goes on on the other
     node with the same global batch; then a node comes back and Ray Train grows the group to two
     again: the workers snapshot the step reached first, so the grow-back redoes nothing. Over the
     whole run every sample of every epoch is trained exactly once (redone steps after the lost node
-    count once: the attempt that went on). Leaves the cluster with two worker nodes for the tests after."""
-    name, rows, gb = "elastic", 1024, 32
+    count once: the attempt that went on). The same for a stream of 8 JSON Lines shards (its 2 lanes move
+    between the ranks). Leaves the cluster with two worker nodes for the tests after."""
+    name, rows, gb = f"elastic-{data}", 1024, 32
     run_dir = cluster.storage / name
+    task = "usertasks_ledger:Ledger" if data == "map-style" else "usertasks_stream:StreamLedger"
+    victim, newcomer = cluster.nodes[-1].name, f"worker{len(cluster.nodes)}"
     proc = subprocess.Popen(
-        _submit_cmd(cluster, name, "task.name=usertasks_ledger:Ledger", f"task.args.rows={rows}",
+        _submit_cmd(cluster, name, f"task.name={task}", f"task.args.rows={rows}",
                     "task.args.step_s=0.1", "train.batch_size=16", "train.epochs=10", "train.max_steps=300",
                     "snapshot.every_steps=20", "train.progress=false", "train.log_every=1", "amp.dtype=off",
                     "ray.num_workers=[1,2]",
@@ -560,16 +565,16 @@ def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back_with_ever
         start_new_session=True)
     try:
         wait_for_step(run_dir, 12)
-        os.kill(cluster.node_pids("worker2")["raylet"], signal.SIGKILL)
+        os.kill(cluster.node_pids(victim)["raylet"], signal.SIGKILL)
         wait_for_record(run_dir, "train", lambda r: r["world_size"] == 1)
         time.sleep(5)  # some steps on one worker
         returned = time.time()
-        cluster.add_worker("worker3", REPO)
+        cluster.add_worker(newcomer, REPO)
         grown = wait_for_record(run_dir, "train", lambda r: r["world_size"] == 2 and r["time"] > returned)
         print(f"node returned to training on 2 workers: {grown['time'] - returned:.1f} s")
     finally:
         rc, out = finish(proc, timeout=600)
-        cluster.wait_for_nodes(3, 120)  # the head, worker1 and worker3
+        cluster.wait_for_nodes(3, 120)  # the head, worker1 and the newcomer
     assert rc == 0, out[-4000:]
     # The lost node: the new group was sized for the one node left, without waiting out the start
     # timeout (NodeLossWatch found the raylet silent and waited for Ray to declare the node dead, or found
@@ -586,10 +591,17 @@ def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back_with_ever
     assert resized["by"] == "resize from 1 to 2 workers", resized
     assert starts[2]["resumed_step"] == resized["step"], (resized, starts[2])
     assert f"step {resized['step']} snapshotted" in out, out[-4000:]
-    ledger = usertasks_ledger.check(run_dir, rows, gb)
-    assert ledger["world_sizes"] == [1, 2] and ledger["steps"] == 300 and not ledger["bad_steps"], ledger
-    for epoch, counts in ledger["epochs"].items():
-        assert counts["duplicates"] == counts["missing"] == counts["foreign"] == 0, (epoch, counts)
+    if data == "stream":  # equal shards, 2 lanes of 512 items: every epoch is 32 whole steps
+        trained = usertasks_stream.trained(run_dir)
+        assert sorted(trained) == list(range(1, 301)) and {len(ids) for ids in trained.values()} == {gb}
+        for epoch in range(300 // 32):
+            ids = [i for step in range(epoch * 32 + 1, epoch * 32 + 33) for i in trained[step]]
+            assert sorted(ids) == list(range(rows)), epoch
+    else:
+        ledger = usertasks_ledger.check(run_dir, rows, gb)
+        assert ledger["world_sizes"] == [1, 2] and ledger["steps"] == 300 and not ledger["bad_steps"], ledger
+        for epoch, counts in ledger["epochs"].items():
+            assert counts["duplicates"] == counts["missing"] == counts["foreign"] == 0, (epoch, counts)
     assert inspect(run_dir)["world_size"] == 2 and inspect(run_dir)["global_step"] == 300
 
 
