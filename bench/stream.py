@@ -2,12 +2,14 @@
 feeds training against a map-style list of the same items, and how far a resized stream run lands from
 its straight twin.
 
-Throughput: the sample-ledger model (tests/usertasks: an 8-feature MLP, so reading the data is most of a
-step, the harshest case for a data path) on 8192 items of 8 floats, `train.batch_size=64`, fp32, one
-process, 200 steps: the map-style task (the items in a Python list, read by index) and the streaming task
-(the same items in 16 JSON Lines files, parsed as they are read), each with `data.num_workers=0` and 1;
-rounds in alternating order, the ratio stream / map-style per round and pairing, then the median;
-`control` is the map-style run against itself. samples/s is the training loop's (the run's end record).
+Throughput: the sample-ledger model (tests/usertasks: an 8-feature MLP, hidden width 32, so reading the
+data is most of a step, the harshest case for a data path; and width 1024) on 8192 items of 8 floats,
+`train.batch_size=64`, fp32, one process, 200 steps: the map-style task (the items as tensors in a Python
+list, read by index), the streaming task (the same items in 16 JSON Lines files, parsed as they are read)
+and, as the control for the work of decoding, a map-style dataset of the same JSON lines decoded as each
+is read; `data.num_workers=0`, and 1 for the small model. Rounds in alternating order; each ratio is taken
+within a round, then the median; `control` is the map-style run against itself. samples/s is the training
+loop's (the run's end record).
 
 Resize: the streaming task (8 equal shards, 2 micro-batches per step) trained 100 steps by 2 processes
 straight, resized 2 -> 1 -> 2 with `train.on_resize=keep` (rank killed after the first snapshot, the lone
@@ -33,45 +35,51 @@ from bench.scratch import scratch
 
 USERTASKS = REPO / "tests" / "usertasks"
 os.environ["PYTHONPATH"] = os.pathsep.join([str(USERTASKS), os.environ["PYTHONPATH"]])
-TASKS = {"map": ["task.name=usertasks_ledger:Ledger"],
-         "stream": ["task.name=usertasks_stream:StreamLedger", "task.args.shards=16"]}
 
 
 def samples_per_s(run_dir: Path) -> float:
     return next(r for r in records(run_dir) if r["kind"] == "end")["samples_per_s"]
 
 
+CONTESTANTS = {
+    "map": ["task.name=usertasks_ledger:Ledger"],
+    "stream": ["task.name=usertasks_stream:StreamLedger", "task.args.shards=16"],
+    "lines": ["task.name=usertasks_stream:StreamLedger", "task.args.shards=16", "task.args.map_style=true"],
+}
+
+
 def throughput(tmp: Path, rounds: int, steps: int) -> dict:
+    """Per setting, rounds of (map-style, stream, map-style decoding the JSON lines, map-style again) in
+    alternating orders: each ratio to the round's first map-style run, then the median over rounds."""
     common = [f"train.max_steps={steps}", "train.epochs=100", "train.batch_size=64", "amp.dtype=off",
               "train.progress=false", "train.log_every=50", "snapshot.every_steps=100000", "task.args.rows=8192",
               "task.args.record=false", "run.export=false"]
+    settings = {"mlp32_workers0": ["data.num_workers=0"], "mlp32_workers1": ["data.num_workers=1"],
+                "mlp1024_workers0": ["data.num_workers=0", "task.args.hidden=1024"]}
     out: dict = {}
-    for workers in (0, 1):
-        ratios, controls, speeds = [], [], {"map": [], "stream": []}
+    for setting, extra in settings.items():
+        got: dict[str, list[float]] = {"map": [], "stream": [], "lines": [], "map2": []}
         for r in range(rounds):
-            order = ["map", "stream", "map2"] if r % 2 == 0 else ["map2", "stream", "map"]
-            got = {}
-            for name in order:
-                run = tmp / f"w{workers}-r{r}-{name}"
+            order = ["map", "stream", "lines", "map2"]
+            for name in order if r % 2 == 0 else order[::-1]:
+                run = tmp / f"{setting}-r{r}-{name}"
                 _run([str(BIN / "python"), "-m", "trainapp", "train", f"run.dir={run}",
-                      *TASKS[name.rstrip("2")], *common, f"data.num_workers={workers}"])
-                got[name] = samples_per_s(run)
-            ratios.append(got["stream"] / got["map"])
-            controls.append(got["map2"] / got["map"])
-            speeds["map"].append(got["map"])
-            speeds["stream"].append(got["stream"])
-            print(f"workers={workers} round {r}: map-style {got['map']:.0f}/s, stream {got['stream']:.0f}/s "
-                  f"({ratios[-1]:.3f}x), control {controls[-1]:.3f}x", flush=True)
-        out[f"workers{workers}"] = {"stream_over_map": statistics.median(ratios),
-                                    "control": statistics.median(controls),
-                                    "map_samples_per_s": statistics.median(speeds["map"]),
-                                    "stream_samples_per_s": statistics.median(speeds["stream"]),
-                                    "rounds": rounds}
+                      *CONTESTANTS[name.rstrip("2")], *common, *extra])
+                got[name].append(samples_per_s(run))
+            print(f"{setting} round {r}: " + ", ".join(f"{k} {v[-1]:.0f}/s" for k, v in got.items()), flush=True)
+
+        def ratio(name: str) -> float:
+            return statistics.median(a / b for a, b in zip(got[name], got["map"]))
+
+        out[setting] = {"stream_over_map": ratio("stream"), "stream_over_decoding_map": statistics.median(
+                            a / b for a, b in zip(got["stream"], got["lines"])),
+                        "decoding_map_over_map": ratio("lines"), "control": ratio("map2"),
+                        "samples_per_s": {k: statistics.median(v) for k, v in got.items()}, "rounds": rounds}
     return out
 
 
 def resize(tmp: Path, steps: int, every: int) -> dict:
-    args = [*TASKS["stream"][:1], "task.args.record=false", f"train.max_steps={steps}", "train.epochs=100",
+    args = [*CONTESTANTS["stream"][:1], "task.args.record=false", f"train.max_steps={steps}", "train.epochs=100",
             f"snapshot.every_steps={every}", "train.batch_size=16", "train.grad_accum=1", "amp.dtype=off",
             "train.progress=false", "train.log_every=1"]
     runs = {name: tmp / f"resize-{name}" for name in ("straight", "keep", "rescale")}
@@ -102,7 +110,9 @@ def main() -> None:
         result = {"machine": describe(), "smoke": args.smoke,
                   "throughput": throughput(Path(tmp), 1 if args.smoke else 3, 30 if args.smoke else 200),
                   "resize": resize(Path(tmp), 30 if args.smoke else 100, 10 if args.smoke else 33)}
-    result["stream_over_map"] = result["throughput"]["workers0"]["stream_over_map"]
+    result["stream_over_map"] = result["throughput"]["mlp32_workers0"]["stream_over_map"]
+    result["stream_over_decoding_map"] = result["throughput"]["mlp32_workers0"]["stream_over_decoding_map"]
+    result["stream_over_map_mlp1024"] = result["throughput"]["mlp1024_workers0"]["stream_over_map"]
     result["resize_param_rel_distance"] = result["resize"]["keep"]["param_rel_distance"]
     result["resize_param_rel_distance_rescale"] = result["resize"]["rescale"]["param_rel_distance"]
     write_result(out, result)

@@ -111,30 +111,32 @@ def test_item_digests_follow_content():
     assert item_digest(torch.zeros(2, dtype=torch.int32)) != item_digest(torch.zeros(2, dtype=torch.int64))
 
 
-def _entries(stream, deal, lanes, workers, steps):
+def _entries(stream, deal, slots, workers, steps, first_step=0):
     source = _Source(stream, stream.shards(), 0, True, 0, False)
-    reader = LaneReader(source, deal, lanes, 4, lambda items: items)
+    reader = LaneReader(source, deal, slots, max(1, workers), first_step, 4, lambda items: items)
     it = iter(DataLoader(reader, batch_size=None, num_workers=workers, collate_fn=_keep))
-    return [next(it) for _ in range(steps * len(lanes))]
+    return [next(it) for _ in range(steps * len(slots))]
 
 
-def test_loader_workers_give_a_ranks_lanes_in_slot_order_with_their_positions(tmp_path):
-    """Four lanes on one rank: two loader workers, each serving every other lane, yield what one process
-    reads, in the same order, with the same positions after each micro-batch; a reader reopened at such a
-    position goes on with the next items."""
+def test_loader_workers_read_lanes_of_their_own_in_slot_order(tmp_path):
+    """Two slots on one rank, two loader workers: each slot has two lanes and reads them on alternate
+    steps, each lane read by one worker only; in one process (the same deal) the entries come in the same
+    order with the same positions, and a reader started at a later step from the positions reached goes
+    on with the next items."""
     for s in range(8):
         (tmp_path / f"{s}.jsonl").write_text("".join(json.dumps(s * 100 + i) + "\n" for i in range(10 + s)))
     stream = streams.jsonl(tmp_path.glob("*.jsonl"))
-    deal = Deal.first(3, 0, 8, 4)
-    alone, two = _entries(stream, deal, [0, 1, 2, 3], 0, 5), _entries(stream, deal, [0, 1, 2, 3], 2, 5)
-    assert [e[:2] for e in alone] == [("ok", k % 4) for k in range(20)]
-    assert [(e[1], e[2], e[3]) for e in alone] == [(e[1], e[2], e[3]) for e in two]
-    ids = [i for e in alone for i in e[2]]
-    assert len(ids) == len(set(ids)) == 80
-    for k in range(4):  # resume lane k after its second micro-batch
-        deal.pos[k] = alone[4 + k][3]
-    again = _entries(stream, deal, [0, 1, 2, 3], 0, 3)
-    assert [e[2] for e in again] == [e[2] for e in alone[8:]]
+    deal = Deal.first(3, 0, 8, 4)  # 2 slots x 2 lanes
+    two = _entries(stream, deal, [0, 1], 2, 6)
+    assert [e[:2] for e in two] == [("ok", lane) for _ in range(3) for lane in (0, 2, 1, 3)]
+    ids = [i for e in two for i in e[2]]
+    assert len(ids) == len(set(ids)) == 48
+    for lane, pos in {e[1]: e[3] for e in two[:4]}.items():  # the positions after steps 0 and 1
+        deal.pos[lane] = pos
+    source = _Source(stream, stream.shards(), 0, True, 0, False)
+    reader = LaneReader(source, deal, [0, 1], 2, 2, 4, lambda items: items)
+    again = [e for _, e in zip(range(8), iter(reader))]
+    assert [(e[1], e[2]) for e in again] == [(e[1], e[2]) for e in two[4:12]]
 
 
 def _params_sha(run_dir) -> str:
@@ -143,17 +145,16 @@ def _params_sha(run_dir) -> str:
 
 @pytest.mark.slow
 def test_a_killed_ranks_stream_run_resumes_bitwise_with_loader_workers_and_tar_shards(tmp_path):
-    """Uneven JSON Lines shards, 2 ranks, 2 micro-batches each (4 lanes): the straight run, and the same
-    items from tar shards read by 2 loader workers per rank with rank 1 SIGKILLed at step 13 (torchrun
+    """Uneven JSON Lines shards (16), 2 ranks, 2 micro-batches each, 2 loader workers per rank (8 lanes):
+    the straight run, and the same items from tar shards with rank 1 SIGKILLed at step 13 (torchrun
     restarts the group from step 10). Both epochs end early (a lane ran dry) and carry the rest; the final
     parameters are bitwise equal."""
-    args = [*TASK, "task.args.lengths=uneven", "train.grad_accum=2", "train.max_steps=200", "train.epochs=2",
-            "snapshot.every_steps=5", "train.log_every=1"]
+    args = [*TASK, "task.args.lengths=uneven", "task.args.shards=16", "train.grad_accum=2", "train.max_steps=200",
+            "train.epochs=2", "snapshot.every_steps=5", "train.log_every=1", "data.num_workers=2"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     r = torchrun(2, f"run.dir={straight}", *args, env=ENV)
     assert r.returncode == 0, r.output[-3000:]
-    r = torchrun(2, f"run.dir={killed}", *args, "task.args.fmt=tar", "data.num_workers=2",
-                 "drill.kill_at_step=13", "drill.rank=1", max_restarts=1, env=ENV)
+    r = torchrun(2, f"run.dir={killed}", *args, "task.args.fmt=tar", "drill.kill_at_step=13", "drill.rank=1", max_restarts=1, env=ENV)
     assert r.returncode == 0, r.output[-3000:]
     starts = metrics(killed, "start")
     assert [s["resumed_step"] for s in starts] == [None, 10], starts
@@ -164,7 +165,7 @@ def test_a_killed_ranks_stream_run_resumes_bitwise_with_loader_workers_and_tar_s
     # What the final model was trained on: every id twice (two epochs), but for what the last epoch left.
     state = torch.load(list_snapshots(straight / "snapshots")[-1] / "state.pt", weights_only=False)["stream"]
     seen = collections.Counter(i for ids in us.trained(killed).values() for i in ids)
-    left = collections.Counter(us.left_unread(state, 1024, 8, "uneven", 2))
+    left = collections.Counter(us.left_unread(state, 1024, 16, "uneven", 2))
     assert all(seen[i] + left[i] == 2 for i in range(1024)), (seen, left)
 
 
@@ -199,7 +200,7 @@ def test_a_stream_that_cannot_train_is_one_line_before_training(tmp_path, case):
     extra = {"too few shards": ["task.args.shards=3", "train.grad_accum=4", "train.max_steps=10"],
              "no max_steps": []}[case]
     r = trainapp("train", f"run.dir={tmp_path}", *TASK, *extra, env=ENV)
-    needle = {"too few shards": "the train stream has 3 shard(s), and each of the global batch's 4",
+    needle = {"too few shards": "the train stream has 3 shard(s), and each of the global batch's 4 micro",
               "no max_steps": "train.max_steps is not set"}[case]
     one_error_line(r, "train", needle)
     assert not list(tmp_path.glob("snapshots/step_*"))

@@ -21,8 +21,8 @@ from torch import nn
 
 
 class Ledger:
-    def __init__(self, rows: int = 512, step_s: float = 0.0, record: bool = True):
-        self.rows, self.step_s, self.record = rows, step_s, record
+    def __init__(self, rows: int = 512, step_s: float = 0.0, record: bool = True, hidden: int = 32):
+        self.rows, self.step_s, self.record, self.hidden = rows, step_s, record, hidden
         self.attempt = f"{time.time_ns()}-{os.getpid()}"
         self.ctx = None
 
@@ -39,8 +39,8 @@ class Ledger:
         return train, train[:64]
 
     def model(self, ctx):
-        return nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2),
-                             nn.Linear(32, 2))
+        h = self.hidden
+        return nn.Sequential(nn.Linear(8, h), nn.BatchNorm1d(h), nn.ReLU(), nn.Dropout(0.2), nn.Linear(h, 2))
 
     def loss(self, model, batch):
         x, y, index = batch

@@ -92,11 +92,28 @@ class Faulty:
         return self.inner.open(shard, start)
 
 
+class Lines:
+    """JSON lines in memory, each decoded as it is read."""
+
+    def __init__(self, lines: list[str]):
+        self.lines = lines
+
+    def __len__(self) -> int:
+        return len(self.lines)
+
+    def __getitem__(self, i: int) -> tuple:
+        return from_json(json.loads(self.lines[i]))
+
+
 class StreamLedger(Ledger):
     def __init__(self, rows: int = 1024, shards: int = 8, lengths: str = "equal", fmt: str = "jsonl",
-                 fault: str = "", val: str = "stream", step_s: float = 0.0, record: bool = True):
-        super().__init__(rows=rows, step_s=step_s, record=record)
+                 fault: str = "", val: str = "stream", step_s: float = 0.0, record: bool = True,
+                 hidden: int = 32, map_style: bool = False):
+        super().__init__(rows=rows, step_s=step_s, record=record, hidden=hidden)
         self.shards, self.lengths, self.fmt, self.fault, self.val = shards, lengths, fmt, fault, val
+        self.map_style = map_style
+        """The same JSON lines as a map-style dataset that decodes an item when it is read (bench/stream.py's
+        control: the same work per item, without the stream)."""
 
     def datasets(self, ctx):
         super().datasets(ctx)  # the attempt's name
@@ -109,6 +126,8 @@ class StreamLedger(Ledger):
         train = streams.jsonl(paths, from_json) if self.fmt == "jsonl" else streams.tar(paths, from_tar)
         if self.fault:
             train = Faulty(train, self.fault, folder)
+        if self.map_style:
+            train = Lines([line for p in paths for line in Path(p).read_text().splitlines() if line])
         val = streams.jsonl(sorted((folder / "val").glob("*.jsonl")), from_json)
         if self.val == "map":
             val = [item for shard in val.shards() for item in val.open(shard, 0)]

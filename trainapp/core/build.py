@@ -91,7 +91,7 @@ def build(cfg: Config, ctx: DistContext,
     made.append(progress)
     stream_part: StreamBatches | None = None  # a stream's position: a part of the state
     if streamed:
-        stream_part = _stream_batches(cfg, ctx, task, train_ds, layout)
+        stream_part = _stream_batches(cfg, ctx, task, train_ds, layout, progress)
         batches: data.Batches = stream_part
         horizon = functools.partial(_stream_total, cfg)
     else:
@@ -170,7 +170,8 @@ def _resume(cfg: Config, ctx: DistContext, state: TrainState,
     return diff
 
 
-def _stream_batches(cfg: Config, ctx: DistContext, task: BoundTask, train: Any, layout: Layout) -> StreamBatches:
+def _stream_batches(cfg: Config, ctx: DistContext, task: BoundTask, train: Any, layout: Layout,
+                    progress: data.Progress) -> StreamBatches:
     """The train stream's batches, after what can be checked before training: a horizon for the schedule,
     enough shards for the lanes, the same shards on every rank."""
     name = f"task.name={cfg.task.name!r}"
@@ -179,17 +180,19 @@ def _stream_batches(cfg: Config, ctx: DistContext, task: BoundTask, train: Any, 
                           "known before it is read: set train.max_steps (the steps the schedule plans for; "
                           "train.epochs still ends the run earlier if the stream runs out first)")
     shards = list(train.shards())
-    if len(shards) < layout.slots:
+    workers = max(1, cfg.data.num_workers)
+    if len(shards) < layout.slots * workers:
         raise ConfigError(f"{name}: the train stream has {len(shards)} shard(s), and each of the global batch's "
                           f"{layout.slots} micro-batches (train.global_batch {layout.global_batch} / "
-                          f"train.batch_size {layout.micro_batch}) reads shards of its own, so it needs at least "
-                          f"{layout.slots}: split the data into more shards, or lower train.grad_accum, "
-                          "train.global_batch or the number of ranks")
+                          f"train.batch_size {layout.micro_batch}) reads shards of its own in each of "
+                          f"data.num_workers={cfg.data.num_workers} loader workers, so it needs at least "
+                          f"{layout.slots * workers}: split the data into more shards, or lower data.num_workers, "
+                          "train.grad_accum, train.global_batch or the number of ranks")
     digests = ctx.all_gather_objects(stream.shards_digest(shards))
     if len(set(digests)) > 1:
         raise ConfigError(f"{name}: the train stream's shards() differ between ranks; list the same shards in "
                           "the same order on every rank (sort them)")
-    return StreamBatches(train, shards, layout, ctx, cfg.seed, task.random_items, task.collate,
+    return StreamBatches(train, shards, layout, progress, ctx, cfg.seed, task.random_items, task.collate,
                          cfg.data.num_workers, ctx.device.type == "cuda", cfg.data.shard_retries,
                          cfg.data.skip_bad_shards, cfg.train.epochs)
 

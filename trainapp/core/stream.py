@@ -183,34 +183,44 @@ class _Lane:
 
 
 class LaneReader(IterableDataset):
-    """This rank's lanes as a loader's dataset: per step, one entry per lane in slot order,
-    ("ok", lane, batch, position after, skipped shards), ("dry", lane) or ("failed", lane, error); a worker
-    ends after the step in which one of its lanes ran dry."""
+    """This rank's lanes as a loader's dataset. Slot `slots[m]` of step t reads lane
+    slots[m] * k + t % k (k lanes per slot, one per loader worker); the rank's micro-batches are numbered
+    p = (t - t0) * M + m from the first step read (t0), and worker p % n makes micro-batch p, as
+    DataLoader's round-robin over its n workers expects. With k = n each lane is read by one worker only.
+    One entry per micro-batch: ("ok", lane, batch, position after, skipped shards), ("dry", lane) or
+    ("failed", lane, error); a worker ends after the step in which one of its lanes ran dry."""
 
-    def __init__(self, source: _Source, deal: Deal, lanes: list[int], micro_batch: int,
-                 collate: Callable[[list[Any]], Any]):
-        self.source, self.deal, self.lanes, self.micro_batch, self.collate = source, deal, lanes, micro_batch, collate
+    def __init__(self, source: _Source, deal: Deal, slots: list[int], per_slot: int, first_step: int,
+                 micro_batch: int, collate: Callable[[list[Any]], Any]):
+        self.source, self.deal, self.slots, self.per_slot = source, deal, slots, per_slot
+        self.first_step, self.micro_batch, self.collate = first_step, micro_batch, collate
 
     def __iter__(self) -> Iterator[tuple[Any, ...]]:
         info = get_worker_info()
         w, n = (info.id, info.num_workers) if info is not None else (0, 1)
-        mine = self.lanes[w::n]
-        readers = {k: _Lane(self.source, self.deal.lanes[k], self.deal.pos[k]) for k in mine}
+        k, M, t = self.per_slot, len(self.slots), self.first_step
+        readers: dict[int, _Lane] = {}
         while True:
             ended = False
-            for k in mine:
+            for m, slot in enumerate(self.slots):
+                if ((t - self.first_step) * M + m) % n != w:
+                    continue
+                lane = slot * k + t % k
+                if lane not in readers:
+                    readers[lane] = _Lane(self.source, self.deal.lanes[lane], self.deal.pos[lane])
                 try:
-                    items, skipped = readers[k].take(self.micro_batch)
+                    items, skipped = readers[lane].take(self.micro_batch)
                 except (ConfigError, ShardError) as e:
-                    yield ("failed", k, e)
+                    yield ("failed", lane, e)
                     return
                 if len(items) < self.micro_batch:
-                    yield ("dry", k)
+                    yield ("dry", lane)
                     ended = True
                 else:
-                    yield ("ok", k, self.collate(items), readers[k].pos(), skipped)
+                    yield ("ok", lane, self.collate(items), readers[lane].pos(), skipped)
             if ended:
                 return
+            t += 1
 
 
 class ValReader(IterableDataset):
@@ -253,12 +263,6 @@ def _keep(entry: Any) -> Any:
     return entry
 
 
-def loader_workers(wanted: int, micro_steps: int) -> int:
-    """The loader workers a rank with `micro_steps` micro-batches per step uses for a stream: the largest
-    divisor of `micro_steps` not above `wanted` (so each worker serves fixed lanes)."""
-    return max((d for d in range(1, min(wanted, micro_steps) + 1) if micro_steps % d == 0), default=0)
-
-
 class StreamBatches:
     """The training batches of a stream, epoch by epoch (the `Batches` of trainapp/core/data.py), and
     the stream's position as a part of the run's state (`stream` in a snapshot: the epoch's deal and
@@ -266,10 +270,11 @@ class StreamBatches:
 
     collective = True
 
-    def __init__(self, stream: Any, shards: list[Any], layout: Layout, ctx: DistContext, seed: int,
+    def __init__(self, stream: Any, shards: list[Any], layout: Layout, progress: Any, ctx: DistContext, seed: int,
                  random_items: bool, collate: Callable[[list[Any]], Any], num_workers: int,
                  pin_memory: bool, retries: int, skip_bad: bool, epochs: int):
         self.stream, self.shards, self.layout, self.ctx, self.seed = stream, shards, layout, ctx, seed
+        self.progress = progress  # the step a reader starts at picks each slot's lane (LaneReader)
         self.collate, self.num_workers, self.pin_memory, self.epochs = collate, num_workers, pin_memory, epochs
         self.source = _Source(stream, shards, seed, random_items, retries, skip_bad)
         self.deal: Deal | None = None
@@ -280,8 +285,22 @@ class StreamBatches:
         """What the stream did that the straight reading of its shards would not: pieces carried into a
         next epoch, dropped after the last, shards skipped (`data.skip_bad_shards`), re-deals."""
 
-    def _mine(self) -> list[int]:
+    @property
+    def per_slot(self) -> int:
+        """Lanes per slot: one per loader worker (`data.num_workers`, or 1 in the training process), so
+        that every worker reads lanes of its own."""
+        return max(1, self.num_workers)
+
+    @property
+    def lanes(self) -> int:
+        return self.layout.slots * self.per_slot
+
+    def _slots(self) -> list[int]:
         return [self.layout.slot(m) for m in range(self.layout.micro_steps())]
+
+    def _mine(self) -> list[int]:
+        """This rank's lanes: every lane of its slots."""
+        return [slot * self.per_slot + j for slot in self._slots() for j in range(self.per_slot)]
 
     def epoch(self, epoch: int, start: int) -> Iterator[Any]:
         if self._entries is not None and self.deal is not None and self.deal.epoch == epoch:
@@ -290,7 +309,7 @@ class StreamBatches:
         if not self._ready():
             raise ConfigError(f"the train stream's epoch {epoch} cannot fill one step: a lane of the global batch "
                               f"has fewer than train.batch_size={self.layout.micro_batch} items; give the stream "
-                              f"at least {self.layout.slots} shards of at least that many items ({DOCS})")
+                              f"at least {self.lanes} shards of at least that many items ({DOCS})")
         return self
 
     def settle(self, progress: Any) -> None:
@@ -307,22 +326,18 @@ class StreamBatches:
 
     def _open(self, epoch: int) -> None:
         if self.deal is None:
-            self.deal = Deal.first(self.seed, epoch, len(self.shards), self.layout.slots)
+            self.deal = Deal.first(self.seed, epoch, len(self.shards), self.lanes)
         if self.deal.epoch != epoch:
             raise ValueError(f"the stream's position is in epoch {self.deal.epoch}, the run's in {epoch}")
-        if self.deal.slots != self.layout.slots:
+        if self.deal.slots != self.lanes:
             if self.ctx.is_main:
                 log.info("stream: the unread rest of epoch %d's %d lanes dealt to %d", epoch, self.deal.slots,
-                         self.layout.slots)
-            self.deal = self.deal.redeal(self.layout.slots)
+                         self.lanes)
+            self.deal = self.deal.redeal(self.lanes)
             self.account["resized"] += 1
-        lanes = self._mine()
-        workers = loader_workers(self.num_workers, len(lanes))
-        if workers < self.num_workers and self.ctx.is_main:
-            log.info("stream: %d loader worker(s) per rank, not data.num_workers=%d: each serves whole lanes "
-                     "of the rank's %d micro-batches per step", workers, self.num_workers, len(lanes))
-        reader = LaneReader(self.source, self.deal, lanes, self.layout.micro_batch, self.collate)
-        loader = DataLoader(reader, batch_size=None, num_workers=workers, pin_memory=self.pin_memory,
+        reader = LaneReader(self.source, self.deal, self._slots(), self.per_slot, self.progress.global_step,
+                            self.layout.micro_batch, self.collate)
+        loader = DataLoader(reader, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
                             collate_fn=_keep,
                             generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
         self._entries, self._ahead = iter(loader), collections.deque()
@@ -351,7 +366,7 @@ class StreamBatches:
         """Every rank: whether every rank read its micro-batches of the next step (a failed read ends
         every rank: its own error here, a ShardError naming the rank elsewhere)."""
         assert self._entries is not None
-        while len(self._ahead) < len(self._mine()):
+        while len(self._ahead) < len(self._slots()):
             try:
                 self._ahead.append(next(self._entries))
             except StopIteration:
