@@ -4,7 +4,7 @@ its straight twin.
 
 Throughput: the sample-ledger model (tests/usertasks: an 8-feature MLP, hidden width 32, so reading the
 data is most of a step, the harshest case for a data path; and width 1024) on 8192 items of 8 floats,
-`train.batch_size=64`, fp32, one process, 200 steps: the map-style task (the items as tensors in a Python
+`train.batch_size=64`, fp32, one process, 1500 steps: the map-style task (the items as tensors in a Python
 list, read by index), the streaming task (the same items in 16 JSON Lines files, parsed as they are read)
 and, as the control for the work of decoding, a map-style dataset of the same JSON lines decoded as each
 is read; `data.num_workers=0`, and 1 for the small model. Rounds in alternating order; each ratio is taken
@@ -108,7 +108,7 @@ def main() -> None:
     out = result_path("stream.json", args.smoke, args.out)
     with scratch("ta-bench-stream-") as tmp:
         result = {"machine": describe(), "smoke": args.smoke,
-                  "throughput": throughput(Path(tmp), 1 if args.smoke else 3, 30 if args.smoke else 200),
+                  "throughput": throughput(Path(tmp), 1 if args.smoke else 3, 30 if args.smoke else 1500),
                   "resize": resize(Path(tmp), 30 if args.smoke else 100, 10 if args.smoke else 33)}
     result["stream_over_map"] = result["throughput"]["mlp32_workers0"]["stream_over_map"]
     result["stream_over_decoding_map"] = result["throughput"]["mlp32_workers0"]["stream_over_decoding_map"]

@@ -204,3 +204,10 @@ def test_tracking_benchmark_smoke(tmp_path):
     (cadence, delay), = result["delay_by_snapshot_every"].items()
     assert result["smoke"] is True and not delay["unseen_steps"] and 0 < delay["median_s"] <= delay["max_s"]
     assert result["tracking_throughput_ratio"] > 0 and len(result["rounds"]) == 1
+
+
+def test_stream_benchmark_smoke(tmp_path):
+    result, _ = smoke("stream", tmp_path, timeout=600)
+    assert result["resize"]["keep"]["param_rel_distance"] == 0.0, result["resize"]
+    assert result["resize"]["rescale"]["data"]["resized"] == 2, result["resize"]
+    assert set(result["throughput"]) == {"mlp32_workers0", "mlp32_workers1", "mlp1024_workers0"}

@@ -24,7 +24,8 @@ from trainapp.core.lanes import Deal
 from trainapp.core.stream import LaneReader, _keep, _Source, item_digest
 from trainapp.snapshots.store import list_snapshots
 
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(USERTASKS), os.environ.get("PYTHONPATH", "")])}
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(USERTASKS), os.environ.get("PYTHONPATH", "")]),
+       "HF_DATASETS_OFFLINE": "1"}
 TASK = ["task.name=usertasks_stream:StreamLedger", "train.batch_size=16", "amp.dtype=off", "train.progress=false"]
 
 
@@ -144,11 +145,11 @@ def _params_sha(run_dir) -> str:
 
 
 @pytest.mark.slow
-def test_a_killed_ranks_stream_run_resumes_bitwise_with_loader_workers_and_tar_shards(tmp_path):
+def test_a_killed_ranks_stream_run_resumes_bitwise_with_loader_workers_tar_shards_and_hugging_face(tmp_path):
     """Uneven JSON Lines shards (16), 2 ranks, 2 micro-batches each, 2 loader workers per rank (8 lanes):
     the straight run, and the same items from tar shards with rank 1 SIGKILLed at step 13 (torchrun
-    restarts the group from step 10). Both epochs end early (a lane ran dry) and carry the rest; the final
-    parameters are bitwise equal."""
+    restarts the group from step 10), and again through a Hugging Face streaming dataset. Both epochs end
+    early (a lane ran dry) and carry the rest; the final parameters are bitwise equal."""
     args = [*TASK, "task.args.lengths=uneven", "task.args.shards=16", "train.grad_accum=2", "train.max_steps=200",
             "train.epochs=2", "snapshot.every_steps=5", "train.log_every=1", "data.num_workers=2"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
@@ -167,6 +168,13 @@ def test_a_killed_ranks_stream_run_resumes_bitwise_with_loader_workers_and_tar_s
     seen = collections.Counter(i for ids in us.trained(killed).values() for i in ids)
     left = collections.Counter(us.left_unread(state, 1024, 16, "uneven", 2))
     assert all(seen[i] + left[i] == 2 for i in range(1024)), (seen, left)
+    # The same files read by Hugging Face datasets (streaming=True), killed the same way: the same model.
+    hf = tmp_path / "hf"
+    r = torchrun(2, f"run.dir={hf}", *args, "task.args.fmt=hf", "drill.kill_at_step=13", "drill.rank=1",
+                 max_restarts=1, env=ENV)
+    assert r.returncode == 0, r.output[-3000:]
+    assert [s["resumed_step"] for s in metrics(hf, "start")] == [None, 10]
+    assert _params_sha(hf) == _params_sha(straight)
 
 
 @pytest.mark.slow

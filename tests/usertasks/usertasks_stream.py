@@ -3,6 +3,7 @@ WebDataset-style tar files written under RUN_DIR/shards by rank 0. Its items car
 the sample ledger as usertasks_ledger's does (the same model: dropout and BatchNorm), so tests can count
 what every step trained (tests/test_stream.py, bench/stream.py).
 
+`fmt`: "jsonl", "tar", or "hf" (the JSON Lines files read by Hugging Face `datasets` with streaming=True).
 `lengths`: the shards' lengths ("equal": `rows` split evenly; "uneven": lengths that differ by up to 3x).
 `fault`: "ignore_start" (an `open` that starts every shard at its first item whatever `start` says),
 "broken:N" (shard N fails to open every time), "flaky:N" (shard N fails its first two opens).
@@ -119,11 +120,18 @@ class StreamLedger(Ledger):
         super().datasets(ctx)  # the attempt's name
         folder = Path(ctx.run_dir) / "shards"
         if ctx.is_main:
-            write_shards(folder, ctx.seed, self.rows, self.shards, self.lengths, self.fmt)
+            write_shards(folder, ctx.seed, self.rows, self.shards, self.lengths, "jsonl" if self.fmt == "hf" else self.fmt)
             write_shards(folder / "val", ctx.seed + 1, 64, 2, "equal", "jsonl")
         ctx.barrier()
         paths = sorted(folder.glob(f"shard-*.{self.fmt}"))
-        train = streams.jsonl(paths, from_json) if self.fmt == "jsonl" else streams.tar(paths, from_tar)
+        if self.fmt == "hf":  # the JSON Lines files through Hugging Face datasets' streaming loader
+            import datasets
+
+            paths = sorted(folder.glob("shard-*.jsonl"))
+            rows = datasets.load_dataset("json", data_files=[str(p) for p in paths], split="train", streaming=True)
+            train = streams.HuggingFace(rows, from_json)
+        else:
+            train = streams.jsonl(paths, from_json) if self.fmt == "jsonl" else streams.tar(paths, from_tar)
         if self.fault:
             train = Faulty(train, self.fault, folder)
         if self.map_style:

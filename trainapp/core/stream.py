@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DOCS = "docs/your-own-model.md#streaming-data"
+DOCS = "docs/your-own-model.md#9-streaming-data"
 
 
 class ShardError(Failure):

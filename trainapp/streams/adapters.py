@@ -72,19 +72,30 @@ def tar(paths: Iterable[str | Path], transform: Callable[[dict[str, Any]], Any] 
 
 class HuggingFace:
     """A Hugging Face `datasets.IterableDataset` (`load_dataset(..., streaming=True)`) as a stream: one
-    shard per data source of the dataset (`n_shards`: its files), opened with `shard()` and `skip()`.
-    Transforms (`map`, `filter`) applied before it is wrapped stay applied; do not shuffle it (trainapp
-    orders the shards, seeded per epoch)."""
+    shard per data source of the dataset (`n_shards`: its files), opened with `shard()` and `skip()`; an
+    item is a row, or `transform` of it. Transforms (`map`, `filter`) applied before it is wrapped stay
+    applied; do not shuffle it (trainapp orders the shards, seeded per epoch)."""
 
-    def __init__(self, dataset: Any):
+    def __init__(self, dataset: Any, transform: Callable[[Any], Any] | None = None):
         if not (hasattr(dataset, "n_shards") and callable(getattr(dataset, "shard", None))):
             raise TypeError(f"{type(dataset).__name__} is not a datasets.IterableDataset (load_dataset(..., "
                             "streaming=True) makes one)")
-        self.dataset = dataset
+        self.dataset, self.transform = dataset, transform
 
     def shards(self) -> list[int]:
         return list(range(self.dataset.n_shards))
 
     def open(self, shard: int, start: int) -> Iterator[Any]:
         part = self.dataset.shard(num_shards=self.dataset.n_shards, index=shard, contiguous=True)
-        return iter(part.skip(start) if start else part)
+        rows = _rows((part.skip(start) if start else part).iter(batch_size=64))
+        return map(self.transform, rows) if self.transform else rows
+
+
+def _rows(batches: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The rows of `IterableDataset.iter`'s batches (columns of values). Not `iter(dataset)`: inside a
+    DataLoader worker that splits the dataset's shards over the workers again, and the shard that
+    trainapp gave this worker would be read by one of them only."""
+    for batch in batches:
+        columns = list(batch)
+        for i in range(len(batch[columns[0]]) if columns else 0):
+            yield {c: batch[c][i] for c in columns}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # torch is not imported with the contract: the Ray driver checks a task without it
     import torch
@@ -59,10 +59,12 @@ class TaskContext:
 class Task(Protocol):
     """The user's part of a run. Items of the datasets may be a tensor, a tuple or a dict of tensors."""
 
-    def datasets(self, ctx: TaskContext) -> tuple[Sequence, Sequence]:
-        """(train, val): map-style datasets (`__len__` and `__getitem__`). Randomness drawn in
-        `__getitem__` from torch's, numpy's or Python's generator is seeded per (seed, epoch, index) by
-        trainapp, so a resumed run sees the same items whatever the data loader workers."""
+    def datasets(self, ctx: TaskContext) -> tuple[Any, Any]:
+        """(train, val): map-style datasets (`__len__` and `__getitem__`), or streams of shards
+        (`shards()` and `open(shard, start)`: trainapp.streams.Stream, whose position trainapp owns).
+        Randomness drawn while an item is read from torch's, numpy's or Python's generator is seeded per
+        (seed, epoch, index), or per (seed, epoch, shard, item), by trainapp, so a resumed run sees the same
+        items whatever the data loader workers."""
 
     def model(self, ctx: TaskContext) -> torch.nn.Module:
         """The model, on any device (trainapp moves it). Called with torch seeded from `seed`, so every
