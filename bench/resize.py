@@ -54,8 +54,8 @@ from trainapp.tools.local_ray import RAY, LocalCluster, free_port
 
 def _run(cmd: list[str], must_pass: bool = True) -> None:
     # The environment as it is now: bench/stream.py adds the tests' user tasks to PYTHONPATH.
-    r = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                       timeout=900)
+    r = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                       text=True, timeout=900)
     if must_pass and r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({r.returncode}):\n"
                            f"{r.stdout[-2000:]}\n{r.stderr[-2000:]}")

@@ -52,8 +52,8 @@ def throughput(tmp: Path, rounds: int, steps: int) -> dict:
     """Per setting, rounds of (map-style, stream, map-style decoding the JSON lines, map-style again) in
     alternating orders: each ratio to the round's first map-style run, then the median over rounds."""
     common = [f"train.max_steps={steps}", "train.epochs=100", "train.batch_size=64", "amp.dtype=off",
-              "train.progress=false", "train.log_every=50", "snapshot.every_steps=100000", "task.args.rows=8192",
-              "task.args.record=false", "run.export=false"]
+              "train.progress=false", "train.log_every=50", "snapshot.every_steps=100000",
+              "task.args.rows=8192", "task.args.record=false", "run.export=false"]
     settings = {"mlp32_workers0": ["data.num_workers=0"], "mlp32_workers1": ["data.num_workers=1"],
                 "mlp1024_workers0": ["data.num_workers=0", "task.args.hidden=1024"]}
     out: dict = {}
@@ -66,7 +66,8 @@ def throughput(tmp: Path, rounds: int, steps: int) -> dict:
                 _run([str(BIN / "python"), "-m", "trainapp", "train", f"run.dir={run}",
                       *CONTESTANTS[name.rstrip("2")], *common, *extra])
                 got[name].append(samples_per_s(run))
-            print(f"{setting} round {r}: " + ", ".join(f"{k} {v[-1]:.0f}/s" for k, v in got.items()), flush=True)
+            line = ", ".join(f"{k} {v[-1]:.0f}/s" for k, v in got.items())
+            print(f"{setting} round {r}: {line}", flush=True)
 
         def ratio(name: str) -> float:
             return statistics.median(a / b for a, b in zip(got[name], got["map"]))
@@ -79,7 +80,8 @@ def throughput(tmp: Path, rounds: int, steps: int) -> dict:
 
 
 def resize(tmp: Path, steps: int, every: int) -> dict:
-    args = [*CONTESTANTS["stream"][:1], "task.args.record=false", f"train.max_steps={steps}", "train.epochs=100",
+    args = [*CONTESTANTS["stream"][:1], "task.args.record=false", f"train.max_steps={steps}",
+            "train.epochs=100",
             f"snapshot.every_steps={every}", "train.batch_size=16", "train.grad_accum=1", "amp.dtype=off",
             "train.progress=false", "train.log_every=1"]
     runs = {name: tmp / f"resize-{name}" for name in ("straight", "keep", "rescale")}
@@ -94,9 +96,10 @@ def resize(tmp: Path, steps: int, every: int) -> dict:
         end = next(r for r in records(runs[name]) if r["kind"] == "end")
         out[name] = {"param_rel_distance": rel_distance(params, ref), "final_loss": loss,
                      "final_loss_rel_diff": abs(loss - ref_loss) / ref_loss, "data": end.get("data"),
-                     "global_batches": [r["global_batch"] for r in records(runs[name]) if r["kind"] == "start"]}
-        print(f"resize {name}: parameters {out[name]['param_rel_distance']:.3g} from the straight run's, final "
-              f"loss {loss:.5f} (straight {ref_loss:.5f})", flush=True)
+                     "global_batches": [r["global_batch"] for r in records(runs[name])
+                                        if r["kind"] == "start"]}
+        print(f"resize {name}: parameters {out[name]['param_rel_distance']:.3g} from the straight run's, "
+              f"final loss {loss:.5f} (straight {ref_loss:.5f})", flush=True)
     return out
 
 

@@ -72,15 +72,15 @@ ROWS = [
      "sums in another order", None, "{:.2g}"),
     ("resize", "resize_param_rel_distance_4slots_rescale", "its control: the resizes with the LR rescaled",
      None, "{:.2g}"),
-    ("stream", "stream_over_map", "streams: training samples/s, 16 JSON Lines shards / the same items as tensors in "
-     "a list, 8-feature MLP (data-bound), 1 process", (">=", 0.9), "{:.3f}"),
-    ("stream", "stream_over_decoding_map", "control: the stream / a map-style list of the same JSON lines, each "
-     "decoded when read (the same work per item)", None, "{:.3f}"),
+    ("stream", "stream_over_map", "streams: training samples/s, 16 JSON Lines shards / the same items as "
+     "tensors in a list, 8-feature MLP (data-bound), 1 process", (">=", 0.9), "{:.3f}"),
+    ("stream", "stream_over_decoding_map", "control: the stream / a map-style list of the same JSON lines, "
+     "each decoded when read (the same work per item)", None, "{:.3f}"),
     ("stream", "stream_over_map_mlp1024", "the stream / the list, the MLP 1024 wide", None, "{:.3f}"),
     ("stream", "resize_param_rel_distance", "a stream run resized 2 -> 1 -> 2 (global batch kept), final "
      "parameters' relative distance to the straight run's", None, "{:.2g}"),
-    ("stream", "resize_param_rel_distance_rescale", "control: the same resizes with `train.on_resize=rescale` "
-     "(the lanes re-dealt)", None, "{:.2g}"),
+    ("stream", "resize_param_rel_distance_rescale", "control: the same resizes with "
+     "`train.on_resize=rescale` (the lanes re-dealt)", None, "{:.2g}"),
     ("ray_versions", "startup_s_oldest", "Ray 2.55 (oldest supported): `ray job submit` to first step (s)",
      None, "{:.1f}"),
     ("ray_versions", "startup_s_newest", "Ray 2.60 (newest): the same, alternating rounds (s)", None,

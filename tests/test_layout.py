@@ -13,8 +13,8 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "trainapp"
 MODULES = sorted(PACKAGE.rglob("*.py"))
 MAX_MODULE_LINES = 500
-LAYERS = ("errors", "config", "group", "tasks", "observe", "snapshots", "weights", "faults", "core", "launch",
-          "tools", "cli", "api", "__main__")
+LAYERS = ("errors", "config", "group", "streams", "tasks", "observe", "snapshots", "weights", "faults",
+          "core", "launch", "tools", "cli", "api", "__main__")
 """trainapp's subsystems from the bottom up: a module imports its own layer and the layers below it only."""
 
 

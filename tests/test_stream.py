@@ -26,7 +26,8 @@ from trainapp.snapshots.store import list_snapshots
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(USERTASKS), os.environ.get("PYTHONPATH", "")]),
        "HF_DATASETS_OFFLINE": "1"}
-TASK = ["task.name=usertasks_stream:StreamLedger", "train.batch_size=16", "amp.dtype=off", "train.progress=false"]
+TASK = ["task.name=usertasks_stream:StreamLedger", "train.batch_size=16", "amp.dtype=off",
+        "train.progress=false"]
 
 
 def _read_all(deal: Deal, lengths: list[int]) -> list[tuple[int, int, int]]:
@@ -82,7 +83,8 @@ def _tar(path, samples):
 def test_the_adapters_open_each_shard_at_its_item(tmp_path):
     for s in range(3):
         (tmp_path / f"{s}.jsonl").write_text("".join(json.dumps({"v": s * 10 + i}) + "\n" for i in range(5)))
-        _tar(tmp_path / f"{s}.tar", [(f"k{s}{i}", {"txt": f"{s}{i}".encode(), "cls": b"1"}) for i in range(4)])
+        samples = [(f"k{s}{i}", {"txt": f"{s}{i}".encode(), "cls": b"1"}) for i in range(4)]
+        _tar(tmp_path / f"{s}.tar", samples)
     lines = streams.jsonl(reversed(list(tmp_path.glob("*.jsonl"))), lambda r: r["v"])
     assert lines.shards() == sorted(str(p) for p in tmp_path.glob("*.jsonl"))  # one order on every rank
     assert list(lines.open(lines.shards()[1], 3)) == [13, 14] and list(lines.open(lines.shards()[2], 5)) == []
@@ -150,12 +152,14 @@ def test_a_killed_ranks_stream_run_resumes_bitwise_with_loader_workers_tar_shard
     the straight run, and the same items from tar shards with rank 1 SIGKILLed at step 13 (torchrun
     restarts the group from step 10), and again through a Hugging Face streaming dataset. Both epochs end
     early (a lane ran dry) and carry the rest; the final parameters are bitwise equal."""
-    args = [*TASK, "task.args.lengths=uneven", "task.args.shards=16", "train.grad_accum=2", "train.max_steps=200",
-            "train.epochs=2", "snapshot.every_steps=5", "train.log_every=1", "data.num_workers=2"]
+    args = [*TASK, "task.args.lengths=uneven", "task.args.shards=16", "train.grad_accum=2",
+            "train.max_steps=200", "train.epochs=2", "snapshot.every_steps=5", "train.log_every=1",
+            "data.num_workers=2"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     r = torchrun(2, f"run.dir={straight}", *args, env=ENV)
     assert r.returncode == 0, r.output[-3000:]
-    r = torchrun(2, f"run.dir={killed}", *args, "task.args.fmt=tar", "drill.kill_at_step=13", "drill.rank=1", max_restarts=1, env=ENV)
+    r = torchrun(2, f"run.dir={killed}", *args, "task.args.fmt=tar", "drill.kill_at_step=13", "drill.rank=1",
+                 max_restarts=1, env=ENV)
     assert r.returncode == 0, r.output[-3000:]
     starts = metrics(killed, "start")
     assert [s["resumed_step"] for s in starts] == [None, 10], starts
@@ -180,7 +184,8 @@ def test_a_killed_ranks_stream_run_resumes_bitwise_with_loader_workers_tar_shard
 @pytest.mark.slow
 def test_a_stream_resized_2_1_2_with_a_rescaled_global_batch_reads_every_item_once(tmp_path):
     """`train.on_resize=rescale`: 2 ranks (4 lanes), rank 1 killed at step 9; 1 rank resumes (2 lanes: the
-    unread rest of the 4 dealt to 2), killed at step 20 (resumed from 16); 2 ranks again (4 lanes) to the end of 2 epochs.
+    unread rest of the 4 dealt to 2), killed at step 20 (resumed from 16); 2 ranks again (4 lanes) to the
+    end of 2 epochs.
     Every id is trained once per epoch, but for what the last epoch left unread."""
     run = tmp_path / "run"
     args = [f"run.dir={run}", *TASK, "task.args.lengths=uneven", "train.grad_accum=2", "train.max_steps=300",
@@ -238,7 +243,7 @@ def test_a_shard_that_stays_broken_ends_the_run_named_or_is_skipped_when_allowed
     assert metrics(tmp_path / "skipped", "end")[0]["data"]["skipped_shards"] == 1
     assert "skipped the rest of a shard (data.skip_bad_shards)" in r.output
     # A shard that fails twice and then opens: retried (data.shard_retries=2), nothing skipped.
-    r = trainapp("train", f"run.dir={tmp_path / 'flaky'}", *TASK, "train.max_steps=40", "task.args.fault=flaky:3",
-                 env=ENV)
+    r = trainapp("train", f"run.dir={tmp_path / 'flaky'}", *TASK, "train.max_steps=40",
+                 "task.args.fault=flaky:3", env=ENV)
     assert r.returncode == 0, r.output[-3000:]
     assert metrics(tmp_path / "flaky", "end")[0]["data"]["skipped_shards"] == 0

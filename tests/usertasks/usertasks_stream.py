@@ -48,7 +48,8 @@ def write_shards(folder: Path, seed: int, rows: int, shards: int, lengths: str, 
             continue
         tmp = path.with_suffix(".tmp")
         if fmt == "jsonl":
-            tmp.write_text("".join(json.dumps({"x": x[i].tolist(), "y": int(y[i]), "id": i}) + "\n" for i in ids))
+            rows = ({"x": x[i].tolist(), "y": int(y[i]), "id": i} for i in ids)
+            tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
         else:
             with tarfile.open(tmp, "w") as t:
                 for i in ids:
@@ -120,7 +121,8 @@ class StreamLedger(Ledger):
         super().datasets(ctx)  # the attempt's name
         folder = Path(ctx.run_dir) / "shards"
         if ctx.is_main:
-            write_shards(folder, ctx.seed, self.rows, self.shards, self.lengths, "jsonl" if self.fmt == "hf" else self.fmt)
+            fmt = "jsonl" if self.fmt == "hf" else self.fmt
+            write_shards(folder, ctx.seed, self.rows, self.shards, self.lengths, fmt)
             write_shards(folder / "val", ctx.seed + 1, 64, 2, "equal", "jsonl")
         ctx.barrier()
         paths = sorted(folder.glob(f"shard-*.{self.fmt}"))
@@ -128,7 +130,8 @@ class StreamLedger(Ledger):
             import datasets
 
             paths = sorted(folder.glob("shard-*.jsonl"))
-            rows = datasets.load_dataset("json", data_files=[str(p) for p in paths], split="train", streaming=True)
+            files = [str(p) for p in paths]
+            rows = datasets.load_dataset("json", data_files=files, split="train", streaming=True)
             train = streams.HuggingFace(rows, from_json)
         else:
             train = streams.jsonl(paths, from_json) if self.fmt == "jsonl" else streams.tar(paths, from_tar)

@@ -26,7 +26,6 @@ from trainapp.core.layout import Layout
 from trainapp.core.state import RngState, TrainState
 from trainapp.core.stream import StreamBatches
 from trainapp.core.task import BoundTask, bind
-from trainapp.errors import ConfigError
 from trainapp.streams.api import is_stream
 from trainapp.weights import init as weights_init
 
@@ -85,31 +84,10 @@ def build(cfg: Config, ctx: DistContext,
     train_ds, val_ds = task.datasets()
     model = task.model()  # after the datasets: a task may size its model by its data (classes, vocabulary)
     found, init = _init(cfg, ctx, model, load)  # before the EMA copy and the strategy: they start from it
-    streamed = is_stream(train_ds)
-    layout = Layout(cfg.train, ctx.world_size, ctx.rank, None if streamed else len(train_ds))
+    layout = Layout(cfg.train, ctx.world_size, ctx.rank, None if is_stream(train_ds) else len(train_ds))
     progress = data.Progress(layout, ctx.device)
     made.append(progress)
-    stream_part: StreamBatches | None = None  # a stream's position: a part of the state
-    if streamed:
-        stream_part = _stream_batches(cfg, ctx, task, train_ds, layout, progress)
-        batches: data.Batches = stream_part
-        horizon = functools.partial(_stream_total, cfg)
-    else:
-        if task.random_items:
-            train_ds = data.SeededItems(train_ds, cfg.seed)
-        sampler = data.ResumableDistributedSampler(train_ds, ctx.world_size, ctx.rank, shuffle=True,
-                                                   seed=cfg.seed, layout=layout)
-        batches = data.EpochBatches(train_ds, sampler, cfg.train.batch_size, cfg.data.num_workers, cuda, cfg.seed,
-                                    task.collate)
-        horizon = functools.partial(data.plan_total, sampler, progress, cfg.train)  # steps done plus left
-    if is_stream(val_ds):
-        val_loader = stream.val_loader(val_ds, ctx, cfg.train.batch_size, cfg.data.num_workers, cuda,
-                                       task.collate)
-    else:
-        val_sampler = data.ResumableDistributedSampler(val_ds, ctx.world_size, ctx.rank, shuffle=False,
-                                                       seed=cfg.seed)
-        val_loader = data.make_loader(val_ds, val_sampler, cfg.train.batch_size, cfg.data.num_workers, cuda,
-                                      cfg.seed, task.collate)
+    batches, stream_part, horizon, val_loader = _data(cfg, ctx, task, train_ds, val_ds, progress)
 
     precision = Precision(cfg.amp, ctx.device)
     if precision.note and ctx.is_main:
@@ -119,8 +97,9 @@ def build(cfg: Config, ctx: DistContext,
     strategy.prepare(model, ema.module if ema is not None else None, precision.dtype)
     opt = optim.build(model, cfg.optim, cfg.sched, ema, horizon, progress, fused=cuda,
                       groups=task.param_groups)
-    state = TrainState({"progress": progress, "stream": stream_part, **strategy.state(model, opt.optimizer, ema),
-                        "scheduler": opt.schedule, "scaler": precision.scaler, "task": task.state,
+    state = TrainState({"progress": progress, "stream": stream_part,
+                        **strategy.state(model, opt.optimizer, ema), "scheduler": opt.schedule,
+                        "scaler": precision.scaler, "task": task.state,
                         "rng": RngState(ctx, cfg.seed, progress)},
                        records={"config": cfg.to_dict(), "init": init})
     mark("built")
@@ -170,33 +149,30 @@ def _resume(cfg: Config, ctx: DistContext, state: TrainState,
     return diff
 
 
-def _stream_batches(cfg: Config, ctx: DistContext, task: BoundTask, train: Any, layout: Layout,
-                    progress: data.Progress) -> StreamBatches:
-    """The train stream's batches, after what can be checked before training: a horizon for the schedule,
-    enough shards for the lanes, the same shards on every rank."""
-    name = f"task.name={cfg.task.name!r}"
-    if cfg.train.max_steps is None:
-        raise ConfigError(f"train.max_steps is not set, and {name}'s train set is a stream, whose length is not "
-                          "known before it is read: set train.max_steps (the steps the schedule plans for; "
-                          "train.epochs still ends the run earlier if the stream runs out first)")
-    shards = list(train.shards())
-    workers = max(1, cfg.data.num_workers)
-    if len(shards) < layout.slots * workers:
-        raise ConfigError(f"{name}: the train stream has {len(shards)} shard(s), and each of the global batch's "
-                          f"{layout.slots} micro-batches (train.global_batch {layout.global_batch} / "
-                          f"train.batch_size {layout.micro_batch}) reads shards of its own in each of "
-                          f"data.num_workers={cfg.data.num_workers} loader workers, so it needs at least "
-                          f"{layout.slots * workers}: split the data into more shards, or lower data.num_workers, "
-                          "train.grad_accum, train.global_batch or the number of ranks")
-    digests = ctx.all_gather_objects(stream.shards_digest(shards))
-    if len(set(digests)) > 1:
-        raise ConfigError(f"{name}: the train stream's shards() differ between ranks; list the same shards in "
-                          "the same order on every rank (sort them)")
-    return StreamBatches(train, shards, layout, progress, ctx, cfg.seed, task.random_items, task.collate,
-                         cfg.data.num_workers, ctx.device.type == "cuda", cfg.data.shard_retries,
-                         cfg.data.skip_bad_shards, cfg.train.epochs)
-
-
-def _stream_total(cfg: Config) -> int:
-    assert cfg.train.max_steps is not None  # checked by _stream_batches
-    return cfg.train.max_steps
+def _data(cfg: Config, ctx: DistContext, task: BoundTask, train: Any, val: Any, progress: data.Progress,
+          ) -> tuple[data.Batches, StreamBatches | None, Callable[[], int], DataLoader]:
+    """(the training batches, the stream's position when the train set is a stream (a part of the state),
+    the horizon: steps done plus steps left, the validation loader)."""
+    cuda = ctx.device.type == "cuda"
+    stream_part: StreamBatches | None = None
+    batches: data.Batches
+    if is_stream(train):
+        batches = stream_part = stream.make_batches(cfg, ctx, task, train, progress)
+        horizon: Callable[[], int] = functools.partial(stream.planned_steps, cfg)
+    else:
+        if task.random_items:
+            train = data.SeededItems(train, cfg.seed)
+        sampler = data.ResumableDistributedSampler(train, ctx.world_size, ctx.rank, shuffle=True,
+                                                   seed=cfg.seed, layout=progress.layout)
+        batches = data.EpochBatches(train, sampler, cfg.train.batch_size, cfg.data.num_workers, cuda,
+                                    cfg.seed, task.collate)
+        horizon = functools.partial(data.plan_total, sampler, progress, cfg.train)
+    if is_stream(val):
+        val_loader = stream.val_loader(val, ctx, cfg.train.batch_size, cfg.data.num_workers, cuda,
+                                       task.collate)
+    else:
+        val_sampler = data.ResumableDistributedSampler(val, ctx.world_size, ctx.rank, shuffle=False,
+                                                       seed=cfg.seed)
+        val_loader = data.make_loader(val, val_sampler, cfg.train.batch_size, cfg.data.num_workers, cuda,
+                                      cfg.seed, task.collate)
+    return batches, stream_part, horizon, val_loader

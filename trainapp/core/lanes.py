@@ -17,12 +17,21 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, Sequence
 
 from trainapp.core.state import derived_seed
 
-Piece = tuple[int, int, int, "str | None"]
-"""(epoch it belongs to, shard index, first item, digest of the item before the first, or None)."""
+class Piece(NamedTuple):
+    """A shard read from an item on."""
+
+    epoch: int
+    """The epoch the piece's items belong to (a piece carried into the next epoch keeps it)."""
+    shard: int
+    """The shard's index in the stream's `shards()`."""
+    start: int
+    """The first item to read."""
+    check: str | None
+    """The digest of the item before `start` (core/stream.py re-reads it to check `open`), or None."""
 
 
 def shard_order(seed: int, epoch: int, n_shards: int) -> list[int]:
@@ -50,9 +59,9 @@ class Deal:
         return len(self.lanes)
 
     @classmethod
-    def first(cls, seed: int, epoch: int, n_shards: int, slots: int, carry: list[Piece] = ()) -> Deal:  # type: ignore[assignment]
+    def first(cls, seed: int, epoch: int, n_shards: int, slots: int, carry: Sequence[Piece] = ()) -> Deal:
         """Epoch `epoch`'s deal: what the last epoch left (`carry`) first, then its own shards."""
-        pieces = [*carry, *((epoch, s, 0, None) for s in shard_order(seed, epoch, n_shards))]
+        pieces = [*carry, *(Piece(epoch, s, 0, None) for s in shard_order(seed, epoch, n_shards))]
         return cls(epoch, _deal(pieces, slots))
 
     def remainder(self) -> list[Piece]:
@@ -60,8 +69,7 @@ class Deal:
         out: list[Piece] = []
         for lane, (index, item, check) in zip(self.lanes, self.pos):
             if index < len(lane):
-                e, shard, _, _ = lane[index]
-                out.append((e, shard, item, check))
+                out.append(Piece(lane[index].epoch, lane[index].shard, item, check))
                 out.extend(lane[index + 1:])
         return out
 
@@ -83,7 +91,7 @@ class Deal:
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Deal:
-        lanes = [[(int(e), int(s), int(i), c) for e, s, i, c in lane] for lane in state["lanes"]]
+        lanes = [[Piece(int(e), int(s), int(i), c) for e, s, i, c in lane] for lane in state["lanes"]]
         return cls(int(state["epoch"]), lanes, [list(p) for p in state["pos"]])
 
 

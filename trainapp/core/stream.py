@@ -35,7 +35,9 @@ from trainapp.core.state import derived_seed
 from trainapp.errors import Failure, first_line
 
 if TYPE_CHECKING:
-    from trainapp.core.layout import Layout
+    from trainapp.config import Config
+    from trainapp.core.data import Progress
+    from trainapp.core.task import BoundTask
     from trainapp.group import DistContext
 
 log = logging.getLogger(__name__)
@@ -53,33 +55,36 @@ def item_digest(item: Any) -> str:
     """A digest of an item's content (tensors, arrays, numbers, strings, bytes, and dicts, lists and tuples
     of them; anything else by its pickle)."""
     h = hashlib.blake2b(digest_size=12)
-
-    def feed(x: Any) -> None:
-        if isinstance(x, torch.Tensor):
-            t = x.detach().cpu().contiguous()
-            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        elif isinstance(x, np.ndarray):
-            h.update(f"A{x.dtype}{x.shape}".encode())
-            h.update(np.ascontiguousarray(x).tobytes())
-        elif isinstance(x, dict):
-            h.update(b"D")
-            for k in sorted(x, key=repr):
-                feed(k)
-                feed(x[k])
-        elif isinstance(x, (list, tuple)):
-            h.update(f"L{len(x)}".encode())
-            for v in x:
-                feed(v)
-        elif isinstance(x, (bytes, bytearray)):
-            h.update(b"B" + bytes(x))
-        elif isinstance(x, (str, int, float, bool)) or x is None:
-            h.update(repr(x).encode())
-        else:
-            h.update(pickle.dumps(x))
-
-    feed(item)
+    _feed(h, item)
     return h.hexdigest()
+
+
+def _feed(h: Any, x: Any) -> None:
+    if isinstance(x, dict):
+        h.update(b"D")
+        for k in sorted(x, key=repr):
+            _feed(h, k)
+            _feed(h, x[k])
+    elif isinstance(x, (list, tuple)):
+        h.update(f"L{len(x)}".encode())
+        for v in x:
+            _feed(h, v)
+    else:
+        h.update(_leaf_bytes(x))
+
+
+def _leaf_bytes(x: Any) -> bytes:
+    if isinstance(x, torch.Tensor):
+        t = x.detach().cpu().contiguous()
+        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return f"T{t.dtype}{tuple(t.shape)}".encode() + raw
+    if isinstance(x, np.ndarray):
+        return f"A{x.dtype}{x.shape}".encode() + np.ascontiguousarray(x).tobytes()
+    if isinstance(x, (bytes, bytearray)):
+        return b"B" + bytes(x)
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return repr(x).encode()
+    return pickle.dumps(x)
 
 
 def shards_digest(shards: list[Any]) -> str:
@@ -270,13 +275,14 @@ class StreamBatches:
 
     collective = True
 
-    def __init__(self, stream: Any, shards: list[Any], layout: Layout, progress: Any, ctx: DistContext, seed: int,
-                 random_items: bool, collate: Callable[[list[Any]], Any], num_workers: int,
-                 pin_memory: bool, retries: int, skip_bad: bool, epochs: int):
-        self.stream, self.shards, self.layout, self.ctx, self.seed = stream, shards, layout, ctx, seed
-        self.progress = progress  # the step a reader starts at picks each slot's lane (LaneReader)
-        self.collate, self.num_workers, self.pin_memory, self.epochs = collate, num_workers, pin_memory, epochs
-        self.source = _Source(stream, shards, seed, random_items, retries, skip_bad)
+    def __init__(self, stream: Any, shards: list[Any], progress: Progress, ctx: DistContext, cfg: Config,
+                 task: BoundTask):
+        self.stream, self.shards, self.ctx, self.seed = stream, shards, ctx, cfg.seed
+        self.progress, self.layout = progress, progress.layout  # the step a reader starts at picks each lane
+        self.collate, self.num_workers, self.epochs = task.collate, cfg.data.num_workers, cfg.train.epochs
+        self.pin_memory = ctx.device.type == "cuda"
+        self.source = _Source(stream, shards, cfg.seed, task.random_items, cfg.data.shard_retries,
+                              cfg.data.skip_bad_shards)
         self.deal: Deal | None = None
         self._entries: Iterator[Any] | None = None
         self._ahead: collections.deque[Any] = collections.deque()
@@ -307,9 +313,9 @@ class StreamBatches:
             return self  # opened by `settle`, its first step read
         self._open(epoch)
         if not self._ready():
-            raise ConfigError(f"the train stream's epoch {epoch} cannot fill one step: a lane of the global batch "
-                              f"has fewer than train.batch_size={self.layout.micro_batch} items; give the stream "
-                              f"at least {self.lanes} shards of at least that many items ({DOCS})")
+            raise ConfigError(f"the train stream's epoch {epoch} cannot fill one step: a lane of the global "
+                              f"batch has fewer than train.batch_size={self.layout.micro_batch} items; give "
+                              f"the stream at least {self.lanes} shards of at least that many items ({DOCS})")
         return self
 
     def settle(self, progress: Any) -> None:
@@ -391,7 +397,8 @@ class StreamBatches:
         last = self.deal.epoch + 1 >= self.epochs
         self.account["dropped_pieces" if last else "carried_pieces"] += len(rest)
         if rest and self.ctx.is_main:
-            log.info("stream: epoch %d ended with %d unread piece(s) of shards: %s", self.deal.epoch, len(rest),
+            log.info("stream: epoch %d ended with %d unread piece(s) of shards: %s", self.deal.epoch,
+                     len(rest),
                      "dropped (the last epoch)" if last else "read first in the next epoch")
         self.deal = self.deal.next_epoch(self.seed, len(self.shards))
 
@@ -412,3 +419,33 @@ class StreamBatches:
                              f"then, {len(self.shards)} now, or another order)")
         self.deal = Deal.from_state(state)
         self.account.update(state.get("account", {}))
+
+
+def make_batches(cfg: Config, ctx: DistContext, task: BoundTask, train: Any,
+                 progress: Progress) -> StreamBatches:
+    """The train stream's batches, after what can be checked before training: a horizon for the schedule,
+    enough shards for the lanes, the same shards on every rank."""
+    name, layout = f"task.name={cfg.task.name!r}", progress.layout
+    if cfg.train.max_steps is None:
+        raise ConfigError(f"train.max_steps is not set, and {name}'s train set is a stream, whose length is "
+                          "not known before it is read: set train.max_steps (the steps the schedule plans "
+                          "for; train.epochs still ends the run earlier if the stream runs out first)")
+    shards = list(train.shards())
+    workers = max(1, cfg.data.num_workers)
+    if len(shards) < layout.slots * workers:
+        raise ConfigError(f"{name}: the train stream has {len(shards)} shard(s), and each of the global "
+                          f"batch's {layout.slots} micro-batches (train.global_batch {layout.global_batch} / "
+                          f"train.batch_size {layout.micro_batch}) reads shards of its own in each of "
+                          f"data.num_workers={cfg.data.num_workers} loader workers, so it needs at least "
+                          f"{layout.slots * workers}: split the data into more shards, or lower "
+                          "data.num_workers, train.grad_accum, train.global_batch or the number of ranks")
+    if len(set(ctx.all_gather_objects(shards_digest(shards)))) > 1:
+        raise ConfigError(f"{name}: the train stream's shards() differ between ranks; list the same shards "
+                          "in the same order on every rank (sort them)")
+    return StreamBatches(train, shards, progress, ctx, cfg, task)
+
+
+def planned_steps(cfg: Config) -> int:
+    """A stream's horizon: `train.max_steps` (make_batches checked it is set)."""
+    assert cfg.train.max_steps is not None
+    return cfg.train.max_steps

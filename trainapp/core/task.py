@@ -82,8 +82,9 @@ class BoundTask:
     def _check_stream(self, which: str, stream: Any) -> None:
         shards = stream.shards()
         if not isinstance(shards, (list, tuple)) or not shards:
-            raise ConfigError(f"task.name={self.name!r}: the {which} stream's shards() returned {_what(shards)}; "
-                              "it must return a non-empty list of shard descriptors (paths, URLs, indices)")
+            raise ConfigError(f"task.name={self.name!r}: the {which} stream's shards() returned "
+                              f"{_what(shards)}; it must return a non-empty list of shard descriptors "
+                              "(paths, URLs, indices)")
         try:
             pickle.dumps(list(shards))
         except Exception as e:

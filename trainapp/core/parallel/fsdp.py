@@ -181,8 +181,8 @@ def _padded(loader: DataLoader, ctx: DistContext) -> Iterator[tuple[bool, Any]]:
         yield False, last
     extra = max(ctx.all_gather_objects(mine)) - mine
     if extra > 0:
-        sample = getattr(loader.dataset, "sample_batch", None)  # a validation stream's (trainapp/core/stream.py)
-        pad = last if mine else sample() if sample else loader.collate_fn([loader.dataset[0]])  # type: ignore[index]
+        sample = getattr(loader.dataset, "sample_batch", None)  # a validation stream's (core/stream.py)
+        pad = last if mine else sample() if sample else loader.collate_fn([loader.dataset[0]])
         for _ in range(extra):
             yield True, pad
 
