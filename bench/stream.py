@@ -3,13 +3,14 @@ feeds training against a map-style list of the same items, and how far a resized
 its straight twin.
 
 Throughput: the sample-ledger model (tests/usertasks: an 8-feature MLP, hidden width 32, so reading the
-data is most of a step, the harshest case for a data path; and width 1024) on 8192 items of 8 floats,
-`train.batch_size=64`, fp32, one process, 1500 steps: the map-style task (the items as tensors in a Python
-list, read by index), the streaming task (the same items in 16 JSON Lines files, parsed as they are read)
-and, as the control for the work of decoding, a map-style dataset of the same JSON lines decoded as each
-is read; `data.num_workers=0`, and 1 for the small model. Rounds in alternating order; each ratio is taken
-within a round, then the median; `control` is the map-style run against itself. samples/s is the training
-loop's (the run's end record).
+data is most of a step, the harshest case for a data path; and "deep": two more 1024 x 1024 layers, about
+4 MFLOP an item, where computing is most of a step) on 8192 items of 8 floats, `train.batch_size=64`,
+fp32, one process, 1500 steps (500 for "deep"): the map-style task (the items as tensors in a Python list,
+read by index), the streaming task (the same items in 16 JSON Lines files, parsed as they are read) and,
+as the control for the work of decoding, a map-style dataset of the same JSON lines decoded as each is
+read; `data.num_workers=0` and 1 (one loader worker beside the training process). Rounds in alternating
+order; each ratio is taken within a round, then the median; `control` is the map-style run against
+itself. samples/s is the training loop's (the run's end record).
 
 Resize: the streaming task (8 equal shards, 2 micro-batches per step) trained 100 steps by 2 processes
 straight, resized 2 -> 1 -> 2 with `train.on_resize=keep` (rank killed after the first snapshot, the lone
@@ -51,11 +52,13 @@ CONTESTANTS = {
 def throughput(tmp: Path, rounds: int, steps: int) -> dict:
     """Per setting, rounds of (map-style, stream, map-style decoding the JSON lines, map-style again) in
     alternating orders: each ratio to the round's first map-style run, then the median over rounds."""
-    common = [f"train.max_steps={steps}", "train.epochs=100", "train.batch_size=64", "amp.dtype=off",
+    common = ["train.epochs=100", "train.batch_size=64", "amp.dtype=off",
               "train.progress=false", "train.log_every=50", "snapshot.every_steps=100000",
               "task.args.rows=8192", "task.args.record=false", "run.export=false"]
+    deep = ["task.args.hidden=1024", "task.args.depth=2"]
     settings = {"mlp32_workers0": ["data.num_workers=0"], "mlp32_workers1": ["data.num_workers=1"],
-                "mlp1024_workers0": ["data.num_workers=0", "task.args.hidden=1024"]}
+                "deep_workers0": ["data.num_workers=0", *deep],
+                "deep_workers1": ["data.num_workers=1", *deep]}
     out: dict = {}
     for setting, extra in settings.items():
         got: dict[str, list[float]] = {"map": [], "stream": [], "lines": [], "map2": []}
@@ -63,7 +66,9 @@ def throughput(tmp: Path, rounds: int, steps: int) -> dict:
             order = ["map", "stream", "lines", "map2"]
             for name in order if r % 2 == 0 else order[::-1]:
                 run = tmp / f"{setting}-r{r}-{name}"
+                n = steps // 3 if setting.startswith("deep") else steps  # about as long as the others
                 _run([str(BIN / "python"), "-m", "trainapp", "train", f"run.dir={run}",
+                      f"train.max_steps={n}",
                       *CONTESTANTS[name.rstrip("2")], *common, *extra])
                 got[name].append(samples_per_s(run))
             line = ", ".join(f"{k} {v[-1]:.0f}/s" for k, v in got.items())
@@ -115,7 +120,8 @@ def main() -> None:
                   "resize": resize(Path(tmp), 30 if args.smoke else 100, 10 if args.smoke else 33)}
     result["stream_over_map"] = result["throughput"]["mlp32_workers0"]["stream_over_map"]
     result["stream_over_decoding_map"] = result["throughput"]["mlp32_workers0"]["stream_over_decoding_map"]
-    result["stream_over_map_mlp1024"] = result["throughput"]["mlp1024_workers0"]["stream_over_map"]
+    result["stream_over_map_deep"] = result["throughput"]["deep_workers0"]["stream_over_map"]
+    result["stream_over_map_deep_workers1"] = result["throughput"]["deep_workers1"]["stream_over_map"]
     result["resize_param_rel_distance"] = result["resize"]["keep"]["param_rel_distance"]
     result["resize_param_rel_distance_rescale"] = result["resize"]["rescale"]["param_rel_distance"]
     write_result(out, result)

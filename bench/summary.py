@@ -76,7 +76,8 @@ ROWS = [
      "tensors in a list, 8-feature MLP (data-bound), 1 process", (">=", 0.9), "{:.3f}"),
     ("stream", "stream_over_decoding_map", "control: the stream / a map-style list of the same JSON lines, "
      "each decoded when read (the same work per item)", None, "{:.3f}"),
-    ("stream", "stream_over_map_mlp1024", "the stream / the list, the MLP 1024 wide", None, "{:.3f}"),
+    ("stream", "stream_over_map_deep_workers1", "the stream / the list, a model with 4 MFLOP an item, one "
+     "loader worker", None, "{:.3f}"),
     ("stream", "resize_param_rel_distance", "a stream run resized 2 -> 1 -> 2 (global batch kept), final "
      "parameters' relative distance to the straight run's", None, "{:.2g}"),
     ("stream", "resize_param_rel_distance_rescale", "control: the same resizes with "

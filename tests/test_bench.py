@@ -210,4 +210,4 @@ def test_stream_benchmark_smoke(tmp_path):
     result, _ = smoke("stream", tmp_path, timeout=600)
     assert result["resize"]["keep"]["param_rel_distance"] == 0.0, result["resize"]
     assert result["resize"]["rescale"]["data"]["resized"] == 2, result["resize"]
-    assert set(result["throughput"]) == {"mlp32_workers0", "mlp32_workers1", "mlp1024_workers0"}
+    assert set(result["throughput"]) == {"mlp32_workers0", "mlp32_workers1", "deep_workers0", "deep_workers1"}

@@ -20,7 +20,7 @@ from helpers import USERTASKS, inspect, metrics, one_error_line, torchrun, train
 from torch.utils.data import DataLoader
 
 from trainapp import streams
-from trainapp.core.lanes import Deal
+from trainapp.core.lanes import Deal, Piece
 from trainapp.core.stream import LaneReader, _keep, _Source, item_digest
 from trainapp.snapshots.store import list_snapshots
 
@@ -63,6 +63,17 @@ def test_lanes_redealt_and_carried_read_every_item_of_an_epoch_once(seed):
     assert sorted(_read_all(carried, lengths)) == sorted(rest + [(1, s, i) for s in range(n)
                                                                   for i in range(lengths[s])])
     assert Deal.from_state(json.loads(json.dumps(carried.state_dict()))) == carried
+
+
+def test_a_dry_lanes_remainder_holds_only_the_pieces_that_still_had_items():
+    deal = Deal(0, [[Piece(0, 0, 0, None), Piece(0, 1, 0, None), Piece(0, 2, 0, None)],
+                    [Piece(0, 3, 0, None), Piece(0, 4, 0, None)]])
+    deal.pos = [[0, 7, "d"], [1, 2, "e"]]
+    assert deal.remainder() == [Piece(0, 0, 7, "d"), Piece(0, 1, 0, None), Piece(0, 2, 0, None),
+                                Piece(0, 4, 2, "e")]
+    # Lane 0 ran dry holding items of pieces 0 and 2 (piece 1 was empty); lane 1 had none left.
+    assert deal.remainder({0: [0, 2], 1: []}) == [Piece(0, 0, 7, "d"), Piece(0, 2, 0, None)]
+    assert [p.epoch for p in deal.next_epoch(0, 5, {0: [0, 2], 1: []}).lanes[0]][:1] == [0]
 
 
 def test_the_shard_order_is_seeded_per_epoch():

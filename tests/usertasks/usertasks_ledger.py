@@ -21,8 +21,9 @@ from torch import nn
 
 
 class Ledger:
-    def __init__(self, rows: int = 512, step_s: float = 0.0, record: bool = True, hidden: int = 32):
-        self.rows, self.step_s, self.record, self.hidden = rows, step_s, record, hidden
+    def __init__(self, rows: int = 512, step_s: float = 0.0, record: bool = True, hidden: int = 32,
+                 depth: int = 0):
+        self.rows, self.step_s, self.record, self.hidden, self.depth = rows, step_s, record, hidden, depth
         self.attempt = f"{time.time_ns()}-{os.getpid()}"
         self.ctx = None
 
@@ -39,8 +40,10 @@ class Ledger:
         return train, train[:64]
 
     def model(self, ctx):
-        h = self.hidden
-        return nn.Sequential(nn.Linear(8, h), nn.BatchNorm1d(h), nn.ReLU(), nn.Dropout(0.2), nn.Linear(h, 2))
+        h = self.hidden  # `depth` more h x h layers: compute per item for bench/stream.py
+        deeper = [m for _ in range(self.depth) for m in (nn.Linear(h, h), nn.ReLU())]
+        return nn.Sequential(nn.Linear(8, h), nn.BatchNorm1d(h), nn.ReLU(), *deeper, nn.Dropout(0.2),
+                             nn.Linear(h, 2))
 
     def loss(self, model, batch):
         x, y, index = batch

@@ -110,8 +110,8 @@ class Lines:
 class StreamLedger(Ledger):
     def __init__(self, rows: int = 1024, shards: int = 8, lengths: str = "equal", fmt: str = "jsonl",
                  fault: str = "", val: str = "stream", step_s: float = 0.0, record: bool = True,
-                 hidden: int = 32, map_style: bool = False):
-        super().__init__(rows=rows, step_s=step_s, record=record, hidden=hidden)
+                 hidden: int = 32, depth: int = 0, map_style: bool = False):
+        super().__init__(rows=rows, step_s=step_s, record=record, hidden=hidden, depth=depth)
         self.shards, self.lengths, self.fmt, self.fault, self.val = shards, lengths, fmt, fault, val
         self.map_style = map_style
         """The same JSON lines as a map-style dataset that decodes an item when it is read (bench/stream.py's

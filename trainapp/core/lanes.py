@@ -64,21 +64,24 @@ class Deal:
         pieces = [*carry, *(Piece(epoch, s, 0, None) for s in shard_order(seed, epoch, n_shards))]
         return cls(epoch, _deal(pieces, slots))
 
-    def remainder(self) -> list[Piece]:
-        """The unread pieces, lane by lane: each lane's current piece from its position, then the rest."""
+    def remainder(self, dry: dict[int, list[int]] | None = None) -> list[Piece]:
+        """The unread pieces, lane by lane: each lane's current piece from its position, then the rest. For a
+        lane in `dry` (lane -> the indices of the pieces that still held items when it ran dry), only those:
+        the pieces it found empty are left out."""
         out: list[Piece] = []
-        for lane, (index, item, check) in zip(self.lanes, self.pos):
-            if index < len(lane):
+        for k, (lane, (index, item, check)) in enumerate(zip(self.lanes, self.pos)):
+            held = set(dry[k]) if dry and k in dry else None
+            if index < len(lane) and (held is None or index in held):
                 out.append(Piece(lane[index].epoch, lane[index].shard, item, check))
-                out.extend(lane[index + 1:])
+            out.extend(p for j, p in enumerate(lane[index + 1:], index + 1) if held is None or j in held)
         return out
 
     def redeal(self, slots: int) -> Deal:
         """The same epoch over `slots` lanes: the remainder dealt round-robin."""
         return Deal(self.epoch, _deal(self.remainder(), slots))
 
-    def next_epoch(self, seed: int, n_shards: int) -> Deal:
-        return Deal.first(seed, self.epoch + 1, n_shards, self.slots, self.remainder())
+    def next_epoch(self, seed: int, n_shards: int, dry: dict[int, list[int]] | None = None) -> Deal:
+        return Deal.first(seed, self.epoch + 1, n_shards, self.slots, self.remainder(dry))
 
     def merge(self, positions: dict[int, list[Any]]) -> None:
         """Lane positions known to other ranks (lane -> pos) into this deal."""

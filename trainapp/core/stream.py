@@ -103,7 +103,7 @@ class _Source:
         """The next item of `it`, item number `item` of the piece's shard (StopIteration at its end)."""
         if not self.random_items:
             return next(it)
-        seed = derived_seed(self.seed, piece[0], "shard", piece[1], item)
+        seed = derived_seed(self.seed, piece.epoch, "shard", piece.shard, item)
         gen = torch.default_generator
         saved = gen.get_state()
         gen.manual_seed(seed)
@@ -117,7 +117,7 @@ class _Source:
     def open(self, piece: Piece, item: int, check: str | None) -> Iterator[Any]:
         """The piece's shard from `item` on; with `check`, the item before it is re-read first and must
         have that digest (ConfigError otherwise: the stream's `open` did not start where asked)."""
-        shard = self.shards[piece[1]]
+        shard = self.shards[piece.shard]
         if check is None or item == 0:
             return iter(self.stream.open(shard, item))
         it = iter(self.stream.open(shard, item - 1))
@@ -141,10 +141,12 @@ class _Lane:
         self.it: Iterator[Any] | None = None
         self.failures = 0
 
-    def take(self, n: int) -> tuple[list[Any], list[str]]:
-        """Up to `n` next items (fewer: the lane ran dry), and the shards skipped on the way."""
+    def take(self, n: int) -> tuple[list[Any], list[str], list[int]]:
+        """Up to `n` next items (fewer: the lane ran dry), the shards skipped on the way, and the indices of
+        the pieces the items came from."""
         items: list[Any] = []
         skipped: list[str] = []
+        touched: list[int] = []
         while len(items) < n and self.index < len(self.pieces):
             piece = self.pieces[self.index]
             try:
@@ -157,31 +159,35 @@ class _Lane:
             except ConfigError:
                 raise
             except Exception as e:  # the user's reader: any error is a failed read of this shard
-                self.it = None
-                self.failures += 1
-                if self.failures <= self.source.retries:
-                    time.sleep(min(0.5 * 2 ** (self.failures - 1), 5.0))
-                    continue
-                shard = self.source.shards[piece[1]]
-                what = (f"shard {shard!r} failed {self.failures} time(s) at item {self.item} "
-                        f"({first_line(e)})")
-                if not self.source.skip_bad:
-                    raise ShardError(f"{what}; data.shard_retries={self.source.retries} retries spent; set "
-                                     "data.skip_bad_shards=true to go on without the rest of such a shard")
-                skipped.append(what)
-                self._next_piece()
+                self._failed(piece, e, skipped)
                 continue
-            self.item += 1
-            self.check = None
-            self.failures = 0
+            self.item, self.check, self.failures = self.item + 1, None, 0
+            if not touched or touched[-1] != self.index:
+                touched.append(self.index)
         if items:
             self.check = item_digest(items[-1])
-        return items, skipped
+        return items, skipped, touched
+
+    def _failed(self, piece: Piece, e: Exception, skipped: list[str]) -> None:
+        """A failed open or read of `piece`: retried after a pause (reopened at the item reached), then
+        ShardError, or the rest of the shard skipped (`data.skip_bad_shards`, noted in `skipped`)."""
+        self.it = None
+        self.failures += 1
+        if self.failures <= self.source.retries:
+            time.sleep(min(0.5 * 2 ** (self.failures - 1), 5.0))
+            return
+        shard = self.source.shards[piece.shard]
+        what = f"shard {shard!r} failed {self.failures} time(s) at item {self.item} ({first_line(e)})"
+        if not self.source.skip_bad:
+            raise ShardError(f"{what}; data.shard_retries={self.source.retries} retries spent; set "
+                             "data.skip_bad_shards=true to go on without the rest of such a shard")
+        skipped.append(what)
+        self._next_piece()
 
     def _next_piece(self) -> None:
         self.index, self.it, self.failures = self.index + 1, None, 0
         if self.index < len(self.pieces):
-            self.item, self.check = self.pieces[self.index][2], self.pieces[self.index][3]
+            self.item, self.check = self.pieces[self.index].start, self.pieces[self.index].check
 
     def pos(self) -> list[Any]:
         return [self.index, self.item, self.check]
@@ -192,7 +198,8 @@ class LaneReader(IterableDataset):
     slots[m] * k + t % k (k lanes per slot, one per loader worker); the rank's micro-batches are numbered
     p = (t - t0) * M + m from the first step read (t0), and worker p % n makes micro-batch p, as
     DataLoader's round-robin over its n workers expects. With k = n each lane is read by one worker only.
-    One entry per micro-batch: ("ok", lane, batch, position after, skipped shards), ("dry", lane) or
+    One entry per micro-batch: ("ok", lane, batch, position after, skipped shards), ("dry", lane, the
+    pieces that still held items) or
     ("failed", lane, error); a worker ends after the step in which one of its lanes ran dry."""
 
     def __init__(self, source: _Source, deal: Deal, slots: list[int], per_slot: int, first_step: int,
@@ -214,12 +221,12 @@ class LaneReader(IterableDataset):
                 if lane not in readers:
                     readers[lane] = _Lane(self.source, self.deal.lanes[lane], self.deal.pos[lane])
                 try:
-                    items, skipped = readers[lane].take(self.micro_batch)
+                    items, skipped, touched = readers[lane].take(self.micro_batch)
                 except (ConfigError, ShardError) as e:
                     yield ("failed", lane, e)
                     return
                 if len(items) < self.micro_batch:
-                    yield ("dry", lane)
+                    yield ("dry", lane, touched)
                     ended = True
                 else:
                     yield ("ok", lane, self.collate(items), readers[lane].pos(), skipped)
@@ -376,7 +383,7 @@ class StreamBatches:
             try:
                 self._ahead.append(next(self._entries))
             except StopIteration:
-                self._ahead.append(("dry", -1))
+                self._ahead.append(("dry", -1, []))
         kinds = {e[0] for e in self._ahead}
         flags = torch.tensor([float("dry" in kinds), float("failed" in kinds)], device=self.ctx.device)
         dry, failed = self.ctx.all_reduce_sum(flags).tolist()
@@ -390,17 +397,21 @@ class StreamBatches:
 
     def _end_epoch(self) -> None:
         assert self.deal is not None
+        mine = {"pos": {k: self.deal.pos[k] for k in self._mine()},
+                "dry": {e[1]: e[2] for e in self._ahead if e[0] == "dry" and e[1] >= 0}}
         self._entries, self._ahead = None, collections.deque()
-        for lanes in self.ctx.all_gather_objects({k: self.deal.pos[k] for k in self._mine()}):
-            self.deal.merge(lanes)
-        rest = self.deal.remainder()
+        dry: dict[int, list[int]] = {}
+        for theirs in self.ctx.all_gather_objects(mine):
+            self.deal.merge(theirs["pos"])
+            dry.update(theirs["dry"])
+        rest = self.deal.remainder(dry)
         last = self.deal.epoch + 1 >= self.epochs
         self.account["dropped_pieces" if last else "carried_pieces"] += len(rest)
         if rest and self.ctx.is_main:
             log.info("stream: epoch %d ended with %d unread piece(s) of shards: %s", self.deal.epoch,
                      len(rest),
                      "dropped (the last epoch)" if last else "read first in the next epoch")
-        self.deal = self.deal.next_epoch(self.seed, len(self.shards))
+        self.deal = self.deal.next_epoch(self.seed, len(self.shards), dry)
 
     def state_dict(self) -> dict[str, Any] | None:
         assert self.deal is not None
