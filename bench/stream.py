@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import time
 from pathlib import Path
 
 from bench.common import BIN, REPO, records, result_path, write_result
@@ -115,7 +116,7 @@ def main() -> None:
     args = ap.parse_args()
     out = result_path("stream.json", args.smoke, args.out)
     with scratch("ta-bench-stream-") as tmp:
-        result = {"machine": describe(), "smoke": args.smoke,
+        result = {"machine": describe(), "date": time.strftime("%Y-%m-%d"), "smoke": args.smoke,
                   "throughput": throughput(Path(tmp), 1 if args.smoke else 3, 30 if args.smoke else 1500),
                   "resize": resize(Path(tmp), 30 if args.smoke else 100, 10 if args.smoke else 33)}
     result["stream_over_map"] = result["throughput"]["mlp32_workers0"]["stream_over_map"]
