@@ -249,8 +249,12 @@ def test_job_submit_runs_two_workers_and_inspect_reads_the_ray_run(cluster, ray_
     r, run_dir = ray_run_with_restart
     assert r.returncode == 0, r.output[-4000:]
     assert "trainapp ray: done steps=24" in r.output and "world_size=2" in r.output
-    # Ray stops a worker group whose training is over with SIGTERM: that is no preemption notice.
-    assert "preemption: SIGTERM received" not in r.output, r.output[-4000:]
+    # Ray stops a worker group whose training is over with SIGTERM: that is no preemption notice. (Only the
+    # attempt that finished: the first one's rank 0, stopped by Ray with SIGTERM after rank 1 died, may get
+    # it before it sees its peer gone, on a busy machine: a failing group's survivor, which trainapp cannot
+    # tell from a preempted one. Seen once in make test-long's two lanes.)
+    finished = r.output.rsplit("first step of this attempt trained", 1)[-1]
+    assert "preemption: SIGTERM received" not in finished, finished[-4000:]
     assert {m["world_size"] for m in metrics(run_dir, "train")} == {2}
     # Each local node has an address of its own: Ray Train places the ranks as on two machines.
     placement = metrics(run_dir, "start")[0]["placement"]
