@@ -67,11 +67,15 @@ class DistContext:
         NCCL a wait past `dist.timeout_s` is torn down by NCCL's watchdog from C++, with no failure
         record and no line; on Gloo it raises where trainapp records it. Object collectives on a Gloo
         group also stay on the CPU (no pickled bytes copied to the GPU and back)."""
+        return self.on_side("rank 0's file work (a snapshot written, the newest one found, the lease, a "
+                            "download)")
+
+    def on_side(self, waits_for: str) -> DistContext:
+        """The same rank, whose collectives run on the Gloo side group (CPU tensors), a timeout there said as
+        a wait for `waits_for`; this context itself where there is no side group (alone)."""
         if self.side is None:
             return self
-        return dataclasses.replace(self, side=None, group=self.side,
-                                   waits_for="rank 0's file work (a snapshot written, the newest one found, "
-                                             "the lease, a download)")
+        return dataclasses.replace(self, side=None, group=self.side, waits_for=waits_for)
 
     @contextlib.contextmanager
     def _waiting(self) -> Iterator[None]:

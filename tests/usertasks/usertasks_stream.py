@@ -175,3 +175,13 @@ def left_unread(state: dict, rows: int, shards: int, lengths: str, before_epoch:
             if epoch < before_epoch:
                 out.extend(ids[shard][item if k == 0 else start:])
     return out
+
+
+def epochs_once(run_dir: str | Path, rows: int, per_epoch: int) -> dict:
+    """The ledger of a run of equal shards whose epochs are `per_epoch` whole steps: the steps trained, the
+    sizes of their global batches, and the epochs whose steps did not train every id exactly once."""
+    steps = trained(run_dir)
+    bad = [e for e in range(len(steps) // per_epoch)
+           if sorted(i for step in range(e * per_epoch + 1, (e + 1) * per_epoch + 1) for i in steps[step])
+           != list(range(rows))]
+    return {"steps": sorted(steps), "sizes": {len(ids) for ids in steps.values()}, "bad_epochs": bad}

@@ -168,8 +168,8 @@ def _data(cfg: Config, ctx: DistContext, task: BoundTask, train: Any, val: Any, 
                                     cfg.seed, task.collate)
         horizon = functools.partial(data.plan_total, sampler, progress, cfg.train)
     if is_stream(val):
-        val_loader = stream.val_loader(val, ctx, cfg.train.batch_size, cfg.data.num_workers, cuda,
-                                       task.collate)
+        val_loader = stream.val_loader(val, stream.listed(task.name, "val", val), ctx, cfg.train.batch_size,
+                                       cfg.data.num_workers, cuda, task.collate)
     else:
         val_sampler = data.ResumableDistributedSampler(val, ctx.world_size, ctx.rank, shuffle=False,
                                                        seed=cfg.seed)

@@ -46,16 +46,21 @@ class SeededItems(Dataset):
         return len(self.base)
 
     def __getitem__(self, i: int) -> Any:
-        seed = derived_seed(self.seed, self.epoch, i)
-        gen = torch.default_generator
-        saved = gen.get_state()
-        gen.manual_seed(seed)
-        random.seed(seed)
-        np.random.seed(seed & 0xFFFFFFFF)
-        try:
-            return self.base[i]
-        finally:
-            gen.set_state(saved)
+        return read_seeded(derived_seed(self.seed, self.epoch, i), self.base.__getitem__, i)
+
+
+def read_seeded(seed: int, read: Callable[[Any], Any], key: Any) -> Any:
+    """`read(key)` with torch's, Python's and numpy's generators seeded from `seed`, torch's put back after
+    (`SeededItems`; a stream's items, trainapp/core/stream.py)."""
+    gen = torch.default_generator
+    saved = gen.get_state()
+    gen.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed & 0xFFFFFFFF)
+    try:
+        return read(key)
+    finally:
+        gen.set_state(saved)
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -147,6 +152,11 @@ class Batches(Protocol):
 
     def epoch(self, epoch: int, start: int) -> Iterator[Any]: ...
 
+    @property
+    def account(self) -> dict[str, Any] | None:
+        """What was read otherwise than straight (a stream's: trainapp/core/stream.py), for the end record's
+        `data`; None for map-style data."""
+
 
 class EpochBatches:
     """The training batches of an epoch from a global sample on: the sampler (and the augmentations) set
@@ -156,6 +166,8 @@ class EpochBatches:
                  num_workers: int, pin_memory: bool, seed: int, collate: Callable | None = None):
         self.dataset, self.sampler, self.batch_size = dataset, sampler, batch_size
         self.num_workers, self.pin_memory, self.seed, self.collate = num_workers, pin_memory, seed, collate
+
+    account = None  # a map-style dataset is read as it is
 
     def steps_from(self, start: int) -> int:
         return self.sampler.steps_from(start)

@@ -277,17 +277,9 @@ class Trainer:
                    "final_loss": self.last_loss, **val_metrics(self.last_eval),
                    "world_size": self.ctx.world_size, "samples_per_s": samples_per_s,
                    "skipped_steps": int(p.skipped.item()), "snapshots": self.snapshots.where,
-                   **_data_account(self.parts.batches),
+                   **({"data": dict(account)} if (account := self.parts.batches.account) else {}),
                    "state_bytes": parallel.state_bytes(self.parts.model, self.parts.optimizer, self.ctx)}
         self._finish_snapshots()  # the final snapshot is on disk before the run says it ended
         summary["model"] = export_final(self.cfg, self.ctx, self.parts, self.snapshots)  # run.export
         summary.update(self.records.end(summary))  # rank 0: the account of the run's wall time
         return summary
-
-
-
-def _data_account(batches: Any) -> dict[str, Any]:
-    """A stream's account of what it read otherwise than straight (trainapp/core/stream.py), for the end
-    record's `data`; nothing for map-style data."""
-    account = getattr(batches, "account", None)
-    return {"data": dict(account)} if account is not None else {}

@@ -21,7 +21,6 @@ import collections
 import hashlib
 import logging
 import pickle
-import random
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -30,6 +29,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainapp.config import ConfigError
+from trainapp.core.data import read_seeded
 from trainapp.core.lanes import Deal, Piece
 from trainapp.core.state import derived_seed
 from trainapp.errors import Failure, first_line
@@ -103,16 +103,7 @@ class _Source:
         """The next item of `it`, item number `item` of the piece's shard (StopIteration at its end)."""
         if not self.random_items:
             return next(it)
-        seed = derived_seed(self.seed, piece.epoch, "shard", piece.shard, item)
-        gen = torch.default_generator
-        saved = gen.get_state()
-        gen.manual_seed(seed)
-        random.seed(seed)
-        np.random.seed(seed & 0xFFFFFFFF)
-        try:
-            return next(it)
-        finally:
-            gen.set_state(saved)
+        return read_seeded(derived_seed(self.seed, piece.epoch, "shard", piece.shard, item), next, it)
 
     def open(self, piece: Piece, item: int, check: str | None) -> Iterator[Any]:
         """The piece's shard from `item` on; with `check`, the item before it is re-read first and must
@@ -263,9 +254,8 @@ class ValReader(IterableDataset):
             yield self.collate(items)
 
 
-def val_loader(stream: Any, ctx: DistContext, batch_size: int, num_workers: int, pin_memory: bool,
-               collate: Callable[[list[Any]], Any]) -> DataLoader:
-    shards = list(stream.shards())
+def val_loader(stream: Any, shards: list[Any], ctx: DistContext, batch_size: int, num_workers: int,
+               pin_memory: bool, collate: Callable[[list[Any]], Any]) -> DataLoader:
     reader = ValReader(stream, shards, ctx.rank, ctx.world_size, batch_size, collate)
     workers = min(num_workers, len(reader.mine))
     return DataLoader(reader, batch_size=None, num_workers=workers, pin_memory=pin_memory)
@@ -273,6 +263,22 @@ def val_loader(stream: Any, ctx: DistContext, batch_size: int, num_workers: int,
 
 def _keep(entry: Any) -> Any:
     return entry
+
+
+def listed(name: str, which: str, stream: Any) -> list[Any]:
+    """The stream's shards, listed once (a listing may ask object storage), checked: a non-empty list of
+    picklable descriptors."""
+    shards = stream.shards()
+    if not isinstance(shards, (list, tuple)) or not shards:
+        raise ConfigError(f"task.name={name!r}: the {which} stream's shards() returned "
+                          f"{type(shards).__name__} {repr(shards)[:60]}; it must return a non-empty list of "
+                          "shard descriptors (paths, URLs, indices)")
+    try:
+        pickle.dumps(list(shards))
+    except Exception as e:
+        raise ConfigError(f"task.name={name!r}: the {which} stream's shards cannot be pickled "
+                          f"({first_line(e)}); describe each shard by a path, URL or number") from None
+    return list(shards)
 
 
 class StreamBatches:
@@ -284,7 +290,11 @@ class StreamBatches:
 
     def __init__(self, stream: Any, shards: list[Any], progress: Progress, ctx: DistContext, cfg: Config,
                  task: BoundTask):
-        self.stream, self.shards, self.ctx, self.seed = stream, shards, ctx, cfg.seed
+        self.stream, self.shards, self.seed = stream, shards, cfg.seed
+        self.digest = shards_digest(shards)
+        # Its collectives (a flag per step, positions at a snapshot or an epoch's end) on the Gloo side group,
+        # in CPU tensors: no device sync in the step, and a wait past dist.timeout_s is said by name.
+        self.ctx = ctx.on_side("the other ranks' next micro-batches of the train stream")
         self.progress, self.layout = progress, progress.layout  # the step a reader starts at picks each lane
         self.collate, self.num_workers, self.epochs = task.collate, cfg.data.num_workers, cfg.train.epochs
         self.pin_memory = ctx.device.type == "cuda"
@@ -385,7 +395,7 @@ class StreamBatches:
             except StopIteration:
                 self._ahead.append(("dry", -1, []))
         kinds = {e[0] for e in self._ahead}
-        flags = torch.tensor([float("dry" in kinds), float("failed" in kinds)], device=self.ctx.device)
+        flags = torch.tensor([float("dry" in kinds), float("failed" in kinds)])
         dry, failed = self.ctx.all_reduce_sum(flags).tolist()
         if failed:
             mine = [e for e in self._ahead if e[0] == "failed"]
@@ -418,14 +428,15 @@ class StreamBatches:
         gathered = self.ctx.gather_objects({k: self.deal.pos[k] for k in self._mine()})
         if gathered is None:
             return None
-        deal = Deal.from_state(self.deal.state_dict())
+        state = self.deal.state_dict()  # copies: the lanes read on by their ranks after this
         for lanes in gathered:
-            deal.merge(lanes)
-        return {**deal.state_dict(), "shards": len(self.shards), "shards_digest": shards_digest(self.shards),
+            for lane, pos in lanes.items():
+                state["pos"][lane] = list(pos)
+        return {**state, "shards": len(self.shards), "shards_digest": self.digest,
                 "account": dict(self.account)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["shards"] != len(self.shards) or state["shards_digest"] != shards_digest(self.shards):
+        if state["shards"] != len(self.shards) or state["shards_digest"] != self.digest:
             raise ValueError(f"the train stream's shards() differ from the snapshot's ({state['shards']} "
                              f"then, {len(self.shards)} now, or another order)")
         self.deal = Deal.from_state(state)
@@ -441,7 +452,7 @@ def make_batches(cfg: Config, ctx: DistContext, task: BoundTask, train: Any,
         raise ConfigError(f"train.max_steps is not set, and {name}'s train set is a stream, whose length is "
                           "not known before it is read: set train.max_steps (the steps the schedule plans "
                           "for; train.epochs still ends the run earlier if the stream runs out first)")
-    shards = list(train.shards())
+    shards = listed(cfg.task.name, "train", train)
     workers = max(1, cfg.data.num_workers)
     if len(shards) < layout.slots * workers:
         raise ConfigError(f"{name}: the train stream has {len(shards)} shard(s), and each of the global "

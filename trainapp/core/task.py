@@ -7,7 +7,6 @@ the task's.
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
@@ -67,8 +66,7 @@ class BoundTask:
             raise ConfigError(f"task.name={self.name!r}: datasets(ctx) returned {_what(out)}; it must return "
                               f"(train, val), two map-style datasets or streams ({DOCS})")
         for which, ds in zip(("train", "val"), out):
-            if is_stream(ds):
-                self._check_stream(which, ds)
+            if is_stream(ds):  # its shards are listed and checked once, where they are read (core/stream.py)
                 continue
             if not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
                 raise ConfigError(f"task.name={self.name!r}: datasets(ctx) returned a {which} set without "
@@ -78,18 +76,6 @@ class BoundTask:
             if len(ds) == 0:
                 raise ConfigError(f"task.name={self.name!r}: datasets(ctx) returned an empty {which} set")
         return out[0], out[1]
-
-    def _check_stream(self, which: str, stream: Any) -> None:
-        shards = stream.shards()
-        if not isinstance(shards, (list, tuple)) or not shards:
-            raise ConfigError(f"task.name={self.name!r}: the {which} stream's shards() returned "
-                              f"{_what(shards)}; it must return a non-empty list of shard descriptors "
-                              "(paths, URLs, indices)")
-        try:
-            pickle.dumps(list(shards))
-        except Exception as e:
-            raise ConfigError(f"task.name={self.name!r}: the {which} stream's shards cannot be pickled "
-                              f"({first_line(e)}); describe each shard by a path, URL or number") from None
 
     def model(self) -> torch.nn.Module:
         torch.manual_seed(self.ctx.seed)  # the same initial weights on every rank and in every run

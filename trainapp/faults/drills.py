@@ -49,6 +49,9 @@ class _Batches(Protocol):
 
     def epoch(self, epoch: int, start: int) -> Iterator[Any]: ...
 
+    @property
+    def account(self) -> dict[str, Any] | None: ...
+
 
 class _Parts(Protocol):
     batches: _Batches
@@ -68,6 +71,10 @@ class _SlowBatches:
 
     def steps_from(self, start: int) -> int:
         return self.batches.steps_from(start)
+
+    @property
+    def account(self) -> dict[str, Any] | None:
+        return self.batches.account
 
     def epoch(self, epoch: int, start: int) -> Iterator[Any]:
         for batch in self.batches.epoch(epoch, start):
