@@ -231,6 +231,15 @@ def test_a_stream_that_cannot_train_is_one_line_before_training(tmp_path, case):
 
 
 @pytest.mark.slow
+def test_shards_listed_differently_on_two_ranks_are_one_line_before_training(tmp_path):
+    r = torchrun(2, f"run.dir={tmp_path}", *TASK, "train.max_steps=10", "task.args.fault=unsorted", env=ENV)
+    # torchrun adds a traceback of its own for the failed child; trainapp's line is the same on every rank.
+    lines = {line for line in r.output.splitlines() if line.startswith("trainapp train: error:")}
+    assert len(lines) == 1 and "the train stream's shards() differ between ranks" in lines.pop(), r.output
+    assert "exitcode  : 2" in r.output and not list(tmp_path.glob("snapshots/step_*"))
+
+
+@pytest.mark.slow
 def test_an_open_that_ignores_start_is_found_at_the_first_resume(tmp_path):
     args = [f"run.dir={tmp_path}", *TASK, "task.args.fault=ignore_start", "train.max_steps=30",
             "snapshot.every_steps=5"]

@@ -6,7 +6,8 @@ what every step trained (tests/test_stream.py, bench/stream.py).
 `fmt`: "jsonl", "tar", or "hf" (the JSON Lines files read by Hugging Face `datasets` with streaming=True).
 `lengths`: the shards' lengths ("equal": `rows` split evenly; "uneven": lengths that differ by up to 3x).
 `fault`: "ignore_start" (an `open` that starts every shard at its first item whatever `start` says),
-"broken:N" (shard N fails to open every time), "flaky:N" (shard N fails its first two opens).
+"broken:N" (shard N fails to open every time), "flaky:N" (shard N fails its first two opens), "unsorted"
+(every rank but rank 0 lists the shards in reverse).
 """
 
 from __future__ import annotations
@@ -73,11 +74,12 @@ def from_tar(sample: dict) -> tuple:
 class Faulty:
     """A stream that misbehaves as `fault` says."""
 
-    def __init__(self, inner, fault: str, folder: Path):
-        self.inner, self.fault, self.folder = inner, fault, folder
+    def __init__(self, inner, fault: str, folder: Path, rank: int):
+        self.inner, self.fault, self.folder, self.rank = inner, fault, folder, rank
 
     def shards(self):
-        return self.inner.shards()
+        shards = self.inner.shards()
+        return shards[::-1] if self.fault == "unsorted" and self.rank else shards  # each rank its own order
 
     def open(self, shard, start):
         kind, _, n = self.fault.partition(":")
@@ -136,7 +138,7 @@ class StreamLedger(Ledger):
         else:
             train = streams.jsonl(paths, from_json) if self.fmt == "jsonl" else streams.tar(paths, from_tar)
         if self.fault:
-            train = Faulty(train, self.fault, folder)
+            train = Faulty(train, self.fault, folder, ctx.rank)
         if self.map_style:
             train = Lines([line for p in paths for line in Path(p).read_text().splitlines() if line])
         val = streams.jsonl(sorted((folder / "val").glob("*.jsonl")), from_json)

@@ -295,6 +295,9 @@ class StreamBatches:
         # Its collectives (a flag per step, positions at a snapshot or an epoch's end) on the Gloo side group,
         # in CPU tensors: no device sync in the step, and a wait past dist.timeout_s is said by name.
         self.ctx = ctx.on_side("the other ranks' next micro-batches of the train stream")
+        if len(set(self.ctx.all_gather_objects(self.digest))) > 1:
+            raise ConfigError(f"task.name={task.name!r}: the train stream's shards() differ between ranks; "
+                              "list the same shards in the same order on every rank (sort them)")
         self.progress, self.layout = progress, progress.layout  # the step a reader starts at picks each lane
         self.collate, self.num_workers, self.epochs = task.collate, cfg.data.num_workers, cfg.train.epochs
         self.pin_memory = ctx.device.type == "cuda"
@@ -446,7 +449,7 @@ class StreamBatches:
 def make_batches(cfg: Config, ctx: DistContext, task: BoundTask, train: Any,
                  progress: Progress) -> StreamBatches:
     """The train stream's batches, after what can be checked before training: a horizon for the schedule,
-    enough shards for the lanes, the same shards on every rank."""
+    enough shards for the lanes (and StreamBatches checks that every rank has the same shards)."""
     name, layout = f"task.name={cfg.task.name!r}", progress.layout
     if cfg.train.max_steps is None:
         raise ConfigError(f"train.max_steps is not set, and {name}'s train set is a stream, whose length is "
@@ -461,9 +464,6 @@ def make_batches(cfg: Config, ctx: DistContext, task: BoundTask, train: Any,
                           f"data.num_workers={cfg.data.num_workers} loader workers, so it needs at least "
                           f"{layout.slots * workers}: split the data into more shards, or lower "
                           "data.num_workers, train.grad_accum, train.global_batch or the number of ranks")
-    if len(set(ctx.all_gather_objects(shards_digest(shards)))) > 1:
-        raise ConfigError(f"{name}: the train stream's shards() differ between ranks; list the same shards "
-                          "in the same order on every rank (sort them)")
     return StreamBatches(train, shards, progress, ctx, cfg, task)
 
 

@@ -26,6 +26,7 @@ from trainapp.errors import HUNG_EXIT
 from trainapp.faults.failure import FailureLog
 from trainapp.faults.heartbeat import Heartbeat, Watchdog
 from trainapp.faults.preempt import Notices
+from trainapp.observe import metrics
 from trainapp.observe.timeline import Timeline
 
 if TYPE_CHECKING:
@@ -62,13 +63,14 @@ class RankGuard:
         return owner if isinstance(owner, RankGuard) else None
 
     @contextlib.contextmanager
-    def watching(self, cfg: Config, ctx: DistContext, store: Callable[[], Any],
-                 attempt: int) -> Iterator[None]:
+    def watching(self, cfg: Config, ctx: DistContext, store: Callable[[], Any]) -> Iterator[None]:
         """A rank's run: what ends it is recorded (trainapp/faults/failure.py), peers' failures are watched
         for through the store `store()` opens (the group's, None alone), and the hang watchdog is ready
-        to `start_watchdog`.
+        to `start_watchdog`. The attempt is numbered by the attempts that started before it (their
+        `start` records), for its failure records and its hang report's name.
         Leave the block before the process group goes away: rank 0 may host the store."""
         run_dir = Path(cfg.run.dir)
+        attempt = len(metrics.read(run_dir, "start", missing_ok=True))
         self.watchdog = Watchdog(self.heartbeat, cfg.fault.hang_timeout_s, cfg.fault.hang_startup_s,
                                  run_dir / "hangs" / f"rank-{ctx.rank}-attempt-{attempt}.txt", ctx.rank,
                                  self._hung)

@@ -23,7 +23,7 @@ from trainapp.faults.drills import Drills
 from trainapp.faults.guard import RankGuard
 from trainapp.group import DistContext
 from trainapp.launch import dist, malloc
-from trainapp.observe import logs, metrics
+from trainapp.observe import logs
 from trainapp.observe.live import LiveMetrics
 from trainapp.observe.records import Records
 from trainapp.snapshots.lease import RunLease
@@ -56,8 +56,9 @@ class Launcher:
         """The run's lease on its directory: taken (rank 0 holds it) or the driver's (under Ray)."""
         raise NotImplementedError
 
-    def watch(self, cfg: Config, ctx: DistContext, held: RunLease) -> None:
-        """Start watching for requests that come as no signal (a stop or a resize written to the lease)."""
+    def watch(self, ctx: DistContext, held: RunLease) -> None:
+        """Start watching for requests that come as no signal (a stop written to the lease `held`, a
+        resize the launcher's controller asks for)."""
 
     def publish(self, cfg: Config, ctx: DistContext) -> Publish:
         """Where snapshots go and what makes them count."""
@@ -92,10 +93,9 @@ def run_rank(launcher: Launcher, cfg: Config, task: Any = None) -> dict[str, Any
         guard.timeline.mark("process_group")
         logs.setup(ctx.rank, ctx.world_size)
         held = launcher.lease(cfg, ctx)  # before anything is written to the run directory
-        launcher.watch(cfg, ctx, held)
+        launcher.watch(ctx, held)
         guard.failures.fence = held.fence
-        attempt = len(metrics.read(cfg.run.dir, "start", missing_ok=True))
-        with guard.watching(cfg, ctx, lambda: _side_store(ctx), attempt):
+        with guard.watching(cfg, ctx, lambda: _side_store(ctx)):
             return {**trainer(launcher, cfg, ctx, guard, task, held).train(), "rank": ctx.rank}
     finally:
         held.release()

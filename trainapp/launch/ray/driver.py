@@ -128,10 +128,16 @@ def _group_failure_log(run_dir: str) -> UserCallback:
     return GroupFailureLog()
 
 
+def _controller_dir(cfg: Config, storage: str) -> str:
+    """The run's folder as the driver's callbacks write to it: the resize controller asks there, and an
+    elastic group's workers read its requests there (the payload's `resizes`)."""
+    return f"{storage}/{cfg.ray.name}"
+
+
 def _callbacks(cfg: Config, storage: str, generation: int) -> list[RayTrainCallback]:
     from trainapp.launch.ray.private.resource_requests import RequesterLog
 
-    run_dir = f"{storage}/{cfg.ray.name}"
+    run_dir = _controller_dir(cfg, storage)
     callbacks: list[RayTrainCallback] = [] if is_uri(storage) else [_group_failure_log(run_dir)]
     if generation and not is_uri(storage):
         callbacks.append(RequesterLog(functools.partial(note_request, storage, run_dir=run_dir,
@@ -178,11 +184,13 @@ def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, 
     os.environ.update(controller.controller_env(cfg.ray.worker_group_start_timeout_s,
                                                 cfg.ray.health_check_interval_s))
     held = {"lease": {"fence": lease.fence.to_dict(), "summary": lease.summary()}} if lease else {}
-    elastic = ({"elastic_resize_monitor_interval_s": cfg.ray.resize_check_s}
-               if cfg.ray.min_workers != cfg.ray.max_workers else {})
+    resizable = cfg.ray.min_workers != cfg.ray.max_workers
+    elastic = {"elastic_resize_monitor_interval_s": cfg.ray.resize_check_s} if resizable else {}
+    resizes = {"resizes": _controller_dir(cfg, storage)} if resizable else {}
     return trainer.TorchTrainer(
         worker,
-        train_loop_config={"config": worker_cfg.to_dict(), "launch": timeline.marks(), **extra, **held},
+        train_loop_config={"config": worker_cfg.to_dict(), "launch": timeline.marks(), **extra, **held,
+                           **resizes},
         torch_config=_torch_config(cfg, threads, worker),
         # mypy takes ray.train's ScalingConfig and RunConfig for Ray Train V1's (ray.air): no (min, max)
         # num_workers, no V2 callbacks; and it matches the optional keyword's dict against every keyword.

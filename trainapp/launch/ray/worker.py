@@ -85,20 +85,23 @@ class RayWorker(Launcher):
                                      "the newest snapshot is where the run resumes")
         return held
 
-    def watch(self, cfg: config.Config, ctx: DistContext, held: RunLease) -> None:
-        """Rank 0 watches the lease for a stop (`ray job stop`) or a resize; the others hear of either
+    def watch(self, ctx: DistContext, held: RunLease) -> None:
+        """Rank 0 watches the lease for a stop (`ray job stop`) and, in an elastic group, the driver's
+        resize controller's folder (the payload's `resizes`) for a resize; the others hear of either
         through the stop vote."""
         if ctx.rank == 0:
-            elastic = cfg.ray.min_workers != cfg.ray.max_workers  # only an elastic group is resized live
+            folder = self.payload.get("resizes")  # only an elastic group is resized live
             assert self._guard is not None  # run_rank asks for the guard first
-            self._watch = StopWatch(held.fence, store_at(cfg.run.dir) if elastic else None,
-                                    self._guard.notices)
+            self._watch = StopWatch(held.fence, store_at(folder) if folder else None, self._guard.notices)
 
     def live(self, cfg: config.Config, ctx: DistContext) -> LiveMetrics | None:
         return ray_metrics.live(cfg, ctx, cfg.ray.name)
 
-    def resize_id(self) -> str | None:
-        return self._watch.resize_id if self._watch is not None else None
+    def resized(self, step: int | None, snapshot: str | None) -> None:
+        """Rank 0, after the snapshot a resize asked for: the answer to the controller's request."""
+        watch = self._watch
+        assert watch is not None and watch.store is not None and watch.resize_id is not None  # its request
+        resize.answer(watch.store, watch.resize_id, step, snapshot)
 
     def close(self, ctx: DistContext | None) -> None:
         # The worker process lives on after training (Ray stops a finished group with SIGTERM): from now on
@@ -167,9 +170,7 @@ def train_worker(payload: dict[str, Any]) -> None:
         run_rank(worker, cfg, payload.get("task"))
     except Resized as e:  # the snapshot is written: say so to the controller, and wait to be replaced
         if e.rank == 0:
-            rid = worker.resize_id()
-            assert rid is not None  # rank 0's StopWatch took the request before it asked for this stop
-            resize.answer(store_at(cfg.run.dir), rid, e.step, e.snapshot)
+            worker.resized(e.step, e.snapshot)
             print(e.line(), file=sys.stderr, flush=True)
         time.sleep(REPLACED_WITHIN_S)
         leave(e.exit_code)  # never replaced: end as a preempted worker, and Ray Train restarts the group
