@@ -79,7 +79,7 @@ def vote_worker(blocks: int, steps: int) -> None:
     import torch.distributed as dist
 
     from trainapp.faults.guard import RankGuard
-    from trainapp.faults.preempt import StopVote
+    from trainapp.faults.boundary import StopVote
     from trainapp.config import DistSection
     from trainapp.launch import dist as tdist
 
@@ -140,7 +140,7 @@ def main() -> int:
                   flush=True)
             results.append(r)
     med = {k: statistics.median(r[k] for r in results) for k in results[0]}
-    from trainapp.faults.preempt import StopVote
+    from trainapp.faults.boundary import StopVote
 
     vote = measure_vote(2 if args.smoke else 10)
     result = {"preempt_seconds": med["preempt_seconds"],

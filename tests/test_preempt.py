@@ -17,7 +17,8 @@ import pytest
 from helpers import PY, REPO, at_step, exited, inspect, kill_registered, metrics, run_cmd, wait_until
 
 import trainapp
-from trainapp.faults import drain, preempt
+from trainapp.faults import drain
+from trainapp.faults.boundary import StopVote
 
 slow = pytest.mark.slow  # the process-level tests; the registry tests below are fast
 PACKAGE = Path(trainapp.__file__).resolve().parent
@@ -321,7 +322,7 @@ import json, sys, time
 from trainapp.config import DistSection
 from trainapp.launch import dist
 from trainapp.faults.guard import RankGuard
-from trainapp.faults.preempt import StopVote
+from trainapp.faults.boundary import StopVote
 
 ctx = dist.setup(DistSection(timeout_s=60))
 # "pending": only rank 1 is told of a notice, from step 150 on: the ranks poll only after that.
@@ -363,7 +364,7 @@ def test_the_ranks_agree_on_the_steps_of_a_timed_poll(tmp_path):
     polls, steps = _polls(tmp_path, "time")
     assert len(steps) >= 5, polls
     gaps = [b - a for (_, a), (_, b) in zip(polls[0], polls[0][1:])]
-    assert all(0.18 <= g <= 0.2 + preempt.StopVote.INTERVAL_S + 0.2 for g in gaps), gaps  # skew: ms
+    assert all(0.18 <= g <= 0.2 + StopVote.INTERVAL_S + 0.2 for g in gaps), gaps  # skew: ms
     assert min(b - a for a, b in zip(steps, steps[1:])) >= 5, steps
 
 

@@ -20,7 +20,7 @@ import usertasks_stream
 from helpers import (PY, QUICK, REPO, inspect, metrics, one_error_line, run_cmd, torchrun, trainapp,
                      wait_for_record, wait_until)
 
-from trainapp.faults.preempt import StopVote
+from trainapp.faults.boundary import StopVote
 from trainapp.tools.local_ray import RAY, LocalCluster, free_port, proc_stat
 from trainapp.observe.logs import FIRST_STEP
 from trainapp.snapshots.store import list_snapshots, step_of

@@ -1,20 +1,15 @@
 """Preemption notices: a signal (or a Ray node drain, trainapp/faults/boundary.py) becomes a snapshot
 of the step reached.
 
-Two pieces, each with one job:
-
-- `Notices` (one per process, owned by the rank's guard, trainapp/faults/guard.py): handlers for
-  SIGTERM, SIGINT and `preempt.signals`, installed from the main thread. The handler only records the
-  signal. A watcher thread wakes on the same signal through `signal.set_wakeup_fd`, so it sees the
-  signal even while the main thread sits in a blocked collective, logs it, and arms the
-  `preempt.grace_s` deadline: if the process has not exited by then, it exits anyway with 128 + the
-  signal. The newest valid snapshot is what it was (writes are atomic), and a peer that is gone or hung
-  cannot hold the process past the platform's grace period.
-- `StopVote` (per run, every rank): about twice a second (at most once a step) the ranks agree
-  whether any of them got a signal, so all stop after the same step, and whether it is time to ask
-  Ray Train about drained nodes (a barrier every rank must enter at the same step). A vote is an
-  asynchronous all-reduce started at one step boundary and read at the next, so the loop never waits
-  on it.
+`Notices` (one per process, owned by the rank's guard, trainapp/faults/guard.py): handlers for
+SIGTERM, SIGINT and `preempt.signals`, installed from the main thread. The handler only records the
+signal. A watcher thread wakes on the same signal through `signal.set_wakeup_fd`, so it sees the
+signal even while the main thread sits in a blocked collective, logs it, and arms the
+`preempt.grace_s` deadline: if the process has not exited by then, it exits anyway with 128 + the
+signal. The newest valid snapshot is what it was (writes are atomic), and a peer that is gone or hung
+cannot hold the process past the platform's grace period. How the ranks agree on the step to stop at
+is the step boundary's (`StopVote`, trainapp/faults/boundary.py); how a stop ends a rank, the
+exceptions here.
 
 The node side of a notice (the worker registry, `trainapp drain` and `trainapp node`) is
 trainapp/faults/drain.py.
@@ -22,8 +17,6 @@ trainapp/faults/drain.py.
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import logging
 import os
 import signal
@@ -31,14 +24,12 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
-import torch
-import torch.distributed as tdist
 
 from trainapp.errors import Failure
 from trainapp.faults.heartbeat import Heartbeat
 
 if TYPE_CHECKING:
-    from trainapp.group import DistContext
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -224,88 +215,3 @@ class Notices:
             for signum in data:
                 if signum in self.signals:
                     self._arm(signum)
-
-
-class StopVote:
-    """Agrees across ranks on the step to stop at: call `stop(step)` at every step boundary on every rank.
-
-    A vote is an asynchronous all-reduce (MAX) of [this rank's signal number, the step this rank
-    proposes for the next vote], started at one boundary and read at the next: it overlaps a step,
-    and every rank reads the same answer at the same boundary. Votes come about every `INTERVAL_S`
-    (each rank proposes from its own step time; the MAX is what all adopt), every step once steps take
-    that long. A vote costs a fraction of a millisecond of CPU (the wake-up of Gloo's thread and a
-    round trip; bench/preempt.py measures it): nothing against a 100 ms step, percents against a 5 ms
-    one, so the loop votes by time, not by step. Under NCCL the vote runs on a Gloo group of its own, so it
-    is a CPU tensor and never synchronises the device.
-
-    With `poll_s` > 0 the vote also carries whether `poll_s` has passed on any rank since the ranks
-    last polled: `take_poll()` is then true at the same boundary on every rank (the boundary where
-    that vote is read), so a barrier such as `ray.train.get_preemption_info()` goes by time too, without
-    a collective of its own. With `pending` (a cheap local check: has this rank been told of a
-    notice?) a rank proposes a poll only while `pending()` is true, so the barrier is not paid at all
-    until some rank has a notice, and then at the next vote.
-    """
-
-    INTERVAL_S = 0.5
-    """The stop comes at most this long (plus one step) after a rank saw the signal: well inside any
-    platform's grace period."""
-    MAX_EVERY = 50
-
-    def __init__(self, ctx: DistContext, notices: Notices, poll_s: float = 0.0,
-                 pending: Callable[[], bool] | None = None) -> None:
-        self.ctx, self.notices = ctx, notices
-        self.group: tdist.ProcessGroup | None = None
-        if ctx.distributed and tdist.get_backend() != "gloo":
-            self.group = ctx.new_side_group()  # collective: every rank builds the vote together
-        self.flag = torch.zeros(3, dtype=torch.int64)
-        self.work: tdist.Work | None = None
-        self.next_vote = 0  # agreed: the boundary of the next vote
-        self.last_t: float | None = None
-        self.step_s: float | None = None
-        self.poll_s, self.pending = poll_s, pending
-        self.polled_t = time.perf_counter()  # the start counts as a poll: a drain seen at once needs none
-        self._poll = False  # the ranks agreed to poll at this boundary; cleared by take_poll
-
-    def _poll_due(self, now: float) -> bool:
-        return (self.poll_s > 0 and now - self.polled_t >= self.poll_s
-                and (self.pending is None or self.pending()))
-
-    def _polls(self, agreed: bool, now: float) -> None:
-        if agreed:
-            self._poll, self.polled_t = True, now
-
-    def take_poll(self) -> bool:
-        """True, once, at a boundary where the ranks agreed to poll (`poll_s`): the same on every rank."""
-        poll, self._poll = self._poll, False
-        return poll
-
-    def stop(self, step: int) -> int:
-        """The agreed signal number at this boundary, 0 to go on (and `take_poll` answers for it)."""
-        now = time.perf_counter()
-        if not self.ctx.distributed:
-            self._polls(self._poll_due(now), now)
-            return self.notices.signum
-        if self.last_t is not None:
-            dt = now - self.last_t
-            self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
-        self.last_t = now
-        if self.work is not None:  # started at the previous boundary
-            self.work.wait()
-            self.work = None
-            agreed, self.next_vote, poll = (int(v) for v in self.flag.tolist())
-            if agreed:
-                return agreed
-            self._polls(bool(poll), now)
-        if step >= self.next_vote:
-            every = 1 if not self.step_s else min(self.MAX_EVERY, max(1, int(self.INTERVAL_S / self.step_s)))
-            self.flag[0], self.flag[1], self.flag[2] = self.notices.signum, step + every, self._poll_due(now)
-            self.work = tdist.all_reduce(self.flag, op=tdist.ReduceOp.MAX, group=self.group, async_op=True)
-        return 0
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Finish the vote in flight (the last boundary's), before the process group goes away; bounded,
-        for the case of an error that a peer did not share."""
-        if self.work is not None:
-            with contextlib.suppress(Exception):
-                self.work.wait(datetime.timedelta(seconds=timeout_s))
-            self.work = None

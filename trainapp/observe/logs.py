@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any
 
 from tqdm import tqdm
 
@@ -43,10 +42,3 @@ def setup_from_env() -> None:
         raw = os.environ.get(name, "")
         return int(raw) if raw.isdigit() else default  # dist.setup reports malformed values
     setup(num("RANK", 0), num("WORLD_SIZE", 1))
-
-
-def kv(**fields: Any) -> str:
-    """One `key=value` line: floats rounded for reading, everything greppable."""
-    def fmt(v: object) -> str:
-        return f"{v:.4g}" if isinstance(v, float) else str(v)
-    return " ".join(f"{k}={fmt(v)}" for k, v in fields.items())

@@ -153,7 +153,7 @@ class Records:
             self._account_live()
         self._started_at = time.monotonic()
         log.info("config %s", json.dumps(cfg.to_dict(), separators=(",", ":")))
-        log.info(logs.kv(world_size=ctx.world_size, backend=ctx.backend, device=ctx.device,
+        log.info(_line(world_size=ctx.world_size, backend=ctx.backend, device=ctx.device,
                          amp=parts.precision.name, global_batch=p.global_batch, total_steps=parts.total_steps,
                          start_step=p.global_step))
 
@@ -173,7 +173,7 @@ class Records:
         if self.board is not None:
             keys = ("loss", "lr", "samples_per_s", "loss_scale", "skipped_steps")
             self.board.scalars("train", record["step"], {k: record.get(k) for k in keys})
-        log.info(logs.kv(**record))
+        log.info(_line(**record))
 
     def ranks(self, step: int, rows: list[list[float]]) -> None:
         """Every rank: rank 0 writes the `ranks` record of this interval and any straggler it reveals; a
@@ -195,7 +195,7 @@ class Records:
         self.metrics.write("eval", epoch=epoch, **result)
         if self.board is not None:
             self.board.scalars("eval", result["step"], val_metrics(result))
-        log.info(logs.kv(**result))
+        log.info(_line(**result))
 
     def snapshot(self, step: int, snapshots: _Snapshots) -> None:
         """After a snapshot (`snapshots`: the manager): rank 0's failures, taken from its list, then the
@@ -272,3 +272,9 @@ class Records:
             self.live.close()
             self.live = None
 
+
+def _line(**fields: Any) -> str:
+    """A record as one `key=value` log line: floats rounded for reading, everything greppable."""
+    def fmt(v: object) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+    return " ".join(f"{k}={fmt(v)}" for k, v in fields.items())
