@@ -546,7 +546,7 @@ def test_bad_ray_input_fails_fast_with_one_line(cluster, tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("data", ["map-style", "stream"])
+@pytest.mark.parametrize("data", ["map-style", "stream", "map-style, URI store"])
 def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back_with_every_sample_once(cluster, data):
     """An elastic run of a user's task (its items carry their index, its loss writes down what each rank
     trained at each step) loses a worker node (its raylet SIGKILLed): the run goes on on the other
@@ -554,17 +554,20 @@ def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back_with_ever
     again: the workers snapshot the step reached first, so the grow-back redoes nothing. Over the
     whole run every sample of every epoch is trained exactly once (redone steps after the lost node
     count once: the attempt that went on). The same for a stream of 8 JSON Lines shards (its 2 lanes move
-    between the ranks). Leaves the cluster with two worker nodes for the tests after."""
-    name, rows, gb = f"elastic-{data}", 1024, 32
+    between the ranks), and with `ray.storage_path` a URI (the workers read the resize controller's
+    requests where it writes them, on the store, not in their run.dir). Leaves the cluster with two
+    worker nodes for the tests after."""
+    name, rows, gb = f"elastic-{data.replace(', ', '-').replace(' ', '-')}", 1024, 32
     run_dir = cluster.storage / name
-    task = "usertasks_ledger:Ledger" if data == "map-style" else "usertasks_stream:StreamLedger"
+    task = "usertasks_stream:StreamLedger" if data == "stream" else "usertasks_ledger:Ledger"
+    uri = [f"ray.storage_path=file://{cluster.storage}/uri", f"run.dir={run_dir}"] if "URI" in data else []
     victim, newcomer = cluster.nodes[-1].name, f"worker{len(cluster.nodes)}"
     proc = subprocess.Popen(
         _submit_cmd(cluster, name, f"task.name={task}", f"task.args.rows={rows}",
                     "task.args.step_s=0.1", "train.batch_size=16", "train.epochs=10", "train.max_steps=300",
                     "snapshot.every_steps=20", "train.progress=false", "train.log_every=1", "amp.dtype=off",
-                    "ray.num_workers=[1,2]",
-                    "ray.worker_group_start_timeout_s=15", "ray.resize_check_s=5", ship="tests/usertasks"),
+                    "ray.num_workers=[1,2]", "ray.worker_group_start_timeout_s=15", "ray.resize_check_s=5",
+                    *uri, ship="tests/usertasks"),
         cwd=REPO, env=cluster.env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True)
     try:
@@ -603,7 +606,8 @@ def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back_with_ever
         assert ledger["world_sizes"] == [1, 2] and ledger["steps"] == 300 and not ledger["bad_steps"], ledger
         for epoch, counts in ledger["epochs"].items():
             assert counts["duplicates"] == counts["missing"] == counts["foreign"] == 0, (epoch, counts)
-    assert inspect(run_dir)["world_size"] == 2 and inspect(run_dir)["global_step"] == 300
+    published = inspect(cluster.storage / "uri" / name if uri else run_dir)  # a URI store holds the snapshots
+    assert published["world_size"] == 2 and published["global_step"] == 300
 
 
 @pytest.mark.e2e
