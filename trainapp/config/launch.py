@@ -164,4 +164,9 @@ class RaySection:
     def max_workers(self) -> int:
         return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[1]
 
+    @property
+    def elastic(self) -> bool:
+        """A range of workers: Ray Train may resize the group while it trains."""
+        return self.min_workers != self.max_workers
+
 

@@ -2,9 +2,9 @@
 now, or stop. One object holds every decision a fault can change: the stop vote on signals (`StopVote`,
 below; the signals are trainapp/faults/preempt.py's notices), the poll of the launcher's drain notices
 (Ray's), and the snapshot cadence, so the training loop has one question to ask and no fault logic of
-its own. A stop comes as
-a `Stop` that says everything the loop does with it: whether its snapshot is announced, which record
-it leaves and which exception ends training; the loop reads no notice, signal or launcher.
+its own. A stop comes as a `Stop` that says everything the loop does with it: whether its snapshot is
+announced, which record it leaves and which exception ends training; the loop reads no notice, signal or
+launcher.
 """
 
 from __future__ import annotations

@@ -22,14 +22,10 @@ import os
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
-
+from typing import Callable
 
 from trainapp.errors import Failure
 from trainapp.faults.heartbeat import Heartbeat
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 

@@ -154,8 +154,8 @@ class Records:
         self._started_at = time.monotonic()
         log.info("config %s", json.dumps(cfg.to_dict(), separators=(",", ":")))
         log.info(_line(world_size=ctx.world_size, backend=ctx.backend, device=ctx.device,
-                         amp=parts.precision.name, global_batch=p.global_batch, total_steps=parts.total_steps,
-                         start_step=p.global_step))
+                       amp=parts.precision.name, global_batch=p.global_batch, total_steps=parts.total_steps,
+                       start_step=p.global_step))
 
     def after_step(self, step: int) -> None:
         """A step hook: after this attempt's first step, rank 0 says so, with how long it took (its first

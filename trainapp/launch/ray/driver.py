@@ -142,7 +142,7 @@ def _callbacks(cfg: Config, storage: str, generation: int) -> list[RayTrainCallb
     if generation and not is_uri(storage):
         callbacks.append(RequesterLog(functools.partial(note_request, storage, run_dir=run_dir,
                                                         generation=generation)))
-    if cfg.ray.min_workers == cfg.ray.max_workers:
+    if not cfg.ray.elastic:
         return callbacks
     from trainapp.launch.ray.private.node_loss import NodeLossWatch
     from trainapp.launch.ray.resize import ResizeSnapshot
@@ -157,7 +157,7 @@ def _elastic_batch(cfg: Config) -> TrainSection:
     (`train.on_resize=keep`) and names none has the global batch of its largest group, whatever size
     it starts at, so every size it may run at splits it (trainapp/core/layout.py)."""
     t = cfg.train
-    if cfg.ray.min_workers == cfg.ray.max_workers or t.global_batch or t.on_resize != "keep":
+    if not cfg.ray.elastic or t.global_batch or t.on_resize != "keep":
         return t
     return dataclasses.replace(t, global_batch=t.batch_size * t.grad_accum * cfg.ray.max_workers)
 
@@ -173,7 +173,7 @@ def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, 
     from trainapp.launch.ray.setup import train_worker
 
     for line in versions.lost(drains=bool(cfg.preempt.ray_poll_s),
-                              elastic=cfg.ray.min_workers != cfg.ray.max_workers):
+                              elastic=cfg.ray.elastic):
         log.warning("%s", line)  # what this Ray cannot do for the run, once, before it starts
 
     worker = worker or train_worker
@@ -184,9 +184,8 @@ def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, 
     os.environ.update(controller.controller_env(cfg.ray.worker_group_start_timeout_s,
                                                 cfg.ray.health_check_interval_s))
     held = {"lease": {"fence": lease.fence.to_dict(), "summary": lease.summary()}} if lease else {}
-    resizable = cfg.ray.min_workers != cfg.ray.max_workers
-    elastic = {"elastic_resize_monitor_interval_s": cfg.ray.resize_check_s} if resizable else {}
-    resizes = {"resizes": _controller_dir(cfg, storage)} if resizable else {}
+    elastic = {"elastic_resize_monitor_interval_s": cfg.ray.resize_check_s} if cfg.ray.elastic else {}
+    resizes = {"resizes": _controller_dir(cfg, storage)} if cfg.ray.elastic else {}
     return trainer.TorchTrainer(
         worker,
         train_loop_config={"config": worker_cfg.to_dict(), "launch": timeline.marks(), **extra, **held,
