@@ -21,7 +21,8 @@ from torch.utils.data import DataLoader
 
 from trainapp import streams
 from trainapp.core.lanes import Deal, Piece
-from trainapp.core.stream import LaneReader, _keep, _Source, item_digest
+from trainapp.core.items import item_digest
+from trainapp.core.stream import LaneReader, _keep, _Source
 from trainapp.snapshots.store import list_snapshots
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(USERTASKS), os.environ.get("PYTHONPATH", "")]),

@@ -54,8 +54,8 @@ def train_here(capsys, tmp_path, *args) -> tuple[int, str]:
     ("usertasks_probe:VectorLoss", [], "returned a tensor of shape (8,); it must return a scalar"),
     ("usertasks_probe:DetachedLoss", [], "returned a tensor without grad"),
     ("usertasks_probe:NoCount", [], "returned keys ['mse']; it must return a dict of sums"),
-    ("usertasks_probe:Ragged", [], "the default collate cannot batch the items"),
-    ("usertasks_probe:Ragged", ["data.num_workers=1"], "the default collate cannot batch the items"),
+    ("usertasks_probe:Ragged", [], "of the train set is a float32 tensor of shape ("),
+    ("usertasks_probe:Ragged", ["data.num_workers=1"], "of the train set is a float32 tensor of shape ("),
     ("no_such_module_xyz.tasks:Task", [], "cannot import no_such_module_xyz.tasks (ModuleNotFoundError"),
 ])
 def test_a_bad_task_is_one_line_naming_it_and_exit_2(on_path, capsys, tmp_path, name, args, expected):

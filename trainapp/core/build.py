@@ -160,8 +160,7 @@ def _data(cfg: Config, ctx: DistContext, task: BoundTask, train: Any, val: Any, 
         batches = stream_part = stream.make_batches(cfg, ctx, task, train, progress)
         horizon: Callable[[], int] = functools.partial(stream.planned_steps, cfg)
     else:
-        if task.random_items:
-            train = data.SeededItems(train, cfg.seed)
+        train = data.SeededItems(train, cfg.seed) if task.random_items else data.LocatedItems(train, "train")
         sampler = data.ResumableDistributedSampler(train, ctx.world_size, ctx.rank, shuffle=True,
                                                    seed=cfg.seed, layout=progress.layout)
         batches = data.EpochBatches(train, sampler, cfg.train.batch_size, cfg.data.num_workers, cuda,
@@ -171,6 +170,7 @@ def _data(cfg: Config, ctx: DistContext, task: BoundTask, train: Any, val: Any, 
         val_loader = stream.val_loader(val, stream.listed(task.name, "val", val), ctx, cfg.train.batch_size,
                                        cfg.data.num_workers, cuda, task.collate)
     else:
+        val = data.LocatedItems(val, "val")
         val_sampler = data.ResumableDistributedSampler(val, ctx.world_size, ctx.rank, shuffle=False,
                                                        seed=cfg.seed)
         val_loader = data.make_loader(val, val_sampler, cfg.train.batch_size, cfg.data.num_workers, cuda,

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from trainapp.config import TrainSection
+from trainapp.core.items import Items
 from trainapp.core.state import derived_seed
 
 if TYPE_CHECKING:
@@ -25,7 +26,29 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-class SeededItems(Dataset):
+class LocatedItems(Dataset):
+    """A map-style set as the loaders read it: a batch of indices at a time (`__getitems__`, the set's own
+    when it has one), handed to the collate as `Items` that know their indices, so that an item the collate
+    cannot batch is named by its index (trainapp/core/items.py)."""
+
+    def __init__(self, base: MapStyle, which: str):
+        self.base, self.which = base, which
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.base[i]
+
+    def __getitems__(self, indices: list[int]) -> Any:
+        many = getattr(self.base, "__getitems__", None)
+        got = many(indices) if callable(many) else [self[i] for i in indices]
+        if not isinstance(got, list):  # the set's own batch type: the collate reads it as it is
+            return got
+        return Items(got, lambda k: f"item {indices[k]} of the {self.which} set")
+
+
+class SeededItems(LocatedItems):
     """The task's training items, each read with the generators seeded from (seed, epoch, index).
 
     Random augmentations then depend only on which sample is read in which epoch, not on which
@@ -33,20 +56,21 @@ class SeededItems(Dataset):
     generator is put back after each item (the model's dropout keeps the rank's stream); Python's and
     numpy's are left seeded from the last item, a pure function of the data position too (putting
     numpy's back costs more than reading a small item). A task whose items draw nothing random says
-    so with `random_items = False`, and its items are read as they are.
+    so with `random_items = False`, and its items are read as they are (`LocatedItems`).
     """
 
     def __init__(self, base: MapStyle, seed: int):
-        self.base, self.seed, self.epoch = base, seed, 0
+        super().__init__(base, "train")
+        self.seed, self.epoch = seed, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def __len__(self) -> int:
-        return len(self.base)
-
     def __getitem__(self, i: int) -> Any:
         return read_seeded(derived_seed(self.seed, self.epoch, i), self.base.__getitem__, i)
+
+    def __getitems__(self, indices: list[int]) -> Any:
+        return Items([self[i] for i in indices], lambda k: f"item {indices[k]} of the train set")
 
 
 def read_seeded(seed: int, read: Callable[[Any], Any], key: Any) -> Any:

@@ -24,12 +24,12 @@ import pickle
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainapp.config import ConfigError
 from trainapp.core.data import read_seeded
+from trainapp.core.items import Items, item_digest
 from trainapp.core.lanes import Deal, Piece
 from trainapp.core.state import derived_seed
 from trainapp.errors import Failure, first_line
@@ -49,42 +49,6 @@ class ShardError(Failure):
     """A shard that could not be read after `data.shard_retries` retries (and was not to be skipped)."""
 
     cause = "data"
-
-
-def item_digest(item: Any) -> str:
-    """A digest of an item's content (tensors, arrays, numbers, strings, bytes, and dicts, lists and tuples
-    of them; anything else by its pickle)."""
-    h = hashlib.blake2b(digest_size=12)
-    _feed(h, item)
-    return h.hexdigest()
-
-
-def _feed(h: Any, x: Any) -> None:
-    if isinstance(x, dict):
-        h.update(b"D")
-        for k in sorted(x, key=repr):
-            _feed(h, k)
-            _feed(h, x[k])
-    elif isinstance(x, (list, tuple)):
-        h.update(f"L{len(x)}".encode())
-        for v in x:
-            _feed(h, v)
-    else:
-        h.update(_leaf_bytes(x))
-
-
-def _leaf_bytes(x: Any) -> bytes:
-    if isinstance(x, torch.Tensor):
-        t = x.detach().cpu().contiguous()
-        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        return f"T{t.dtype}{tuple(t.shape)}".encode() + raw
-    if isinstance(x, np.ndarray):
-        return f"A{x.dtype}{x.shape}".encode() + np.ascontiguousarray(x).tobytes()
-    if isinstance(x, (bytes, bytearray)):
-        return b"B" + bytes(x)
-    if isinstance(x, (str, int, float, bool)) or x is None:
-        return repr(x).encode()
-    return pickle.dumps(x)
 
 
 def shards_digest(shards: list[Any]) -> str:
@@ -132,10 +96,11 @@ class _Lane:
         self.it: Iterator[Any] | None = None
         self.failures = 0
 
-    def take(self, n: int) -> tuple[list[Any], list[str], list[int]]:
-        """Up to `n` next items (fewer: the lane ran dry), the shards skipped on the way, and the indices of
-        the pieces the items came from."""
+    def take(self, n: int) -> tuple[Items, list[str], list[int]]:
+        """Up to `n` next items (fewer: the lane ran dry) that know where they came from, the shards skipped
+        on the way, and the indices of the pieces the items came from."""
         items: list[Any] = []
+        places: list[tuple[int, int]] = []  # (shard, item) of each
         skipped: list[str] = []
         touched: list[int] = []
         while len(items) < n and self.index < len(self.pieces):
@@ -152,12 +117,15 @@ class _Lane:
             except Exception as e:  # the user's reader: any error is a failed read of this shard
                 self._failed(piece, e, skipped)
                 continue
+            places.append((piece.shard, self.item))
             self.item, self.check, self.failures = self.item + 1, None, 0
             if not touched or touched[-1] != self.index:
                 touched.append(self.index)
         if items:
             self.check = item_digest(items[-1])
-        return items, skipped, touched
+        shards = self.source.shards
+        return Items(items, lambda k: f"item {places[k][1]} of the train stream's shard "
+                                      f"{shards[places[k][0]]!r}"), skipped, touched
 
     def _failed(self, piece: Piece, e: Exception, skipped: list[str]) -> None:
         """A failed open or read of `piece`: retried after a pause (reopened at the item reached), then
@@ -213,14 +181,15 @@ class LaneReader(IterableDataset):
                     readers[lane] = _Lane(self.source, self.deal.lanes[lane], self.deal.pos[lane])
                 try:
                     items, skipped, touched = readers[lane].take(self.micro_batch)
-                except (ConfigError, ShardError) as e:
+                    batch = self.collate(items) if len(items) == self.micro_batch else None
+                except (ConfigError, ShardError) as e:  # a bad shard, or an item the collate cannot batch
                     yield ("failed", lane, e)
                     return
-                if len(items) < self.micro_batch:
+                if batch is None:
                     yield ("dry", lane, touched)
                     ended = True
                 else:
-                    yield ("ok", lane, self.collate(items), readers[lane].pos(), skipped)
+                    yield ("ok", lane, batch, readers[lane].pos(), skipped)
             if ended:
                 return
             t += 1
@@ -238,20 +207,27 @@ class ValReader(IterableDataset):
     def sample_batch(self) -> Any:
         """A batch of the stream's first item: what a rank without validation batches runs when a sharded
         model's forwards must be run by every rank."""
-        return self.collate([next(iter(self.stream.open(self.shards[0], 0)))])
+        return self.collate(Items([next(iter(self.stream.open(self.shards[0], 0)))],
+                                  lambda k: f"item 0 of the val stream's shard {self.shards[0]!r}"))
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         w, n = (info.id, info.num_workers) if info is not None else (0, 1)
         items: list[Any] = []
+        places: list[tuple[Any, int]] = []
         for shard in self.mine[w::n]:
-            for item in self.stream.open(shard, 0):
+            for i, item in enumerate(self.stream.open(shard, 0)):
                 items.append(item)
+                places.append((shard, i))
                 if len(items) == self.batch_size:
-                    yield self.collate(items)
-                    items = []
+                    yield self._batch(items, places)
+                    items, places = [], []
         if items:
-            yield self.collate(items)
+            yield self._batch(items, places)
+
+    def _batch(self, items: list[Any], places: list[tuple[Any, int]]) -> Any:
+        return self.collate(Items(items, lambda k: f"item {places[k][1]} of the val stream's shard "
+                                                   f"{places[k][0]!r}"))
 
 
 def val_loader(stream: Any, shards: list[Any], ctx: DistContext, batch_size: int, num_workers: int,

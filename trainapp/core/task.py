@@ -7,14 +7,15 @@ the task's.
 
 from __future__ import annotations
 
+import collections.abc
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
-from torch.utils.data import default_collate
 
 from trainapp.config import Config, ConfigError
-from trainapp.errors import first_line
+from trainapp.core.items import DefaultCollate
 from trainapp.streams.api import is_stream
 from trainapp.tasks.api import TaskContext
 
@@ -34,14 +35,23 @@ class MapStyle(Protocol):
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """Every tensor of `batch` (a tensor, or tuples, lists and dicts of them) on `device`."""
+    """Every tensor of `batch` on `device`: a tensor, or mappings (a dict, a Hugging Face BatchEncoding),
+    tuples, namedtuples, lists and dataclasses of them; anything else as it is."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, collections.abc.Mapping):
+        moved = {k: to_device(v, device) for k, v in batch.items()}
+        kind: Any = type(batch)
+        try:
+            return kind(moved)  # the mapping's own type (its attributes), as default_collate keeps it
+        except TypeError:
+            return moved
     if isinstance(batch, (tuple, list)):
-        moved = [to_device(v, device) for v in batch]
-        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+        items = [to_device(v, device) for v in batch]
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: to_device(getattr(batch, f.name), device)
+                                             for f in dataclasses.fields(batch) if f.init})
     return batch
 
 
@@ -54,7 +64,7 @@ class BoundTask:
         self.random_items = bool(getattr(task, "random_items", True))
         """False when the task says its items draw nothing random (no per-item seeding then)."""
         custom = getattr(task, "collate", None)
-        self.collate: Callable = custom if callable(custom) else _DefaultCollate(name)
+        self.collate: Callable = custom if callable(custom) else DefaultCollate(name)
         has_state = callable(getattr(task, "state_dict", None))
         self.state = task if has_state else None
         """The task as a stateful part of the run, when it has state of its own."""
@@ -152,21 +162,6 @@ class BoundTask:
                                       "(a sum over the batch)")
             self._eval_checked = True
         return sums
-
-
-class _DefaultCollate:
-    """torch's default_collate, whose failures name the task and its `collate` method."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __call__(self, items: list[Any]) -> Any:
-        try:
-            return default_collate(items)
-        except (TypeError, RuntimeError) as e:
-            raise ConfigError(f"task.name={self.name!r}: the default collate cannot batch the items "
-                              f"({first_line(e)}); give the task a collate(items) method that makes one "
-                              f"batch of a list of items ({DOCS})") from None
 
 
 def _what(value: Any) -> str:

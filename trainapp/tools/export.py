@@ -18,6 +18,7 @@ At most one model is in memory at a time (peak RSS measured in bench/export.py).
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import time
 from pathlib import Path
@@ -27,10 +28,12 @@ from typing import Any
 import torch
 
 from trainapp.config import Config, ConfigError, from_dict
-from trainapp.core.task import BoundTask, MapStyle, bind
+from trainapp.core.items import Items
+from trainapp.core.task import BoundTask, bind
 from trainapp.errors import Failure
 from trainapp.group import DistContext
 from trainapp.snapshots.store import tensors_sha256
+from trainapp.streams.api import is_stream
 from trainapp.weights import init
 from trainapp.weights.artifact import DTYPE_NAMES, ArtifactDir, plan, versions, write_state
 from trainapp.weights.safetensors_file import file_digest
@@ -76,8 +79,15 @@ def load_model(path: str | Path, task: Any = None) -> torch.nn.Module:
     return _model(bound, source, "path")
 
 
-def _batch(bound: BoundTask, val: MapStyle, size: int) -> Any:
-    return bound.to_device(bound.collate([val[i] for i in range(min(size, len(val)))]))
+def _batch(bound: BoundTask, val: Any, size: int) -> Any:
+    """The first `size` validation items as one batch (a stream's from its first shards on)."""
+    if is_stream(val):
+        items = list(itertools.islice((item for shard in val.shards() for item in val.open(shard, 0)), size))
+        where = "the val stream's first items"
+    else:
+        items = [val[i] for i in range(min(size, len(val)))]
+        where = "the val set"
+    return bound.to_device(bound.collate(Items(items, lambda k: f"item {k} of {where}")))
 
 
 def _flat(out: Any) -> list[torch.Tensor]:
