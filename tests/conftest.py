@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from filelock import FileLock
+from hypothesis import settings
 from helpers import (FAULT_RUN, FSDP_RUN, RANKS_RUN, REPO, run_cmd, scrape, torchrun2, torchrun_cmd, value,
                      wait_until)
 
@@ -188,3 +189,9 @@ def _slowed(where: Path) -> None:
         out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out[-3000:]
     (where / "slowed.pickle").write_bytes(pickle.dumps(SlowedRun(run_dir, out, port, scrapes)))
+
+
+# Property tests (hypothesis) draw new examples in every run on a developer's machine; CI's runs
+# (.ci/run sets HYPOTHESIS_PROFILE=ci) draw the same ones, so a red CI run is a change's, not a draw's.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))

@@ -3,7 +3,10 @@ WebDataset-style tar files written under RUN_DIR/shards by rank 0. Its items car
 the sample ledger as usertasks_ledger's does (the same model: dropout and BatchNorm), so tests can count
 what every step trained (tests/test_stream.py, bench/stream.py).
 
-`fmt`: "jsonl", "tar", or "hf" (the JSON Lines files read by Hugging Face `datasets` with streaming=True).
+`fmt`: "jsonl", "tar", "hf" (the JSON Lines files read by Hugging Face `datasets` with streaming=True), or
+"tensors" (tensor shards: trainapp.streams.write_tensor_shards, one per JSON Lines file, the typed items).
+`items` (StreamLedger's "tuple"; TypedLedger's "typed"): "typed" items are dicts of 0-dim tensors of several
+dtypes, a bool mask, a numpy scalar and a string (`typed`), the commonest items a Dataset returns.
 `lengths`: the shards' lengths ("equal": `rows` split evenly; "uneven": lengths that differ by up to 3x).
 `fault`: "ignore_start" (an `open` that starts every shard at its first item whatever `start` says),
 "broken:N" (shard N fails to open every time), "flaky:N" (shard N fails its first two opens), "unsorted"
@@ -18,6 +21,7 @@ import os
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from usertasks_ledger import Ledger
 
@@ -65,6 +69,17 @@ def write_shards(folder: Path, seed: int, rows: int, shards: int, lengths: str, 
 
 def from_json(row: dict) -> tuple:
     return torch.tensor(row["x"]), row["y"], row["id"]
+
+
+def typed(row: dict) -> dict:
+    """A JSON line as a typed item: the label and index 0-dim int64 tensors, a 0-dim bfloat16 and float16,
+    an int8 and a bool, a bool mask, a numpy float32 scalar and a string."""
+    i, x = row["id"], torch.tensor(row["x"])
+    return {"x": x, "y": torch.tensor(row["y"]), "index": torch.tensor(i), "mask": x > -1.5,
+            "w": torch.tensor(1 + (i % 3) / 4, dtype=torch.bfloat16),
+            "h": torch.tensor(i % 5 / 8, dtype=torch.float16),
+            "code": torch.tensor(i % 7 - 3, dtype=torch.int8), "even": torch.tensor(i % 2 == 0),
+            "scale": np.float32(1 + (i % 4) / 8), "name": f"item-{i}"}
 
 
 def from_tar(sample: dict) -> tuple:
@@ -119,29 +134,48 @@ class StreamLedger(Ledger):
         """The same JSON lines as a map-style dataset that decodes an item when it is read (bench/stream.py's
         control: the same work per item, without the stream)."""
 
+    items = "tuple"
+
+    def _tensor_shards(self, ctx, folder: Path, item) -> list[Path]:
+        """One tensor shard per JSON Lines file (the same items, the same shards), written once by rank 0."""
+        out = folder / f"tensors-{self.items}"
+        if ctx.is_main and not out.exists():
+            tmp = folder / f"tensors-{self.items}.tmp-{os.getpid()}"
+            for k, p in enumerate(sorted(folder.glob("shard-*.jsonl"))):
+                rows = (item(json.loads(line)) for line in p.read_text().splitlines() if line)
+                streams.write_tensor_shards(rows, tmp, items_per_shard=10**9, prefix=f"shard-{k:04d}")
+            os.replace(tmp, out)
+        ctx.barrier()
+        return sorted(out.glob("*.safetensors"))
+
     def datasets(self, ctx):
         super().datasets(ctx)  # the attempt's name
         folder = Path(ctx.run_dir) / "shards"
         if ctx.is_main:
             fmt = "jsonl" if self.fmt == "hf" else self.fmt
-            write_shards(folder, ctx.seed, self.rows, self.shards, self.lengths, fmt)
+            write_shards(folder, ctx.seed, self.rows, self.shards, self.lengths,
+                         "jsonl" if fmt == "tensors" else fmt)
             write_shards(folder / "val", ctx.seed + 1, 64, 2, "equal", "jsonl")
         ctx.barrier()
-        paths = sorted(folder.glob(f"shard-*.{self.fmt}"))
-        if self.fmt == "hf":  # the JSON Lines files through Hugging Face datasets' streaming loader
+        paths = sorted(folder.glob(f"shard-*.{'jsonl' if self.fmt == 'tensors' else self.fmt}"))
+        item = typed if self.items == "typed" else from_json
+        if self.fmt == "tensors":  # the same items, written once as tensor shards beside the JSON lines
+            paths = self._tensor_shards(ctx, folder, item)
+            train = streams.tensor_shards(paths)
+        elif self.fmt == "hf":  # the JSON Lines files through Hugging Face datasets' streaming loader
             import datasets
 
             paths = sorted(folder.glob("shard-*.jsonl"))
             files = [str(p) for p in paths]
             rows = datasets.load_dataset("json", data_files=files, split="train", streaming=True)
-            train = streams.HuggingFace(rows, from_json)
+            train = streams.HuggingFace(rows, item)
         else:
-            train = streams.jsonl(paths, from_json) if self.fmt == "jsonl" else streams.tar(paths, from_tar)
+            train = streams.jsonl(paths, item) if self.fmt == "jsonl" else streams.tar(paths, from_tar)
         if self.fault:
             train = Faulty(train, self.fault, folder, ctx.rank)
         if self.map_style:
             train = Lines([line for p in paths for line in Path(p).read_text().splitlines() if line])
-        val = streams.jsonl(sorted((folder / "val").glob("*.jsonl")), from_json)
+        val = streams.jsonl(sorted((folder / "val").glob("*.jsonl")), item)
         if self.val == "map":
             val = [item for shard in val.shards() for item in val.open(shard, 0)]
         return train, val
@@ -187,3 +221,23 @@ def epochs_once(run_dir: str | Path, rows: int, per_epoch: int) -> dict:
            if sorted(i for step in range(e * per_epoch + 1, (e + 1) * per_epoch + 1) for i in steps[step])
            != list(range(rows))]
     return {"steps": sorted(steps), "sizes": {len(ids) for ids in steps.values()}, "bad_epochs": bad}
+
+
+class TypedLedger(StreamLedger):
+    """StreamLedger whose items are typed dicts (`typed`); its loss reads every field, so a field read wrongly
+    changes the model."""
+
+    items = "typed"
+
+    def loss(self, model, batch):
+        return super().loss(model, self._plain(batch))
+
+    def evaluate(self, model, batch):
+        return super().evaluate(model, self._plain(batch))
+
+    @staticmethod
+    def _plain(batch: dict) -> tuple:
+        assert batch["name"][0].startswith("item-") and batch["scale"].dtype == torch.float32
+        weight = batch["w"].float() * batch["scale"] + batch["h"].float() + batch["code"].float() / 16
+        x = batch["x"] * batch["mask"] * weight[:, None] + batch["even"].float()[:, None] / 8
+        return x, batch["y"], batch["index"]

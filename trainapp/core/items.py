@@ -49,7 +49,8 @@ def _feed(h: Any, x: Any, depth: int) -> None:
     elif isinstance(x, np.ndarray):
         _array(h, x, depth)
     elif isinstance(x, np.generic):  # before float and str: np.float64 is a float, np.str_ a str
-        _tag(h, f"N{x.dtype.str}", np.ascontiguousarray(x))
+        a = _native(np.asarray(x))
+        _tag(h, f"N{a.dtype.str}", a.reshape(-1).view(np.uint8))
     elif x is None or isinstance(x, (bool, int, float, complex)):
         _tag(h, type(x).__name__, (x.hex() if isinstance(x, float) else repr(x)).encode())
     elif isinstance(x, str):
@@ -111,8 +112,9 @@ def _tensor(h: Any, x: torch.Tensor, depth: int) -> None:
     if t.is_quantized:
         _tag(h, f"TQ{t.qscheme()}")
         t = t.dequantize()
-    # A flat copy in memory order: 0-dim tensors, conjugate and negative views, any strides; then its bytes.
-    flat = t.cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    # A fresh flat copy, then its bytes: 0-dim tensors, conjugate and negative views, any strides
+    # (contiguous() keeps the strides of a tensor of one element or none, which a view as bytes refuses).
+    flat = torch.empty(t.numel(), dtype=t.dtype).copy_(t.cpu().resolve_conj().resolve_neg().reshape(-1))
     _tag(h, f"T{t.dtype}{tuple(t.shape)}", flat.view(torch.uint8).numpy())
 
 
@@ -122,7 +124,15 @@ def _array(h: Any, x: np.ndarray, depth: int) -> None:
         for v in x.reshape(-1):
             _feed(h, v, depth + 1)
         return
-    _tag(h, f"A{x.dtype.str}{x.shape}", np.ascontiguousarray(x).reshape(-1).view(np.uint8))
+    a = _native(x)
+    _tag(h, f"A{a.dtype.str}{a.shape}", np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+
+
+def _native(a: np.ndarray) -> np.ndarray:
+    """`a` in this machine's byte order: byte order is layout, not content (and numpy's pickle of a 0-dim
+    array changes it)."""
+    native = a.dtype.newbyteorder("=")
+    return a if native == a.dtype else a.astype(native)
 
 
 class Items(list):

@@ -180,9 +180,10 @@ def _value(item: Any, path: tuple[Any, ...]) -> Any:
     return item
 
 
-def _columns(node: dict[str, Any], values: list[Any]) -> dict[str, torch.Tensor]:
+def _columns(node: dict[str, Any], values: list[Any], path: tuple[Any, ...],
+             first: int) -> dict[str, torch.Tensor]:
     """A leaf's columns (the suffixes: '' the values, '.offsets' and '.shapes' when ragged, '.present' when
-    optional) from the leaf's value in every item."""
+    optional) from the leaf's value in every item (item `first` the first)."""
     out: dict[str, torch.Tensor] = {}
     if node.get("opt"):
         out[".present"] = torch.tensor([v is not None for v in values], dtype=torch.bool)
@@ -195,6 +196,9 @@ def _columns(node: dict[str, Any], values: list[Any]) -> dict[str, torch.Tensor]
         out[".offsets"] = torch.tensor([0, *itertools.accumulate(len(r) for r in raw)], dtype=torch.int64)
         return out
     if k in SCALARS.values():
+        wide = [i for i, v in enumerate(values) if k == "int" and v is not None and not -2**63 <= v < 2**63]
+        if wide:
+            raise _Bad(first + wide[0], path, f"is the int {values[wide[0]]}, beyond 64 bits")
         dtype = {"bool": torch.bool, "int": torch.int64, "float": torch.float64,
                  "complex": torch.complex128}[k]
         out[""] = torch.tensor([v if v is not None else 0 for v in values], dtype=dtype)
@@ -220,8 +224,8 @@ def _as_tensor(node: dict[str, Any], v: Any) -> torch.Tensor | None:
     if node["k"] == "tensor":
         return v.detach().cpu().contiguous()
     a = np.ascontiguousarray(v)
-    return torch.from_numpy(a.reshape(-1).view(np.uint8).copy()).reshape(*a.shape, a.dtype.itemsize) \
-        if a.ndim else torch.from_numpy(a.reshape(1).view(np.uint8).copy())
+    raw = np.frombuffer(a.tobytes(), dtype=np.uint8).copy()  # b"" for a dtype of no bytes ('S0')
+    return torch.from_numpy(raw).reshape(*a.shape, a.dtype.itemsize)
 
 
 def write_tensor_shards(items: Iterable[Any], folder: str | Path, items_per_shard: int = 1024,
@@ -259,11 +263,7 @@ def _write_shard(items: list[Any], path: Path, first: int) -> None:
     raw: dict[str, list[Any]] = {}
     for n, (where, leaf) in enumerate(_leaves(node)):
         leaf["c"] = _name(where, n)
-        try:
-            made = _columns(leaf, [_value(item, where) for item in items])
-        except (OverflowError, RuntimeError) as e:  # an int beyond 64 bits
-            raise ConfigError(f"write_tensor_shards: items {first}-{first + len(items) - 1} at "
-                              f"{_path_str(where)}: {e}") from None
+        made = _columns(leaf, [_value(item, where) for item in items], where, first)
         for suffix, t in made.items():
             name = leaf["c"] + suffix
             if t.dtype not in SAFETENSORS_DTYPES:
@@ -326,9 +326,11 @@ class _Reader:
 
     def _slice(self, name: str, a: int, b: int) -> torch.Tensor:
         t = self.file.get_slice(name)[a:b]
-        if name in self.raw:  # stored as bytes: its dtype, then its rows' shape
+        if name in self.raw:  # stored as bytes: copied into memory of its own dtype (aligned for it)
             dtype, shape = self.raw[name]
-            t = t.view(_dtype(dtype)).reshape(b - a, *shape[1:])
+            out = torch.empty((b - a, *shape[1:]), dtype=_dtype(dtype))
+            out.view(torch.uint8).reshape(-1).copy_(t.reshape(-1))
+            return out
         return t
 
     def _offsets(self, name: str) -> list[int]:
@@ -367,7 +369,7 @@ class _Reader:
             t = self._slice(node["c"], a, b)
             if node["k"] == "tensor":
                 return list(t.unbind(0))
-            arr = t.numpy().view(np.lib.format.descr_to_dtype(node["dtype"])).reshape(b - a, *node["shape"])
+            arr = _array(t, node["dtype"], (b - a, *node["shape"]))
             return [arr[i] if node["k"] == "npscalar" else arr[i, ...] for i in range(b - a)]
         off = self._offsets(node["c"] + ".offsets")
         shapes = self._slice(node["c"] + ".shapes", a, b).tolist()
@@ -375,8 +377,15 @@ class _Reader:
         parts = [flat[off[i] - off[a]:off[i + 1] - off[a]] for i in range(a, b)]
         if node["k"] == "tensor":
             return [p.view(s) for p, s in zip(parts, shapes)]
-        dtype = np.lib.format.descr_to_dtype(node["dtype"])
-        return [p.numpy().view(dtype).reshape(s) for p, s in zip(parts, shapes)]
+        return [_array(p, node["dtype"], s) for p, s in zip(parts, shapes)]
+
+
+def _array(raw: torch.Tensor, descr: Any, shape: Iterable[int]) -> np.ndarray:
+    """A numpy array of dtype `descr` and `shape` from its bytes."""
+    dtype = np.lib.format.descr_to_dtype(descr)
+    if dtype.itemsize == 0:  # 'S0', 'U0': no bytes to view
+        return np.zeros(tuple(shape), dtype=dtype)
+    return raw.numpy().reshape(-1).view(dtype).reshape(tuple(shape))
 
 
 def _containers(node: dict[str, Any], rows: list[tuple[Any, ...]]) -> list[Any]:
