@@ -19,7 +19,7 @@ import usertasks_stream as us
 from helpers import USERTASKS, inspect, metrics, one_error_line, torchrun, trainapp
 from torch.utils.data import DataLoader
 
-from trainapp import streams
+from trainapp import cli, streams
 from trainapp.core.lanes import Deal, Piece
 from trainapp.core.items import item_digest
 from trainapp.core.stream import LaneReader, _keep, _Source
@@ -29,6 +29,8 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(USERTASKS), os.environ.g
        "HF_DATASETS_OFFLINE": "1"}
 TASK = ["task.name=usertasks_stream:StreamLedger", "train.batch_size=16", "amp.dtype=off",
         "train.progress=false"]
+TYPED = ["task.name=usertasks_stream:TypedLedger", *TASK[1:], "task.args.rows=512"]
+"""Items that are dicts of 0-dim tensors of several dtypes, a bool mask, a numpy scalar and a string."""
 
 
 def _read_all(deal: Deal, lengths: list[int]) -> list[tuple[int, int, int]]:
@@ -268,3 +270,63 @@ def test_a_shard_that_stays_broken_ends_the_run_named_or_is_skipped_when_allowed
                  "task.args.fault=flaky:3", env=ENV)
     assert r.returncode == 0, r.output[-3000:]
     assert metrics(tmp_path / "flaky", "end")[0]["data"]["skipped_shards"] == 0
+
+
+@pytest.mark.slow
+def test_typed_items_from_tensor_shards_killed_and_restarted_are_bitwise_their_straight_twin(tmp_path):
+    """2 ranks on tensor shards of typed items (0-dim int64, bfloat16, float16, int8 and bool tensors, a bool
+    mask, a numpy float32, a string): straight, and rank 1 SIGKILLed at step 8, the group restarted from the
+    snapshot at 5 (each lane reopened after a re-read item whose digest must match): bitwise equal."""
+    args = [*TYPED, "task.args.fmt=tensors", "train.max_steps=12", "snapshot.every_steps=5",
+            "train.log_every=4"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    r = torchrun(2, f"run.dir={straight}", *args, env=ENV)
+    assert r.returncode == 0, r.output[-3000:]
+    r = torchrun(2, f"run.dir={killed}", *args, "drill.kill_at_step=8", "drill.rank=1", max_restarts=1,
+                 env=ENV)
+    assert r.returncode == 0, r.output[-3000:]
+    assert [s["resumed_step"] for s in metrics(killed, "start")] == [None, 5]
+    assert _params_sha(killed) == _params_sha(straight)
+
+
+@pytest.mark.slow
+def test_typed_items_of_a_2_rank_run_that_died_are_each_trained_once_by_one_rank_resuming_it(tmp_path):
+    """The same items as JSON Lines decoded by the task (the stream whose 0-dim labels crashed the resume
+    check): 2 ranks, rank 1 SIGKILLed at step 7 and the group gone; the run resumed alone from the snapshot at
+    5 (its lanes kept: the same global batch) to the epoch's end: every item of the epoch trained once."""
+    run = tmp_path / "run"
+    args = [f"run.dir={run}", *TYPED, "train.max_steps=100", "train.epochs=1", "snapshot.every_steps=5",
+            "train.log_every=4"]
+    r = torchrun(2, *args, "drill.kill_at_step=7", "drill.rank=1", env=ENV)
+    assert r.returncode != 0
+    r = trainapp("train", *args, env=ENV)
+    assert r.returncode == 0, r.output[-3000:]
+    starts = metrics(run, "start")
+    assert [(s["world_size"], s["resumed_step"]) for s in starts] == [(2, None), (1, 5)], starts
+    ledger = us.epochs_once(run, 512, 16)  # 8 shards of 64 over 2 lanes: 16 steps of 32 items
+    assert ledger == {"steps": list(range(1, 17)), "sizes": {32}, "bad_epochs": []}, ledger
+
+
+SHARD = "of the train stream's shard '{run}/shards/shard-000"
+
+
+@pytest.mark.parametrize("bad,extra,needles", [
+    ("none:3", [], [f"item 3 {SHARD}", f".jsonl' at ['y'] is a NoneType where item 0 {SHARD}",
+                    "which the default collate cannot batch; change the item, or give the task a collate"]),
+    ("nokey:3", ["data.num_workers=1"], [".jsonl' is a mapping without the key 'mask' that item 0 of the"]),
+    ("shape:3", [], [f"at ['x'] is a float32 tensor of shape (9,) where item 0 {SHARD}"]),
+    ("none:3", ["task.args.map_style=true"], ["of the train set at ['y'] is a NoneType"]),
+    ("none:3", ["task.args.map_style=true", "data.num_workers=1"], ["of the train set at ['y'] is a None"]),
+])
+def test_an_item_the_collate_cannot_batch_is_one_line_naming_where_it_is(capsys, tmp_path, monkeypatch, bad,
+                                                                          extra, needles):
+    """In this process (trainapp's CLI entry, its real exit code and stderr): a stream's item or a map-style
+    item that torch's default collate cannot batch, read here or in a loader worker."""
+    monkeypatch.syspath_prepend(str(USERTASKS))
+    run = tmp_path / "run"
+    code = cli.main(["train", f"run.dir={run}", *TYPED, "train.max_steps=4", f"task.args.bad={bad}", *extra])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("trainapp train: error: ")]
+    assert code == 2 and len(lines) == 1, err[-3000:]
+    assert all(needle.format(run=run) in lines[0] for needle in needles), lines[0]
+    assert "Traceback" not in err and not list(run.glob("snapshots/step_*"))

@@ -15,6 +15,7 @@ dtypes, a bool mask, a numpy scalar and a string (`typed`), the commonest items 
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -82,6 +83,19 @@ def typed(row: dict) -> dict:
             "scale": np.float32(1 + (i % 4) / 8), "name": f"item-{i}"}
 
 
+def spoiled(bad: str, row: dict) -> dict:
+    """A typed item that torch's default collate cannot batch with the others when its index is N mod 64."""
+    item, (kind, n) = typed(row), bad.split(":")
+    if row["id"] % 64 == int(n):
+        if kind == "none":
+            item["y"] = None
+        elif kind == "nokey":
+            del item["mask"]
+        else:
+            item["x"] = torch.zeros(9)
+    return item
+
+
 def from_tar(sample: dict) -> tuple:
     return torch.tensor(json.loads(sample["x.json"])), int(sample["cls"]), int(sample["__key__"])
 
@@ -114,23 +128,25 @@ class Faulty:
 class Lines:
     """JSON lines in memory, each decoded as it is read."""
 
-    def __init__(self, lines: list[str]):
-        self.lines = lines
+    def __init__(self, lines: list[str], item=from_json):
+        self.lines, self.item = lines, item
 
     def __len__(self) -> int:
         return len(self.lines)
 
     def __getitem__(self, i: int) -> tuple:
-        return from_json(json.loads(self.lines[i]))
+        return self.item(json.loads(self.lines[i]))
 
 
 class StreamLedger(Ledger):
     def __init__(self, rows: int = 1024, shards: int = 8, lengths: str = "equal", fmt: str = "jsonl",
                  fault: str = "", val: str = "stream", step_s: float = 0.0, record: bool = True,
-                 hidden: int = 32, depth: int = 0, map_style: bool = False):
+                 hidden: int = 32, depth: int = 0, map_style: bool = False, bad: str = ""):
         super().__init__(rows=rows, step_s=step_s, record=record, hidden=hidden, depth=depth)
         self.shards, self.lengths, self.fmt, self.fault, self.val = shards, lengths, fmt, fault, val
-        self.map_style = map_style
+        self.map_style, self.bad = map_style, bad
+        """`bad` (typed items): "KIND:N" spoils the items whose index is N modulo 64 (item N of every shard
+        of 64): "none" (the label None), "nokey" (no mask), "shape" (x of 9 floats) (`spoiled`)."""
         """The same JSON lines as a map-style dataset that decodes an item when it is read (bench/stream.py's
         control: the same work per item, without the stream)."""
 
@@ -159,6 +175,8 @@ class StreamLedger(Ledger):
         ctx.barrier()
         paths = sorted(folder.glob(f"shard-*.{'jsonl' if self.fmt == 'tensors' else self.fmt}"))
         item = typed if self.items == "typed" else from_json
+        if self.bad:
+            item = functools.partial(spoiled, self.bad)
         if self.fmt == "tensors":  # the same items, written once as tensor shards beside the JSON lines
             paths = self._tensor_shards(ctx, folder, item)
             train = streams.tensor_shards(paths)
@@ -174,7 +192,7 @@ class StreamLedger(Ledger):
         if self.fault:
             train = Faulty(train, self.fault, folder, ctx.rank)
         if self.map_style:
-            train = Lines([line for p in paths for line in Path(p).read_text().splitlines() if line])
+            train = Lines([line for p in paths for line in Path(p).read_text().splitlines() if line], item)
         val = streams.jsonl(sorted((folder / "val").glob("*.jsonl")), item)
         if self.val == "map":
             val = [item for shard in val.shards() for item in val.open(shard, 0)]
