@@ -160,7 +160,8 @@ def _data(cfg: Config, ctx: DistContext, task: BoundTask, train: Any, val: Any, 
         batches = stream_part = stream.make_batches(cfg, ctx, task, train, progress)
         horizon: Callable[[], int] = functools.partial(stream.planned_steps, cfg)
     else:
-        train = data.SeededItems(train, cfg.seed) if task.random_items else data.LocatedItems(train, "train")
+        seeded = task.random_items and data.draws_randomly(train)
+        train = data.SeededItems(train, cfg.seed) if seeded else data.LocatedItems(train, "train")
         sampler = data.ResumableDistributedSampler(train, ctx.world_size, ctx.rank, shuffle=True,
                                                    seed=cfg.seed, layout=progress.layout)
         batches = data.EpochBatches(train, sampler, cfg.train.batch_size, cfg.data.num_workers, cuda,

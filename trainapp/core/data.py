@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 from trainapp.config import TrainSection
 from trainapp.core.items import Items
@@ -71,6 +71,15 @@ class SeededItems(LocatedItems):
 
     def __getitems__(self, indices: list[int]) -> Any:
         return Items([self[i] for i in indices], lambda k: f"item {indices[k]} of the train set")
+
+
+def draws_randomly(dataset: Any) -> bool:
+    """Whether reading an item of `dataset` may draw random numbers: not for a list or a tuple of items, a
+    TensorDataset, or a dataset (or stream) that says `random_items = False`. Items of one that does not are
+    read without seeding (`SeededItems`): the generators' states travel in every snapshot anyway."""
+    if type(dataset) in (list, tuple) or isinstance(dataset, TensorDataset):
+        return False
+    return getattr(dataset, "random_items", True) is not False
 
 
 def read_seeded(seed: int, read: Callable[[Any], Any], key: Any) -> Any:

@@ -112,9 +112,11 @@ def _tensor(h: Any, x: torch.Tensor, depth: int) -> None:
     if t.is_quantized:
         _tag(h, f"TQ{t.qscheme()}")
         t = t.dequantize()
-    # A fresh flat copy, then its bytes: 0-dim tensors, conjugate and negative views, any strides
-    # (contiguous() keeps the strides of a tensor of one element or none, which a view as bytes refuses).
-    flat = torch.empty(t.numel(), dtype=t.dtype).copy_(t.cpu().resolve_conj().resolve_neg().reshape(-1))
+    flat = t.reshape(-1) if t.device.type == "cpu" and t.is_contiguous() and t.dim() else None
+    if flat is None or flat.stride(0) != 1 or t.is_conj() or t.is_neg():
+        # A fresh flat copy: 0-dim tensors, conjugate and negative views, any strides (contiguous() keeps
+        # the strides of a tensor of one element or none, which a view as bytes refuses).
+        flat = torch.empty(t.numel(), dtype=t.dtype).copy_(t.cpu().resolve_conj().resolve_neg().reshape(-1))
     _tag(h, f"T{t.dtype}{tuple(t.shape)}", flat.view(torch.uint8).numpy())
 
 

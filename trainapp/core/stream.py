@@ -18,18 +18,20 @@ digest: a stream whose `open(shard, start)` does not start at `start` is found a
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
+import itertools
 import logging
 import pickle
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainapp.config import ConfigError
-from trainapp.core.data import read_seeded
-from trainapp.core.items import Items, item_digest
+from trainapp.core.data import draws_randomly, read_seeded
+from trainapp.core.items import DefaultCollate, Items, item_digest
 from trainapp.core.lanes import Deal, Piece
 from trainapp.core.state import derived_seed
 from trainapp.errors import Failure, first_line
@@ -59,15 +61,32 @@ class _Source:
     """The stream as one loader worker reads it: shards opened with retries, items read seeded."""
 
     def __init__(self, stream: Any, shards: list[Any], seed: int, random_items: bool, retries: int,
-                 skip_bad: bool):
-        self.stream, self.shards, self.seed, self.random_items = stream, shards, seed, random_items
+                 skip_bad: bool, batches: bool = False):
+        self.stream, self.shards, self.seed = stream, shards, seed
         self.retries, self.skip_bad = retries, skip_bad
+        self.random_items = random_items and draws_randomly(stream)
+        """Whether items are read seeded: the task may draw random numbers in reading them, and so may the
+        stream (tensor shards without a transform say they do not)."""
+        self.batches = batches
+        """Whether a micro-batch may be read whole where the opened shard can (`take_batch`, tensor shards):
+        the task batches with torch's default collate, which that batch equals."""
 
-    def read(self, it: Iterator[Any], piece: Piece, item: int) -> Any:
-        """The next item of `it`, item number `item` of the piece's shard (StopIteration at its end)."""
-        if not self.random_items:
-            return next(it)
-        return read_seeded(derived_seed(self.seed, piece.epoch, "shard", piece.shard, item), next, it)
+    def read(self, it: Iterator[Any], piece: Piece, item: int, n: int) -> tuple[list[Any], Exception | None]:
+        """Up to `n` next items of `it` (items `item`, ... of the piece's shard; fewer: the shard ended), and
+        the error that stopped the read early, if one did (the items read before it are kept)."""
+        got: list[Any] = []
+        try:
+            if not self.random_items:
+                got.extend(itertools.islice(it, n))  # in C: no Python step per item
+            else:
+                seed, epoch, shard = self.seed, piece.epoch, piece.shard
+                for j in range(item, item + n):
+                    got.append(read_seeded(derived_seed(seed, epoch, "shard", shard, j), next, it))
+        except StopIteration:
+            pass
+        except Exception as e:  # the user's reader: a failed read of this shard
+            return got, e
+        return got, None
 
     def open(self, piece: Piece, item: int, check: str | None) -> Iterator[Any]:
         """The piece's shard from `item` on; with `check`, the item before it is re-read first and must
@@ -76,15 +95,30 @@ class _Source:
         if check is None or item == 0:
             return iter(self.stream.open(shard, item))
         it = iter(self.stream.open(shard, item - 1))
-        try:
-            before = item_digest(self.read(it, piece, item - 1))
-        except StopIteration:
-            before = "(the shard ended before it)"
+        got, error = self.read(it, piece, item - 1, 1)
+        if error is not None:
+            raise error
+        before = item_digest(got[0]) if got else "(the shard ended before it)"
         if before != check:
             raise ConfigError(f"the train stream's open({shard!r}, {item - 1}) gave an item other than item "
                               f"{item - 1} of a read from the start: open(shard, start) must start at item "
                               f"`start` and give the same items every time ({DOCS})")
         return it
+
+
+class Batch(NamedTuple):
+    """A micro-batch read whole from a stream (`take_batch`): already what the collate would make."""
+
+    batch: Any
+
+
+def _where(shards: list[Any], runs: list[tuple[int, int, int]], k: int) -> str:
+    """Where item k of a micro-batch read in `runs` (shard, first item, items) came from."""
+    for shard, first, count in runs:
+        if k < count:
+            return f"item {first + k} of the train stream's shard {shards[shard]!r}"
+        k -= count
+    return f"item {k} past the micro-batch's end"
 
 
 class _Lane:
@@ -96,36 +130,58 @@ class _Lane:
         self.it: Iterator[Any] | None = None
         self.failures = 0
 
-    def take(self, n: int) -> tuple[Items, list[str], list[int]]:
-        """Up to `n` next items (fewer: the lane ran dry) that know where they came from, the shards skipped
-        on the way, and the indices of the pieces the items came from."""
+    def take(self, n: int) -> tuple[Items | Batch, list[str], list[int]]:
+        """Up to `n` next items (fewer: the lane ran dry) that know where they came from, or the micro-batch
+        read whole; the shards skipped on the way, and the indices of the pieces the items came from."""
         items: list[Any] = []
-        places: list[tuple[int, int]] = []  # (shard, item) of each
+        runs: list[tuple[int, int, int]] = []  # (shard, first item, items) of each piece read
         skipped: list[str] = []
         touched: list[int] = []
         while len(items) < n and self.index < len(self.pieces):
-            piece = self.pieces[self.index]
-            try:
-                if self.it is None:
-                    self.it = self.source.open(piece, self.item, self.check)
-                items.append(self.source.read(self.it, piece, self.item))
-            except StopIteration:
+            piece, want = self.pieces[self.index], n - len(items)
+            opened, whole = self._begin(piece, n if want == n else 0, skipped)
+            if whole is not None:
+                return whole, skipped, [self.index]
+            if not opened or self.it is None:
+                continue
+            got, error = self.source.read(self.it, piece, self.item, want)
+            if got:
+                items += got
+                runs.append((piece.shard, self.item, len(got)))
+                self.item, self.check, self.failures = self.item + len(got), None, 0
+                touched += [] if touched and touched[-1] == self.index else [self.index]
+            if isinstance(error, ConfigError):
+                raise error
+            if error is not None:
+                self._failed(piece, error, skipped)
+            elif len(got) < want:  # the shard ended
                 self._next_piece()
-                continue
-            except ConfigError:
-                raise
-            except Exception as e:  # the user's reader: any error is a failed read of this shard
-                self._failed(piece, e, skipped)
-                continue
-            places.append((piece.shard, self.item))
-            self.item, self.check, self.failures = self.item + 1, None, 0
-            if not touched or touched[-1] != self.index:
-                touched.append(self.index)
         if items:
             self.check = item_digest(items[-1])
-        shards = self.source.shards
-        return Items(items, lambda k: f"item {places[k][1]} of the train stream's shard "
-                                      f"{shards[places[k][0]]!r}"), skipped, touched
+        return Items(items, functools.partial(_where, self.source.shards, runs)), skipped, touched
+
+    def _begin(self, piece: Piece, whole: int, skipped: list[str]) -> tuple[bool, Batch | None]:
+        """The piece opened where it is not (False: it failed), and with `whole` the next micro-batch of that
+        many items read whole where the shard can."""
+        try:
+            if self.it is None:
+                self.it = self.source.open(piece, self.item, self.check)
+            return True, self._whole(whole) if whole else None
+        except ConfigError:
+            raise
+        except Exception as e:  # the user's reader: any error is a failed read of this shard
+            self._failed(piece, e, skipped)
+            return False, None
+
+    def _whole(self, n: int) -> Batch | None:
+        """The next micro-batch as one read of the opened shard (tensor shards), or None."""
+        take = getattr(self.it, "take_batch", None) if self.source.batches else None
+        got = take(n) if take is not None else None
+        if got is None:
+            return None
+        batch, last = got
+        self.item, self.check, self.failures = self.item + n, item_digest(last), 0
+        return Batch(batch)
 
     def _failed(self, piece: Piece, e: Exception, skipped: list[str]) -> None:
         """A failed open or read of `piece`: retried after a pause (reopened at the item reached), then
@@ -181,7 +237,8 @@ class LaneReader(IterableDataset):
                     readers[lane] = _Lane(self.source, self.deal.lanes[lane], self.deal.pos[lane])
                 try:
                     items, skipped, touched = readers[lane].take(self.micro_batch)
-                    batch = self.collate(items) if len(items) == self.micro_batch else None
+                    batch = (items.batch if isinstance(items, Batch) else
+                             self.collate(items) if len(items) == self.micro_batch else None)
                 except (ConfigError, ShardError) as e:  # a bad shard, or an item the collate cannot batch
                     yield ("failed", lane, e)
                     return
@@ -278,7 +335,7 @@ class StreamBatches:
         self.collate, self.num_workers, self.epochs = task.collate, cfg.data.num_workers, cfg.train.epochs
         self.pin_memory = ctx.device.type == "cuda"
         self.source = _Source(stream, shards, cfg.seed, task.random_items, cfg.data.shard_retries,
-                              cfg.data.skip_bad_shards)
+                              cfg.data.skip_bad_shards, batches=isinstance(task.collate, DefaultCollate))
         self.deal: Deal | None = None
         self._entries: Iterator[Any] | None = None
         self._ahead: collections.deque[Any] = collections.deque()

@@ -11,7 +11,8 @@ without decoding.
 
 from trainapp.streams.adapters import HuggingFace, Shards, jsonl, tar
 from trainapp.streams.api import Stream, is_stream
-from trainapp.streams.tensor_shards import TensorShards, tensor_shards, write_tensor_shards
+from trainapp.streams.tensor_reader import TensorShards, tensor_shards
+from trainapp.streams.tensor_shards import write_tensor_shards
 
 __all__ = ["HuggingFace", "Shards", "Stream", "TensorShards", "is_stream", "jsonl", "tar", "tensor_shards",
            "write_tensor_shards"]

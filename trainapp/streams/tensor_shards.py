@@ -1,7 +1,6 @@
 """Tensor shards: the fast path for streams. A shard is one safetensors file whose columns hold a field of
 every item (`x` of all items stacked; variable shapes flattened with their offsets), so reading an item
-is slicing, not decoding: `open(shard, start)` seeks to `start` at once and reads a few hundred items per
-slice.
+is slicing, not decoding (the reader: trainapp/streams/tensor_reader.py). This module writes them.
 
     paths = streams.write_tensor_shards(items, "data/train", items_per_shard=4096)   # once, offline
     train = streams.tensor_shards("data/train")                                      # in datasets(ctx)
@@ -22,19 +21,15 @@ import itertools
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from trainapp.config import ConfigError
 
 FORMAT = "trainapp-tensor-shard/1"
-CHUNK = 256
-"""Items read per slice of the columns: enough that a slice's cost is spread thin, few enough that a shard
-of large items is not read whole."""
 SAFETENSORS_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32,
                       torch.uint32, torch.int64, torch.uint64, torch.float16, torch.bfloat16, torch.float32,
                       torch.float64, torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -44,7 +39,7 @@ KINDS = ("a tensor, a numpy array or scalar, a bool, int, float, complex, str, b
          "list, tuple or namedtuple of them")
 
 
-def _dtype(name: str) -> torch.dtype:
+def dtype_of(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
@@ -100,7 +95,7 @@ def _describe_container(x: Any, path: tuple[Any, ...], index: int) -> dict[str, 
     if isinstance(x, tuple) and hasattr(x, "_fields"):
         cls = f"{type(x).__module__}:{type(x).__qualname__}"
         try:
-            _namedtuple(cls)
+            namedtuple_class(cls)
         except ConfigError:
             raise _Bad(index, path, f"is a namedtuple {cls} that cannot be imported by that name; define it "
                                     "at module level") from None
@@ -110,7 +105,7 @@ def _describe_container(x: Any, path: tuple[Any, ...], index: int) -> dict[str, 
     raise _Bad(index, path, f"is a {type(x).__module__}.{type(x).__qualname__}; store {KINDS}")
 
 
-def _namedtuple(cls: str) -> Any:
+def namedtuple_class(cls: str) -> Any:
     module, _, qualname = cls.partition(":")
     try:
         obj: Any = importlib.import_module(module)
@@ -155,14 +150,14 @@ def _fields(node: dict[str, Any]) -> str:
     return f"the keys {node['keys']}" if "keys" in node else f"{len(node['v'])} elements"
 
 
-def _leaves(node: dict[str, Any], path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], dict]]:
+def leaves(node: dict[str, Any], path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], dict]]:
     """The structure's nodes that own columns (leaves, and optional containers for their mask), in order."""
     if node["k"] in ("dict", "list", "tuple", "namedtuple"):
         if node.get("opt"):
             yield path, node
         keys = node.get("keys") or range(len(node["v"]))
         for k, child in zip(keys, node["v"]):
-            yield from _leaves(child, (*path, k))
+            yield from leaves(child, (*path, k))
     elif node["k"] != "none":
         yield path, node
 
@@ -261,7 +256,7 @@ def _write_shard(items: list[Any], path: Path, first: int) -> None:
         node = _merge(node, _describe(item, (), i), (), i)
     columns: dict[str, torch.Tensor] = {}
     raw: dict[str, list[Any]] = {}
-    for n, (where, leaf) in enumerate(_leaves(node)):
+    for n, (where, leaf) in enumerate(leaves(node)):
         leaf["c"] = _name(where, n)
         made = _columns(leaf, [_value(item, where) for item in items], where, first)
         for suffix, t in made.items():
@@ -273,128 +268,8 @@ def _write_shard(items: list[Any], path: Path, first: int) -> None:
     meta = {"format": FORMAT, "count": str(len(items)), "first": str(first), "items": json.dumps(node),
             "raw": json.dumps(raw)}
     tmp = path.with_name(path.name + ".tmp")
-    save_file(columns, str(tmp), metadata=meta)
-    os.replace(tmp, path)
-
-
-class TensorShards:
-    """A stream of tensor shards (`write_tensor_shards`): one shard per file, sorted by path."""
-
-    def __init__(self, paths: Iterable[str | Path], transform: Callable[[Any], Any] | None = None):
-        self._shards = sorted(str(p) for p in paths)  # one order on every rank, whatever the listing's
-        if not self._shards:
-            raise ValueError("no tensor shard files given")
-        self.transform = transform
-
-    def shards(self) -> list[str]:
-        return list(self._shards)
-
-    def open(self, shard: str, start: int) -> Iterator[Any]:
-        items = _Reader(shard).read(start)
-        return map(self.transform, items) if self.transform else items
-
-
-def tensor_shards(paths: str | Path | Iterable[str | Path],
-                  transform: Callable[[Any], Any] | None = None) -> TensorShards:
-    """The stream of a folder's `*.safetensors` tensor shards (or of the given files); an item is as it was
-    written, or `transform` of it."""
-    if isinstance(paths, (str, Path)) and Path(paths).is_dir():
-        paths = sorted(Path(paths).glob("*.safetensors"))
-    elif isinstance(paths, (str, Path)):
-        paths = [paths]
-    return TensorShards(paths, transform)
-
-
-class _Reader:
-    """One shard's file, read a slice of every column at a time."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.file = safe_open(path, framework="pt")
-        meta = self.file.metadata() or {}
-        if meta.get("format") != FORMAT:
-            raise ConfigError(f"{path} is not a tensor shard (its metadata has "
-                              f"format={meta.get('format')!r}, not {FORMAT!r}); write it with "
-                              "trainapp.streams.write_tensor_shards")
-        self.count, self.node = int(meta["count"]), json.loads(meta["items"])
-        self.raw: dict[str, list[Any]] = json.loads(meta.get("raw", "{}"))
-        self.offsets: dict[str, list[int]] = {}
-
-    def read(self, start: int) -> Iterator[Any]:
-        for a in range(start, self.count, CHUNK):
-            yield from self._build(self.node, a, min(a + CHUNK, self.count))
-
-    def _slice(self, name: str, a: int, b: int) -> torch.Tensor:
-        t = self.file.get_slice(name)[a:b]
-        if name in self.raw:  # stored as bytes: copied into memory of its own dtype (aligned for it)
-            dtype, shape = self.raw[name]
-            out = torch.empty((b - a, *shape[1:]), dtype=_dtype(dtype))
-            out.view(torch.uint8).reshape(-1).copy_(t.reshape(-1))
-            return out
-        return t
-
-    def _offsets(self, name: str) -> list[int]:
-        if name not in self.offsets:
-            self.offsets[name] = self.file.get_tensor(name).tolist()
-        return self.offsets[name]
-
-    def _build(self, node: dict[str, Any], a: int, b: int) -> list[Any]:
-        """The values of `node` for items a..b-1."""
-        k = node["k"]
-        if k == "none":
-            return [None] * (b - a)
-        if k in ("dict", "list", "tuple", "namedtuple"):
-            columns = [self._build(child, a, b) for child in node["v"]]
-            rows = list(zip(*columns)) if columns else [()] * (b - a)
-            values = _containers(node, rows)
-        elif k in ("str", "bytes"):
-            values = self._text(node, a, b)
-        elif k in SCALARS.values():
-            values = self._slice(node["c"], a, b).tolist()
-        else:
-            values = self._tensors(node, a, b)
-        if node.get("opt"):
-            present = self._slice(node["c"] + ".present", a, b).tolist()
-            values = [v if p else None for v, p in zip(values, present)]
-        return values
-
-    def _text(self, node: dict[str, Any], a: int, b: int) -> list[Any]:
-        off = self._offsets(node["c"] + ".offsets")
-        raw = self._slice(node["c"], off[a], off[b]).numpy().tobytes()
-        parts = [raw[off[i] - off[a]:off[i + 1] - off[a]] for i in range(a, b)]
-        return [p.decode("utf-8", "surrogatepass") for p in parts] if node["k"] == "str" else parts
-
-    def _tensors(self, node: dict[str, Any], a: int, b: int) -> list[Any]:
-        if node["shape"] is not None:
-            t = self._slice(node["c"], a, b)
-            if node["k"] == "tensor":
-                return list(t.unbind(0))
-            arr = _array(t, node["dtype"], (b - a, *node["shape"]))
-            return [arr[i] if node["k"] == "npscalar" else arr[i, ...] for i in range(b - a)]
-        off = self._offsets(node["c"] + ".offsets")
-        shapes = self._slice(node["c"] + ".shapes", a, b).tolist()
-        flat = self._slice(node["c"], off[a], off[b])
-        parts = [flat[off[i] - off[a]:off[i + 1] - off[a]] for i in range(a, b)]
-        if node["k"] == "tensor":
-            return [p.view(s) for p, s in zip(parts, shapes)]
-        return [_array(p, node["dtype"], s) for p, s in zip(parts, shapes)]
-
-
-def _array(raw: torch.Tensor, descr: Any, shape: Iterable[int]) -> np.ndarray:
-    """A numpy array of dtype `descr` and `shape` from its bytes."""
-    dtype = np.lib.format.descr_to_dtype(descr)
-    if dtype.itemsize == 0:  # 'S0', 'U0': no bytes to view
-        return np.zeros(tuple(shape), dtype=dtype)
-    return raw.numpy().reshape(-1).view(dtype).reshape(tuple(shape))
-
-
-def _containers(node: dict[str, Any], rows: list[tuple[Any, ...]]) -> list[Any]:
-    k = node["k"]
-    if k == "tuple":
-        return rows
-    if k == "list":
-        return [list(r) for r in rows]
-    if k == "namedtuple":
-        return list(map(_namedtuple(node["cls"])._make, rows))
-    kind = collections.OrderedDict if node.get("type") == "OrderedDict" else dict
-    return [kind(zip(node["keys"], r)) for r in rows]
+    try:
+        save_file(columns, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # a write that failed (a full disk) leaves no part of a shard
