@@ -6,7 +6,8 @@ Throughput: the sample-ledger model (tests/usertasks: an 8-feature MLP, hidden w
 data is most of a step, the harshest case for a data path; and "deep": two more 1024 x 1024 layers, about
 4 MFLOP an item, where computing is most of a step) on 8192 items of 8 floats, `train.batch_size=64`,
 fp32, one process, 1500 steps (500 for "deep"): the map-style task (the items as tensors in a Python list,
-read by index), the streaming task (the same items in 16 JSON Lines files, parsed as they are read) and,
+read by index), the streaming task (the same items in 16 JSON Lines files, parsed as they are read), the
+same items in 16 tensor shards (`trainapp.streams.write_tensor_shards`: read as slices, no decoding) and,
 as the control for the work of decoding, a map-style dataset of the same JSON lines decoded as each is
 read; `data.num_workers=0` and 1 (one loader worker beside the training process). Rounds in alternating
 order; each ratio is taken within a round, then the median; `control` is the map-style run against
@@ -46,13 +47,15 @@ def samples_per_s(run_dir: Path) -> float:
 CONTESTANTS = {
     "map": ["task.name=usertasks_ledger:Ledger"],
     "stream": ["task.name=usertasks_stream:StreamLedger", "task.args.shards=16"],
+    "tensors": ["task.name=usertasks_stream:StreamLedger", "task.args.shards=16", "task.args.fmt=tensors"],
     "lines": ["task.name=usertasks_stream:StreamLedger", "task.args.shards=16", "task.args.map_style=true"],
 }
 
 
 def throughput(tmp: Path, rounds: int, steps: int) -> dict:
-    """Per setting, rounds of (map-style, stream, map-style decoding the JSON lines, map-style again) in
-    alternating orders: each ratio to the round's first map-style run, then the median over rounds."""
+    """Per setting, rounds of (map-style, JSON Lines stream, tensor shards, map-style decoding the JSON lines,
+    map-style again) in alternating orders: each ratio to the round's first map-style run, then the median
+    over rounds."""
     common = ["train.epochs=100", "train.batch_size=64", "amp.dtype=off",
               "train.progress=false", "train.log_every=50", "snapshot.every_steps=100000",
               "task.args.rows=8192", "task.args.record=false", "run.export=false"]
@@ -62,9 +65,9 @@ def throughput(tmp: Path, rounds: int, steps: int) -> dict:
                 "deep_workers1": ["data.num_workers=1", *deep]}
     out: dict = {}
     for setting, extra in settings.items():
-        got: dict[str, list[float]] = {"map": [], "stream": [], "lines": [], "map2": []}
+        got: dict[str, list[float]] = {"map": [], "stream": [], "tensors": [], "lines": [], "map2": []}
         for r in range(rounds):
-            order = ["map", "stream", "lines", "map2"]
+            order = ["map", "stream", "tensors", "lines", "map2"]
             for name in order if r % 2 == 0 else order[::-1]:
                 run = tmp / f"{setting}-r{r}-{name}"
                 n = steps // 3 if setting.startswith("deep") else steps  # about as long as the others
@@ -78,7 +81,8 @@ def throughput(tmp: Path, rounds: int, steps: int) -> dict:
         def ratio(name: str) -> float:
             return statistics.median(a / b for a, b in zip(got[name], got["map"]))
 
-        out[setting] = {"stream_over_map": ratio("stream"), "stream_over_decoding_map": statistics.median(
+        out[setting] = {"stream_over_map": ratio("stream"), "tensor_shards_over_map": ratio("tensors"),
+                        "stream_over_decoding_map": statistics.median(
                             a / b for a, b in zip(got["stream"], got["lines"])),
                         "decoding_map_over_map": ratio("lines"), "control": ratio("map2"),
                         "samples_per_s": {k: statistics.median(v) for k, v in got.items()}, "rounds": rounds}
@@ -123,6 +127,10 @@ def main() -> None:
     result["stream_over_decoding_map"] = result["throughput"]["mlp32_workers0"]["stream_over_decoding_map"]
     result["stream_over_map_deep"] = result["throughput"]["deep_workers0"]["stream_over_map"]
     result["stream_over_map_deep_workers1"] = result["throughput"]["deep_workers1"]["stream_over_map"]
+    result["stream_tensor_shards_over_map"] = result["throughput"]["mlp32_workers0"]["tensor_shards_over_map"]
+    result["stream_tensor_shards_over_map_workers1"] = \
+        result["throughput"]["mlp32_workers1"]["tensor_shards_over_map"]
+    result["stream_control"] = result["throughput"]["mlp32_workers0"]["control"]
     result["resize_param_rel_distance"] = result["resize"]["keep"]["param_rel_distance"]
     result["resize_param_rel_distance_rescale"] = result["resize"]["rescale"]["param_rel_distance"]
     write_result(out, result)

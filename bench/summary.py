@@ -72,8 +72,13 @@ ROWS = [
      "sums in another order", None, "{:.2g}"),
     ("resize", "resize_param_rel_distance_4slots_rescale", "its control: the resizes with the LR rescaled",
      None, "{:.2g}"),
-    ("stream", "stream_over_map", "streams: training samples/s, 16 JSON Lines shards / the same items as "
-     "tensors in a list, 8-feature MLP (data-bound), 1 process", (">=", 0.9), "{:.3f}"),
+    ("stream", "stream_tensor_shards_over_map", "streams: training samples/s, 16 tensor shards / the same "
+     "items as tensors in a list, 8-feature MLP (data-bound), 1 process", (">=", 0.95), "{:.3f}"),
+    ("stream", "stream_control", "control: the list / the list again (run-to-run spread)", None, "{:.3f}"),
+    ("stream", "stream_tensor_shards_over_map_workers1", "the same with one loader worker", (">=", 0.95),
+     "{:.3f}"),
+    ("stream", "stream_over_map", "16 JSON Lines shards (each line decoded when read) / the list", None,
+     "{:.3f}"),
     ("stream", "stream_over_decoding_map", "control: the stream / a map-style list of the same JSON lines, "
      "each decoded when read (the same work per item)", None, "{:.3f}"),
     ("stream", "stream_over_map_deep_workers1", "the stream / the list, a model with 4 MFLOP an item, one "

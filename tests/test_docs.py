@@ -27,7 +27,8 @@ def prose_lines(text: str):
 
 
 def anchors(path: Path) -> set[str]:
-    """GitHub's heading anchors of a markdown file: lower case, punctuation dropped, spaces to dashes."""
+    """GitHub's heading anchors of a markdown file (lower case, punctuation dropped, spaces to dashes), and
+    its explicit ones (`<a id="name"></a>`)."""
     seen: dict[str, int] = {}
     out = set()
     fenced = False
@@ -35,6 +36,7 @@ def anchors(path: Path) -> set[str]:
         if FENCE.match(line):
             fenced = not fenced
             continue
+        out |= set() if fenced else set(re.findall(r'<a id="([^"]+)"></a>', line))
         m = None if fenced else re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
         if not m:
             continue

@@ -22,7 +22,7 @@ from trainapp.config import ConfigError
 from trainapp.core.data import LocatedItems, SeededItems
 from trainapp.core.items import DefaultCollate, Items, item_digest
 from trainapp.core.lanes import Deal, Piece
-from trainapp.core.stream import LaneReader, _keep, _Source
+from trainapp.core.lane_reader import LaneReader, Source, keep
 from trainapp.core.task import to_device
 
 Pair = collections.namedtuple("Pair", "left right")
@@ -190,9 +190,9 @@ def test_every_item_survives_a_loader_worker_and_the_resume_check(items):
     process): each position's digest, made in the worker, is the digest of the item received here, and a
     reader reopened at each position passes the resume check and reads on with the next item."""
     stream = streams.Shards([0], lambda shard: items)
-    source = _Source(stream, [0], 0, True, 0, False)
+    source = Source(stream, [0], 0, True, 0, False)
     reader = LaneReader(source, Deal(0, [[Piece(0, 0, 0, None)]]), [0], 1, 0, 1, lambda batch: batch)
-    entries = list(DataLoader(reader, batch_size=None, num_workers=1, collate_fn=_keep))
+    entries = list(DataLoader(reader, batch_size=None, num_workers=1, collate_fn=keep))
     assert [e[0] for e in entries] == ["ok"] * len(items) + ["dry"]
     for k, (_, _, batch, pos, _) in enumerate(entries[:-1]):
         assert item_digest(batch[0]) == item_digest(items[k]) == pos[2] and pos[1] == k + 1

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from trainapp import cli, streams
 from trainapp.core.lanes import Deal, Piece
 from trainapp.core.items import item_digest
-from trainapp.core.stream import LaneReader, _keep, _Source
+from trainapp.core.lane_reader import LaneReader, Source, keep
 from trainapp.snapshots.store import list_snapshots
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(USERTASKS), os.environ.get("PYTHONPATH", "")]),
@@ -129,9 +129,9 @@ def test_item_digests_follow_content():
 
 
 def _entries(stream, deal, slots, workers, steps, first_step=0):
-    source = _Source(stream, stream.shards(), 0, True, 0, False)
+    source = Source(stream, stream.shards(), 0, True, 0, False)
     reader = LaneReader(source, deal, slots, max(1, workers), first_step, 4, lambda items: items)
-    it = iter(DataLoader(reader, batch_size=None, num_workers=workers, collate_fn=_keep))
+    it = iter(DataLoader(reader, batch_size=None, num_workers=workers, collate_fn=keep))
     return [next(it) for _ in range(steps * len(slots))]
 
 
@@ -150,7 +150,7 @@ def test_loader_workers_read_lanes_of_their_own_in_slot_order(tmp_path):
     assert len(ids) == len(set(ids)) == 48
     for lane, pos in {e[1]: e[3] for e in two[:4]}.items():  # the positions after steps 0 and 1
         deal.pos[lane] = pos
-    source = _Source(stream, stream.shards(), 0, True, 0, False)
+    source = Source(stream, stream.shards(), 0, True, 0, False)
     reader = LaneReader(source, deal, [0, 1], 2, 2, 4, lambda items: items)
     again = [e for _, e in zip(range(8), iter(reader))]
     assert [(e[1], e[2]) for e in again] == [(e[1], e[2]) for e in two[4:12]]

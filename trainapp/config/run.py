@@ -107,7 +107,7 @@ class DataSection:
     """DataLoader worker processes per training process (0 loads in the training process), for every task."""
     shard_retries: int = Field(default=2, ge=0, le=100)
     """A stream's shard that fails to open or read is reopened at the item it had reached this many times
-    (0.5 s, 1 s, 2 s ... apart) before it counts as bad (trainapp/core/stream.py)."""
+    (0.5 s, 1 s, 2 s ... apart) before it counts as bad (trainapp/core/lane_reader.py)."""
     skip_bad_shards: bool = False
     """Go on without the rest of a stream's shard that stays bad after `data.shard_retries` (each one a
     warning, counted in the end record's `data.skipped_shards`); off: such a shard ends the run with a

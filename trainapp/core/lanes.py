@@ -31,7 +31,7 @@ class Piece(NamedTuple):
     start: int
     """The first item to read."""
     check: str | None
-    """The digest of the item before `start` (core/stream.py re-reads it to check `open`), or None."""
+    """The digest of the item before `start` (core/lane_reader.py re-reads it to check `open`), or None."""
 
 
 def shard_order(seed: int, epoch: int, n_shards: int) -> list[int]:

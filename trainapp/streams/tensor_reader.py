@@ -4,7 +4,7 @@ time (no decoding). The items come back as they were written.
 
 For a micro-batch of the task's default collate, the opened shard also serves the batch itself
 (`ShardItems.take_batch`): the slices of its columns are what torch's default_collate would make of the
-items, so no item is made one by one (trainapp/core/stream.py uses it when the task has no collate of
+items, so no item is made one by one (trainapp/core/lane_reader.py uses it when the task has no collate of
 its own). A structure default_collate cannot batch (a field None in some items, shapes that differ, numpy
 dtypes torch lacks) is read item by item, and the collate says what it cannot batch.
 """

@@ -21,6 +21,7 @@ import itertools
 import json
 import os
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Iterable, Iterator
 
 import numpy as np
@@ -34,7 +35,7 @@ SAFETENSORS_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.ui
                       torch.uint32, torch.int64, torch.uint64, torch.float16, torch.bfloat16, torch.float32,
                       torch.float64, torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2)
 """The dtypes a safetensors file holds as they are; a column of another (complex128) is stored as bytes."""
-SCALARS = {bool: "bool", int: "int", float: "float", complex: "complex"}
+SCALARS = MappingProxyType({bool: "bool", int: "int", float: "float", complex: "complex"})
 KINDS = ("a tensor, a numpy array or scalar, a bool, int, float, complex, str, bytes or None, or a dict, "
          "list, tuple or namedtuple of them")
 
