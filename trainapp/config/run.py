@@ -246,6 +246,27 @@ class SnapshotSection:
     before the run stops with exit code 3. A failed snapshot leaves nothing half-written and training
     goes on; on a full disk older snapshots (never the newest valid one) are deleted and the write is
     tried once more. The final snapshot may not fail: a run never reports success without it."""
+    memory_every_steps: int | Literal["auto"] = 0
+    """The memory tier: every N optimizer steps each rank copies its share of the state (what a snapshot
+    holds) into `snapshot.memory_dir`, host memory that outlives the training process, and a restart
+    resumes from the newest step every rank has there (or on a buddy node), redoing no step since and
+    reading nothing from storage; storage snapshots stay the durable tier (docs/preemption.md). 0: off.
+    `auto`: the fewest steps between copies that keep a copy's cost at 2% of the steps' time, off when
+    the memory directory cannot hold the copies (one warning line)."""
+    memory_dir: str = ""
+    """Where the memory tier's copies live: a memory filesystem (tmpfs) every process of the node sees;
+    empty: `/dev/shm/trainapp-UID`. Each rank keeps two copies of its share (the newest whole while the
+    next is written), and one more pair of a buddy's with `snapshot.memory_peer`. The run's copies are
+    deleted when it finishes."""
+    memory_peer: bool = True
+    """Send each memory copy to a buddy rank on another node (the rank one node's worth of ranks on),
+    which keeps it in its node's memory: a lost node's state is still in memory elsewhere. A background
+    thread sends it; the step never waits on the network. Off on one node."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.memory_every_steps, int) and self.memory_every_steps < 0:
+            raise ValueError(f"snapshot.memory_every_steps={self.memory_every_steps}: must be >= 0 (0: off) "
+                             "or auto")
 
 
 @dataclass(config=STRICT)

@@ -26,6 +26,7 @@ from trainapp.core.layout import Layout
 from trainapp.core.state import RngState, TrainState
 from trainapp.core.stream import StreamBatches
 from trainapp.core.task import BoundTask, bind
+from trainapp.snapshots.memory import TIER
 from trainapp.streams.api import is_stream
 from trainapp.weights import init as weights_init
 
@@ -55,6 +56,9 @@ class Parts:
     total_steps: int
     peak_lr: float
     resumed_from: str | None
+    resumed_tier: str | None
+    """Where the resumed state came from: `memory` (this node's), `peer` (another node's), `storage`; None
+    for a fresh start."""
     config_changes: dict[str, list[Any]]
     """Each key whose value differs from the resumed snapshot's config: [there, here]."""
     init: dict[str, Any] | None = None
@@ -115,7 +119,9 @@ def build(cfg: Config, ctx: DistContext,
                  strategy=strategy, precision=precision, optimizer=opt.optimizer,
                  schedule=opt.schedule, ema=opt.ema, progress=progress, state=state,
                  total_steps=opt.schedule.total_steps, peak_lr=opt.schedule.peak_lr,
-                 resumed_from=found[0] if found else None, config_changes=diff, init=init, kernels=chosen)
+                 resumed_from=found[0] if found else None,
+                 resumed_tier=found[1].get(TIER, "storage") if found else None, config_changes=diff,
+                 init=init, kernels=chosen)
 
 
 def _init(cfg: Config, ctx: DistContext, model: torch.nn.Module,

@@ -94,6 +94,9 @@ class Trainer:
             if decision.snapshot:
                 with meter.paused(), self.clock.phase("snapshot"):
                     self._save(meter.overall(), SnapshotRequest(final=last, urgent=decision.urgent))
+            if self.snapshots.memory_due(p.global_step, last):  # its cost is the steps' (samples/s counts it)
+                with self.clock.phase("snapshot"):
+                    self.snapshots.save_memory(self.ctx, p.global_step, self.parts.state.own_state_dict())
 
     def _counted_step(self, batches: Iterator | None, meter: Throughput, bar: tqdm) -> Iterator | None:
         """One step from `batches` (None: the next epoch's), counted, its progress beaten, a sharded
@@ -280,6 +283,7 @@ class Trainer:
                    **({"data": dict(account)} if (account := self.parts.batches.account) else {}),
                    "state_bytes": parallel.state_bytes(self.parts.model, self.parts.optimizer, self.ctx)}
         self._finish_snapshots()  # the final snapshot is on disk before the run says it ended
+        self.snapshots.close_memory()  # a finished run's copies in memory are of no more use
         summary["model"] = export_final(self.cfg, self.ctx, self.parts, self.snapshots)  # run.export
         summary.update(self.records.end(summary))  # rank 0: the account of the run's wall time
         return summary

@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+MEMORY = "__memory__"
+"""The key that marks a state as one rank's share (the memory tier's), not rank 0's gathered whole."""
+
 
 class Stateful(Protocol):
     def state_dict(self) -> Any: ...
@@ -97,6 +100,26 @@ class TrainState:
                 out[name] = part.state_dict()
         return {**out, **self.records} if is_main else None
 
+    def own_state_dict(self) -> dict[str, Any]:
+        """Every rank, without a collective: its share of the state (a part that gathers across ranks gives
+        its own share, `own_state_dict`), marked MEMORY, for the memory tier (trainapp/snapshots/memory.py).
+        Loaded by `load_state_dict` on every rank at once (each its own share)."""
+        out: dict[str, Any] = {MEMORY: True}
+        for name, part in self.parts.items():
+            if part is None:
+                out[name] = None
+            elif getattr(part, "sharded", False):
+                raise ValueError(f"{name} is sharded: the memory tier does not hold shards yet")
+            elif getattr(part, "collective", False):
+                out[name] = cast(Any, part).own_state_dict()
+            else:
+                out[name] = part.state_dict()
+        return {**out, **self.records}
+
+    @property
+    def sharded(self) -> bool:
+        return any(getattr(p, "sharded", False) for p in self.parts.values() if p is not None)
+
     def shards(self) -> dict[str, Any] | None:
         """Every rank: this rank's shard of every sharded part (DCP's state dict), None without one."""
         out = {name: part.state_dict() for name, part in self.parts.items()
@@ -133,6 +156,8 @@ class TrainState:
             if sharded:
                 assert isinstance(part, ShardedState) and where is not None
                 part.load_from(where / SHARDS, name)
+            elif state.get(MEMORY) and getattr(part, "collective", False):
+                cast(Any, part).load_own(state[name])  # every rank's share merged (a collective)
             else:
                 assert not isinstance(part, ShardedState)
                 part.load_state_dict(state[name])
@@ -207,6 +232,14 @@ class RngState:
 
     def state_dict(self) -> list[dict[str, Any]] | None:
         return self.ctx.gather_objects(rng_state(self.ctx.device, self.cuda))
+
+    def own_state_dict(self) -> dict[str, Any]:
+        """This rank's generators alone (the memory tier's copy: no collective)."""
+        return rng_state(self.ctx.device, self.cuda)
+
+    def load_own(self, own: dict[str, Any]) -> None:
+        """Every rank, from its own generators' state: as `load_state_dict` of every rank's."""
+        self.load_state_dict(self.ctx.all_gather_objects(own))
 
     def load_state_dict(self, rngs: list[dict[str, Any]]) -> None:
         if self.ctx.rank < len(rngs):

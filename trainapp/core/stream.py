@@ -213,14 +213,29 @@ class StreamBatches:
     def state_dict(self) -> dict[str, Any] | None:
         assert self.deal is not None
         gathered = self.ctx.gather_objects({k: self.deal.pos[k] for k in self._mine()})
-        if gathered is None:
-            return None
-        state = self.deal.state_dict()  # copies: the lanes read on by their ranks after this
-        for lanes in gathered:
-            for lane, pos in lanes.items():
-                state["pos"][lane] = list(pos)
-        return {**state, "shards": len(self.shards), "shards_digest": self.digest,
+        return None if gathered is None else self._merged(self.deal.state_dict(), gathered, self.account)
+
+    def _merged(self, deal: dict[str, Any], lanes: list[dict[int, list[Any]]],
+                account: dict[str, Any]) -> dict[str, Any]:
+        """The state of `deal` (a copy: the lanes read on by their ranks after this) with every rank's own
+        lanes' positions in it."""
+        for mine in lanes:
+            for lane, pos in mine.items():
+                deal["pos"][lane] = list(pos)
+        return {**deal, "shards": len(self.shards), "shards_digest": self.digest, "account": dict(account)}
+
+    def own_state_dict(self) -> dict[str, Any]:
+        """This rank's share of the state, without a collective (the memory tier's copy): the deal, the
+        positions of its own lanes, its account."""
+        assert self.deal is not None
+        return {"deal": self.deal.state_dict(), "mine": {k: list(self.deal.pos[k]) for k in self._mine()},
                 "account": dict(self.account)}
+
+    def load_own(self, own: dict[str, Any]) -> None:
+        """Every rank, from its share (`own_state_dict`): every rank's lanes merged, then loaded."""
+        everyone = self.ctx.all_gather_objects(own)
+        self.load_state_dict(self._merged(everyone[0]["deal"], [o["mine"] for o in everyone],
+                                          everyone[0]["account"]))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["shards"] != len(self.shards) or state["shards_digest"] != self.digest:

@@ -12,10 +12,12 @@ parts, watches the rank and trains. torchrun, Slurm (through torchrun) and a pla
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import TYPE_CHECKING, Any
 
 from trainapp.config import Config
-from trainapp.core.build import build
+from trainapp.core.build import Parts, build
 from trainapp.core.loop import Trainer
 from trainapp.errors import PEER_EXIT, Failure, first_line
 from trainapp.faults.boundary import DrainNotices, StepBoundary
@@ -27,11 +29,15 @@ from trainapp.observe import logs
 from trainapp.observe.live import LiveMetrics
 from trainapp.observe.records import Records
 from trainapp.snapshots.lease import RunLease
+from trainapp.snapshots.files import local_bytes
 from trainapp.snapshots.manager import SnapshotManager
+from trainapp.snapshots.memory import MemoryTier
 from trainapp.snapshots.publish import Publish
 
 if TYPE_CHECKING:
     from torch.distributed import Store
+
+log = logging.getLogger(__name__)
 
 
 class Launcher:
@@ -129,10 +135,34 @@ def trainer(launcher: Launcher, cfg: Config, ctx: DistContext, guard: RankGuard,
     drills = Drills(cfg.drill, ctx.rank, ctx.world_size, cfg.run.dir, guard.heartbeat)
     snapshots = SnapshotManager.from_config(cfg, publish, guard.heartbeat, held.fence, drills.disk)
     records = Records(cfg, ctx, held.fence.check, held.summary, launcher.live(cfg, ctx), launcher.name)
-    parts = build(cfg, ctx, snapshots.load, guard.timeline.mark, task)
+    s = cfg.snapshot
+    memory = MemoryTier.from_config(s.memory_every_steps, s.memory_dir, cfg.run.dir, ctx)
+    load = snapshots.load if memory is None else functools.partial(_recover, memory, snapshots)
+    parts = build(cfg, ctx, load, guard.timeline.mark, task)
+    snapshots.memory = _sized(memory, ctx, parts, s.memory_peer)
     drills.attach(parts)
     boundary = StepBoundary(ctx, guard.notices, snapshots.due, launcher.drains(cfg), cfg.preempt.ray_poll_s,
                             records.drain_notice)
     records.start(parts, dist.placement(ctx), launcher.restart(), guard.timeline.marks())
     return Trainer(cfg, ctx, parts, snapshots, guard, boundary, records,
                    (drills.after_step, records.after_step))
+
+
+def _recover(memory: MemoryTier, snapshots: SnapshotManager,
+             ctx: DistContext) -> tuple[str, dict[str, Any]] | None:
+    """Every rank: the state to resume, from the memory tier when it holds a step at least as new as the
+    newest snapshot on storage, else from storage."""
+    return memory.recover(ctx, snapshots.publish.newest_step(ctx), snapshots.load)
+
+
+def _sized(memory: MemoryTier | None, ctx: DistContext, parts: Parts, peer: bool) -> MemoryTier | None:
+    """The memory tier once the state's size is known (None: off: it does not fit, or the state is sharded,
+    which it does not hold yet)."""
+    if memory is None:
+        return None
+    if parts.state.sharded:
+        if ctx.is_main:
+            log.warning("snapshot.memory_every_steps: the memory tier does not hold FSDP shards yet; storage "
+                        "snapshots resume this run")
+        return None
+    return memory.sized(ctx, local_bytes(parts.state.own_state_dict()), peer)

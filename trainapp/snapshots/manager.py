@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, cast
 from trainapp.errors import ConfigError, Failure
 from trainapp.snapshots.files import Buffers, cpu_copy, is_storage_error, storage_hint
 from trainapp.snapshots.lease import Fence
+from trainapp.snapshots.memory import MemoryTier
 from trainapp.snapshots.publish import Publish
 from trainapp.snapshots.store import (
     Disk,
@@ -142,6 +143,8 @@ class SnapshotManager:
         self._last: tuple[int, OSError] | None = None
         self._buffers = Buffers()
         self._shards: _ShardsInFlight | None = None
+        self.memory: MemoryTier | None = None
+        """The memory tier (trainapp/snapshots/memory.py), when the run has one: its cadence and copies."""
         # Gloo groups of DCP's writer thread and of `poll`
         self._groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
 
@@ -159,6 +162,21 @@ class SnapshotManager:
     def where(self) -> str:
         """Where the run's snapshots go (a directory, or a URI under Ray), for the run's summary."""
         return self.publish.where
+
+    def memory_due(self, step: int, last: bool) -> bool:
+        """Whether every rank copies its share of the state to memory after `step` (never the last: the
+        final snapshot is on storage)."""
+        return self.memory is not None and not last and self.memory.due(step)
+
+    def save_memory(self, ctx: DistContext, step: int, state: dict[str, Any]) -> None:
+        assert self.memory is not None  # memory_due said so
+        self.memory.save(ctx, step, state)
+        self.last_blocking_s = self.memory.last_seconds
+
+    def close_memory(self) -> None:
+        """At the end of a finished run: its copies in memory deleted (on this rank's node)."""
+        if self.memory is not None:
+            self.memory.close(finished=True)
 
     def path_for(self, step: int) -> Path:
         return self.root / step_name(step)

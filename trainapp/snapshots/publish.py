@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainapp.errors import ConfigError
-from trainapp.snapshots.store import find_shared, list_snapshots, newest_valid, sweep_leftovers
+from trainapp.snapshots.store import find_shared, list_snapshots, newest_valid, step_of, sweep_leftovers
 
 if TYPE_CHECKING:
     from trainapp.group import DistContext
@@ -43,6 +43,13 @@ class Publish:
     def find(self, ctx: DistContext) -> tuple[str, dict[str, Any]] | None:
         """(where, state) of the newest valid snapshot, the same on every rank; None to start fresh."""
         raise NotImplementedError
+
+    def newest_step(self, ctx: DistContext) -> int | None:
+        """The step of the newest snapshot there, as listed (not read or verified), the same on every rank:
+        what the memory tier must be at least as new as. Default: the listing of `root`."""
+        steps = [step_of(p.name) for p in list_snapshots(self.root)] if ctx.is_main else []
+        newest = max((s for s in steps if s is not None), default=None)
+        return ctx.files.broadcast_object(newest)
 
     def push_shards(self, ctx: DistContext, step: int, tmp: Path, own: list[str]) -> None:
         """Every rank, its shards of `step` written into `tmp` (`own`: the files it wrote, relative to

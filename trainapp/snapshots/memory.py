@@ -1,0 +1,398 @@
+"""The memory tier of snapshots: every `snapshot.memory_every_steps` steps each rank copies its share of
+the run's state into host memory that outlives the training process (slot files under
+`snapshot.memory_dir`, a tmpfs: trainapp/snapshots/memory_slots.py), and a restart resumes from there:
+no step redone since that copy, no snapshot read from storage.
+
+A restart is one agreement of every rank (`MemoryTier.find`): each rank lists the committed copies its
+node holds (its own ranks' and, with a buddy, other nodes' ranks'), every rank learns every list, and the
+newest step of which every rank's copy is somewhere is chosen, when it is at least as new as the newest
+snapshot on storage. A rank whose copy is on its own node reads it there (`memory`); one whose node lost
+it gets it from the rank of the node that holds it (`peer`). Otherwise the storage tier resumes the run,
+as without this tier. Copies of another run (its id), another world size or a later step than the one
+resumed are deleted, never read.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import secrets
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from trainapp.errors import ConfigError
+from trainapp.snapshots import memory_slots as slots
+
+if TYPE_CHECKING:
+    from trainapp.group import DistContext
+
+log = logging.getLogger(__name__)
+
+NODE_ID = "node-id"
+RUN_ID = "memory-id"
+OWN, PEER = "own", "peer"
+TIER = "__tier__"
+"""The key of a resumed state that says which tier it came from: memory, peer (or none: storage)."""
+
+
+@dataclass(frozen=True)
+class Copy:
+    """A committed copy on some node: whose state (`owner` rank), which step, and which file."""
+
+    kind: str
+    owner: int
+    step: int
+    seq: int
+    checksum: int
+    path: str
+
+
+@dataclass
+class Found:
+    """What the agreement resumes: the step, this rank's state, and where it came from."""
+
+    step: int
+    state: dict[str, Any]
+    tier: str
+    """`memory` (this node's copy) or `peer` (another node's)."""
+    seconds: float
+
+
+def node_id(memory_dir: Path) -> str:
+    """This node's memory, named: a random id kept in the memory directory (every process of the node sees
+    the same file; a node whose memory was lost gets a new one)."""
+    path = memory_dir / NODE_ID
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    tmp = memory_dir / f".{NODE_ID}.{os.getpid()}"
+    tmp.write_text(secrets.token_hex(8))
+    try:
+        os.link(tmp, path)  # the first process of the node wins; the others read its id
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path.read_text().strip()
+
+
+MEMORY_FS = ("tmpfs", "ramfs")
+AUTO_SHARE = 0.02
+"""`snapshot.memory_every_steps=auto`: the most of the steps' time the copies may take."""
+AUTO_PROBES = 3
+"""Copies made every step to measure their cost before `auto` sets the cadence."""
+
+
+def default_dir() -> Path:
+    return Path(f"/dev/shm/trainapp-{os.getuid()}")
+
+
+def unusable(memory_dir: Path, made_here: bool) -> str | None:
+    """Why `memory_dir` cannot hold the memory tier (missing, not a directory, unwritable, not a memory
+    filesystem), or None. The default directory (`made_here`) is made when its parent is there."""
+    if made_here and memory_dir.parent.is_dir():
+        memory_dir.mkdir(mode=0o700, exist_ok=True)
+    if not memory_dir.is_dir():
+        return f"{memory_dir} does not exist: make it (a tmpfs) or set snapshot.memory_dir to one"
+    if not os.access(memory_dir, os.W_OK | os.X_OK):
+        return f"{memory_dir} is not writable by uid {os.getuid()}: fix its mode or set snapshot.memory_dir"
+    kind = fs_type(memory_dir)
+    if kind not in MEMORY_FS:
+        return (f"{memory_dir} is on {kind}, not a memory filesystem (tmpfs): a copy there is a disk write; "
+                "point snapshot.memory_dir at a tmpfs such as /dev/shm")
+    return None
+
+
+def fs_type(path: Path) -> str:
+    """The filesystem type of the mount that holds `path` (the longest mount point above it)."""
+    import psutil
+
+    real = os.path.realpath(path)
+    best, kind = "", "unknown"
+    for part in psutil.disk_partitions(all=True):
+        mount = part.mountpoint.rstrip("/") or "/"
+        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):
+            best, kind = mount, part.fstype
+    return kind
+
+
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+class MemoryTier:
+    """One rank's memory tier: its two slot files under `root` (the run's folder in the memory directory),
+    written every `every` steps (`auto`: every step for AUTO_PROBES copies, then as their cost allows)."""
+
+    def __init__(self, memory_dir: Path, run_id: str, rank: int, world_size: int, every: int | str):
+        self.memory_dir, self.run_id = memory_dir, run_id
+        self.root = memory_dir / f"run-{run_id}"
+        self.rank, self.world_size = rank, world_size
+        self.auto = every == "auto"
+        self.every = 1 if self.auto else int(every)
+        self.node = node_id(memory_dir)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.last_seconds = 0.0
+        """Seconds the last copy held training."""
+        self.copies = 0
+        self.costs: list[float] = []
+        """`auto`: the probe copies' seconds."""
+        self.probe_times: list[float] = []
+        """`auto`: when each probe copy began (the steps' time is between them)."""
+
+    @classmethod
+    def from_config(cls, every: int | str, memory_dir: str, run_dir: str,
+                    ctx: DistContext) -> MemoryTier | None:
+        """Every rank: the rank's memory tier (None: off). A memory directory that cannot hold it on some
+        rank's node is one ConfigError on every rank when the cadence was set, and off (one warning line)
+        for `auto`."""
+        if every == 0:
+            return None
+        where = Path(memory_dir) if memory_dir else default_dir()
+        problems = ctx.files.all_gather_objects(unusable(where, made_here=not memory_dir))
+        problem = next((f"rank {r}: {p}" for r, p in enumerate(problems) if p), None)
+        if problem is not None:
+            if every != "auto":
+                raise ConfigError(f"snapshot.memory_every_steps={every}: {problem}")
+            if ctx.is_main:
+                log.warning("snapshot.memory_every_steps=auto: the memory tier is off (%s)", problem)
+            return None
+        return cls(where, _run_id(run_dir, ctx), ctx.rank, ctx.world_size, every)
+
+    def sized(self, ctx: DistContext, state_bytes: int, peer: bool) -> MemoryTier | None:
+        """Every rank, once the parts are built: this tier if every node's memory directory holds two
+        copies of each of its ranks' shares (and two of a buddy's with `peer` on several nodes); else
+        ConfigError (a cadence that was set) or None (`auto`, one warning line). Both with the numbers."""
+        nodes = ctx.files.all_gather_objects((self.node, state_bytes, free_bytes(self.memory_dir)))
+        short = _shortfall(self.memory_dir, nodes, peer)
+        if short is None:
+            return self
+        fix = ("give it more memory (docker run --shm-size, a Kubernetes emptyDir with medium: Memory and a "
+               "sizeLimit) or set snapshot.memory_dir to a larger tmpfs")
+        if not self.auto:
+            raise ConfigError(f"snapshot.memory_every_steps={self.every}: {short}; {fix}")
+        if ctx.is_main:
+            log.warning("snapshot.memory_every_steps=auto: the memory tier is off: %s; %s", short, fix)
+        return None
+
+    def _own(self, owner: int, slot: int) -> Path:
+        return self.root / f"{OWN}-{owner:05d}.{slot}"
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def save(self, ctx: DistContext, step: int, state: dict[str, Any]) -> None:
+        """This rank's `state` of `step` into its older slot (the newer one stays whole meanwhile); with
+        `auto`, after the probe copies, the cadence set by rank 0's costs (a broadcast of every rank)."""
+        t0 = time.perf_counter()
+        self._write(step, state)
+        if self.auto:
+            self.costs.append(self.last_seconds)
+            self.probe_times.append(t0)
+            if len(self.costs) == AUTO_PROBES:
+                self.every = ctx.files.broadcast_object(self._cadence())
+                self.auto = False
+                if ctx.is_main:
+                    log.info("snapshot.memory_every_steps=auto: a copy every %d step(s) (a copy %.1f ms)",
+                             self.every, 1e3 * sorted(self.costs)[len(self.costs) // 2])
+
+    def _cadence(self) -> int:
+        """The fewest steps between copies that keep a copy at AUTO_SHARE of the steps' time."""
+        cost = sorted(self.costs)[len(self.costs) // 2]
+        gaps = [b - a for a, b in zip(self.probe_times, self.probe_times[1:])]
+        step = max(sorted(gaps)[len(gaps) // 2] - cost, 1e-6) if gaps else 1.0
+        return max(1, math.ceil(cost / (AUTO_SHARE * step)))
+
+    def _write(self, step: int, state: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        paths = [self._own(self.rank, k) for k in (0, 1)]
+        seqs = [head.seq if head is not None else -1 for head in map(slots.header, paths)]
+        target = seqs.index(min(seqs))  # the older slot, or one that holds nothing whole
+        slots.write(paths[target], {"run": self.run_id, "rank": self.rank, "world_size": self.world_size,
+                                    "step": step, "state": state}, seq=step, step=step)
+        self.copies += 1
+        self.last_seconds = time.perf_counter() - t0
+
+    def inventory(self) -> list[Copy]:
+        """The committed copies of this run on this node (any owner), newest first per owner."""
+        out = []
+        for path in sorted(self.root.glob("*-*.[01]")):
+            kind, _, rest = path.name.partition("-")
+            head = slots.header(path)
+            if head is None or kind not in (OWN, PEER):
+                continue
+            out.append(Copy(kind, int(rest.split(".")[0]), head.step, head.seq, head.checksum, str(path)))
+        return out
+
+    def find(self, ctx: DistContext, storage_step: int | None) -> Found | None:
+        """Every rank: the newest step every rank's copy is on some node for, when it is at least
+        `storage_step` (the newest snapshot on storage, None without one); each rank's state of it, read
+        here or sent by the rank of the node that holds it. None (to resume from storage) otherwise."""
+        t0 = time.perf_counter()
+        side = ctx.files
+        everyone = side.all_gather_objects((self.node, self.inventory()))
+        step, plan = _choose(everyone, self.world_size, storage_step)
+        if step is None:
+            self._drop_after(-1 if storage_step is None else storage_step)
+            return None
+        data, tier = _transfer(side, plan, self.rank)
+        state = None
+        if data is not None and slots.check(data):
+            got = slots.decode(data)
+            if got.get("run") == self.run_id and got.get("world_size") == self.world_size and \
+                    got.get("rank") == self.rank and got.get("step") == step:
+                state = got["state"]
+        fits = side.all_gather_objects(state is not None)
+        if not all(fits):
+            bad = [r for r, ok in enumerate(fits) if not ok]
+            if ctx.is_main:
+                log.warning("memory tier: the copies of step %d of rank(s) %s did not check out; resuming "
+                            "from storage", step, bad)
+            self._drop_after(-1)
+            return None
+        assert state is not None
+        self._drop_after(step)
+        return Found(step, state, tier, time.perf_counter() - t0)
+
+    def recover(self, ctx: DistContext, storage_newest: int | None,
+                storage: Callable[[DistContext], tuple[str, dict[str, Any]] | None],
+                ) -> tuple[str, dict[str, Any]] | None:
+        """Every rank: (where, this rank's share of the state) from memory when `find` agrees on a step at
+        least as new as storage's newest (`storage_newest`), else what `storage` loads."""
+        found = self.find(ctx, storage_newest)
+        if found is None:
+            return storage(ctx)
+        if ctx.is_main:
+            log.info("memory tier: resuming step %d from memory (%s) in %.2f s", found.step, found.tier,
+                     found.seconds)
+        return f"memory:step_{found.step:09d}", {**found.state, TIER: found.tier}
+
+    def _drop_after(self, step: int) -> None:
+        """Copies of steps after `step` on this node: another timeline's from now on (this run resumes at
+        `step`), never to be read."""
+        for copy in self.inventory():
+            if copy.step > step:
+                Path(copy.path).unlink(missing_ok=True)
+
+    def close(self, finished: bool) -> None:
+        """At the run's end: a finished (or stopped for good) run's copies are deleted on this node."""
+        if finished:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _choose(everyone: list[tuple[str, list[Copy]]], world_size: int,
+            storage_step: int | None) -> tuple[int | None, list[tuple[int, int, str, str]]]:
+    """The step to resume from memory (None: storage) and the plan: (owner, holder rank, path, tier) for
+    every owner. A copy on the owner's own node is read there; else the lowest rank of the holding node
+    sends it."""
+    nodes = [node for node, _ in everyone]
+    holders: dict[tuple[int, int], list[tuple[str, str]]] = {}  # (owner, step) -> [(node, path)]
+    seen: set[tuple[str, str]] = set()
+    for node, copies in everyone:
+        for c in copies:
+            if (node, c.path) in seen or c.owner >= world_size:
+                continue
+            seen.add((node, c.path))
+            holders.setdefault((c.owner, c.step), []).append((node, c.path))
+    steps = sorted({s for (_, s) in holders}, reverse=True)
+    for step in steps:
+        if storage_step is not None and step < storage_step:
+            break
+        if all((r, step) in holders for r in range(world_size)):
+            plan = []
+            for r in range(world_size):
+                at = holders[(r, step)]
+                here = [p for n, p in at if n == nodes[r]]
+                if here:
+                    plan.append((r, r, here[0], "memory"))
+                else:
+                    node, path = at[0]
+                    plan.append((r, nodes.index(node), path, "peer"))
+            return step, plan
+    return None, []
+
+
+def _transfer(side: DistContext, plan: list[tuple[int, int, str, str]],
+              rank: int) -> tuple[bytes | None, str]:
+    """This rank's copy by the plan: read from its node, or sent by its holder (point to point, every pair
+    in the plan's order on every rank)."""
+    mine = b""
+    tier = "memory"
+    for owner, holder, path, how in plan:
+        if owner == holder:
+            if owner == rank:
+                mine, tier = _read(path), how
+            continue
+        if rank == holder:
+            _send(side, _read(path) or b"", owner)
+        elif rank == owner:
+            mine, tier = _recv(side, holder), how
+    return mine or None, tier
+
+
+def _read(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError:
+        return b""
+
+
+def _send(side: DistContext, data: bytes, dst: int) -> None:
+    import torch.distributed as dist
+
+    dist.send(torch.tensor([len(data)], dtype=torch.int64), dst, group=side.group)
+    if data:
+        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, group=side.group)
+
+
+def _recv(side: DistContext, src: int) -> bytes:
+    import torch.distributed as dist
+
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, src, group=side.group)
+    if not int(size.item()):
+        return b""
+    buf = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(buf, src, group=side.group)
+    return buf.numpy().tobytes()
+
+
+def _run_id(run_dir: str, ctx: DistContext) -> str:
+    """The run's id, kept in its run directory (made at its first start): copies in memory under another id
+    are another run's, even one in a run directory of the same name."""
+    rid = None
+    if ctx.is_main:
+        path = Path(run_dir) / RUN_ID
+        try:
+            rid = path.read_text().strip()
+        except FileNotFoundError:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{RUN_ID}.{os.getpid()}")
+            tmp.write_text(secrets.token_hex(8))
+            os.replace(tmp, path)
+            rid = path.read_text().strip()
+    return ctx.files.broadcast_object(rid) or ""
+
+
+def _shortfall(memory_dir: Path, nodes: list[tuple[str, int, int]], peer: bool) -> str | None:
+    """What a node's memory directory lacks to hold its ranks' copies ((node, state bytes, free bytes) of
+    every rank), or None."""
+    copies = 4 if peer and len({n for n, _, _ in nodes}) > 1 else 2
+    for node, _, free in nodes:
+        ranks = [b for n, b, _ in nodes if n == node]
+        need = sum(ranks) * copies
+        if need > free:
+            return (f"{memory_dir} has {free / 2**20:.1f} MiB free on node {node}, and the memory tier needs "
+                    f"{need / 2**20:.1f} MiB there ({copies} copies of each of its {len(ranks)} rank(s)' "
+                    f"{max(ranks) / 2**20:.1f} MiB share of the state"
+                    f"{', 2 of them a buddy' if copies == 4 else ''})")
+    return None
