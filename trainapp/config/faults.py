@@ -43,6 +43,9 @@ class DrillSection:
     """Rank `drill.rank` raises `torch.OutOfMemoryError` after optimizer step N, as a CUDA allocation
     beyond the device's memory would: the rank records the failure with its memory, its peers follow
     it out, the launcher restarts the group."""
+    kill_in_memory_copy_at_step: Optional[int] = Field(default=None, ge=1)
+    """Rank `drill.rank` kills itself with SIGKILL halfway through writing its memory-tier copy of step N
+    (`snapshot.memory_every_steps`): the copy is torn, and the restart must not use it."""
     snapshot_write_delay_s: float = Field(default=0.0, ge=0)
     """Sleep this long inside every snapshot write, after `state.pt` and before the `meta.json` that
     completes it, so a kill can land mid-write. A sharded snapshot (`parallel.strategy=fsdp`) instead

@@ -87,7 +87,8 @@ class Drills:
 
     def __init__(self, cfg: DrillSection, rank: int, world_size: int, run_dir: str | Path,
                  heartbeat: Heartbeat):
-        step_drill = any(at is not None for at in (cfg.kill_at_step, cfg.hang_at_step, cfg.oom_at_step))
+        step_drill = any(at is not None for at in (cfg.kill_at_step, cfg.hang_at_step, cfg.oom_at_step,
+                                                   cfg.kill_in_memory_copy_at_step))
         if step_drill and cfg.rank >= world_size:
             raise ConfigError(f"drill.rank={cfg.rank}: must be < world size {world_size}")
         if cfg.slow_rank is not None and cfg.slow_rank >= world_size:
@@ -133,6 +134,15 @@ class Drills:
                                          "of memory")
         log.warning("fault drill: rank %d kills itself with SIGKILL at step %d", self.rank, step)
         os.kill(os.getpid(), signal.SIGKILL)
+
+    def in_memory_copy(self, step: int) -> None:
+        """Halfway through this rank's memory-tier copy of `step` (trainapp/snapshots/memory_slots.py): the
+        kill of `drill.kill_in_memory_copy_at_step`, once."""
+        if (self.cfg.kill_in_memory_copy_at_step == step and self.cfg.rank == self.rank
+                and self._first_time("memcopy", step)):
+            log.warning("fault drill: rank %d kills itself with SIGKILL halfway through its memory copy of "
+                        "step %d", self.rank, step)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _first_time(self, what: str, step: int) -> bool:
         """Leave the drill's marker in run.dir; False when it is there already (fired before this restart)."""

@@ -140,6 +140,8 @@ def trainer(launcher: Launcher, cfg: Config, ctx: DistContext, guard: RankGuard,
     load = snapshots.load if memory is None else functools.partial(_recover, memory, snapshots)
     parts = build(cfg, ctx, load, guard.timeline.mark, task)
     snapshots.memory = _sized(memory, ctx, parts, s.memory_peer)
+    if snapshots.memory is not None:
+        snapshots.memory.midway = drills.in_memory_copy
     drills.attach(parts)
     boundary = StepBoundary(ctx, guard.notices, snapshots.due, launcher.drains(cfg), cfg.preempt.ray_poll_s,
                             records.drain_notice)

@@ -14,6 +14,7 @@ resumed are deleted, never read.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -148,6 +149,8 @@ class MemoryTier:
         """`auto`: the probe copies' seconds."""
         self.probe_times: list[float] = []
         """`auto`: when each probe copy began (the steps' time is between them)."""
+        self.midway: Callable[[int], None] | None = None
+        """Called with the step halfway through each copy (a drill's kill, trainapp/faults/drills.py)."""
 
     @classmethod
     def from_config(cls, every: int | str, memory_dir: str, run_dir: str,
@@ -217,8 +220,10 @@ class MemoryTier:
         paths = [self._own(self.rank, k) for k in (0, 1)]
         seqs = [head.seq if head is not None else -1 for head in map(slots.header, paths)]
         target = seqs.index(min(seqs))  # the older slot, or one that holds nothing whole
+        hook = self.midway
+        midway = functools.partial(hook, step) if hook is not None else None
         slots.write(paths[target], {"run": self.run_id, "rank": self.rank, "world_size": self.world_size,
-                                    "step": step, "state": state}, seq=step, step=step)
+                                    "step": step, "state": state}, seq=step, step=step, midway=midway)
         self.copies += 1
         self.last_seconds = time.perf_counter() - t0
 

@@ -16,7 +16,7 @@ import pickle
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -86,9 +86,10 @@ def encode(state: Any) -> tuple[bytes, list[torch.Tensor], list[int]]:
     return head, tensors, offsets + [at]
 
 
-def write(path: Path, state: Any, seq: int, step: int) -> Slot:
+def write(path: Path, state: Any, seq: int, step: int, midway: Callable[[], None] | None = None) -> Slot:
     """`state` (a tree of dicts, lists and tensors, any picklable leaves) into the slot file `path`,
-    committed last: a crash at any point leaves either the old valid slot or an invalid one."""
+    committed last: a crash at any point leaves either the old valid slot or an invalid one. `midway` is
+    called with half the tensors written (a drill's kill)."""
     head, tensors, offsets = encode(state)
     size = offsets[-1]
     h = xxhash.xxh3_64()
@@ -100,7 +101,9 @@ def write(path: Path, state: Any, seq: int, step: int) -> Slot:
         with memoryview(_mapped(fd, HEADER.size + size)) as mv:
             body = mv[HEADER.size:]
             body[:len(head)] = head
-            for t, at in zip(tensors, offsets):
+            for k, (t, at) in enumerate(zip(tensors, offsets)):
+                if midway is not None and k == len(tensors) // 2:
+                    midway()
                 n = t.numel() * t.element_size()
                 if n:
                     raw = t.contiguous().reshape(-1).view(torch.uint8)

@@ -1,0 +1,203 @@
+"""The memory tier of snapshots (trainapp/snapshots/memory.py, memory_slots.py): a rank's share of the state
+in two slot files in a tmpfs, never read torn; the ranks' agreement on the step to resume and where each
+rank's copy comes from; and under torchrun, a SIGKILLed rank's run resumed from memory (one step redone at
+most, no storage read) bitwise equal to its straight twin, a kill in the middle of a copy, a memory tier
+wiped between attempts (storage resumes it, said so), a finished run's copies gone, and a memory
+directory that cannot hold the tier one line before the first step."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import FAULT_RUN, inspect, metrics, run_cmd, torchrun, torchrun2
+
+from trainapp import cli
+from trainapp.snapshots import memory_slots as slots
+from trainapp.snapshots.memory import Copy, _choose, unusable
+
+MEMORY = ["snapshot.memory_every_steps=1"]
+
+
+@pytest.fixture
+def shm(tmp_path):
+    """A memory directory of the test's own in /dev/shm (a tmpfs), removed after."""
+    import shutil
+    import tempfile
+
+    where = Path(tempfile.mkdtemp(prefix="ta-test-mem-", dir="/dev/shm"))
+    yield where
+    shutil.rmtree(where, ignore_errors=True)
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(300, 300, generator=g), "b": torch.zeros(0),
+                      "h": torch.randn(7, generator=g).to(torch.bfloat16), "n": torch.tensor(seed)},
+            "rng": {"python": (3, tuple(range(seed, seed + 5)), None), "numpy": b"\x00\x01"},
+            "progress": {"global_step": seed}}
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_equal, a, b))
+    return a == b
+
+
+def test_a_slot_reads_back_what_was_written_and_a_changed_byte_fails_its_check(shm):
+    state = _state(3)
+    slots.write(shm / "own-00000.0", state, seq=3, step=3)
+    head = slots.header(shm / "own-00000.0")
+    assert head is not None and (head.seq, head.step) == (3, 3)
+    data = slots.read_bytes(head)
+    assert data is not None and _equal(slots.decode(data), state)
+    torn = bytearray(data)
+    torn[-5] ^= 1
+    assert not slots.check(bytes(torn))
+
+
+def _writer(path_base: Path, kill_at: int) -> None:
+    """A process that writes states 1, 2, ... into two alternating slots and SIGKILLs itself halfway
+    through the write of state `kill_at`."""
+    for seq in range(1, kill_at + 1):
+        midway = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if seq == kill_at else None
+        slots.write(Path(f"{path_base}.{seq % 2}"), _state(seq), seq=seq, step=seq, midway=midway)
+
+
+@pytest.mark.parametrize("kill_at", [1, 2, 5])
+def test_a_copy_a_sigkill_interrupted_is_never_read(shm, kill_at):
+    """A real SIGKILL halfway through a slot's write: the owner's newest committed slot is the copy before
+    (none before the first), whole and checked."""
+    base = shm / "own-00000"
+    tests = Path(__file__).parent
+    code = (f"import sys; sys.path.insert(0, {str(tests)!r}); from pathlib import Path; "
+            f"from test_memory import _writer; _writer(Path({str(base)!r}), {kill_at})")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    torn = slots.header(Path(f"{base}.{kill_at % 2}"))
+    assert torn is None  # the slot being written says it is not whole
+    newest = slots.newest([Path(f"{base}.0"), Path(f"{base}.1")])
+    if kill_at == 1:
+        assert newest is None
+        return
+    assert newest is not None and newest.seq == kill_at - 1
+    data = slots.read_bytes(newest)
+    assert data is not None and _equal(slots.decode(data), _state(kill_at - 1))
+
+
+def _copies(*entries) -> list[Copy]:
+    return [Copy(kind, owner, step, step, 0, f"/{kind}-{owner}.{step}") for kind, owner, step in entries]
+
+
+def test_the_ranks_agree_on_the_newest_step_every_rank_has_somewhere():
+    a = ("A", _copies(("own", 0, 11), ("own", 0, 12), ("own", 1, 11), ("own", 1, 12)))
+    b = ("B", _copies(("own", 2, 12), ("own", 2, 11), ("peer", 0, 12), ("peer", 1, 12)))
+    c = ("B", [])
+    # Rank 3 (on node B) has no copy of 12 anywhere: 11 is not there for it either.
+    step, _ = _choose([a, a, b, c], 4, None)
+    assert step is None
+    # Three ranks: node A (ranks 0, 1), node B (rank 2) holding peers of 0 and 1.
+    step, plan = _choose([a, a, b], 3, None)
+    assert step == 12 and [(o, h, tier) for o, h, _, tier in plan] == [(0, 0, "memory"), (1, 1, "memory"),
+                                                                      (2, 2, "memory")]
+    # Node A lost its memory (a new node id, no copies): ranks 0 and 1 get theirs from node B's rank 2.
+    lost = ("A2", [])
+    step, plan = _choose([lost, lost, b], 3, None)
+    assert step == 12 and [(o, h, tier) for o, h, _, tier in plan] == [(0, 2, "peer"), (1, 2, "peer"),
+                                                                      (2, 2, "memory")]
+    # Storage holds a newer step than memory: storage resumes.
+    assert _choose([a, a, b], 3, 13)[0] is None
+    assert _choose([a, a, b], 3, 12)[0] == 12
+
+
+def test_a_memory_directory_that_cannot_hold_the_tier_is_named(tmp_path, shm):
+    assert unusable(shm, made_here=False) is None
+    assert "does not exist" in unusable(tmp_path / "nope", made_here=False)
+    assert "not a memory filesystem" in unusable(tmp_path, made_here=False)  # the disk under the tests
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 64 KiB tmpfs (root mounts it), unmounted after; skipped where it cannot be mounted."""
+    where = tmp_path / "tiny"
+    where.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    yield where
+    subprocess.run(["umount", str(where)], check=False)
+
+
+def test_a_memory_tier_that_does_not_fit_is_one_line_before_the_first_step(capsys, tmp_path, small_tmpfs):
+    run = tmp_path / "run"
+    code = cli.main(["train", f"run.dir={run}", "train.max_steps=3", "train.progress=false", *MEMORY,
+                     f"snapshot.memory_dir={small_tmpfs}", "data.train_size=256", "data.val_size=64"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("trainapp train: error: ")]
+    assert code == 2 and len(lines) == 1, err[-3000:]
+    assert f"snapshot.memory_every_steps=1: {small_tmpfs} has 0.1 MiB free on node" in lines[0], lines[0]
+    assert "docker run --shm-size" in lines[0] and "Traceback" not in err
+    assert not list(run.glob("snapshots/step_*"))
+    # auto: the same directory turns the tier off, with one warning line, and the run trains.
+    code = cli.main(["train", f"run.dir={tmp_path / 'auto'}", "train.max_steps=3", "train.progress=false",
+                     "snapshot.memory_every_steps=auto", f"snapshot.memory_dir={small_tmpfs}",
+                     "data.train_size=256", "data.val_size=64"])
+    err = capsys.readouterr().err
+    assert code == 0 and "snapshot.memory_every_steps=auto: the memory tier is off:" in err, err[-3000:]
+
+
+@pytest.mark.slow
+def test_a_sigkilled_rank_resumes_from_memory_bitwise_its_straight_twin(tmp_path, torchrun_straight, shm):
+    """FAULT_RUN (snapshots on storage every 5 steps) with a memory copy every step: rank 1 SIGKILLed right
+    after step 13 (before its copy), the group restarted by torchrun resumes step 12 from memory (one step
+    redone), not the storage snapshot of step 10; the final parameters equal the run nobody killed. The
+    finished run leaves no copy in the memory directory."""
+    run = tmp_path / "run"
+    r = run_cmd(torchrun2(run, *FAULT_RUN, *MEMORY, f"snapshot.memory_dir={shm}", "drill.kill_at_step=13",
+                          "drill.rank=1"), timeout=600)
+    assert r.returncode == 0, r.output[-3000:]
+    starts = metrics(run, "start")
+    assert [(s["resumed_step"], s["resumed_tier"]) for s in starts] == [(None, None), (12, "memory")], starts
+    assert inspect(run)["params_sha256"] == inspect(torchrun_straight)["params_sha256"]
+    assert sorted(p.name for p in shm.iterdir()) == ["node-id"]
+
+
+@pytest.mark.slow
+def test_a_kill_in_the_middle_of_a_copy_resumes_from_the_copy_before(tmp_path, torchrun_straight, shm):
+    run = tmp_path / "run"
+    r = run_cmd(torchrun2(run, *FAULT_RUN, *MEMORY, f"snapshot.memory_dir={shm}",
+                          "drill.kill_in_memory_copy_at_step=13", "drill.rank=1"), timeout=600)
+    assert r.returncode == 0, r.output[-3000:]
+    assert "kills itself with SIGKILL halfway through its memory copy of step 13" in r.output
+    starts = metrics(run, "start")
+    assert [(s["resumed_step"], s["resumed_tier"]) for s in starts] == [(None, None), (12, "memory")], starts
+    assert inspect(run)["params_sha256"] == inspect(torchrun_straight)["params_sha256"]
+
+
+@pytest.mark.slow
+def test_a_memory_tier_wiped_between_attempts_falls_back_to_storage(tmp_path, torchrun_straight, shm):
+    run = tmp_path / "run"
+    args = [*FAULT_RUN, *MEMORY, f"snapshot.memory_dir={shm}"]
+    r = torchrun(2, f"run.dir={run}", *args, "drill.kill_at_step=13", "drill.rank=1")
+    assert r.returncode != 0
+    assert any(p.name.startswith("run-") for p in shm.iterdir())
+    for p in shm.iterdir():  # the node's memory lost (a reboot), its disk kept
+        if p.is_dir():
+            import shutil
+
+            shutil.rmtree(p)
+    r = torchrun(2, f"run.dir={run}", *args, "drill.kill_at_step=13", "drill.rank=1")
+    assert r.returncode == 0, r.output[-3000:]
+    starts = metrics(run, "start")
+    assert [(s["resumed_step"], s["resumed_tier"]) for s in starts] == [(None, None), (10, "storage")], starts
+    assert inspect(run)["params_sha256"] == inspect(torchrun_straight)["params_sha256"]
