@@ -12,8 +12,10 @@ a failed test.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import uuid
 from dataclasses import dataclass
@@ -47,10 +49,28 @@ class Host:
     train_ip: str
     decoy_ip: str
 
-    def prefix(self) -> list[str]:
-        """Run a command on this host: its network namespace and its own host name."""
-        return ["ip", "netns", "exec", self.ns, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
-                self.hostname]
+    def prefix(self, memory: str = "") -> list[str]:
+        """Run a command on this host: its network namespace and its own host name; with `memory` (a tmpfs
+        size such as 256m), its own /dev/shm too, in a mount namespace of the command's: the host's memory,
+        gone with the last of the command's processes, as a lost node's is (and an /etc/hosts that names
+        both hosts, which torchrun's c10d rendezvous resolves)."""
+        if not memory:
+            return ["ip", "netns", "exec", self.ns, "unshare", "--uts", "sh", "-c",
+                    'hostname "$0" && exec "$@"', self.hostname]
+        names = f"127.0.0.1 localhost\n{TRAIN_NET}.1 host-a\n{TRAIN_NET}.2 host-b\n"
+        setup = (f'hostname "$0" && mount -t tmpfs -o size={memory} tmpfs /dev/shm && '
+                 f"printf '{names}' > /dev/shm/.hosts && mount --bind /dev/shm/.hosts /etc/hosts && "
+                 'exec "$@"')
+        return ["ip", "netns", "exec", self.ns, "unshare", "--uts", "--mount", "--propagation", "private",
+                "sh", "-c", setup, self.hostname]
+
+    def kill_all(self) -> int:
+        """SIGKILL every process on this host (in its network namespace), as a lost node: how many."""
+        pids = [int(p) for p in _ip("netns", "pids", self.ns, check=False).stdout.split()]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return len(pids)
 
     def bytes(self, dev: str) -> int:
         """Bytes received plus sent on `dev` so far."""

@@ -11,15 +11,19 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import netns
 import pytest
 import torch
-from helpers import FAULT_RUN, inspect, metrics, run_cmd, torchrun, torchrun2
+from helpers import (FAULT_RUN, REPO, TORCHRUN, inspect, metrics, run_cmd, torchrun, torchrun2,
+                     wait_for_record)
 
 from trainapp import cli
 from trainapp.snapshots import memory_slots as slots
 from trainapp.snapshots.memory import Copy, _choose, unusable
+from trainapp.tools.local_ray import free_port
 
 MEMORY = ["snapshot.memory_every_steps=1"]
 
@@ -201,3 +205,54 @@ def test_a_memory_tier_wiped_between_attempts_falls_back_to_storage(tmp_path, to
     starts = metrics(run, "start")
     assert [(s["resumed_step"], s["resumed_tier"]) for s in starts] == [(None, None), (10, "storage")], starts
     assert inspect(run)["params_sha256"] == inspect(torchrun_straight)["params_sha256"]
+
+
+def _host_agent(host, port: int, run_dir: Path, log: Path, *args: str) -> subprocess.Popen:
+    """One torchrun agent on `host` (its own network namespace and its own /dev/shm): a node of a 2-node
+    job whose rendezvous is on host-a."""
+    cmd = [TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint={netns.TRAIN_NET}.1:{port}", "--rdzv-id=memory",
+           "--rdzv-conf=last_call_timeout=2",
+           "--max-restarts=3", "-m", "trainapp", "train", f"run.dir={run_dir}", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    out = open(log, "ab")  # noqa: SIM115 (the child writes it; closed when the test ends)
+    return subprocess.Popen(host.prefix(memory="256m") + cmd, cwd=REPO, env=env, stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@pytest.mark.slow
+def test_a_lost_node_resumes_from_its_buddys_copy_bitwise(tmp_path, torchrun_straight):
+    """Two hosts (network namespaces, each with its own /dev/shm), one rank each, a memory copy every step
+    sent to the buddy on the other host, no storage snapshot before the end: host-b's processes SIGKILLed
+    (its /dev/shm goes with them, as a lost node's memory), then host-b back with empty memory. The group
+    resumes from the newest step in memory, host-b's rank from host-a's copy of it (`peer`), and ends
+    bitwise equal to the run nobody killed."""
+    why = netns.unavailable()
+    if why:
+        pytest.skip(why)
+    hosts = netns.TwoHosts().up()
+    agents: list[subprocess.Popen] = []
+    try:
+        run, port = tmp_path / "run", free_port()
+        args = [*FAULT_RUN, "snapshot.every_steps=100", *MEMORY, "network.interface=trn0",
+                "drill.slow_rank=0", "drill.slow_ms=250"]
+        agents.append(_host_agent(hosts.a, port, run, tmp_path / "a.log", *args))
+        time.sleep(3)  # host-a's agent holds the rendezvous store (a stable node's, as in a cluster)
+        agents.append(_host_agent(hosts.b, port, run, tmp_path / "b.log", *args))
+        wait_for_record(run, "train", lambda r: r["step"] >= 8)
+        assert hosts.b.kill_all() >= 2  # host-b lost: its agent, its rank and with them its memory
+        agents[1].wait(timeout=60)
+        agents.append(_host_agent(hosts.b, port, run, tmp_path / "b2.log", *args))
+        assert agents[0].wait(timeout=300) == 0, (tmp_path / "a.log").read_text()[-3000:]
+        assert agents[2].wait(timeout=60) == 0, (tmp_path / "b2.log").read_text()[-3000:]
+        starts = metrics(run, "start")
+        assert len(starts) == 2 and starts[1]["resumed_tier"] == "peer", starts
+        assert sorted(starts[1]["resumed_tiers"]) == ["memory", "peer"], starts[1]
+        assert starts[1]["resumed_step"] >= 8 and starts[1]["world_size"] == 2, starts[1]
+        # Only the final snapshot on storage: there was nothing to read there.
+        assert [p.name for p in (run / "snapshots").glob("step_*")] == ["step_000000024"]
+        assert inspect(run)["params_sha256"] == inspect(torchrun_straight)["params_sha256"]
+    finally:
+        for host in (hosts.a, hosts.b):
+            host.kill_all()
+        hosts.down()

@@ -26,7 +26,7 @@ from trainapp.core.layout import Layout
 from trainapp.core.state import RngState, TrainState
 from trainapp.core.stream import StreamBatches
 from trainapp.core.task import BoundTask, bind
-from trainapp.snapshots.memory import TIER
+from trainapp.snapshots.memory import TIER, TIERS
 from trainapp.streams.api import is_stream
 from trainapp.weights import init as weights_init
 
@@ -57,8 +57,10 @@ class Parts:
     peak_lr: float
     resumed_from: str | None
     resumed_tier: str | None
-    """Where the resumed state came from: `memory` (this node's), `peer` (another node's), `storage`; None
-    for a fresh start."""
+    """Where the resumed state came from: `memory` (each rank's own node), `peer` (some rank's from another
+    node's memory), `storage`; None for a fresh start."""
+    resumed_tiers: list[str] | None
+    """From memory: where each rank's state came from (`memory` or `peer`), in rank order."""
     config_changes: dict[str, list[Any]]
     """Each key whose value differs from the resumed snapshot's config: [there, here]."""
     init: dict[str, Any] | None = None
@@ -120,7 +122,8 @@ def build(cfg: Config, ctx: DistContext,
                  schedule=opt.schedule, ema=opt.ema, progress=progress, state=state,
                  total_steps=opt.schedule.total_steps, peak_lr=opt.schedule.peak_lr,
                  resumed_from=found[0] if found else None,
-                 resumed_tier=found[1].get(TIER, "storage") if found else None, config_changes=diff,
+                 resumed_tier=found[1].get(TIER, "storage") if found else None,
+                 resumed_tiers=found[1].get(TIERS) if found else None, config_changes=diff,
                  init=init, kernels=chosen)
 
 

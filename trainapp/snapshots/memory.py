@@ -29,6 +29,7 @@ import torch
 
 from trainapp.errors import ConfigError
 from trainapp.snapshots import memory_slots as slots
+from trainapp.snapshots.memory_peer import PeerLink
 
 if TYPE_CHECKING:
     from trainapp.group import DistContext
@@ -38,8 +39,9 @@ log = logging.getLogger(__name__)
 NODE_ID = "node-id"
 RUN_ID = "memory-id"
 OWN, PEER = "own", "peer"
-TIER = "__tier__"
-"""The key of a resumed state that says which tier it came from: memory, peer (or none: storage)."""
+TIER, TIERS = "__tier__", "__tiers__"
+"""The keys of a resumed state that say which tier it came from (memory, peer; none: storage), the run's
+and each rank's."""
 
 
 @dataclass(frozen=True)
@@ -60,9 +62,14 @@ class Found:
 
     step: int
     state: dict[str, Any]
-    tier: str
-    """`memory` (this node's copy) or `peer` (another node's)."""
+    tiers: list[str]
+    """Where each rank's copy came from: `memory` (its node's) or `peer` (another node's)."""
     seconds: float
+
+    @property
+    def tier(self) -> str:
+        """The run's: `peer` when some rank's copy came from another node, else `memory`."""
+        return "peer" if "peer" in self.tiers else "memory"
 
 
 def node_id(memory_dir: Path) -> str:
@@ -149,6 +156,8 @@ class MemoryTier:
         """`auto`: the probe copies' seconds."""
         self.probe_times: list[float] = []
         """`auto`: when each probe copy began (the steps' time is between them)."""
+        self.link: PeerLink | None = None
+        """The buddy copies' threads (`snapshot.memory_peer` on several nodes), once `sized` started them."""
         self.midway: Callable[[int], None] | None = None
         """Called with the step halfway through each copy (a drill's kill, trainapp/faults/drills.py)."""
 
@@ -178,6 +187,7 @@ class MemoryTier:
         nodes = ctx.files.all_gather_objects((self.node, state_bytes, free_bytes(self.memory_dir)))
         short = _shortfall(self.memory_dir, nodes, peer)
         if short is None:
+            self.link = PeerLink.start(ctx, self.root, [n for n, _, _ in nodes]) if peer else None
             return self
         fix = ("give it more memory (docker run --shm-size, a Kubernetes emptyDir with medium: Memory and a "
                "sizeLimit) or set snapshot.memory_dir to a larger tmpfs")
@@ -222,8 +232,11 @@ class MemoryTier:
         target = seqs.index(min(seqs))  # the older slot, or one that holds nothing whole
         hook = self.midway
         midway = functools.partial(hook, step) if hook is not None else None
-        slots.write(paths[target], {"run": self.run_id, "rank": self.rank, "world_size": self.world_size,
-                                    "step": step, "state": state}, seq=step, step=step, midway=midway)
+        copy = {"run": self.run_id, "rank": self.rank, "world_size": self.world_size, "step": step,
+                "state": state}
+        slot = slots.write(paths[target], copy, seq=step, step=step, midway=midway)
+        if self.link is not None:
+            self.link.send(slot)  # to the buddy, in the background
         self.copies += 1
         self.last_seconds = time.perf_counter() - t0
 
@@ -249,7 +262,7 @@ class MemoryTier:
         if step is None:
             self._drop_after(-1 if storage_step is None else storage_step)
             return None
-        data, tier = _transfer(side, plan, self.rank)
+        data = _transfer(side, plan, self.rank)
         state = None
         if data is not None and slots.check(data):
             got = slots.decode(data)
@@ -266,7 +279,7 @@ class MemoryTier:
             return None
         assert state is not None
         self._drop_after(step)
-        return Found(step, state, tier, time.perf_counter() - t0)
+        return Found(step, state, [how for _, _, _, how in plan], time.perf_counter() - t0)
 
     def recover(self, ctx: DistContext, storage_newest: int | None,
                 storage: Callable[[DistContext], tuple[str, dict[str, Any]] | None],
@@ -279,7 +292,7 @@ class MemoryTier:
         if ctx.is_main:
             log.info("memory tier: resuming step %d from memory (%s) in %.2f s", found.step, found.tier,
                      found.seconds)
-        return f"memory:step_{found.step:09d}", {**found.state, TIER: found.tier}
+        return f"memory:step_{found.step:09d}", {**found.state, TIER: found.tier, TIERS: found.tiers}
 
     def _drop_after(self, step: int) -> None:
         """Copies of steps after `step` on this node: another timeline's from now on (this run resumes at
@@ -290,6 +303,8 @@ class MemoryTier:
 
     def close(self, finished: bool) -> None:
         """At the run's end: a finished (or stopped for good) run's copies are deleted on this node."""
+        if self.link is not None:
+            self.link.close()
         if finished:
             shutil.rmtree(self.root, ignore_errors=True)
 
@@ -326,22 +341,20 @@ def _choose(everyone: list[tuple[str, list[Copy]]], world_size: int,
     return None, []
 
 
-def _transfer(side: DistContext, plan: list[tuple[int, int, str, str]],
-              rank: int) -> tuple[bytes | None, str]:
+def _transfer(side: DistContext, plan: list[tuple[int, int, str, str]], rank: int) -> bytes | None:
     """This rank's copy by the plan: read from its node, or sent by its holder (point to point, every pair
     in the plan's order on every rank)."""
     mine = b""
-    tier = "memory"
-    for owner, holder, path, how in plan:
+    for owner, holder, path, _ in plan:
         if owner == holder:
             if owner == rank:
-                mine, tier = _read(path), how
+                mine = _read(path)
             continue
         if rank == holder:
             _send(side, _read(path) or b"", owner)
         elif rank == owner:
-            mine, tier = _recv(side, holder), how
-    return mine or None, tier
+            mine = _recv(side, holder)
+    return mine or None
 
 
 def _read(path: str) -> bytes:
