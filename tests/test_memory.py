@@ -17,7 +17,7 @@ from pathlib import Path
 import netns
 import pytest
 import torch
-from helpers import (FAULT_RUN, REPO, TORCHRUN, inspect, metrics, run_cmd, torchrun, torchrun2,
+from helpers import (FAULT_RUN, FSDP_RUN, REPO, TORCHRUN, inspect, metrics, run_cmd, torchrun, torchrun2,
                      wait_for_record)
 
 from trainapp import cli
@@ -256,3 +256,28 @@ def test_a_lost_node_resumes_from_its_buddys_copy_bitwise(tmp_path, torchrun_str
         for host in (hosts.a, hosts.b):
             host.kill_all()
         hosts.down()
+
+
+@pytest.mark.slow
+def test_fsdp_shards_resume_from_memory_and_another_world_size_from_storage(tmp_path, fsdp_straight, shm):
+    """FSDP (every rank's shards of the model, optimizer and EMA in its memory copy): rank 1 SIGKILLed after
+    step 13, resumed from memory at step 12 to the parameters of the FSDP run nobody killed (the copies
+    every step change nothing: sizing the tier before the first step makes no optimizer state, which
+    DCP would make by an optimizer step). The same run's copies at another world size (one process
+    resuming it) are not used: storage resumes it, and the start record says why."""
+    run = tmp_path / "run"
+    args = [*FSDP_RUN, *MEMORY, f"snapshot.memory_dir={shm}"]
+    r = run_cmd(torchrun2(run, *args, "drill.kill_at_step=13", "drill.rank=1"), timeout=600)
+    assert r.returncode == 0, r.output[-3000:]
+    starts = metrics(run, "start")
+    assert [(s["resumed_step"], s["resumed_tier"]) for s in starts] == [(None, None), (12, "memory")], starts
+    assert inspect(run)["params_sha256"] == inspect(fsdp_straight)["params_sha256"]
+    # At another world size: 2 ranks stopped at step 17 (copies in memory), 1 process resumes.
+    resized = tmp_path / "resized"
+    r = torchrun(2, f"run.dir={resized}", *args, "drill.kill_at_step=17", "drill.rank=1")
+    assert r.returncode != 0
+    r = torchrun(1, f"run.dir={resized}", *args)
+    assert r.returncode == 0, r.output[-3000:]
+    start = metrics(resized, "start")[-1]
+    assert (start["resumed_step"], start["resumed_tier"], start["world_size"]) == (15, "storage", 1), start
+    assert "is of world size 2, this run's is 1" in start["resumed_note"], start

@@ -159,6 +159,37 @@ def test_sigkilled_ray_worker_costs_at_most_one_snapshot_interval(cluster):
             < starts[1]["time"])
 
 
+@pytest.mark.e2e
+def test_a_sigkilled_ray_worker_resumes_from_memory_redoing_at_most_one_step(cluster, tmp_path):
+    """The memory tier under Ray Train: a copy every step in a memory directory of the test's own (the
+    worker nodes share this machine's), storage snapshots every 50 steps; a worker SIGKILLed after step 12.
+    Ray Train restarts the group, whose workers resume the newest step in memory (one step redone, none
+    read from storage), to torchrun's parameters. The finished run leaves no copy there."""
+    run_dir = cluster.storage / "memory"
+    memory = Path(tempfile.mkdtemp(prefix="ta-test-mem-", dir="/dev/shm"))
+    args = [*LONG, "snapshot.every_steps=50", "snapshot.memory_every_steps=1",
+            f"snapshot.memory_dir={memory}"]
+    proc = submit_background(cluster, "memory", *args)
+    try:
+        wait_for_step(run_dir, 12)
+        os.kill(ray_worker_pids(cluster)[-1], signal.SIGKILL)
+    finally:
+        rc, out = finish(proc)
+    try:
+        assert rc == 0, out[-4000:]
+        before, resumed = _redone(run_dir)
+        assert before - resumed <= 1, (before, resumed)
+        start = metrics(run_dir, "start")[1]
+        assert start["resumed_tier"] == "memory" and start["resumed_from"].startswith("memory:"), start
+        straight = tmp_path / "torchrun"
+        r = torchrun(2, f"run.dir={straight}", *LONG)
+        assert r.returncode == 0, r.output[-3000:]
+        assert inspect(run_dir)["params_sha256"] == inspect(straight)["params_sha256"]
+        assert sorted(p.name for p in memory.iterdir()) == ["node-id"]
+    finally:
+        shutil.rmtree(memory, ignore_errors=True)
+
+
 def _steps_on(storage: Path) -> list[int]:
     return [step_of(p.name) for p in list_snapshots(storage)]
 

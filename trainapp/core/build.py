@@ -26,7 +26,7 @@ from trainapp.core.layout import Layout
 from trainapp.core.state import RngState, TrainState
 from trainapp.core.stream import StreamBatches
 from trainapp.core.task import BoundTask, bind
-from trainapp.snapshots.memory import TIER, TIERS
+from trainapp.snapshots.memory import TIER, TIER_NOTE, TIERS
 from trainapp.streams.api import is_stream
 from trainapp.weights import init as weights_init
 
@@ -61,6 +61,8 @@ class Parts:
     node's memory), `storage`; None for a fresh start."""
     resumed_tiers: list[str] | None
     """From memory: where each rank's state came from (`memory` or `peer`), in rank order."""
+    resumed_note: str | None
+    """Why copies in memory did not resume the run (another world size), when there were some."""
     config_changes: dict[str, list[Any]]
     """Each key whose value differs from the resumed snapshot's config: [there, here]."""
     init: dict[str, Any] | None = None
@@ -123,7 +125,8 @@ def build(cfg: Config, ctx: DistContext,
                  total_steps=opt.schedule.total_steps, peak_lr=opt.schedule.peak_lr,
                  resumed_from=found[0] if found else None,
                  resumed_tier=found[1].get(TIER, "storage") if found else None,
-                 resumed_tiers=found[1].get(TIERS) if found else None, config_changes=diff,
+                 resumed_tiers=found[1].get(TIERS) if found else None,
+                 resumed_note=found[1].get(TIER_NOTE) if found else None, config_changes=diff,
                  init=init, kernels=chosen)
 
 

@@ -64,6 +64,23 @@ class ShardedState:
         model, optim = get_state_dict(self.model, self.optimizer)
         return {"model": model, "optimizer": optim}
 
+    def own_state_dict(self) -> dict[str, Any]:
+        """This rank's shards as plain tensors (the memory tier's copy): each DTensor's local part."""
+        return _local(self.state_dict())
+
+    def load_own(self, own: dict[str, Any]) -> None:
+        """This rank's shards back from `own_state_dict`, at the world size and sharding they were taken at
+        (the memory tier checks the world size): copied into the live state's local parts, then set."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        live = self.state_dict()
+        _copy_into(live, own, "")
+        if self.optimizer is None:
+            set_model_state_dict(self.model, live["model"])
+        else:
+            set_state_dict(self.model, self.optimizer, model_state_dict=live["model"],
+                           optim_state_dict=live["optimizer"])
+
     def load_from(self, path: Path, name: str) -> None:
         """Every rank: load this part, saved as `name` among the snapshot's shards at `path`."""
         import torch.distributed.checkpoint as dcp
@@ -76,6 +93,53 @@ class ShardedState:
         else:
             set_state_dict(self.model, self.optimizer, model_state_dict=state[name]["model"],
                            optim_state_dict=state[name]["optimizer"])
+
+
+def _bytes(obj: Any) -> int:
+    if isinstance(obj, dict):
+        return sum(_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_bytes(v) for v in obj)
+    if isinstance(obj, torch.Tensor):
+        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        return local.numel() * local.element_size()
+    return 0
+
+
+def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """An optimizer's state bytes on this rank; twice its parameters' before it has any."""
+    if optimizer.state:
+        return _bytes(list(optimizer.state.values()))
+    return 2 * _bytes([p for group in optimizer.param_groups for p in group["params"]])
+
+
+def _local(obj: Any) -> Any:
+    """`obj` with every DTensor replaced by its local part (a plain tensor)."""
+    if isinstance(obj, dict):
+        return {k: _local(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_local(v) for v in obj)
+    return obj.to_local() if hasattr(obj, "to_local") else obj
+
+
+def _copy_into(live: Any, own: Any, where: str) -> Any:
+    """`own`'s values (`_local`'s) into the live state `live`, in place where it holds tensors."""
+    if isinstance(live, dict):
+        if set(live) != set(own):
+            raise ValueError(f"the memory copy's {where or 'state'} has other entries than this run's")
+        for k in live:
+            live[k] = _copy_into(live[k], own[k], f"{where}.{k}" if where else str(k))
+        return live
+    if isinstance(live, (list, tuple)):
+        return type(live)(_copy_into(a, b, f"{where}[{i}]") for i, (a, b) in enumerate(zip(live, own)))
+    if isinstance(live, torch.Tensor):
+        local = live.to_local() if hasattr(live, "to_local") else live
+        if local.shape != own.shape:
+            raise ValueError(f"the memory copy's {where} has shape {tuple(own.shape)}, this rank's shard "
+                             f"{tuple(local.shape)}")
+        local.copy_(own)
+        return live
+    return own
 
 
 class TrainState:
@@ -108,17 +172,28 @@ class TrainState:
         for name, part in self.parts.items():
             if part is None:
                 out[name] = None
-            elif getattr(part, "sharded", False):
-                raise ValueError(f"{name} is sharded: the memory tier does not hold shards yet")
-            elif getattr(part, "collective", False):
+            elif getattr(part, "collective", False) or getattr(part, "sharded", False):
                 out[name] = cast(Any, part).own_state_dict()
             else:
                 out[name] = part.state_dict()
         return {**out, **self.records}
 
-    @property
-    def sharded(self) -> bool:
-        return any(getattr(p, "sharded", False) for p in self.parts.values() if p is not None)
+    def own_bytes(self) -> int:
+        """About the bytes of `own_state_dict`'s tensors, made without touching the state (before the first
+        step an optimizer has no state, and asking DCP for an FSDP optimizer's would make it by an optimizer
+        step, with lr 0 but weight decay in SGD's momentum): what exists, and twice the parameters for an
+        optimizer without state yet (Adam's two moments; SGD's momentum is one)."""
+        total = 0
+        for part in self.parts.values():
+            if isinstance(part, torch.optim.Optimizer):
+                total += _optimizer_bytes(part)
+            elif isinstance(part, ShardedState):
+                total += _bytes(_local(part.model.state_dict()))
+                total += _optimizer_bytes(part.optimizer) if part.optimizer is not None else 0
+            elif part is not None:
+                total += _bytes(cast(Any, part).own_state_dict() if getattr(part, "collective", False)
+                                else part.state_dict())
+        return total
 
     def shards(self) -> dict[str, Any] | None:
         """Every rank: this rank's shard of every sharded part (DCP's state dict), None without one."""
@@ -147,6 +222,9 @@ class TrainState:
                 continue
             if state.get(name) is None:
                 raise ValueError(f"the snapshot has no {name} state")
+            if state.get(MEMORY) and getattr(part, "sharded", False):
+                cast(ShardedState, part).load_own(state[name])  # this rank's shards, as they were
+                continue
             sharded = isinstance(state[name], str) and state[name] == SHARDED
             if getattr(part, "sharded", False) != sharded:
                 raise ValueError(f"its {name} state is {'sharded' if sharded else 'whole'}, this run's is "

@@ -13,7 +13,6 @@ parts, watches the rank and trains. torchrun, Slurm (through torchrun) and a pla
 from __future__ import annotations
 
 import functools
-import logging
 from typing import TYPE_CHECKING, Any
 
 from trainapp.config import Config
@@ -29,15 +28,12 @@ from trainapp.observe import logs
 from trainapp.observe.live import LiveMetrics
 from trainapp.observe.records import Records
 from trainapp.snapshots.lease import RunLease
-from trainapp.snapshots.files import local_bytes
 from trainapp.snapshots.manager import SnapshotManager
 from trainapp.snapshots.memory import MemoryTier
 from trainapp.snapshots.publish import Publish
 
 if TYPE_CHECKING:
     from torch.distributed import Store
-
-log = logging.getLogger(__name__)
 
 
 class Launcher:
@@ -158,13 +154,7 @@ def _recover(memory: MemoryTier, snapshots: SnapshotManager,
 
 
 def _sized(memory: MemoryTier | None, ctx: DistContext, parts: Parts, peer: bool) -> MemoryTier | None:
-    """The memory tier once the state's size is known (None: off: it does not fit, or the state is sharded,
-    which it does not hold yet)."""
+    """The memory tier once the state's size is known (None: off, it does not fit)."""
     if memory is None:
         return None
-    if parts.state.sharded:
-        if ctx.is_main:
-            log.warning("snapshot.memory_every_steps: the memory tier does not hold FSDP shards yet; storage "
-                        "snapshots resume this run")
-        return None
-    return memory.sized(ctx, local_bytes(parts.state.own_state_dict()), peer)
+    return memory.sized(ctx, parts.state.own_bytes(), peer)

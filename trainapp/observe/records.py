@@ -86,6 +86,8 @@ class _Parts(Protocol):
     @property
     def resumed_tiers(self) -> list[str] | None: ...
     @property
+    def resumed_note(self) -> str | None: ...
+    @property
     def config_changes(self) -> dict[str, list[Any]]: ...
     @property
     def init(self) -> dict[str, Any] | None: ...
@@ -147,7 +149,7 @@ class Records:
                            threads=torch.get_num_threads(), interop_threads=torch.get_num_interop_threads(),
                            restart=restart, resumed_from=parts.resumed_from,
                            resumed_step=resumed.get("global_step"), resumed_tier=parts.resumed_tier,
-                           resumed_tiers=parts.resumed_tiers,
+                           resumed_tiers=parts.resumed_tiers, resumed_note=parts.resumed_note,
                            resumed_world_size=resumed.get("world_size"), network=network, placement=placed,
                            startup=startup, lease=self.lease, config_changes=parts.config_changes,
                            init=parts.init, launcher=self.launcher, config=cfg.to_dict())

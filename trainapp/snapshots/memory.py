@@ -39,9 +39,9 @@ log = logging.getLogger(__name__)
 NODE_ID = "node-id"
 RUN_ID = "memory-id"
 OWN, PEER = "own", "peer"
-TIER, TIERS = "__tier__", "__tiers__"
+TIER, TIERS, TIER_NOTE = "__tier__", "__tiers__", "__tier_note__"
 """The keys of a resumed state that say which tier it came from (memory, peer; none: storage), the run's
-and each rank's."""
+and each rank's, and why copies in memory were not used."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,8 @@ class MemoryTier:
         """`auto`: the probe copies' seconds."""
         self.probe_times: list[float] = []
         """`auto`: when each probe copy began (the steps' time is between them)."""
+        self.note: str | None = None
+        """Why the last restart did not resume from memory, when it had copies it could not use."""
         self.link: PeerLink | None = None
         """The buddy copies' threads (`snapshot.memory_peer` on several nodes), once `sized` started them."""
         self.midway: Callable[[int], None] | None = None
@@ -262,24 +264,29 @@ class MemoryTier:
         if step is None:
             self._drop_after(-1 if storage_step is None else storage_step)
             return None
-        data = _transfer(side, plan, self.rank)
-        state = None
-        if data is not None and slots.check(data):
-            got = slots.decode(data)
-            if got.get("run") == self.run_id and got.get("world_size") == self.world_size and \
-                    got.get("rank") == self.rank and got.get("step") == step:
-                state = got["state"]
-        fits = side.all_gather_objects(state is not None)
-        if not all(fits):
-            bad = [r for r, ok in enumerate(fits) if not ok]
+        state, why = self._check(_transfer(side, plan, self.rank), step)
+        reasons = side.all_gather_objects(why)
+        if any(reasons):
+            self.note = next(f"rank {r}'s copy of step {step} {w}" for r, w in enumerate(reasons) if w)
             if ctx.is_main:
-                log.warning("memory tier: the copies of step %d of rank(s) %s did not check out; resuming "
-                            "from storage", step, bad)
+                log.warning("memory tier: %s; resuming from storage", self.note)
             self._drop_after(-1)
             return None
         assert state is not None
         self._drop_after(step)
         return Found(step, state, [how for _, _, _, how in plan], time.perf_counter() - t0)
+
+    def _check(self, data: bytes | None, step: int) -> tuple[dict[str, Any] | None, str | None]:
+        """(this rank's state, None), or (None, why the copy cannot resume this run)."""
+        if data is None or not slots.check(data):
+            return None, "was not whole"
+        got = slots.decode(data)
+        if got.get("world_size") != self.world_size:
+            return None, (f"is of world size {got.get('world_size')}, this run's is {self.world_size} (a "
+                          "resize: storage resumes it)")
+        if (got.get("run"), got.get("rank"), got.get("step")) != (self.run_id, self.rank, step):
+            return None, "is another run's or rank's"
+        return got["state"], None
 
     def recover(self, ctx: DistContext, storage_newest: int | None,
                 storage: Callable[[DistContext], tuple[str, dict[str, Any]] | None],
@@ -288,7 +295,8 @@ class MemoryTier:
         least as new as storage's newest (`storage_newest`), else what `storage` loads."""
         found = self.find(ctx, storage_newest)
         if found is None:
-            return storage(ctx)
+            hit = storage(ctx)
+            return (hit[0], {**hit[1], TIER_NOTE: self.note}) if hit is not None and self.note else hit
         if ctx.is_main:
             log.info("memory tier: resuming step %d from memory (%s) in %.2f s", found.step, found.tier,
                      found.seconds)

@@ -224,18 +224,31 @@ class RayPublish(Publish):
         return sorted((step, i.path) for i in infos
                       if i.type == FileType.Directory and (step := step_of(i.base_name)) is not None)
 
+    def _take_unknown(self, listed: list[tuple[int, str]]) -> None:
+        """Rank 0: the snapshots newer than Ray's newest, taken as unknown to Ray (a run killed between
+        reports left them)."""
+        import ray.train
+
+        known = ray.train.get_checkpoint()
+        newest_known = step_of(Path(known.path).name) if known is not None else -1
+        if newest_known is not None:  # a checkpoint trainapp did not name: take nothing for unknown
+            self.unknown = [(step, where) for step, where in listed if step > newest_known]
+
+    def newest_step(self, ctx: DistContext) -> int | None:
+        """The newest snapshot's step on storage, as listed (the memory tier resumes a step at least this
+        new without reading it); rank 0 takes those Ray does not know, as `find` does."""
+        listed = self._listed() if ctx.is_main else []
+        if ctx.is_main:
+            self._take_unknown(listed)
+        return ctx.files.broadcast_object(max((step for step, _ in listed), default=None))
+
     def find(self, ctx: DistContext) -> tuple[str, dict[str, Any]] | None:
         """The newest valid snapshot on storage (rank 0 chooses, every rank loads it). Rank 0 also takes
         the snapshots newer than Ray's newest as unknown to Ray: a run killed between reports left them."""
-        import ray.train
-
         listed: list[tuple[int, str]] = []
         if ctx.is_main:
             listed = self._listed()
-            known = ray.train.get_checkpoint()
-            newest_known = step_of(Path(known.path).name) if known is not None else -1
-            if newest_known is not None:  # a checkpoint trainapp did not name: take nothing for unknown
-                self.unknown = [(step, where) for step, where in listed if step > newest_known]
+            self._take_unknown(listed)
         if self.uri is None:
             return find_shared(ctx, self.root, [Path(where) for _, where in listed])
         return find_shared(ctx, self.where, [where for _, where in listed], local=self._download,
