@@ -174,6 +174,9 @@ def test_a_sigkilled_rank_resumes_from_memory_bitwise_its_straight_twin(tmp_path
     assert [(s["resumed_step"], s["resumed_tier"]) for s in starts] == [(None, None), (12, "memory")], starts
     assert inspect(run)["params_sha256"] == inspect(torchrun_straight)["params_sha256"]
     assert sorted(p.name for p in shm.iterdir()) == ["node-id"]
+    r = run_cmd([sys.executable, "-m", "trainapp", "report", str(run), "--out", str(tmp_path / "r.png")])
+    restart = "restarts       1: resumed at 12 from memory after 13 (1 redone, world size 2)"
+    assert restart in r.stdout, r.output
 
 
 @pytest.mark.slow

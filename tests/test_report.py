@@ -26,7 +26,8 @@ def test_report_plots_and_summarizes_a_run_with_a_restart(restarted_run, tmp_pat
     summary = out.with_suffix(".txt").read_text()
     assert summary.strip() in r.stdout
     assert "finished at step 24 of 24 planned" in summary
-    assert "restarts       1: resumed at 10 after 13 (3 redone, world size 2)" in summary, summary
+    restart = "restarts       1: resumed at 10 from storage after 13 (3 redone, world size 2)"
+    assert restart in summary, summary
     assert "val_acc        final" in summary and "snapshots      " in summary
     # Both ranks' timings, over both attempts (log_every=1: a ranks record per step).
     assert "ranks          2; median step" in summary and "stragglers     none" in summary, summary
@@ -255,4 +256,5 @@ def test_the_restart_line_counts_the_steps_reached_after_the_last_train_record_a
                # train records come every 5 steps
                {"kind": "failure", "time": 1.5, "step": 13, "cause": "peer"},
                {"kind": "start", "time": 3.0, "step": 10, "resumed_step": 10, "world_size": 2}]
-    assert report.restarts(records) == [{"resumed_step": 10, "trained_to": 13, "redone": 3, "world_size": 2}]
+    assert report.restarts(records) == [{"resumed_step": 10, "trained_to": 13, "redone": 3, "world_size": 2,
+                                         "tier": "storage"}]

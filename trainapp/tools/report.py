@@ -54,7 +54,8 @@ def restarts(records: list[dict]) -> list[dict]:
             if starts > 1:
                 resumed = r.get("resumed_step") or 0
                 out.append({"resumed_step": resumed, "trained_to": highest,
-                            "redone": max(0, highest - resumed), "world_size": r.get("world_size")})
+                            "redone": max(0, highest - resumed), "world_size": r.get("world_size"),
+                            "tier": r.get("resumed_tier") or "storage"})
     return out
 
 
@@ -195,8 +196,8 @@ def summarize(run_dir: Path, records: list[dict]) -> str:
                  f"backend {first.get('backend')}")
     rs = restarts(records)
     if rs:
-        what = "; ".join(f"resumed at {r['resumed_step']} after {r['trained_to']} ({r['redone']} redone, "
-                         f"world size {r['world_size']})" for r in rs)
+        what = "; ".join(f"resumed at {r['resumed_step']} from {r['tier']} after {r['trained_to']} "
+                         f"({r['redone']} redone, world size {r['world_size']})" for r in rs)
         lines.append(f"restarts       {len(rs)}: {what}")
     else:
         lines.append("restarts       none")
