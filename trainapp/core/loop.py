@@ -265,6 +265,8 @@ class Trainer:
         with meter.paused(), self.clock.phase("snapshot"):
             self._save(meter.overall(), SnapshotRequest(final=True, announce=stop.announce))
             self._finish_snapshots(announce=stop.announce)
+            if stop.kind != "preempted":  # stopped for good, or resized: no restart reads these copies
+                self.snapshots.close_memory()
         self.boundary.close()
         step = self.parts.progress.global_step
         fields, ending = stop.ending(step, str(self.snapshots.path_for(step)), self.ctx.rank)
