@@ -36,7 +36,9 @@ QUICK = ["train.progress=false", "train.log_every=5", "data.train_size=1024", "d
 # A run that exercises every stateful part (accumulation, EMA, evaluation, snapshots every 5 steps), for
 # the resume tests and the shared restarted run (conftest.py's `torchrun_restarted`).
 FAULT_RUN = ["train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5", "train.grad_accum=2",
-             "train.ema_decay=0.9", "train.eval_every=10", *QUICK]
+             "train.ema_decay=0.9", "train.eval_every=10", *QUICK, "snapshot.memory_every_steps=0"]
+"""... resumed by the storage tier (its snapshots every 5 steps): tests/test_memory.py turns the memory tier
+on over it."""
 # The same under FSDP (sharded snapshots): conftest.py's `fsdp_straight`, tests/test_fsdp.py.
 FSDP_RUN = [*FAULT_RUN, "parallel.strategy=fsdp", "snapshot.keep=10"]
 # The per-rank timing tests' run: 40 steps, a record every 5, a snapshot every 20 (conftest.py's

@@ -168,7 +168,7 @@ def test_a_killed_ranks_stream_run_resumes_bitwise_with_loader_workers_tar_shard
     early (a lane ran dry) and carry the rest; the final parameters are bitwise equal."""
     args = [*TASK, "task.args.lengths=uneven", "task.args.shards=16", "train.grad_accum=2",
             "train.max_steps=200", "train.epochs=2", "snapshot.every_steps=5", "train.log_every=1",
-            "data.num_workers=2"]
+            "data.num_workers=2", "snapshot.memory_every_steps=0"]  # the storage tier's resume
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     r = torchrun(2, f"run.dir={straight}", *args, env=ENV)
     assert r.returncode == 0, r.output[-3000:]
@@ -275,17 +275,19 @@ def test_a_shard_that_stays_broken_ends_the_run_named_or_is_skipped_when_allowed
 @pytest.mark.slow
 def test_typed_items_from_tensor_shards_killed_and_restarted_are_bitwise_their_straight_twin(tmp_path):
     """2 ranks on tensor shards of typed items (0-dim int64, bfloat16, float16, int8 and bool tensors, a bool
-    mask, a numpy float32, a string): straight, and rank 1 SIGKILLed at step 8, the group restarted from the
-    snapshot at 5 (each lane reopened after a re-read item whose digest must match): bitwise equal."""
+    mask, a numpy float32, a string): straight, and rank 1 SIGKILLed at step 8, the group restarted from its
+    copy of step 7 in memory (each lane's position from every rank's copy, each lane reopened after a
+    re-read item whose digest must match): bitwise equal."""
     args = [*TYPED, "task.args.fmt=tensors", "train.max_steps=12", "snapshot.every_steps=5",
-            "train.log_every=4"]
+            "train.log_every=4", "snapshot.memory_every_steps=1"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     r = torchrun(2, f"run.dir={straight}", *args, env=ENV)
     assert r.returncode == 0, r.output[-3000:]
     r = torchrun(2, f"run.dir={killed}", *args, "drill.kill_at_step=8", "drill.rank=1", max_restarts=1,
                  env=ENV)
     assert r.returncode == 0, r.output[-3000:]
-    assert [s["resumed_step"] for s in metrics(killed, "start")] == [None, 5]
+    assert [(s["resumed_step"], s["resumed_tier"]) for s in metrics(killed, "start")] == [(None, None),
+                                                                                        (7, "memory")]
     assert _params_sha(killed) == _params_sha(straight)
 
 

@@ -119,7 +119,10 @@ def test_a_non_image_task_resumes_bitwise_after_a_sigkilled_rank_under_torchrun(
     clean, faulty = straight_run(torchrun2, *FAULT, *args, env=env), tmp_path / "faulty"
     r = run_cmd(torchrun2(faulty, *FAULT, *args, "drill.kill_at_step=13", "drill.rank=1"), env=env)
     assert r.returncode == 0, r.output[-3000:]
-    assert [s["resumed_step"] for s in metrics(faulty, "start")] == [None, 10]
+    # The memory tier (snapshot.memory_every_steps=auto, the default) resumes it: a copy at least as new as
+    # the storage snapshot of step 10, at the cadence its measured cost allows.
+    start = metrics(faulty, "start")[-1]
+    assert start["resumed_tier"] == "memory" and 10 <= start["resumed_step"] <= 13, start
     a, b = inspect(clean), inspect(faulty)
     assert a["global_step"] == b["global_step"] == 24 and a["params_sha256"] == b["params_sha256"]
     assert b["task"] != "image_classification" and b["model"] is None  # not the image task's model.name

@@ -246,7 +246,7 @@ class SnapshotSection:
     before the run stops with exit code 3. A failed snapshot leaves nothing half-written and training
     goes on; on a full disk older snapshots (never the newest valid one) are deleted and the write is
     tried once more. The final snapshot may not fail: a run never reports success without it."""
-    memory_every_steps: int | Literal["auto"] = 0
+    memory_every_steps: int | Literal["auto"] = "auto"
     """The memory tier: every N optimizer steps each rank copies its share of the state (what a snapshot
     holds) into `snapshot.memory_dir`, host memory that outlives the training process, and a restart
     resumes from the newest step every rank has there (or on a buddy node), redoing no step since and

@@ -182,7 +182,8 @@ class TrainState:
         """About the bytes of `own_state_dict`'s tensors, made without touching the state (before the first
         step an optimizer has no state, and asking DCP for an FSDP optimizer's would make it by an optimizer
         step, with lr 0 but weight decay in SGD's momentum): what exists, and twice the parameters for an
-        optimizer without state yet (Adam's two moments; SGD's momentum is one)."""
+        optimizer without state yet (Adam's two moments; SGD's momentum is one). The parts that gather
+        across ranks (generators, a stream's position) hold no tensors to speak of: not counted."""
         total = 0
         for part in self.parts.values():
             if isinstance(part, torch.optim.Optimizer):
@@ -190,9 +191,8 @@ class TrainState:
             elif isinstance(part, ShardedState):
                 total += _bytes(_local(part.model.state_dict()))
                 total += _optimizer_bytes(part.optimizer) if part.optimizer is not None else 0
-            elif part is not None:
-                total += _bytes(cast(Any, part).own_state_dict() if getattr(part, "collective", False)
-                                else part.state_dict())
+            elif part is not None and not getattr(part, "collective", False):  # those hold a few numbers
+                total += _bytes(part.state_dict())
         return total
 
     def shards(self) -> dict[str, Any] | None:
