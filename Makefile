@@ -249,6 +249,7 @@ bench: $(STAMP) ## Run every benchmark, then one summary table: bench/results/*.
 	$(BIN)/python -m bench.fsdp $(BENCH_ARGS)
 	$(BIN)/python -m bench.export $(BENCH_ARGS)
 	$(BIN)/python -m bench.stream $(BENCH_ARGS)
+	$(BIN)/python -m bench.memory $(BENCH_ARGS)
 	$(BIN)/python -m bench.summary $(if $(findstring --smoke,$(BENCH_ARGS)),--results bench/results/smoke)
 
 ##@ Clean

@@ -72,6 +72,20 @@ ROWS = [
      "sums in another order", None, "{:.2g}"),
     ("resize", "resize_param_rel_distance_4slots_rescale", "its control: the resizes with the LR rescaled",
      None, "{:.2g}"),
+    ("memory", "memory_over_storage_loss_torchrun", "memory tier: time a SIGKILLed worker costs (to the "
+     "first resumed step, plus the steps redone), with it / without (storage every 50 steps), torchrun x2, "
+     "100 ms steps", ("<=", 0.5), "{:.3f}"),
+    ("memory", "memory_recovery_seconds_torchrun", "memory tier: that time with it, torchrun (s)", None,
+     "{:.1f}"),
+    ("memory", "storage_recovery_seconds_torchrun", "control: without it (storage resumes), torchrun (s)",
+     None, "{:.1f}"),
+    ("memory", "memory_over_storage_loss", "the same under Ray Train", ("<=", 0.5), "{:.3f}"),
+    ("memory", "memory_recovery_seconds", "memory tier: that time with it, Ray Train (s)", None, "{:.1f}"),
+    ("memory", "storage_recovery_seconds", "control: without it, Ray Train (s)", None, "{:.1f}"),
+    ("memory", "memory_snapshot_step_ratio", "memory tier: step time with a copy every step / without, "
+     "SmallCNN, torchrun x2", ("<=", 1.03), "{:.3f}"),
+    ("memory", "memory_snapshot_step_ratio_control", "control: without / without", None, "{:.3f}"),
+    ("memory", "memory_snapshot_step_ratio_char_lm", "the same, char_lm", ("<=", 1.03), "{:.3f}"),
     ("stream", "stream_tensor_shards_over_map", "streams: training samples/s, 16 tensor shards / the same "
      "items as tensors in a list, 8-feature MLP (data-bound), 1 process", (">=", 0.95), "{:.3f}"),
     ("stream", "stream_control", "control: the list / the list again (run-to-run spread)", None, "{:.3f}"),

@@ -211,3 +211,11 @@ def test_stream_benchmark_smoke(tmp_path):
     assert result["resize"]["keep"]["param_rel_distance"] == 0.0, result["resize"]
     assert result["resize"]["rescale"]["data"]["resized"] == 2, result["resize"]
     assert set(result["throughput"]) == {"mlp32_workers0", "mlp32_workers1", "deep_workers0", "deep_workers1"}
+    assert all("tensor_shards_over_map" in v for v in result["throughput"].values()), result["throughput"]
+
+
+def test_memory_benchmark_smoke(tmp_path):
+    result, _ = smoke("memory", tmp_path, "--launchers", "torchrun", timeout=900)
+    runs = result["memory_runs_torchrun"] + result["storage_runs_torchrun"]
+    assert [r["tier"] for r in runs] == ["memory", "storage"] and runs[0]["redone"] <= 1, runs
+    assert result["memory_snapshot_step_ratio"] > 0 and result["memory_snapshot_step_ratio_char_lm"] > 0

@@ -113,7 +113,8 @@ def test_the_ranks_exit_within_seconds_when_the_stores_host_dies(tmp_path):
 def test_out_of_memory_drill_under_torchrun_is_explained_and_the_restart_finishes(tmp_path):
     run_dir = tmp_path / "run"
     r = run_cmd(torchrun_cmd(2, f"run.dir={run_dir}", *QUICK, "train.epochs=100", "train.max_steps=30",
-                             "snapshot.every_steps=10", "drill.oom_at_step=15", "drill.rank=1",
+                             "snapshot.every_steps=10", "snapshot.memory_every_steps=0",
+                             "drill.oom_at_step=15", "drill.rank=1",
                              max_restarts=1))
     assert r.returncode == 0, r.output[-3000:]
     oom, peer = metrics(run_dir, "failure")

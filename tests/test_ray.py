@@ -30,7 +30,8 @@ pytestmark = pytest.mark.slow
 
 # A run long enough to be killed in the middle: per-step records, a snapshot every 5 steps.
 LONG = ["train.max_steps=40", "train.epochs=20", "snapshot.every_steps=5", "train.progress=false",
-        "train.log_every=1", "data.train_size=1024", "data.val_size=256"]
+        "train.log_every=1", "data.train_size=1024", "data.val_size=256", "snapshot.memory_every_steps=0"]
+"""A Ray run resumed by the storage tier (the memory tier's resumes: its own test turns it on over this)."""
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +273,8 @@ def ray_run_with_restart(cluster):
     name = "drill"
     r = submit(cluster, name, "train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5",
                "drill.kill_at_step=13", "drill.rank=1", f"drill.snapshot_write_delay_s={DRILL_DELAY_S}",
-               f"observe.mlflow_uri=sqlite:///{cluster.storage}/mlflow.db", *QUICK)
+               f"observe.mlflow_uri=sqlite:///{cluster.storage}/mlflow.db", *QUICK,
+               "snapshot.memory_every_steps=0")  # the storage tier's resume (the memory tier's: below)
     return r, cluster.storage / name
 
 
@@ -416,7 +418,8 @@ def test_char_lm_sharded_resumes_a_killed_worker_from_every_shard_to_torchruns_p
     path is torchrun's layout, tests/test_fsdp.py.)"""
     lm = ["parallel.strategy=fsdp", "task.name=char_lm", "task.args.n_embd=32", "task.args.n_layer=1",
           "task.args.block_size=32", "task.args.stride=64", "train.batch_size=16", "train.max_steps=24",
-          "train.epochs=20", "snapshot.every_steps=5", "train.progress=false", "train.log_every=5"]
+          "train.epochs=20", "snapshot.every_steps=5", "train.progress=false", "train.log_every=5",
+          "snapshot.memory_every_steps=0"]
     store, run_dir = tmp_path / "bucket", tmp_path / "run"
     lm += [f"ray.storage_path=file://{store}", f"run.dir={run_dir}"]
     r = submit(cluster, "char-lm", *lm, "drill.kill_at_step=13", "drill.rank=1")
@@ -476,7 +479,7 @@ def test_an_out_of_memory_rank_then_a_hung_rank_are_explained_and_the_ray_run_en
     proc = submit_background(cluster, name, "train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5",
                              *QUICK, "train.log_every=1", "drill.oom_at_step=8", "drill.hang_at_step=17",
                              "drill.rank=1", "fault.hang_timeout_s=5", "ray.max_failures=2",
-                             "snapshot.async=true")
+                             "snapshot.async=true", "snapshot.memory_every_steps=0")
     try:
         gone = []  # per attempt: seconds from rank 1's failure record until rank 0's process was gone
         for attempt in (0, 1):

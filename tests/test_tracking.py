@@ -292,7 +292,7 @@ def test_a_killed_rank_and_a_tracker_away_at_start_and_mid_run_leave_one_run_wit
     run_dir = tmp_path / "run"
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     cmd = torchrun2(run_dir, *QUICK, "train.log_every=2", "train.max_steps=60", "train.epochs=20",
-                    "snapshot.every_steps=4",
+                    "snapshot.every_steps=4", "snapshot.memory_every_steps=0",  # the storage tier's resume
                     # Steps of 300 ms (a sleep: the numbers do not change): the door's moves fall between
                     # snapshots, while training goes on.
                     "drill.slow_rank=0", "drill.slow_ms=300",

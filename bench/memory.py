@@ -1,0 +1,186 @@
+"""The memory tier (docs/how-it-works.md#the-memory-tier): the time a lost worker costs with it and without
+it, and what its copies cost the steps.
+
+- Time lost per failure: a 2-worker run of the built-in SmallCNN (`train.batch_size=128`: about 100 ms a
+  step on these 2 cores), storage snapshots every 50 steps, one training worker SIGKILLed at a seeded
+  random step from 60 to 99; the same kill steps with the memory tier on (a copy every step) and off
+  (the control: storage resumes it, as before the tier). Lost = (the first step after the restart -
+  the kill) + the steps redone x the run's median step time. Under torchrun (its agent restarts the
+  group) and under Ray Train on a local cluster (head + 2 worker nodes, 1 CPU each). Keys
+  `memory_recovery_seconds` (Ray), `memory_recovery_seconds_torchrun`, their controls
+  `storage_recovery_seconds(_torchrun)`, and `memory_over_storage_loss(_torchrun)`; also the steps
+  redone and the tier each restart says.
+- Step cost: paired runs under torchrun (2 workers), memory tier on (a copy every step) and off, in
+  alternating order, each a median step time over its log intervals (samples/s counts the copies);
+  `memory_snapshot_step_ratio` (SmallCNN), `memory_snapshot_step_ratio_char_lm`, and `control` (off/off).
+
+    python -m bench.memory            # writes bench/results/memory.json
+    python -m bench.memory --smoke    # one round of each, short runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from bench.common import (REPO, launch_cmd, overrides, records, result_path, train_records, wait_for,
+                          write_result)
+from bench.launchers import _children, step_times
+from bench.machine import describe
+from bench.scratch import scratch
+from trainapp.tools.local_ray import LocalCluster, free_port
+
+SMALLCNN = ["train.batch_size=128"]
+CHAR_LM = ["task.name=char_lm", "task.args.n_embd=64", "task.args.n_layer=2", "task.args.block_size=64",
+           "train.batch_size=32"]
+
+
+def _memory(on: bool, memory_dir: Path) -> list[str]:
+    return (["snapshot.memory_every_steps=1", f"snapshot.memory_dir={memory_dir}"] if on
+            else ["snapshot.memory_every_steps=0"])
+
+
+def lost(run_dir: Path, t_kill: float) -> dict:
+    """What the kill cost the run: seconds to the first step after the restart, steps redone, the median
+    step time, and their sum (the steps redone at that time)."""
+    recs = records(run_dir)
+    starts = [i for i, r in enumerate(recs) if r["kind"] == "start"]
+    if len(starts) < 2:
+        raise RuntimeError(f"{run_dir}: no restart recorded")
+    before = max(r["step"] for r in recs[starts[0]:starts[1]] if r["kind"] == "train")
+    restart = recs[starts[1]]
+    first = next(r["time"] for r in recs[starts[1]:] if r["kind"] == "train")
+    step_s = statistics.median(step_times(recs))
+    redone = max(0, before - (restart.get("resumed_step") or 0))
+    to_step = first - t_kill
+    return {"to_first_step_s": to_step, "redone": redone, "step_s": step_s,
+            "lost_s": to_step + redone * step_s, "tier": restart.get("resumed_tier"),
+            "resumed_step": restart.get("resumed_step"), "killed_after": before}
+
+
+class Faults:
+    def __init__(self, work: Path, cluster: LocalCluster | None):
+        self.work, self.cluster = work, cluster
+
+    def run(self, launcher: str, name: str, kill_step: int, memory: bool, steps: int) -> dict:
+        run_dir = self.work / name
+        memory_dir = Path(tempfile.mkdtemp(prefix="ta-bench-mem-", dir="/dev/shm"))
+        try:
+            args = overrides(steps, 50, *SMALLCNN, "train.log_every=1", *_memory(memory, memory_dir))
+            cmd, env = launch_cmd(launcher, run_dir, args, self.cluster, max_failures=2)
+            p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL, start_new_session=True)
+            try:
+                wait_for(lambda: any(r["step"] >= kill_step for r in train_records(run_dir)), 600,
+                         "kill step")
+                if launcher == "ray":
+                    assert self.cluster is not None
+                    alive = self.cluster.state("actors", class_name="RayTrainWorker", state="ALIVE")
+                    victim = alive[-1]["pid"]
+                else:
+                    victim = max(_children(p.pid))  # torchrun's children are its workers
+                t_kill = time.time()
+                os.kill(victim, signal.SIGKILL)
+                if p.wait(timeout=900) != 0:
+                    raise RuntimeError(f"run failed: {cmd}")
+            finally:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+            return lost(run_dir, t_kill)
+        finally:
+            shutil.rmtree(memory_dir, ignore_errors=True)
+
+
+def fault_rounds(work: Path, launchers: list[str], rounds: int, steps: int, seed: int) -> dict:
+    """Per launcher, `rounds` kill steps (seeded), each killed with the memory tier on and off."""
+    rng = random.Random(seed)
+    kills = [rng.randrange(60, 100) for _ in range(rounds)]
+    out: dict = {"kill_steps": kills}
+    cluster = None
+    try:
+        if "ray" in launchers:
+            cluster = LocalCluster(Path(f"/tmp/ta-bench-{uuid.uuid4().hex[:6]}"), workers=2, cpus=1,
+                                   gcs_port=free_port(), dashboard_port=free_port())
+            cluster.up(cwd=REPO)
+        f = Faults(work, cluster)
+        for launcher in launchers:
+            got: dict[str, list[dict]] = {"memory": [], "storage": []}
+            for i, k in enumerate(kills):
+                for mode in (("memory", "storage") if i % 2 == 0 else ("storage", "memory")):
+                    r = f.run(launcher, f"{launcher}-{mode}-{i}", k, mode == "memory", steps)
+                    got[mode].append(r)
+                    print(f"{launcher} {mode} killed after step {r['killed_after']}: resumed "
+                          f"{r['resumed_step']} "
+                          f"({r['tier']}), {r['redone']} redone, lost {r['lost_s']:.1f} s "
+                          f"({r['to_first_step_s']:.1f} s to a step)", flush=True)
+            suffix = "" if launcher == "ray" else "_torchrun"
+            for mode in ("memory", "storage"):
+                out[f"{mode}_recovery_seconds{suffix}"] = statistics.median(r["lost_s"] for r in got[mode])
+                out[f"{mode}_runs{suffix}"] = got[mode]
+            out[f"memory_over_storage_loss{suffix}"] = statistics.median(
+                m["lost_s"] / s["lost_s"] for m, s in zip(got["memory"], got["storage"]))
+    finally:
+        if cluster is not None:
+            cluster.down()
+            subprocess.run(["rm", "-rf", str(cluster.dir)], check=False)
+    return out
+
+
+def step_rounds(work: Path, rounds: int, steps: int) -> dict:
+    """Paired torchrun runs, memory tier on (every step) and off, SmallCNN and char_lm: step-time ratios."""
+    out: dict = {}
+    for model, extra in (("smallcnn", SMALLCNN), ("char_lm", CHAR_LM)):
+        got: dict[str, list[float]] = {"on": [], "off": [], "off2": []}
+        for r in range(rounds):
+            order = ["off", "on", "off2"] if r % 2 == 0 else ["off2", "on", "off"]
+            for mode in order:
+                run_dir = work / f"steps-{model}-{mode}-{r}"
+                memory_dir = Path(tempfile.mkdtemp(prefix="ta-bench-mem-", dir="/dev/shm"))
+                try:
+                    args = overrides(steps, 100000, *extra, "train.log_every=10",
+                                     *_memory(mode == "on", memory_dir))
+                    cmd, env = launch_cmd("torchrun", run_dir, args, None, max_failures=0)
+                    subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL, timeout=900)
+                finally:
+                    shutil.rmtree(memory_dir, ignore_errors=True)
+                got[mode].append(statistics.median(step_times(records(run_dir))))
+            print(f"{model} round {r}: " + ", ".join(f"{k} {1e3 * v[-1]:.1f} ms" for k, v in got.items()),
+                  flush=True)
+        key = "memory_snapshot_step_ratio" + ("" if model == "smallcnn" else f"_{model}")
+        out[key] = statistics.median(a / b for a, b in zip(got["on"], got["off"]))
+        out[f"{key}_control"] = statistics.median(a / b for a, b in zip(got["off2"], got["off"]))
+        out[f"{model}_step_ms"] = {k: 1e3 * statistics.median(v) for k, v in got.items()}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out")
+    ap.add_argument("--launchers", default="torchrun,ray")
+    args = ap.parse_args()
+    out = result_path("memory.json", args.smoke, args.out)
+    with scratch("ta-bench-memory-") as tmp:
+        result = {"machine": describe(), "date": time.strftime("%Y-%m-%d"), "smoke": args.smoke}
+        result.update(step_rounds(Path(tmp), 1 if args.smoke else 3, 40 if args.smoke else 150))
+        result.update(fault_rounds(Path(tmp), args.launchers.split(","), 1 if args.smoke else 3,
+                                   110 if not args.smoke else 105, seed=0))
+    result["targets"] = {"memory_over_storage_loss": "<= 0.5", "memory_over_storage_loss_torchrun": "<= 0.5",
+                         "memory_snapshot_step_ratio": "<= 1.03",
+                         "memory_snapshot_step_ratio_char_lm": "<= 1.03"}
+    write_result(out, result)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
