@@ -76,7 +76,8 @@ KILL_AT, HANG_AT, PREEMPT_AFTER, SNAPSHOT_EVERY = 13, 27, 35, 5
 # only the failure record's step shows. 100 steps leave time to send the SIGTERM after step 35.
 E2E_RUN = [*QUICK, "train.epochs=100", "train.max_steps=100", f"snapshot.every_steps={SNAPSHOT_EVERY}",
            f"fault.hang_timeout_s={HANG_TIMEOUT_S}", "drill.rank=1", f"drill.kill_at_step={KILL_AT}",
-           f"drill.hang_at_step={HANG_AT}"]
+           f"drill.hang_at_step={HANG_AT}",
+           "snapshot.memory_every_steps=0"]  # the steps the storage tier redoes
 
 
 def _preempt_after(cmd: list[str], run_dir: Path, env: dict, tmp: Path, step: int) -> None:
