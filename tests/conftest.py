@@ -3,6 +3,7 @@ import hashlib
 import json
 import os
 import pickle
+import shutil
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,6 +60,28 @@ def children_temp_dir():
     processes that never get to remove their own (bench/scratch.py)."""
     with scratch("ta-tests-") as path:
         yield Path(path)
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # the controller (or the only process), once
+        from trainapp.snapshots.memory import default_dir
+
+        session.config.stash[MEMORY_BEFORE] = set(default_dir().glob("run-*"))
+
+
+def pytest_sessionfinish(session):
+    """The memory tier's copies the session's runs left in the default memory directory (a run killed for
+    good keeps its copies: its restart would read them), removed once every worker is done; those that
+    were there before are left alone."""
+    if hasattr(session.config, "workerinput") or MEMORY_BEFORE not in session.config.stash:
+        return
+    from trainapp.snapshots.memory import default_dir
+
+    for run in set(default_dir().glob("run-*")) - session.config.stash[MEMORY_BEFORE]:
+        shutil.rmtree(run, ignore_errors=True)
+
+
+MEMORY_BEFORE = pytest.StashKey[set]()
 
 
 @pytest.fixture

@@ -284,3 +284,17 @@ def test_fsdp_shards_resume_from_memory_and_another_world_size_from_storage(tmp_
     start = metrics(resized, "start")[-1]
     assert (start["resumed_step"], start["resumed_tier"], start["world_size"]) == (15, "storage", 1), start
     assert "is of world size 2, this run's is 1" in start["resumed_note"], start
+
+
+def test_another_runs_copies_untouched_for_a_day_are_deleted_at_a_start(shm):
+    from trainapp.snapshots.memory import STALE_S, _prune
+
+    old, fresh = shm / "run-old", shm / "run-fresh"
+    for run in (old, fresh):
+        run.mkdir()
+        (run / "own-00000.0").write_bytes(b"x")
+    long_ago = time.time() - STALE_S - 60
+    for p in (old, old / "own-00000.0"):
+        os.utime(p, (long_ago, long_ago))
+    _prune(shm, time.time() - STALE_S)
+    assert not old.exists() and fresh.exists()

@@ -283,7 +283,8 @@ class Trainer:
                    "world_size": self.ctx.world_size, "samples_per_s": samples_per_s,
                    "skipped_steps": int(p.skipped.item()), "snapshots": self.snapshots.where,
                    **({"data": dict(account)} if (account := self.parts.batches.account) else {}),
-                   "state_bytes": parallel.state_bytes(self.parts.model, self.parts.optimizer, self.ctx)}
+                   "state_bytes": parallel.state_bytes(self.parts.model, self.parts.optimizer, self.ctx),
+                   "memory_tier": self.snapshots.memory_summary()}
         self._finish_snapshots()  # the final snapshot is on disk before the run says it ended
         self.snapshots.close_memory()  # a finished run's copies in memory are of no more use
         summary["model"] = export_final(self.cfg, self.ctx, self.parts, self.snapshots)  # run.export

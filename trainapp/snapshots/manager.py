@@ -173,6 +173,10 @@ class SnapshotManager:
         self.memory.save(ctx, step, state)
         self.last_blocking_s = self.memory.last_seconds
 
+    def memory_summary(self) -> dict[str, Any] | None:
+        """The memory tier's account for the end record (None without one)."""
+        return self.memory.summary() if self.memory is not None else None
+
     def close_memory(self) -> None:
         """At the end of a finished run: its copies in memory deleted (on this rank's node)."""
         if self.memory is not None:

@@ -14,6 +14,7 @@ resumed are deleted, never read.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import math
@@ -96,6 +97,9 @@ AUTO_SHARE = 0.02
 """`snapshot.memory_every_steps=auto`: the most of the steps' time the copies may take."""
 AUTO_PROBES = 3
 """Copies made every step to measure their cost before `auto` sets the cadence."""
+STALE_S = 24 * 3600
+"""Another run's copies untouched this long are deleted when a run starts on the node: a run that ended
+without finishing (killed for good, its directory gone) would hold that memory forever."""
 
 
 def default_dir() -> Path:
@@ -156,6 +160,11 @@ class MemoryTier:
         """`auto`: the probe copies' seconds."""
         self.probe_times: list[float] = []
         """`auto`: when each probe copy began (the steps' time is between them)."""
+        self.files: list[slots.SlotFile] = []
+        """This rank's two slots, open between copies; `target` the one the next copy goes to."""
+        self.target = 0
+        self.seconds: collections.deque[float] = collections.deque(maxlen=1000)
+        """The recent copies' seconds, for the end record."""
         self.note: str | None = None
         """Why the last restart did not resume from memory, when it had copies it could not use."""
         self.link: PeerLink | None = None
@@ -180,6 +189,7 @@ class MemoryTier:
             if ctx.is_main:
                 log.warning("snapshot.memory_every_steps=auto: the memory tier is off (%s)", problem)
             return None
+        _prune(where, time.time() - STALE_S)
         return cls(where, _run_id(run_dir, ctx), ctx.rank, ctx.world_size, every)
 
     def sized(self, ctx: DistContext, state_bytes: int, peer: bool) -> MemoryTier | None:
@@ -229,18 +239,21 @@ class MemoryTier:
 
     def _write(self, step: int, state: dict[str, Any]) -> None:
         t0 = time.perf_counter()
-        paths = [self._own(self.rank, k) for k in (0, 1)]
-        seqs = [head.seq if head is not None else -1 for head in map(slots.header, paths)]
-        target = seqs.index(min(seqs))  # the older slot, or one that holds nothing whole
+        if not self.files:
+            self.files = [slots.SlotFile(self._own(self.rank, k)) for k in (0, 1)]
+            seqs = [f.seq for f in self.files]
+            self.target = seqs.index(min(seqs))  # the older slot, or one that holds nothing whole
         hook = self.midway
         midway = functools.partial(hook, step) if hook is not None else None
         copy = {"run": self.run_id, "rank": self.rank, "world_size": self.world_size, "step": step,
                 "state": state}
-        slot = slots.write(paths[target], copy, seq=step, step=step, midway=midway)
+        slot = self.files[self.target].write(copy, seq=step, step=step, midway=midway)
+        self.target = 1 - self.target  # the other one is the older from now on
         if self.link is not None:
             self.link.send(slot)  # to the buddy, in the background
         self.copies += 1
         self.last_seconds = time.perf_counter() - t0
+        self.seconds.append(self.last_seconds)
 
     def inventory(self) -> list[Copy]:
         """The committed copies of this run on this node (any owner), newest first per owner."""
@@ -309,8 +322,18 @@ class MemoryTier:
             if copy.step > step:
                 Path(copy.path).unlink(missing_ok=True)
 
+    def summary(self) -> dict[str, Any]:
+        """For the end record: the copies made, the cadence, a copy's median milliseconds."""
+        ms = sorted(self.seconds)
+        return {"copies": self.copies, "every_steps": self.every,
+                "copy_ms": round(1e3 * ms[len(ms) // 2], 3) if ms else None,
+                "buddy": self.link.buddy[0] if self.link is not None and self.link.buddy else None}
+
     def close(self, finished: bool) -> None:
         """At the run's end: a finished (or stopped for good) run's copies are deleted on this node."""
+        for f in self.files:
+            f.close()
+        self.files = []
         if self.link is not None:
             self.link.close()
         if finished:
@@ -422,3 +445,14 @@ def _shortfall(memory_dir: Path, nodes: list[tuple[str, int, int]], peer: bool) 
                     f"{max(ranks) / 2**20:.1f} MiB share of the state"
                     f"{', 2 of them a buddy' if copies == 4 else ''})")
     return None
+
+
+def _prune(memory_dir: Path, before: float) -> None:
+    """Delete the run folders in `memory_dir` whose every file was last written before `before`."""
+    for run in memory_dir.glob("run-*"):
+        try:
+            newest = max([run.stat().st_mtime, *(f.stat().st_mtime for f in run.iterdir())])
+        except OSError:  # another process deleted it meanwhile
+            continue
+        if newest < before:
+            shutil.rmtree(run, ignore_errors=True)

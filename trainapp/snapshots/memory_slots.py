@@ -53,8 +53,13 @@ def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(obj, dict):
         return {k: _split(v, tensors) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        if set(map(type, obj)) <= _PLAIN:  # numbers alone (a generator's state): as they are, at C speed
+            return obj
         return type(obj)(_split(v, tensors) for v in obj)
     return obj
+
+
+_PLAIN = frozenset({int, float, bool, str, bytes, type(None)})
 
 
 def _join(obj: Any, tensors: list[torch.Tensor]) -> Any:
@@ -86,34 +91,68 @@ def encode(state: Any) -> tuple[bytes, list[torch.Tensor], list[int]]:
     return head, tensors, offsets + [at]
 
 
+class SlotFile:
+    """One slot file kept open and mapped between writes (the mapping is remade only when the size of the
+    state changes): a copy is one pass over the tensors' bytes, no page faults of a fresh mapping."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.size = -1
+        self.map: Any = None
+        self.view: torch.Tensor | None = None
+
+    @property
+    def seq(self) -> int:
+        """The committed sequence number of the slot (-1: none)."""
+        head = header(self.path)
+        return head.seq if head is not None else -1
+
+    def _mapping(self, size: int) -> torch.Tensor:
+        if size != self.size or self.view is None:
+            self.view = None
+            if self.map is not None:
+                self.map.close()
+            os.ftruncate(self.fd, size)
+            self.map, self.size = _mapped(self.fd, size), size
+            self.view = torch.frombuffer(self.map, dtype=torch.uint8)
+        return self.view
+
+    def write(self, state: Any, seq: int, step: int, midway: Callable[[], None] | None = None) -> Slot:
+        """`state` (a tree of dicts, lists and tensors, any picklable leaves) into this slot, committed last:
+        a crash at any point leaves either the old valid slot or an invalid one. `midway` is called with
+        half the tensors written (a drill's kill)."""
+        head, tensors, offsets = encode(state)
+        size = offsets[-1]
+        os.pwrite(self.fd, HEADER.pack(MAGIC, 0, step, len(head), size, 0), 0)  # invalid from here on
+        body = self._mapping(HEADER.size + size)[HEADER.size:]
+        body[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        for k, (t, at) in enumerate(zip(tensors, offsets)):
+            if midway is not None and k == len(tensors) // 2:
+                midway()
+            n = t.numel() * t.element_size()
+            if n:
+                body[at:at + n].copy_(t.reshape(-1).view(torch.uint8) if t.is_contiguous()
+                                      else t.contiguous().reshape(-1).view(torch.uint8))
+        checksum = xxhash.xxh3_64_intdigest(memoryview(self.map)[HEADER.size:])
+        os.pwrite(self.fd, HEADER.pack(MAGIC, seq, step, len(head), size, checksum), 0)  # the commit
+        return Slot(self.path, seq, step, checksum, size)
+
+    def close(self) -> None:
+        self.view = None
+        if self.map is not None:
+            self.map.close()
+            self.map = None
+        os.close(self.fd)
+
+
 def write(path: Path, state: Any, seq: int, step: int, midway: Callable[[], None] | None = None) -> Slot:
-    """`state` (a tree of dicts, lists and tensors, any picklable leaves) into the slot file `path`,
-    committed last: a crash at any point leaves either the old valid slot or an invalid one. `midway` is
-    called with half the tensors written (a drill's kill)."""
-    head, tensors, offsets = encode(state)
-    size = offsets[-1]
-    h = xxhash.xxh3_64()
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    """`state` into the slot file `path` once (`SlotFile.write`)."""
+    slot = SlotFile(path)
     try:
-        os.pwrite(fd, HEADER.pack(MAGIC, 0, step, len(head), size, 0), 0)  # invalid from here on
-        if os.fstat(fd).st_size != HEADER.size + size:
-            os.ftruncate(fd, HEADER.size + size)
-        with memoryview(_mapped(fd, HEADER.size + size)) as mv:
-            body = mv[HEADER.size:]
-            body[:len(head)] = head
-            for k, (t, at) in enumerate(zip(tensors, offsets)):
-                if midway is not None and k == len(tensors) // 2:
-                    midway()
-                n = t.numel() * t.element_size()
-                if n:
-                    raw = t.contiguous().reshape(-1).view(torch.uint8)
-                    np.frombuffer(body, dtype=np.uint8, count=n, offset=at)[:] = raw.cpu().numpy()
-            h.update(body)
-        checksum = h.intdigest()
-        os.pwrite(fd, HEADER.pack(MAGIC, seq, step, len(head), size, checksum), 0)  # the commit
+        return slot.write(state, seq, step, midway)
     finally:
-        os.close(fd)
-    return Slot(path, seq, step, checksum, size)
+        slot.close()
 
 
 def write_raw(path: Path, data: bytes) -> None:
