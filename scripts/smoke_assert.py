@@ -22,7 +22,9 @@ Checks, one line each, then a one-line summary; exit 0 when all pass, 1 otherwis
     resumed-latest  each restart resumed from the newest snapshot that existed before the failure:
                     the highest multiple of snapshot.every_steps at or below the highest `train` step
                     recorded before that restart (with train.log_every=1; see expected_resume for
-                    the two tolerances: steps after the last record, a snapshot being written)
+                    the two tolerances: steps after the last record, a snapshot being written); one
+                    the memory tier resumed (`resumed_tier` memory or peer) from a step at least that
+                    new and at most the last one reached
     redone          at most snapshot.every_steps steps were trained twice at each restart
     final-step      the newest snapshot's global_step equals the planned total steps
 With --preempted SIGNAL (a worker was stopped, not killed: `docker stop`, a pod deleted), the two
@@ -119,13 +121,24 @@ def latest_preempted(records: list[dict]) -> dict | None:
 # The checks (backend-independent)
 
 
-def _restarts(records: list[dict]) -> list[tuple[int, int | None]]:
-    """For each start after the first: (highest train step recorded before it, its resumed_step)."""
+def _restarts(records: list[dict]) -> list[tuple[int, int | None, str]]:
+    """For each start after the first: (highest train step recorded before it, its resumed_step, the tier
+    it resumed from: storage, memory or peer)."""
     out = []
     for i, r in enumerate(records):
         if r.get("kind") == "start" and any(x.get("kind") == "start" for x in records[:i]):
-            out.append((max_train_step(records[:i]), r.get("resumed_step")))
+            tier = r.get("resumed_tier") or "storage"
+            out.append((max_train_step(records[:i]), r.get("resumed_step"), tier))
     return out
+
+
+def resumed_well(before: int, resumed: int | None, tier: str, every: int, log_every: int = 1) -> bool:
+    """Whether a restart resumed where it should: a storage snapshot `expected_resume` allows, or a memory
+    copy at least as new as the oldest of those and at most the last step reached."""
+    allowed = expected_resume(before, every, log_every)
+    if tier in ("memory", "peer"):
+        return isinstance(resumed, int) and min(allowed) <= resumed <= before + max(log_every, 1) - 1
+    return (resumed or 0) in allowed
 
 
 def expected_resume(before: int, every: int, log_every: int = 1) -> list[int]:
@@ -204,7 +217,7 @@ def check_run(run_dir: Path, expect_steps: int | None = None, preempted: str | N
                         else f"no `end` record after the last of {len(starts)} `start` records"))
 
     restarts = _restarts(records)
-    resumed = [(b, s) for b, s in restarts if s is not None]
+    resumed = [(b, s) for b, s, _ in restarts if s is not None]
     checks.append(Check("restarted", bool(resumed),
                         f"{len(starts)} `start` records, resumed at step(s) {[s for _, s in resumed]}"
                         if resumed else f"{len(starts)} `start` record(s) and none resumed from a snapshot"))
@@ -218,14 +231,17 @@ def check_run(run_dir: Path, expect_steps: int | None = None, preempted: str | N
         checks.append(Check("resumed-latest", False, f"snapshot.every_steps={every}: no periodic snapshots"))
         checks.append(Check("redone", False, f"snapshot.every_steps={every}: no periodic snapshots"))
     else:
-        bad = [(b, s) for b, s in restarts if (s or 0) not in expected_resume(b, every, log_every)]
-        pairs = ", ".join(f"trained to {b}, resumed {s}" for b, s in restarts)
+        bad = [(b, s, t) for b, s, t in restarts if not resumed_well(b, s, t, every, log_every)]
+        def tier(t: str) -> str:
+            return f" from {t}" if t != "storage" else ""
+
+        pairs = ", ".join(f"trained to {b}, resumed {s}{tier(t)}" for b, s, t in restarts)
         checks.append(Check("resumed-latest", not bad,
                             f"{pairs} (snapshot every {every})" if not bad else
-                            "; ".join(f"trained to {b} but resumed {s}, expected "
+                            "; ".join(f"trained to {b} but resumed {s}{tier(t)}, expected "
                                       f"{' or '.join(map(str, expected_resume(b, every, log_every)))}"
-                                      for b, s in bad)))
-        redone = [b - (s or 0) for b, s in restarts]
+                                      f"{' or newer' if t != 'storage' else ''}" for b, s, t in bad)))
+        redone = [b - (s or 0) for b, s, _ in restarts]
         checks.append(Check("redone", max(redone) <= every,
                             f"{max(redone)} step(s) redone at most (limit {every}: snapshot.every_steps)"))
 

@@ -28,7 +28,7 @@ CHECKS = ["finished", "restarted", "resumed-latest", "redone", "final-step"]
 
 def write_run(run_dir: Path, segments: list[tuple[int | None, int]], *, every: int = EVERY,
               total: int = TOTAL, log_every: int = 1, finished: bool = True,
-              snapshots: list[int] | None = None, layout: str = "ray") -> Path:
+              snapshots: list[int] | None = None, layout: str = "ray", tier: str | None = None) -> Path:
     """A run directory: one `start` record per (resumed_step, last step trained) segment, `train`
     records every log_every steps, an `end` record if finished, and a snapshot (meta.json) at every
     multiple of `every` that was reached, plus the final step (or exactly `snapshots`)."""
@@ -39,7 +39,7 @@ def write_run(run_dir: Path, segments: list[tuple[int | None, int]], *, every: i
     for resumed, last in segments:
         first = (resumed or 0) + 1
         records.append({"kind": "start", "step": resumed or 0, "world_size": 2, "total_steps": total,
-                        "resumed_step": resumed,
+                        "resumed_step": resumed, "resumed_tier": None if resumed is None else tier,
                         "resumed_from": None if resumed is None else f"step_{resumed:09d}", "config": config})
         records += [{"kind": "train", "step": s, "loss": 1.0 / s} for s in range(first, last + 1)
                     if s % log_every == 0 or s == total]
@@ -81,6 +81,13 @@ def test_a_run_that_resumed_from_its_newest_snapshot_and_finished_passes(tmp_pat
     out = out.getvalue()
     assert f"smoke_assert: PASS 5 of 5 checks in {run}" in out
     assert "PASS resumed-latest: trained to 25, resumed 20 (snapshot every 10)" in out
+
+
+def test_a_restart_the_memory_tier_resumed_from_the_last_step_reached_passes_and_an_older_one_fails(tmp_path):
+    good = write_run(tmp_path / "good", [(None, 26), (26, TOTAL)], tier="memory")
+    assert failed(good) == {}
+    bad = write_run(tmp_path / "bad", [(None, 26), (12, TOTAL)], tier="peer")
+    assert failed(bad)["resumed-latest"] == "trained to 26 but resumed 12 from peer, expected 20 or newer"
 
 
 def test_two_restarts_and_the_torchrun_layout_pass(tmp_path):
