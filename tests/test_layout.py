@@ -7,6 +7,8 @@ metadata carried by types, not looked up by `getattr`."""
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -179,3 +181,14 @@ def test_the_loop_and_build_ask_the_strategy_and_name_no_data_parallel_kind():
         found += [f"{path.name}:{n.lineno} .{n.attr}" for n in ast.walk(ast.parse(text))
                   if isinstance(n, ast.Attribute) and n.attr in ("sharded", "ddp")]
     assert not found, found
+
+
+RUN_OUTPUT = re.compile(r"(^|/)(mlruns|mlartifacts|runs)/|(^|/)step_\d{9}/|\.(safetensors|pt|pth|distcp|db)$"
+                        r"|(^|/)(metrics\.jsonl|memory-id|report\.(png|txt))$")
+"""What a run leaves: MLflow stores and artifacts, run directories, snapshots, models, metrics, reports."""
+
+
+def test_the_repository_tracks_no_run_output():
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    found = [p for p in tracked.splitlines() if RUN_OUTPUT.search(p)]
+    assert not found, f"run outputs are committed (add them to .gitignore, git rm them): {found}"

@@ -133,6 +133,8 @@ def test_trainapp_track_sends_a_runs_final_values_once_and_a_changed_resume_as_p
     assert run.data.tags["trainapp.config_changes"] == "optim.lr 0.05 -> 0.5"
     assert run.data.metrics["goodput"] == 0.5 and run.data.metrics["badput_s/restart"] == 2.0
     assert run.info.status == "FINISHED"
+    # Its files beside the store, not in the directory trainapp was started from (the repository here).
+    assert run.info.artifact_uri.startswith((tmp_path / "mlartifacts").as_uri()), run.info.artifact_uri
     r = trainapp("track", str(run_dir), "--wait-s", "60")
     assert r.returncode == 0 and ": 0 values sent" in r.output, r.output[-3000:]
     assert len(client.get_metric_history(run.info.run_id, "loss")) == 7

@@ -78,7 +78,8 @@ class MlflowSink:
             run = client.get_run(ident["run_id"])
         if run is None:
             exp = client.get_experiment_by_name(self.experiment)
-            exp_id = exp.experiment_id if exp else _create_experiment(client, self.experiment)
+            exp_id = exp.experiment_id if exp else _create_experiment(client, self.experiment,
+                                                                      artifact_root(self.uri))
             found = client.search_runs([exp_id], filter_string=f"tags.`{KEY_TAG}` = '{ident['key']}'",
                                        max_results=1)
             run = found[0] if found else client.create_run(exp_id, run_name=self.run_name,
@@ -123,9 +124,17 @@ class MlflowSink:
             self._mlflow().set_terminated(self.run_id, status)
 
 
-def _create_experiment(client: Any, name: str) -> str:
+def artifact_root(uri: str) -> str | None:
+    """Where a new experiment's artifacts go: beside a SQLite store's file (`mlartifacts/`), not MLflow's
+    default `./mlruns` of whatever directory the run was started from; a server's own root otherwise."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").resolve().as_uri()
+
+
+def _create_experiment(client: Any, name: str, artifacts: str | None = None) -> str:
     try:
-        return str(client.create_experiment(name))
+        return str(client.create_experiment(name, artifact_location=artifacts))
     except Exception:  # another run made it a moment ago
         exp = client.get_experiment_by_name(name)
         if exp is None:
