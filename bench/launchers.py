@@ -273,18 +273,19 @@ class Bench:
                 "runtime_threads_ms_per_s": runtime, "runtime_main_thread_ms_per_s": main,
                 "train_faults_per_step": None if faults is None else faults * step / workers}
 
-    def kill_run(self, launcher: str, what: str, i: int = 0,
-                 node: str = "worker2") -> tuple[float, dict[str, float]]:
-        """Kill a worker (or the worker node `node`) at step args.kill_step; seconds to the first step
-        after resume, and where they went (detection: until Ray Train's controller recorded the failure)."""
-        run_dir = self.work / f"{launcher}-{what}-{i}"
+    def kill_run(self, launcher: str, what: str, i: int = 0, node: str = "worker2", *extra: str,
+                 kill_step: int | None = None, name: str | None = None) -> tuple[float, dict[str, float]]:
+        """Kill a worker (or the worker node `node`) at step `kill_step` (default args.kill_step) of a run
+        with `extra` settings in WORK/`name`; seconds to the first step after resume, and where they went
+        (detection: until Ray Train's controller recorded the failure)."""
+        run_dir = self.work / (name or f"{launcher}-{what}-{i}")
+        at = self.args.kill_step if kill_step is None else kill_step
         # A record every step: the first step after the restart is the moment measured.
-        extra = ["train.log_every=1"]
+        extra = ("train.log_every=1", *extra)
         if what == "node":
-            extra += ["ray.num_workers=[1,2]", f"ray.worker_group_start_timeout_s={self.args.start_timeout}"]
+            extra += ("ray.num_workers=[1,2]", f"ray.worker_group_start_timeout_s={self.args.start_timeout}")
         p, _ = self.launch(launcher, run_dir, *extra)
-        wait_for(lambda: any(r["step"] >= self.args.kill_step for r in train_records(run_dir)), 600,
-                 "kill step")
+        wait_for(lambda: any(r["step"] >= at for r in train_records(run_dir)), 600, "kill step")
         if what == "node":
             victim = self.cluster.node_pids(node)["raylet"]
         elif launcher == "ray":

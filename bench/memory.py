@@ -21,23 +21,19 @@ it, and what its copies cost the steps.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
-from bench.common import (REPO, launch_cmd, overrides, records, result_path, train_records, wait_for,
-                          write_result)
-from bench.launchers import _children, step_times
+from bench.common import REPO, launch_cmd, overrides, records, result_path, write_result
+from bench.launchers import Bench, step_times
+from bench.launchers import parser as launchers_parser
 from bench.machine import describe
 from bench.scratch import scratch
-from trainapp.tools.local_ray import LocalCluster, free_port
 
 SMALLCNN = ["train.batch_size=128"]
 FAULT_MODEL = ["train.batch_size=256"]
@@ -51,79 +47,47 @@ def _memory(on: bool, memory_dir: Path) -> list[str]:
             else ["snapshot.memory_every_steps=0"])
 
 
-def lost(run_dir: Path, t_kill: float) -> dict:
-    """What the kill cost the run: seconds to the first step after the restart, steps redone, the median
-    step time, and their sum (the steps redone at that time)."""
+def lost(run_dir: Path, to_step: float) -> dict:
+    """What the kill cost the run: `to_step` seconds to the first step after the restart, the steps redone,
+    the median step time, and their sum (the steps redone at that time)."""
     recs = records(run_dir)
     starts = [i for i, r in enumerate(recs) if r["kind"] == "start"]
-    if len(starts) < 2:
-        raise RuntimeError(f"{run_dir}: no restart recorded")
     before = max(r["step"] for r in recs[starts[0]:starts[1]] if r["kind"] == "train")
     restart = recs[starts[1]]
-    first = next(r["time"] for r in recs[starts[1]:] if r["kind"] == "train")
     step_s = statistics.median(step_times(recs))
     redone = max(0, before - (restart.get("resumed_step") or 0))
-    to_step = first - t_kill
     return {"to_first_step_s": to_step, "redone": redone, "step_s": step_s,
             "lost_s": to_step + redone * step_s, "tier": restart.get("resumed_tier"),
             "resumed_step": restart.get("resumed_step"), "killed_after": before}
 
 
-class Faults:
-    def __init__(self, work: Path, cluster: LocalCluster | None):
-        self.work, self.cluster = work, cluster
-
-    def run(self, launcher: str, name: str, kill_step: int, memory: bool, steps: int) -> dict:
-        run_dir = self.work / name
-        memory_dir = Path(tempfile.mkdtemp(prefix="ta-bench-mem-", dir="/dev/shm"))
-        try:
-            args = overrides(steps, 50, *FAULT_MODEL, "train.log_every=1", *_memory(memory, memory_dir))
-            cmd, env = launch_cmd(launcher, run_dir, args, self.cluster, max_failures=2)
-            p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL, start_new_session=True)
-            try:
-                wait_for(lambda: any(r["step"] >= kill_step for r in train_records(run_dir)), 600,
-                         "kill step")
-                if launcher == "ray":
-                    assert self.cluster is not None
-                    alive = self.cluster.state("actors", class_name="RayTrainWorker", state="ALIVE")
-                    victim = alive[-1]["pid"]
-                else:
-                    victim = max(_children(p.pid))  # torchrun's children are its workers
-                t_kill = time.time()
-                os.kill(victim, signal.SIGKILL)
-                if p.wait(timeout=900) != 0:
-                    raise RuntimeError(f"run failed: {cmd}")
-            finally:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-            return lost(run_dir, t_kill)
-        finally:
-            shutil.rmtree(memory_dir, ignore_errors=True)
-
-
 def fault_rounds(work: Path, launchers: list[str], rounds: int, steps: int, seed: int) -> dict:
-    """Per launcher, `rounds` kill steps (seeded), each killed with the memory tier on and off."""
+    """Per launcher, `rounds` kill steps (seeded), each a worker SIGKILLed with the memory tier on and off
+    (bench/launchers.py's kill runs, storage snapshots every 50 steps)."""
     rng = random.Random(seed)
     kills = [rng.randrange(60, 100) for _ in range(rounds)]
     out: dict = {"kill_steps": kills}
-    cluster = None
+    b = Bench(launchers_parser().parse_args(["--steps", str(steps), "--snapshot-every", "50"]), work)
     try:
         if "ray" in launchers:
-            cluster = LocalCluster(Path(f"/tmp/ta-bench-{uuid.uuid4().hex[:6]}"), workers=2, cpus=1,
-                                   gcs_port=free_port(), dashboard_port=free_port())
-            cluster.up(cwd=REPO)
-        f = Faults(work, cluster)
+            b.cluster.up(cwd=REPO)
         for launcher in launchers:
             got: dict[str, list[dict]] = {"memory": [], "storage": []}
             for i, k in enumerate(kills):
                 for mode in (("memory", "storage") if i % 2 == 0 else ("storage", "memory")):
-                    r = f.run(launcher, f"{launcher}-{mode}-{i}", k, mode == "memory", steps)
+                    name = f"{launcher}-{mode}-{i}"
+                    memory_dir = Path(tempfile.mkdtemp(prefix="ta-bench-mem-", dir="/dev/shm"))
+                    try:
+                        on = _memory(mode == "memory", memory_dir)
+                        seconds, _ = b.kill_run(launcher, "worker", i, "worker2", *FAULT_MODEL, *on,
+                                                kill_step=k, name=name)
+                    finally:
+                        shutil.rmtree(memory_dir, ignore_errors=True)
+                    r = lost(work / name, seconds)
                     got[mode].append(r)
                     print(f"{launcher} {mode} killed after step {r['killed_after']}: resumed "
-                          f"{r['resumed_step']} "
-                          f"({r['tier']}), {r['redone']} redone, lost {r['lost_s']:.1f} s "
-                          f"({r['to_first_step_s']:.1f} s to a step)", flush=True)
+                          f"{r['resumed_step']} ({r['tier']}), {r['redone']} redone, lost "
+                          f"{r['lost_s']:.1f} s ({r['to_first_step_s']:.1f} s to a step)", flush=True)
             suffix = "" if launcher == "ray" else "_torchrun"
             for mode in ("memory", "storage"):
                 out[f"{mode}_recovery_seconds{suffix}"] = statistics.median(r["lost_s"] for r in got[mode])
@@ -131,9 +95,7 @@ def fault_rounds(work: Path, launchers: list[str], rounds: int, steps: int, seed
             out[f"memory_over_storage_loss{suffix}"] = statistics.median(
                 m["lost_s"] / s["lost_s"] for m, s in zip(got["memory"], got["storage"]))
     finally:
-        if cluster is not None:
-            cluster.down()
-            subprocess.run(["rm", "-rf", str(cluster.dir)], check=False)
+        b.close()
     return out
 
 

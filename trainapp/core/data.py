@@ -41,11 +41,14 @@ class LocatedItems(Dataset):
         return self.base[i]
 
     def __getitems__(self, indices: list[int]) -> Any:
-        many = getattr(self.base, "__getitems__", None)
-        got = many(indices) if callable(many) else [self[i] for i in indices]
+        got = self._read_many(indices)
         if not isinstance(got, list):  # the set's own batch type: the collate reads it as it is
             return got
         return Items(got, lambda k: f"item {indices[k]} of the {self.which} set")
+
+    def _read_many(self, indices: list[int]) -> Any:
+        many = getattr(self.base, "__getitems__", None)
+        return many(indices) if callable(many) else [self[i] for i in indices]
 
 
 class SeededItems(LocatedItems):
@@ -69,8 +72,8 @@ class SeededItems(LocatedItems):
     def __getitem__(self, i: int) -> Any:
         return read_seeded(derived_seed(self.seed, self.epoch, i), self.base.__getitem__, i)
 
-    def __getitems__(self, indices: list[int]) -> Any:
-        return Items([self[i] for i in indices], lambda k: f"item {indices[k]} of the train set")
+    def _read_many(self, indices: list[int]) -> Any:
+        return [self[i] for i in indices]  # each seeded: not the set's own batch read
 
 
 def draws_randomly(dataset: Any) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import functools
 import hashlib
 from typing import Any, Callable
 
@@ -67,7 +68,7 @@ def _container(h: Any, x: Any, depth: int) -> None:
         for k in sorted(x, key=item_digest):  # one order for equal dicts, whatever their insertion order
             _feed(h, k, depth + 1)
             _feed(h, x[k], depth + 1)
-    elif isinstance(x, (list, tuple)) or isinstance(x, collections.abc.Sequence):
+    elif isinstance(x, collections.abc.Sequence):  # lists, tuples, namedtuples (str and bytes: leaves)
         named = type(x).__qualname__ if type(x) not in (list, tuple) else type(x).__name__
         _tag(h, f"L{named}{len(x)}")
         for v in x:
@@ -243,7 +244,7 @@ def _mapping(items: list[Any], path: str) -> tuple[int, str, str] | None:
         missing = [k for k, v in enumerate(items) if key not in v]
         if missing:
             return missing[0], path, f"a mapping without the key {key!r} that {where_of(items, 0)} has"
-        bad = find_bad(Items([v[key] for v in items], items_where(items)), f"{path}[{key!r}]")
+        bad = find_bad(Items([v[key] for v in items], functools.partial(where_of, items)), f"{path}[{key!r}]")
         if bad:
             return bad
     return None
@@ -255,11 +256,7 @@ def _sequence(items: list[Any], path: str) -> tuple[int, str, str] | None:
         if len(v) != n:
             return k, path, f"a {type(v).__qualname__} of length {len(v)} where {where_of(items, 0)} has {n}"
     for i in range(n):
-        bad = find_bad(Items([v[i] for v in items], items_where(items)), f"{path}[{i}]")
+        bad = find_bad(Items([v[i] for v in items], functools.partial(where_of, items)), f"{path}[{i}]")
         if bad:
             return bad
     return None
-
-
-def items_where(items: Any) -> Callable[[int], str]:
-    return lambda k: where_of(items, k)

@@ -27,6 +27,7 @@ import torch
 
 from trainapp.errors import ConfigError
 from trainapp.observe.records import Position
+from trainapp.snapshots.files import local_bytes
 from trainapp.snapshots.store import LOCAL_COPY, SHARDED, SHARDS
 
 if TYPE_CHECKING:
@@ -95,22 +96,11 @@ class ShardedState:
                            optim_state_dict=state[name]["optimizer"])
 
 
-def _bytes(obj: Any) -> int:
-    if isinstance(obj, dict):
-        return sum(_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_bytes(v) for v in obj)
-    if isinstance(obj, torch.Tensor):
-        local = obj.to_local() if hasattr(obj, "to_local") else obj
-        return local.numel() * local.element_size()
-    return 0
-
-
 def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
     """An optimizer's state bytes on this rank; twice its parameters' before it has any."""
     if optimizer.state:
-        return _bytes(list(optimizer.state.values()))
-    return 2 * _bytes([p for group in optimizer.param_groups for p in group["params"]])
+        return local_bytes(list(optimizer.state.values()))
+    return 2 * local_bytes([p for group in optimizer.param_groups for p in group["params"]])
 
 
 def _local(obj: Any) -> Any:
@@ -189,10 +179,10 @@ class TrainState:
             if isinstance(part, torch.optim.Optimizer):
                 total += _optimizer_bytes(part)
             elif isinstance(part, ShardedState):
-                total += _bytes(_local(part.model.state_dict()))
+                total += local_bytes(part.model.state_dict())  # a DTensor counts its local part
                 total += _optimizer_bytes(part.optimizer) if part.optimizer is not None else 0
             elif part is not None and not getattr(part, "collective", False):  # those hold a few numbers
-                total += _bytes(part.state_dict())
+                total += local_bytes(part.state_dict())
         return total
 
     def shards(self) -> dict[str, Any] | None:

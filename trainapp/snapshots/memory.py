@@ -136,11 +136,6 @@ def fs_type(path: Path) -> str:
     return kind
 
 
-def free_bytes(path: Path) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
 class MemoryTier:
     """One rank's memory tier: its two slot files under `root` (the run's folder in the memory directory),
     written every `every` steps (`auto`: every step for AUTO_PROBES copies, then as their cost allows)."""
@@ -156,8 +151,6 @@ class MemoryTier:
         self.last_seconds = 0.0
         """Seconds the last copy held training."""
         self.copies = 0
-        self.costs: list[float] = []
-        """`auto`: the probe copies' seconds."""
         self.probe_times: list[float] = []
         """`auto`: when each probe copy began (the steps' time is between them)."""
         self.files: list[slots.SlotFile] = []
@@ -196,7 +189,8 @@ class MemoryTier:
         """Every rank, once the parts are built: this tier if every node's memory directory holds two
         copies of each of its ranks' shares (and two of a buddy's with `peer` on several nodes); else
         ConfigError (a cadence that was set) or None (`auto`, one warning line). Both with the numbers."""
-        nodes = ctx.files.all_gather_objects((self.node, state_bytes, free_bytes(self.memory_dir)))
+        free = shutil.disk_usage(self.memory_dir).free
+        nodes = ctx.files.all_gather_objects((self.node, state_bytes, free))
         short = _shortfall(self.memory_dir, nodes, peer)
         if short is None:
             self.link = PeerLink.start(ctx, self.root, [n for n, _, _ in nodes]) if peer else None
@@ -221,18 +215,18 @@ class MemoryTier:
         t0 = time.perf_counter()
         self._write(step, state)
         if self.auto:
-            self.costs.append(self.last_seconds)
             self.probe_times.append(t0)
-            if len(self.costs) == AUTO_PROBES:
+            if len(self.probe_times) == AUTO_PROBES:
                 self.every = ctx.files.broadcast_object(self._cadence())
                 self.auto = False
                 if ctx.is_main:
                     log.info("snapshot.memory_every_steps=auto: a copy every %d step(s) (a copy %.1f ms)",
-                             self.every, 1e3 * sorted(self.costs)[len(self.costs) // 2])
+                             self.every, 1e3 * sorted(self.seconds)[len(self.seconds) // 2])
 
     def _cadence(self) -> int:
-        """The fewest steps between copies that keep a copy at AUTO_SHARE of the steps' time."""
-        cost = sorted(self.costs)[len(self.costs) // 2]
+        """The fewest steps between copies that keep a copy at AUTO_SHARE of the steps' time (the probes are
+        this process's only copies so far: `seconds` holds their costs)."""
+        cost = sorted(self.seconds)[len(self.seconds) // 2]
         gaps = [b - a for a, b in zip(self.probe_times, self.probe_times[1:])]
         step = max(sorted(gaps)[len(gaps) // 2] - cost, 1e-6) if gaps else 1.0
         return max(1, math.ceil(cost / (AUTO_SHARE * step)))

@@ -6,8 +6,8 @@ A background thread sends (the step never waits on the network): the newest copy
 its slot file and checked first (a slot the writer is already overwriting is skipped, the next copy
 goes). A listener thread receives: a copy whose checksum holds is written into the older of the owner's
 two peer slots, committed last as the rank's own copies are. The connection is plain TCP between the
-addresses the ranks reach each other at (the training interface's), one per pair, opened again after
-any error.
+addresses the ranks reach each other at (the training interface's: network.interface), one per pair,
+opened again after any error.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ FRAME = struct.Struct("<QQ")  # owner rank, bytes
 
 
 def own_address() -> str:
-    """The address this host's ranks reach each other at: the route to MASTER_ADDR (no packet is sent)."""
+    """Where this host's ranks are reached when no training interface was resolved (network.interface):
+    the address of the route to MASTER_ADDR (no packet is sent)."""
     master = os.environ.get("MASTER_ADDR", "127.0.0.1")
     with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
@@ -80,7 +81,8 @@ class PeerLink:
         None on one node."""
         if len(set(nodes)) < 2:
             return None
-        link = cls(root, ctx.rank, own_address())
+        chosen = ctx.network.address if ctx.network is not None else None  # the training interface's
+        link = cls(root, ctx.rank, chosen or own_address())
         addresses = ctx.files.all_gather_objects(link.address)
         buddy = buddies(nodes)[ctx.rank]
         if buddy is not None:
