@@ -79,11 +79,11 @@ def fault_rounds(work: Path, launchers: list[str], rounds: int, steps: int, seed
                     memory_dir = Path(tempfile.mkdtemp(prefix="ta-bench-mem-", dir="/dev/shm"))
                     try:
                         on = _memory(mode == "memory", memory_dir)
-                        seconds, _ = b.kill_run(launcher, "worker", i, "worker2", *FAULT_MODEL, *on,
+                        seconds, phases = b.kill_run(launcher, "worker", i, "worker2", *FAULT_MODEL, *on,
                                                 kill_step=k, name=name)
                     finally:
                         shutil.rmtree(memory_dir, ignore_errors=True)
-                    r = lost(work / name, seconds)
+                    r = {**lost(work / name, seconds), "phases": phases}
                     got[mode].append(r)
                     print(f"{launcher} {mode} killed after step {r['killed_after']}: resumed "
                           f"{r['resumed_step']} ({r['tier']}), {r['redone']} redone, lost "

@@ -3,7 +3,12 @@ trainapp/__init__.py."""
 
 import sys
 
-from trainapp.cli import main
+from trainapp.launch import startup
+
+if sys.argv[1:2] in (["train"], ["ray"]):
+    startup.pause_gc()  # until the parts are built (trainapp/launch/startup.py says why)
+
+from trainapp.cli import main  # noqa: E402  (after the pause: the imports are what it is for)
 from trainapp.errors import leave
 
 if sys.argv[1:2] == ["train"]:

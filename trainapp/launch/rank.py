@@ -23,7 +23,7 @@ from trainapp.faults.boundary import DrainNotices, StepBoundary
 from trainapp.faults.drills import Drills
 from trainapp.faults.guard import RankGuard
 from trainapp.group import DistContext
-from trainapp.launch import dist, malloc
+from trainapp.launch import dist, malloc, startup
 from trainapp.observe import logs
 from trainapp.observe.live import LiveMetrics
 from trainapp.observe.records import Records
@@ -98,8 +98,11 @@ def run_rank(launcher: Launcher, cfg: Config, task: Any = None) -> dict[str, Any
         launcher.watch(ctx, held)
         guard.failures.fence = held.fence
         with guard.watching(cfg, ctx, lambda: _side_store(ctx)):
-            return {**trainer(launcher, cfg, ctx, guard, task, held).train(), "rank": ctx.rank}
+            built = trainer(launcher, cfg, ctx, guard, task, held)
+            startup.resume_gc()
+            return {**built.train(), "rank": ctx.rank}
     finally:
+        startup.resume_gc()
         held.release()
         launcher.close(ctx)
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from trainapp.config import Config, ConfigError
 from trainapp.errors import Failure
+from trainapp.launch import startup
 from trainapp.launch.ray.checks import (
     Preflight,
     check_capacity,
@@ -335,6 +336,7 @@ def _preflight(cfg: Config, timeline: Timeline, where: str) -> tuple[str, dict[s
     # trainapp/launch/ray/setup.py).
     from trainapp.launch.ray.private import run_record, trainer  # noqa: F401
     timeline.mark("driver_imported")
+    startup.resume_gc()  # the driver's imports are done (trainapp/__main__.py paused it)
     run_record.check_run_record(storage, cfg.ray.name)
     for line in checks.wait():
         log.info("network %s", line)

@@ -34,7 +34,11 @@ def prepare_worker(env: dict[str, str], threads: int, network: dict[str, Any], p
     """Runs in every worker before Ray creates the process group, in the worker's main thread (where
     Python takes signals: the loop runs in a thread of Ray's); returns its network choice. It makes the
     rank's guard (trainapp/faults/guard.py), which the training function finds again. `imports`: the
-    worker function's (IMPORTS), started in a thread the guard keeps, as this returns."""
+    worker function's (IMPORTS), started in a thread the guard keeps, as this returns. The cyclic
+    collector is paused from here until the rank's parts are built (trainapp/launch/startup.py)."""
+    from trainapp.launch import startup
+
+    startup.pause_gc()
     import torch
 
     from trainapp.faults import drain
