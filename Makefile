@@ -98,22 +98,22 @@ image-cpu: ## Build the CPU image $(IMAGE):$(TAG)-cpu (CPU_BASE, TORCH_INDEX_URL
 
 .PHONY: ray-up
 ray-up: $(STAMP) ## Start a head (no task CPUs) and RAY_WORKERS worker nodes of RAY_CPUS CPUs, token auth on
-	$(BIN)/python -m trainapp.tools.local_ray --dir $(RAY_DIR) up --workers $(RAY_WORKERS) --cpus $(RAY_CPUS) \
+	$(BIN)/python -m devtools.local_ray --dir $(RAY_DIR) up --workers $(RAY_WORKERS) --cpus $(RAY_CPUS) \
 	  --port $(RAY_PORT) --dashboard-port $(RAY_DASHBOARD_PORT)
 
 .PHONY: ray-submit
 ray-submit: $(STAMP) ## ray job submit a training run to it (ARGS, RAY_NAME: same name resumes, RAY_STORAGE, WORKING_DIR: your task's code)
-	$(BIN)/python -m trainapp.tools.local_ray --dir $(RAY_DIR) submit $(if $(WORKING_DIR),--working-dir $(WORKING_DIR)) \
+	$(BIN)/python -m devtools.local_ray --dir $(RAY_DIR) submit $(if $(WORKING_DIR),--working-dir $(WORKING_DIR)) \
 	  -- python -m trainapp ray \
 	  ray.storage_path=$(RAY_STORAGE) ray.name=$(RAY_NAME) $(ARGS)
 
 .PHONY: ray-status
 ray-status: $(STAMP) ## Alive nodes, addresses and token file of the local Ray cluster
-	$(BIN)/python -m trainapp.tools.local_ray --dir $(RAY_DIR) status
+	$(BIN)/python -m devtools.local_ray --dir $(RAY_DIR) status
 
 .PHONY: ray-down
 ray-down: $(STAMP) ## Stop exactly the processes ray-up started (never other Ray instances)
-	$(BIN)/python -m trainapp.tools.local_ray --dir $(RAY_DIR) down
+	$(BIN)/python -m devtools.local_ray --dir $(RAY_DIR) down
 
 ##@ Slurm
 

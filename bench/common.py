@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from trainapp.tools.local_ray import LocalCluster
+    from devtools.local_ray import LocalCluster
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent

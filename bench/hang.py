@@ -45,7 +45,7 @@ from bench.scratch import scratch
 from trainapp.config import FaultSection
 
 from trainapp.faults import drain
-from trainapp.tools.local_ray import LocalCluster, free_port
+from devtools.local_ray import LocalCluster, free_port
 
 LAUNCHERS = ("torchrun", "ray")
 

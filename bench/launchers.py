@@ -53,7 +53,7 @@ from bench.common import (
 )
 from bench.machine import describe
 from bench.scratch import scratch
-from trainapp.tools.local_ray import LocalCluster, free_port, proc_stat
+from devtools.local_ray import LocalCluster, free_port, proc_stat
 
 
 def step_times(recs: list[dict]) -> list[float]:

@@ -40,7 +40,7 @@ from bench.common import REPO, first_step_start, overrides, records, result_path
 from bench.machine import describe
 from bench.scratch import scratch
 
-from trainapp.tools.local_ray import RAY, LocalCluster, free_port
+from devtools.local_ray import RAY, LocalCluster, free_port
 from trainapp.launch.ray.stop import REQUESTS
 
 

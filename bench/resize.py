@@ -50,7 +50,7 @@ from bench.common import BIN, REPO, records, result_path, wait_for
 from bench.machine import describe
 from bench.scratch import scratch
 
-from trainapp.tools.local_ray import RAY, LocalCluster, free_port
+from devtools.local_ray import RAY, LocalCluster, free_port
 
 def _run(cmd: list[str], must_pass: bool = True) -> None:
     # The environment as it is now: bench/stream.py adds the tests' user tasks to PYTHONPATH.

@@ -34,7 +34,7 @@ from bench.scratch import scratch
 
 
 def _server(root: Path) -> tuple[subprocess.Popen, str]:
-    from trainapp.tools.local_ray import free_port
+    from devtools.local_ray import free_port
 
     port = free_port()
     proc = subprocess.Popen([str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",

@@ -16,10 +16,10 @@ and to `ray job submit` through RAY_AUTH_TOKEN_PATH. The nodes also get their ow
 Every node runs `ray start --block` as the leader of its own session; `down` ends exactly those
 sessions (SIGTERM, then SIGKILL for stragglers), never other Ray processes on the machine.
 
-    python -m trainapp.tools.local_ray up --workers 2 --cpus 1
-    python -m trainapp.tools.local_ray submit -- python -m trainapp ray ray.storage_path=$PWD/runs/ray
-    python -m trainapp.tools.local_ray status
-    python -m trainapp.tools.local_ray down
+    python -m devtools.local_ray up --workers 2 --cpus 1
+    python -m devtools.local_ray submit -- python -m trainapp ray ray.storage_path=$PWD/runs/ray
+    python -m devtools.local_ray status
+    python -m devtools.local_ray down
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ class LocalCluster:
     def up(self, timeout: float = 120, cwd: Path | None = None) -> "LocalCluster":
         if (self.dir / STATE).exists():
             raise SystemExit(f"local ray cluster: a cluster is already recorded in {self.dir / STATE}; "
-                             "run `make ray-down` (or `python -m trainapp.tools.local_ray down`) first")
+                             "run `make ray-down` (or `python -m devtools.local_ray down`) first")
         for host, port in ((self.node_ip, self.gcs_port), ("127.0.0.1", self.dashboard_port)):
             if _wait_port(port, 0.2, host):
                 raise SystemExit(f"local ray cluster: port {port} on 127.0.0.1 is in use; pick others "
@@ -375,7 +375,7 @@ class LocalCluster:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainapp.tools.local_ray",
+    p = argparse.ArgumentParser(prog="python -m devtools.local_ray",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--dir", type=Path, default=DEFAULT_DIR,
                    help=f"cluster state, token, logs (default {DEFAULT_DIR})")

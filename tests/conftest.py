@@ -183,7 +183,7 @@ def slowed_run(shared) -> SlowedRun:
 
 
 def _slowed(where: Path) -> None:
-    from trainapp.tools.local_ray import free_port
+    from helpers import free_port
 
     run_dir, port = where / "run", free_port()
     # 200 ms: the ratio to the median of two ranks is (b + 200) / (b + 100) for a step of b ms, over 1.2 up to

@@ -19,6 +19,7 @@ from typing import TypeVar
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from devtools.local_ray import free_port  # noqa: F401  (the tests' one way to a free loopback port)
 from trainapp.observe.metrics import read as metrics  # noqa: F401  (the tests' name for the one reader)
 
 T = TypeVar("T")

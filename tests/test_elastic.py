@@ -16,7 +16,7 @@ import usertasks_ledger
 import usertasks_stream
 from helpers import REPO, TORCHRUN, USERTASKS, inspect, metrics, torchrun, trainapp, wait_for_record
 
-from trainapp.tools.local_ray import free_port
+from helpers import free_port
 from trainapp.snapshots.store import list_snapshots
 
 pytestmark = pytest.mark.slow

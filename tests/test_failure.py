@@ -19,7 +19,7 @@ from trainapp.errors import PEER_EXIT, ConfigError
 from trainapp.faults import failure
 from trainapp.faults.heartbeat import Heartbeat
 from trainapp.faults.preempt import Preempted
-from trainapp.tools.local_ray import free_port
+from helpers import free_port
 from trainapp.snapshots.manager import StorageError
 
 # Two ranks of a plain launch (RANK/WORLD_SIZE/MASTER_ADDR, no torchrun to end the survivor): rank 0

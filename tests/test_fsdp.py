@@ -202,7 +202,7 @@ def gloo_pair(cmds: list[list[str]]) -> tuple[list[int], list[str]]:
     set), run to their end: (exit codes, outputs)."""
     import subprocess
 
-    from trainapp.tools.local_ray import free_port
+    from helpers import free_port
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     procs = [subprocess.Popen(cmd, env={**env, "RANK": str(rank)}, text=True, stdout=subprocess.PIPE,

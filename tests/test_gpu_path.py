@@ -21,7 +21,7 @@ from trainapp.core.amp import cuda_auto
 from trainapp.core.layout import Layout
 from trainapp.core.state import own_cuda_state, rng_state, set_rng_state
 from trainapp.launch import device, net
-from trainapp.tools.local_ray import free_port
+from helpers import free_port
 from trainapp.launch.ray.driver import gpus_for_workers
 from trainapp.tasks.image import SmallCNN
 

@@ -7,7 +7,7 @@ import pytest
 from helpers import FAULT_RUN, QUICK, REPO, TORCHRUN, inspect, metrics, run_cmd, torchrun, trainapp
 
 from trainapp.core.amp import cpu_has_native_bf16
-from trainapp.tools.local_ray import free_port
+from helpers import free_port
 from trainapp.snapshots import store as snapshot
 
 pytestmark = pytest.mark.slow

@@ -23,7 +23,7 @@ from helpers import (FAULT_RUN, FSDP_RUN, REPO, TORCHRUN, inspect, metrics, run_
 from trainapp import cli
 from trainapp.snapshots import memory_slots as slots
 from trainapp.snapshots.memory import Copy, _choose, unusable
-from trainapp.tools.local_ray import free_port
+from helpers import free_port
 
 MEMORY = ["snapshot.memory_every_steps=1"]
 

@@ -21,7 +21,7 @@ from helpers import QUICK, REPO, TORCHRUN, metrics, trainapp, wait_until
 
 from trainapp.config import NetworkSection
 from trainapp.launch import net
-from trainapp.tools.local_ray import RAY, LocalCluster, _session_pids
+from devtools.local_ray import RAY, LocalCluster, _session_pids
 
 LO = net.Interface("lo", ("127.0.0.1",), True)
 ETH0 = net.Interface("eth0", ("10.9.0.5",), True)

@@ -21,7 +21,8 @@ from helpers import (PY, QUICK, REPO, inspect, metrics, one_error_line, run_cmd,
                      wait_for_record, wait_until)
 
 from trainapp.faults.boundary import StopVote
-from trainapp.tools.local_ray import RAY, LocalCluster, free_port, proc_stat
+from devtools.local_ray import RAY, LocalCluster, proc_stat
+from helpers import free_port
 from trainapp.observe.logs import FIRST_STEP
 from trainapp.snapshots.store import list_snapshots, step_of
 from trainapp.tools import report
@@ -391,7 +392,7 @@ def test_a_user_task_shipped_with_working_dir_resumes_a_killed_worker_bitwise_as
     SIGKILLs itself after step 13; the run ends where torchrun's straight run does."""
     task = USER_TASK
     # What `make ray-submit WORKING_DIR=examples/tabular` runs.
-    r = run_cmd([PY, "-m", "trainapp.tools.local_ray", "--dir", str(cluster.dir), "submit", "--working-dir",
+    r = run_cmd([PY, "-m", "devtools.local_ray", "--dir", str(cluster.dir), "submit", "--working-dir",
                  "examples/tabular", "--", "python", "-m", "trainapp", "ray",
                  f"ray.storage_path={cluster.storage}", "ray.name=usertask", *task,
                  "drill.kill_at_step=13", "drill.rank=1"], timeout=400, env=cluster.env())

@@ -13,7 +13,8 @@ import pytest
 from helpers import QUICK, REPO
 from test_live_metrics import scrape
 
-from trainapp.tools.local_ray import RAY, LocalCluster, free_port
+from devtools.local_ray import RAY, LocalCluster
+from helpers import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 

@@ -21,7 +21,7 @@ from helpers import PY, QUICK, exited, metrics, one_error_line, torchrun2, train
 
 from trainapp.observe.metrics import METRICS
 from trainapp.observe.tracking.lineage import Reader
-from trainapp.tools.local_ray import free_port
+from helpers import free_port
 
 MLFLOW = str(Path(PY).parent / "mlflow")
 
