@@ -110,13 +110,15 @@ def baseline(run_dir: str) -> dict:
     from trainapp.config import from_dict
     from trainapp.core.task import bind
     from trainapp.group import DistContext
+    from trainapp.tasks.load import resolve
     from trainapp.tools import export  # noqa: F401  (what `trainapp export` imports)
     from trainapp.weights.sources import open_source
 
     source = open_source(run_dir)
     ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None,
                       owns_group=False)
-    bound = bind(None, from_dict(source.config), ctx)
+    cfg = from_dict(source.config)
+    bound = bind(resolve(cfg), ctx, name=cfg.task.name, seed=cfg.seed, run_dir=cfg.run.dir)
     train, val = bound.datasets()
     return {"model_bytes": sum(e.nbytes for e in source.entries.values()), "tensors": len(source.entries),
             "items": len(train) + len(val), "kind": source.kind}

@@ -32,8 +32,8 @@ def make_trainer(tmp_path):
 
     def make(*extra) -> Trainer:
         cfg, launcher = _cfg(tmp_path, *extra), Torchrun()
-        guard = launcher.guard(cfg)
-        ctx = launcher.context(cfg, guard)
+        guard = launcher.guard(cfg.preempt)
+        ctx = launcher.context(cfg.dist, cfg.network, guard)
         made.append((launcher, ctx))
         return rank.trainer(launcher, cfg, ctx, guard)
 

@@ -15,8 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "trainapp"
 MODULES = sorted(PACKAGE.rglob("*.py"))
 MAX_MODULE_LINES = 500
-LAYERS = ("errors", "config", "group", "streams", "tasks", "observe", "snapshots", "weights", "faults",
-          "core", "launch", "tools", "cli", "api", "__main__")
+LAYERS = ("errors", "startup", "config", "group", "streams", "tasks", "observe", "snapshots", "weights",
+          "faults", "core", "launch", "tools", "cli", "api", "__main__")
 """trainapp's subsystems from the bottom up: a module imports its own layer and the layers below it only."""
 
 
@@ -192,3 +192,25 @@ def test_the_repository_tracks_no_run_output():
     tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     found = [p for p in tracked.splitlines() if RUN_OUTPUT.search(p)]
     assert not found, f"run outputs are committed (add them to .gitignore, git rm them): {found}"
+
+
+WHOLE_CONFIG = {"trainapp/launch/rank.py", "trainapp/launch/ray/driver.py", "trainapp/core/build.py",
+                "trainapp/tasks/load.py", "trainapp/tasks/image.py", "trainapp/tools/doctor.py"}
+"""Where the whole configuration is read: the rank's assembler and the parts' (`run_rank`, `build`), the Ray
+driver's entry, the task factory (a task may take the whole config: trainapp/tasks/load.py) and the built-in
+image task's, and `doctor`, which checks all of it. Every other part is given its own section or the few
+values it uses."""
+
+
+def test_the_whole_config_is_taken_in_at_most_six_files():
+    def takes_config(a: ast.arg) -> bool:
+        ann = a.annotation
+        return (isinstance(ann, ast.Name) and ann.id == "Config") or (
+            isinstance(ann, ast.Attribute) and ann.attr == "Config")
+
+    found = {str(p.relative_to(REPO)) for p in MODULES for n in ast.walk(_tree(p))
+             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for a in [*n.args.posonlyargs, *n.args.args, *n.args.kwonlyargs,
+                       *([n.args.vararg] if n.args.vararg else [])] if takes_config(a)}
+    found = {f for f in found if not f.startswith("trainapp/config/")}
+    assert found <= WHOLE_CONFIG and len(WHOLE_CONFIG) <= 6, sorted(found - WHOLE_CONFIG)

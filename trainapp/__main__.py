@@ -3,14 +3,19 @@ trainapp/__init__.py."""
 
 import sys
 
-from trainapp.launch import startup
+from trainapp.startup import GcPause
 
-if sys.argv[1:2] in (["train"], ["ray"]):
-    startup.pause_gc()  # until the parts are built (trainapp/launch/startup.py says why)
 
-from trainapp.cli import main  # noqa: E402  (after the pause: the imports are what it is for)
-from trainapp.errors import leave
+def _run() -> None:
+    # A training process starts with the cyclic collector paused until its parts are built
+    # (trainapp/startup.py): before the imports below, which are most of what it is for.
+    pause = GcPause() if sys.argv[1:2] == ["train"] else None
+    from trainapp.cli import main
+    from trainapp.errors import leave
 
-if sys.argv[1:2] == ["train"]:
-    leave(main())  # a finished training process leaves at once (trainapp.errors.leave says why)
-sys.exit(main())
+    if pause is not None:
+        leave(main(gc_pause=pause))  # a finished training process leaves at once (trainapp.errors.leave)
+    sys.exit(main())
+
+
+_run()

@@ -14,10 +14,13 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainapp import config
 from trainapp.errors import Failure, exit_code
+
+if TYPE_CHECKING:
+    from trainapp.startup import GcPause
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -132,7 +135,7 @@ def _val_fields(summary: dict[str, Any]) -> list[str]:
     return [f"{k}={v:.4f}" for k, v in val_metrics(summary).items() if isinstance(v, (int, float))]
 
 
-def cmd_train(args: argparse.Namespace, task: Any = None) -> int:
+def cmd_train(args: argparse.Namespace, task: Any = None, gc_pause: GcPause | None = None) -> int:
     from trainapp.tasks.load import configure
 
     cfg, task = configure(args.config, args.overrides, task)
@@ -142,7 +145,7 @@ def cmd_train(args: argparse.Namespace, task: Any = None) -> int:
     from trainapp.launch.torchrun import Torchrun
 
     try:
-        summary = run_rank(Torchrun(), cfg, task)
+        summary = run_rank(Torchrun(gc_pause), cfg, task)
     except Preempted as e:  # a notice, handled: snapshot written, the scheduler sees "terminated"
         if e.rank == 0:
             print(e.line(), flush=True)
@@ -304,7 +307,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             return driver.run_comm(cfg, args.size_mb, args.iters, args.min_bandwidth)
         from trainapp.launch import comm
 
-        return comm.main(cfg, args.size_mb, args.iters, args.min_bandwidth)
+        return comm.main(cfg.dist, cfg.network, args.size_mb, args.iters, args.min_bandwidth)
     from trainapp.tools import doctor
 
     checks = doctor.run(cfg)
@@ -322,16 +325,20 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_slurm_preflight(args: argparse.Namespace) -> int:
     from trainapp.launch import slurm
 
-    return slurm.main(config.load(args.config, args.overrides), args.rendezvous, args.mark)
+    cfg = config.load(args.config, args.overrides)
+    return slurm.main(cfg.run.dir, cfg.network, args.rendezvous, args.mark)
 
 
-def main(argv: list[str] | None = None, task: Any = None) -> int:
+def main(argv: list[str] | None = None, task: Any = None, gc_pause: GcPause | None = None) -> int:
     """The command line; `task`: a task object for `train` and `ray` (trainapp/api.py), instead of the
-    one `task.name` names."""
+    one `task.name` names; `gc_pause`: the collector paused by the entry point (trainapp/startup.py), for
+    `train` to end once its parts are built."""
     args = _parser().parse_args(argv)
     try:
-        if args.command in ("train", "ray"):
-            return {"train": cmd_train, "ray": cmd_ray}[args.command](args, task)
+        if args.command == "train":
+            return cmd_train(args, task, gc_pause)
+        if args.command == "ray":
+            return cmd_ray(args, task)
         return {"inspect": cmd_inspect, "export": cmd_export, "config": cmd_config, "doctor": cmd_doctor,
                 "report": cmd_report, "track": cmd_track,
                 "drain": cmd_drain, "node": cmd_node, "slurm-preflight": cmd_slurm_preflight,

@@ -26,6 +26,7 @@ from trainapp.core.layout import Layout
 from trainapp.core.state import RngState, TrainState
 from trainapp.core.stream import StreamBatches
 from trainapp.core.task import BoundTask, bind
+from trainapp.observe.records import StartFacts
 from trainapp.snapshots.memory import TIER, TIER_NOTE, TIERS
 from trainapp.streams.api import is_stream
 from trainapp.weights import init as weights_init
@@ -77,6 +78,18 @@ class Parts:
         record's `parallel`."""
         return self.strategy.described
 
+    def start_facts(self, world_size: int) -> StartFacts:
+        """What the attempt's `start` record says of the parts (trainapp/observe/records.py)."""
+        p = self.progress
+        return StartFacts(step=p.global_step, epoch=p.epoch, epoch_sample=p.epoch_sample,
+                          global_batch=p.global_batch, layout=p.layout.to_dict(),
+                          micro_steps=[p.layout.micro_steps(r) for r in range(world_size)],
+                          total_steps=self.total_steps, peak_lr=self.peak_lr, amp=self.precision.name,
+                          amp_why=self.precision.why, kernels=self.kernels, parallel=self.parallel,
+                          resumed=p.resumed, resumed_from=self.resumed_from, resumed_tier=self.resumed_tier,
+                          resumed_tiers=self.resumed_tiers, resumed_note=self.resumed_note,
+                          config_changes=self.config_changes, init=self.init)
+
 
 def build(cfg: Config, ctx: DistContext,
           load: Callable[[DistContext], tuple[str, dict[str, Any]] | None] = lambda ctx: None,
@@ -87,7 +100,12 @@ def build(cfg: Config, ctx: DistContext,
     cuda = ctx.device.type == "cuda"
     chosen = kernels.configure(cfg.train.deterministic, cuda)
     made: list[data.Progress] = []  # made once the data are known; the task may ask for its steps before
-    task = bind(task, cfg, ctx, steps_done=lambda: made[0].global_step if made else 0)
+    if task is None:
+        from trainapp.tasks.load import resolve  # a built-in task's module (torchvision...) only when named
+
+        task = resolve(cfg)
+    task = bind(task, ctx, name=cfg.task.name, seed=cfg.seed, run_dir=cfg.run.dir,
+                steps_done=lambda: made[0].global_step if made else 0)
     strategy = parallel.make(cfg.parallel, ctx, task, cfg.run.dir)  # checked before anything is built
     train_ds, val_ds = task.datasets()
     model = task.model()  # after the datasets: a task may size its model by its data (classes, vocabulary)
@@ -169,8 +187,9 @@ def _data(cfg: Config, ctx: DistContext, task: BoundTask, train: Any, val: Any, 
     stream_part: StreamBatches | None = None
     batches: data.Batches
     if is_stream(train):
-        batches = stream_part = stream.make_batches(cfg, ctx, task, train, progress)
-        horizon: Callable[[], int] = functools.partial(stream.planned_steps, cfg)
+        batches = stream_part = stream.make_batches(ctx, task, train, progress, seed=cfg.seed,
+                                                    data_cfg=cfg.data, train_cfg=cfg.train)
+        horizon: Callable[[], int] = functools.partial(stream.planned_steps, cfg.train.max_steps)
     else:
         seeded = task.random_items and data.draws_randomly(train)
         train = data.SeededItems(train, cfg.seed) if seeded else data.LocatedItems(train, "train")

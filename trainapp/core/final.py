@@ -33,7 +33,6 @@ from trainapp.weights.artifact import DTYPE_NAMES, ArtifactDir, plan, versions
 from trainapp.weights.safetensors_file import file_digest
 
 if TYPE_CHECKING:
-    from trainapp.config import Config
     from trainapp.core.build import Parts
     from trainapp.group import DistContext
     from trainapp.snapshots.manager import SnapshotManager
@@ -43,23 +42,25 @@ log = logging.getLogger("trainapp.core.loop")
 DIR = "model"
 
 
-def export_final(cfg: Config, ctx: DistContext, parts: Parts, snapshots: SnapshotManager) -> str | None:
-    """Every rank, after the final snapshot: the final model exported; where it went (rank 0), or None
-    (`run.export=false`, another rank, or a storage error, said in one warning line)."""
-    if not cfg.run.export or not (parts.strategy.sharded or ctx.is_main):
+def export_final(ctx: DistContext, parts: Parts, snapshots: SnapshotManager, run_dir: str,
+                 export: bool = True) -> str | None:
+    """Every rank, after the final snapshot: the final model exported to `run_dir`/model; where it went
+    (rank 0), or None (`export` off: `run.export=false`, another rank, or a storage error, said in one
+    warning line)."""
+    if not export or not (parts.strategy.sharded or ctx.is_main):
         return None
     t0 = time.perf_counter()
     model = parts.ema.module if parts.ema is not None else parts.model
     state = model.state_dict()
     entries, drop = plan(state, None)
-    out = Path(cfg.run.dir) / DIR
+    out = Path(run_dir) / DIR
     try:
         written = _write(ctx, out, entries, state)
         if written is None:
             return None
         artifact, digest = written
         try:
-            record = {**_about(cfg, parts, snapshots), "tensors_sha256": digest, "tied": drop,
+            record = {**_about(run_dir, parts, snapshots), "tensors_sha256": digest, "tied": drop,
                       "check": _check(artifact, digest), "task_export": _task_export(parts, model, artifact)}
             out = artifact.publish(record)
         except BaseException:
@@ -69,7 +70,7 @@ def export_final(cfg: Config, ctx: DistContext, parts: Parts, snapshots: Snapsho
         if not is_storage_error(e):
             raise
         log.warning("the final model was not exported to %s (%s); the final snapshot holds it: "
-                    "`trainapp export %s` writes it", out, e, cfg.run.dir)
+                    "`trainapp export %s` writes it", out, e, run_dir)
         return None
     where = snapshots.publish.put_dir(DIR, out)
     log.info("model exported: %s (%s, %.2f s)", where,
@@ -145,8 +146,10 @@ def _task_export(parts: Parts, model: torch.nn.Module, artifact: ArtifactDir) ->
     return "run"
 
 
-def _about(cfg: Config, parts: Parts, snapshots: SnapshotManager) -> dict[str, Any]:
-    """What the record says the model is and where it came from."""
+def _about(run_dir: str, parts: Parts, snapshots: SnapshotManager) -> dict[str, Any]:
+    """What the record says the model is and where it came from (the run's config: what its state
+    records)."""
+    config = parts.state.records["config"]
     step = parts.progress.global_step
     where = snapshots.last_written or snapshots.path_for(step)
     source: dict[str, Any] = {"path": str(where), "step": step,
@@ -156,7 +159,7 @@ def _about(cfg: Config, parts: Parts, snapshots: SnapshotManager) -> dict[str, A
         info = json.loads(meta.read_text())
         source.update({k: info[k] for k in ("xxh3_128", "params_sha256") if k in info})
     dtype = next((p.dtype for p in parts.model.parameters()), torch.float32)
-    return {"run_dir": cfg.run.dir, "step": step, "ema": parts.ema is not None, "source": source,
+    return {"run_dir": run_dir, "step": step, "ema": parts.ema is not None, "source": source,
             "dtype": {v: k for k, v in DTYPE_NAMES.items()}.get(dtype, str(dtype)),
-            "task": {"name": cfg.task.name, "args": cfg.task.args}, "config": cfg.to_dict(),
+            "task": {"name": config["task"]["name"], "args": config["task"]["args"]}, "config": config,
             "init": parts.init, "written_by": "the end of the run", **versions()}

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 from tqdm import tqdm
 
-from trainapp.config import Config
+from trainapp.config import TrainSection
 from trainapp.core import parallel
 from trainapp.core.build import Parts
 from trainapp.core.final import export_final
@@ -38,26 +39,44 @@ warnings.filterwarnings("ignore",
                         message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
 
 
+@dataclass(frozen=True)
+class LoopSettings:
+    """What the loop reads of the run's config, given by the assembler (trainapp/launch/rank.py)."""
+
+    train: TrainSection
+    """The `train` section: steps, epochs, evaluation and logging cadence, clipping, the global batch."""
+    seed: int
+    """The run's `seed`: each micro-batch's slot is seeded from it and the step."""
+    run_dir: str
+    """`run.dir`: where the final model goes (`run_dir`/model)."""
+    time_ranks: bool = True
+    """`observe.ranks`: time each rank's phases (the `ranks` records, stragglers)."""
+    export: bool = True
+    """`run.export`: write the final model when training ends."""
+
+
 class Trainer:
     """Trains `parts` to `parts.total_steps`. `guard` (trainapp/faults/guard.py) watches the rank,
     `boundary` decides at each step boundary, `snapshots` writes them, `records` writes down what
-    happened, and each of `step_hooks` is called with the step number after every step."""
+    happened, and each of `step_hooks` is called with the step number after every step; `settings`: what
+    it reads of the config."""
 
-    def __init__(self, cfg: Config, ctx: DistContext, parts: Parts, snapshots: SnapshotManager,
-                 guard: RankGuard, boundary: StepBoundary, records: Records,
+    def __init__(self, ctx: DistContext, parts: Parts, snapshots: SnapshotManager, guard: RankGuard,
+                 boundary: StepBoundary, records: Records, settings: LoopSettings,
                  step_hooks: tuple[Callable[[int], None], ...] = ()):
-        self.cfg, self.ctx, self.parts, self.snapshots = cfg, ctx, parts, snapshots
+        self.ctx, self.parts, self.snapshots, self.settings = ctx, parts, snapshots, settings
+        self.train_section = settings.train
         self.guard, self.boundary, self.records, self.step_hooks = guard, boundary, records, step_hooks
         self.last_loss = float("nan")
         self.last_eval: dict[str, Any] | None = None
         self._loss_sum = torch.zeros((), device=ctx.device)  # summed on the device, read at log time
         self._loss_steps = 0
-        self.clock = PhaseClock(ctx.device, cfg.observe.ranks, guard.heartbeat.set_phase)
-        if cfg.observe.ranks:
+        self.clock = PhaseClock(ctx.device, settings.time_ranks, guard.heartbeat.set_phase)
+        if settings.time_ranks:
             parts.strategy.time_waits(self.clock)
 
     def train(self) -> dict[str, Any]:
-        t, p = self.cfg.train, self.parts.progress
+        t, p = self.train_section, self.parts.progress
         start_step = p.global_step
         bar = tqdm(total=self.parts.total_steps, initial=p.global_step, desc="train", unit="step",
                    dynamic_ncols=True, disable=not (self.ctx.is_main and t.progress), mininterval=0.5)
@@ -76,7 +95,7 @@ class Trainer:
             self.records.close()
 
     def _loop(self, bar: tqdm, meter: Throughput) -> None:
-        t, p, total = self.cfg.train, self.parts.progress, self.parts.total_steps
+        t, p, total = self.train_section, self.parts.progress, self.parts.total_steps
         batches = None
         while p.global_step < total and p.epoch < t.epochs:  # a stream may run out before `total`
             batches = self._counted_step(batches, meter, bar)
@@ -129,7 +148,7 @@ class Trainer:
             clock.enter("data")
             batch = parts.task.to_device(next(batches))
             clock.enter("compute")
-            seed_slot(self.cfg.seed, parts.progress.global_step, layout.slot(micro))
+            seed_slot(self.settings.seed, parts.progress.global_step, layout.slot(micro))
             # All-reduce (reduce-scatter) only on the last micro-step; the others accumulate local gradients.
             with parts.strategy.no_sync(sync=micro == micro_steps - 1):
                 with parts.precision.autocast():
@@ -137,9 +156,9 @@ class Trainer:
                 scaler.scale(loss * weight).backward()
             loss_sum += loss.detach()
         clock.enter("optim")
-        if self.cfg.train.grad_clip > 0:
+        if self.train_section.grad_clip > 0:
             scaler.unscale_(parts.optimizer)  # clip the true gradients, not the scaled ones
-            torch.nn.utils.clip_grad_norm_(parts.model.parameters(), self.cfg.train.grad_clip)
+            torch.nn.utils.clip_grad_norm_(parts.model.parameters(), self.train_section.grad_clip)
         scale = parts.precision.scale_tensor()
         before = scale.clone() if scale is not None else None
         scaler.step(parts.optimizer)  # skipped by the scaler when fp16 gradients hold inf/NaN
@@ -250,7 +269,9 @@ class Trainer:
         except BaseException:
             self.records.snapshot_failures(self.snapshots.failed)
             raise
-        self.records.snapshot(p.global_step, self.snapshots)
+        m = self.snapshots
+        self.records.snapshot(p.global_step, failed=m.failed, failures=m.failures, background=m.async_write,
+                              blocking_s=m.last_blocking_s, published=lambda: m.published_step)
 
     def _finish_snapshots(self, announce: bool = True) -> None:
         try:
@@ -287,6 +308,7 @@ class Trainer:
                    "memory_tier": self.snapshots.memory_summary()}
         self._finish_snapshots()  # the final snapshot is on disk before the run says it ended
         self.snapshots.close_memory()  # a finished run's copies in memory are of no more use
-        summary["model"] = export_final(self.cfg, self.ctx, self.parts, self.snapshots)  # run.export
+        summary["model"] = export_final(self.ctx, self.parts, self.snapshots, self.settings.run_dir,
+                                        self.settings.export)
         summary.update(self.records.end(summary))  # rank 0: the account of the run's wall time
         return summary

@@ -26,12 +26,23 @@ import numpy as np
 import torch
 
 from trainapp.errors import ConfigError
-from trainapp.observe.records import Position
 from trainapp.snapshots.files import local_bytes
 from trainapp.snapshots.store import LOCAL_COPY, SHARDED, SHARDS
 
 if TYPE_CHECKING:
     from trainapp.group import DistContext
+
+class Position(Protocol):
+    """Where training is: trainapp/core/data.py's Progress, which `build` registers first (what a
+    snapshot's RNG state is saved at)."""
+
+    @property
+    def global_step(self) -> int: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def epoch_sample(self) -> int: ...
+
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from trainapp.core.lanes import Deal
 from trainapp.errors import first_line
 
 if TYPE_CHECKING:
-    from trainapp.config import Config
+    from trainapp.config import DataSection, TrainSection
     from trainapp.core.data import Progress
     from trainapp.core.task import BoundTask
     from trainapp.group import DistContext
@@ -72,9 +72,9 @@ class StreamBatches:
 
     collective = True
 
-    def __init__(self, stream: Any, shards: list[Any], progress: Progress, ctx: DistContext, cfg: Config,
-                 task: BoundTask):
-        self.stream, self.shards, self.seed = stream, shards, cfg.seed
+    def __init__(self, stream: Any, shards: list[Any], progress: Progress, ctx: DistContext,
+                 task: BoundTask, *, seed: int, data_cfg: DataSection, epochs: int):
+        self.stream, self.shards, self.seed = stream, shards, seed
         self.digest = shards_digest(shards)
         # Its collectives (a flag per step, positions at a snapshot or an epoch's end) on the Gloo side group,
         # in CPU tensors: no device sync in the step, and a wait past dist.timeout_s is said by name.
@@ -83,10 +83,10 @@ class StreamBatches:
             raise ConfigError(f"task.name={task.name!r}: the train stream's shards() differ between ranks; "
                               "list the same shards in the same order on every rank (sort them)")
         self.progress, self.layout = progress, progress.layout  # the step a reader starts at picks each lane
-        self.collate, self.num_workers, self.epochs = task.collate, cfg.data.num_workers, cfg.train.epochs
+        self.collate, self.num_workers, self.epochs = task.collate, data_cfg.num_workers, epochs
         self.pin_memory = ctx.device.type == "cuda"
-        self.source = Source(stream, shards, cfg.seed, task.random_items, cfg.data.shard_retries,
-                              cfg.data.skip_bad_shards, batches=isinstance(task.collate, DefaultCollate))
+        self.source = Source(stream, shards, seed, task.random_items, data_cfg.shard_retries,
+                              data_cfg.skip_bad_shards, batches=isinstance(task.collate, DefaultCollate))
         self.deal: Deal | None = None
         self._entries: Iterator[Any] | None = None
         self._ahead: collections.deque[Any] = collections.deque()
@@ -245,28 +245,29 @@ class StreamBatches:
         self.account.update(state.get("account", {}))
 
 
-def make_batches(cfg: Config, ctx: DistContext, task: BoundTask, train: Any,
-                 progress: Progress) -> StreamBatches:
+def make_batches(ctx: DistContext, task: BoundTask, train: Any, progress: Progress, *, seed: int,
+                 data_cfg: DataSection, train_cfg: TrainSection) -> StreamBatches:
     """The train stream's batches, after what can be checked before training: a horizon for the schedule,
     enough shards for the lanes (and StreamBatches checks that every rank has the same shards)."""
-    name, layout = f"task.name={cfg.task.name!r}", progress.layout
-    if cfg.train.max_steps is None:
+    name, layout = f"task.name={task.name!r}", progress.layout
+    if train_cfg.max_steps is None:
         raise ConfigError(f"train.max_steps is not set, and {name}'s train set is a stream, whose length is "
                           "not known before it is read: set train.max_steps (the steps the schedule plans "
                           "for; train.epochs still ends the run earlier if the stream runs out first)")
-    shards = listed(cfg.task.name, "train", train)
-    workers = max(1, cfg.data.num_workers)
+    shards = listed(task.name, "train", train)
+    workers = max(1, data_cfg.num_workers)
     if len(shards) < layout.slots * workers:
         raise ConfigError(f"{name}: the train stream has {len(shards)} shard(s), and each of the global "
                           f"batch's {layout.slots} micro-batches (train.global_batch {layout.global_batch} / "
                           f"train.batch_size {layout.micro_batch}) reads shards of its own in each of "
-                          f"data.num_workers={cfg.data.num_workers} loader workers, so it needs at least "
+                          f"data.num_workers={data_cfg.num_workers} loader workers, so it needs at least "
                           f"{layout.slots * workers}: split the data into more shards, or lower "
                           "data.num_workers, train.grad_accum, train.global_batch or the number of ranks")
-    return StreamBatches(train, shards, progress, ctx, cfg, task)
+    return StreamBatches(train, shards, progress, ctx, task, seed=seed, data_cfg=data_cfg,
+                         epochs=train_cfg.epochs)
 
 
-def planned_steps(cfg: Config) -> int:
+def planned_steps(max_steps: int | None) -> int:
     """A stream's horizon: `train.max_steps` (make_batches checked it is set)."""
-    assert cfg.train.max_steps is not None
-    return cfg.train.max_steps
+    assert max_steps is not None
+    return max_steps

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
-from trainapp.config import Config, ConfigError
+from trainapp.config import ConfigError
 from trainapp.core.items import DefaultCollate
 from trainapp.streams.api import is_stream
 from trainapp.tasks.api import TaskContext
@@ -170,13 +170,11 @@ def _what(value: Any) -> str:
         f"a tensor of shape {tuple(value.shape)}"
 
 
-def bind(task: Any, cfg: Config, ctx: DistContext, steps_done: Callable[[], int] = lambda: 0) -> BoundTask:
-    """`task` (None: the one `task.name` names) bound to the rank of `ctx` (a DistContext)."""
-    if task is None:
-        from trainapp.tasks.load import resolve  # a built-in task's module (torchvision...) only when named
-
-        task = resolve(cfg)
-    tctx = TaskContext(seed=cfg.seed, rank=ctx.rank, world_size=ctx.world_size, device=ctx.device,
-                       run_dir=Path(cfg.run.dir), local_rank=ctx.local_rank, barrier=ctx.files.barrier,
+def bind(task: Any, ctx: DistContext, *, name: str, seed: int, run_dir: str | Path,
+         steps_done: Callable[[], int] = lambda: 0) -> BoundTask:
+    """`task` (made: trainapp/tasks/load.py's `resolve` makes the one `task.name` names) bound to the rank
+    of `ctx` (a DistContext); `name`: `task.name`, for its errors; `seed` and `run_dir`: the run's."""
+    tctx = TaskContext(seed=seed, rank=ctx.rank, world_size=ctx.world_size, device=ctx.device,
+                       run_dir=Path(run_dir), local_rank=ctx.local_rank, barrier=ctx.files.barrier,
                        steps_done=steps_done)
-    return BoundTask(task, cfg.task.name, tctx)
+    return BoundTask(task, name, tctx)

@@ -21,13 +21,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from trainapp import errors
-from trainapp.config import Config
+from trainapp.config import FaultSection
 from trainapp.errors import HUNG_EXIT
 from trainapp.faults.failure import FailureLog
 from trainapp.faults.heartbeat import Heartbeat, Watchdog
 from trainapp.faults.preempt import Notices
 from trainapp.observe import metrics
 from trainapp.observe.timeline import Timeline
+from trainapp.startup import GcPause
 
 if TYPE_CHECKING:
     from types import FrameType
@@ -47,6 +48,9 @@ class RankGuard:
         self.before_training: threading.Thread | None = None
         """Work the launcher started before training that training must wait for (Ray: imports made
         while the process group forms)."""
+        self.gc_pause: GcPause | None = None
+        """The collector paused for the process's start-up (trainapp/startup.py), ended once the parts
+        are built."""
 
     def install(self, signals: list[str], grace_s: float) -> bool:
         """Handle SIGTERM, SIGINT and `signals` as preemption notices in this process (from its main
@@ -63,15 +67,16 @@ class RankGuard:
         return owner if isinstance(owner, RankGuard) else None
 
     @contextlib.contextmanager
-    def watching(self, cfg: Config, ctx: DistContext, store: Callable[[], Any]) -> Iterator[None]:
-        """A rank's run: what ends it is recorded (trainapp/faults/failure.py), peers' failures are watched
+    def watching(self, run_dir: Path, fault: FaultSection, ctx: DistContext,
+                 store: Callable[[], Any]) -> Iterator[None]:
+        """A rank's run in `run_dir` (`fault`: the hang watchdog's settings): what ends it is recorded
+        (trainapp/faults/failure.py), peers' failures are watched
         for through the store `store()` opens (the group's, None alone), and the hang watchdog is ready
         to `start_watchdog`. The attempt is numbered by the attempts that started before it (their
         `start` records), for its failure records and its hang report's name.
         Leave the block before the process group goes away: rank 0 may host the store."""
-        run_dir = Path(cfg.run.dir)
         attempt = len(metrics.read(run_dir, "start", missing_ok=True))
-        self.watchdog = Watchdog(self.heartbeat, cfg.fault.hang_timeout_s, cfg.fault.hang_startup_s,
+        self.watchdog = Watchdog(self.heartbeat, fault.hang_timeout_s, fault.hang_startup_s,
                                  run_dir / "hangs" / f"rank-{ctx.rank}-attempt-{attempt}.txt", ctx.rank,
                                  self._hung)
         try:

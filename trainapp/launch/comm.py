@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 
-from trainapp.config import Config, ConfigError
+from trainapp.config import ConfigError, DistSection, NetworkSection
 from trainapp.launch import dist
 
 
@@ -148,10 +148,11 @@ def show(backend: str, processes: int, via: str, nodes: list[str], pairs: list[P
     return 1 if problems else 0
 
 
-def main(cfg: Config, size_mb: float, iters: int, min_bandwidth: float) -> int:
+def main(dist_cfg: DistSection, network: NetworkSection, size_mb: float, iters: int,
+         min_bandwidth: float) -> int:
     """Under torchrun (or alone): every rank measures, rank 0 prints, every rank returns the verdict."""
     check_args(size_mb, iters, min_bandwidth)
-    ctx = dist.setup(cfg.dist, cfg.network)
+    ctx = dist.setup(dist_cfg, network)
     try:
         if not ctx.distributed:
             print("comm  one process: nothing to measure; run it under torchrun with one process per node "

@@ -20,7 +20,7 @@ import os
 import socket
 from pathlib import Path
 
-from trainapp.config import Config, ConfigError
+from trainapp.config import ConfigError, NetworkSection
 from trainapp.launch import net
 
 MARKER = ".slurm-job"
@@ -40,9 +40,9 @@ def _node() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
-def mark(cfg: Config) -> Path:
-    """Create run.dir and write the marker; returns its path."""
-    run_dir = Path(cfg.run.dir)
+def mark(run_dir: str | Path) -> Path:
+    """Create `run_dir` (`run.dir`) and write the marker; returns its path."""
+    run_dir = Path(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / MARKER
@@ -50,29 +50,30 @@ def mark(cfg: Config) -> Path:
         tmp.write_text(f"{_job()} {_node()}\n")
         tmp.replace(path)
     except OSError as e:
-        raise ConfigError(f"run.dir={cfg.run.dir}: node {_node()} cannot write there ({e.strerror or e}); "
+        raise ConfigError(f"run.dir={run_dir}: node {_node()} cannot write there ({e.strerror or e}); "
                           "use a directory on shared storage this user can write") from None
     return path
 
 
-def check_run_dir(cfg: Config) -> None:
-    path = Path(cfg.run.dir) / MARKER
+def check_run_dir(run_dir: str | Path) -> None:
+    """ConfigError unless this node reads the marker this job's batch script wrote in `run_dir`."""
+    path = Path(run_dir) / MARKER
     want = _job()
     try:
         job, writer = (path.read_text().split() + ["", ""])[:2]
     except FileNotFoundError:
         job, writer = "", ""
     except OSError as e:
-        raise ConfigError(f"run.dir={cfg.run.dir}: node {_node()} cannot read {path} ({e.strerror or e}); "
+        raise ConfigError(f"run.dir={run_dir}: node {_node()} cannot read {path} ({e.strerror or e}); "
                           "use a directory on shared storage every node mounts") from None
     if job != want:
         seen = f"finds {job} from {writer}" if job else "does not see it"
-        raise ConfigError(f"run.dir={cfg.run.dir}: not storage every node sees: the batch script wrote job "
+        raise ConfigError(f"run.dir={run_dir}: not storage every node sees: the batch script wrote job "
                           f"{want} to {path}, node {_node()} {seen}; put run.dir on a shared filesystem "
                           "(NFS, Lustre, GPFS) mounted at the same path on every node")
 
 
-def check_network(cfg: Config, rendezvous: str) -> net.Resolution:
+def check_network(network: NetworkSection, rendezvous: str) -> net.Resolution:
     try:
         socket.getaddrinfo(rendezvous, None, socket.AF_INET)
     except OSError as e:
@@ -80,16 +81,18 @@ def check_network(cfg: Config, rendezvous: str) -> net.Resolution:
                           "set RDZV_HOST in slurm/train.sbatch to a name or address every node "
                           "resolves") from None
     try:
-        return net.apply(cfg.network, rendezvous, environ=dict(os.environ), host=_node())
+        return net.apply(network, rendezvous, environ=dict(os.environ), host=_node())
     except net.NetworkError as e:
         raise ConfigError(f"{e} (NETWORK_INTERFACE in slurm/train.sbatch)") from None
 
 
-def main(cfg: Config, rendezvous: str | None, write_marker: bool) -> int:
+def main(run_dir: str, network: NetworkSection, rendezvous: str | None, write_marker: bool) -> int:
+    """The preflight on this node: the marker written (`write_marker`), or `run_dir` (`run.dir`) checked
+    shared and, given the `rendezvous` host, the `network` interface chosen."""
     if write_marker:
-        print(f"trainapp slurm-preflight: {mark(cfg)} written by node {_node()}", flush=True)
+        print(f"trainapp slurm-preflight: {mark(run_dir)} written by node {_node()}", flush=True)
         return 0
-    check_run_dir(cfg)
-    chosen = f": {check_network(cfg, rendezvous).summary()}" if rendezvous else ""
-    print(f"trainapp slurm-preflight: node {_node()} ok: run.dir {cfg.run.dir} shared{chosen}", flush=True)
+    check_run_dir(run_dir)
+    chosen = f": {check_network(network, rendezvous).summary()}" if rendezvous else ""
+    print(f"trainapp slurm-preflight: node {_node()} ok: run.dir {run_dir} shared{chosen}", flush=True)
     return 0

@@ -9,23 +9,24 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from trainapp.config import Config
+from trainapp.config import DistSection, NetworkSection, PreemptSection
 from trainapp.faults import drain
 from trainapp.faults.guard import RankGuard
 from trainapp.group import DistContext
 from trainapp.launch import dist
 from trainapp.launch.rank import Launcher
 from trainapp.observe import logs
-from trainapp.observe.live import LiveMetrics, serve
-from trainapp.snapshots.lease import RunLease, take_for_group
-from trainapp.snapshots.publish import LocalPublish
+from trainapp.startup import GcPause
 
 
 class Torchrun(Launcher):
-    """`Launcher` (trainapp/launch/rank.py) for a process that torchrun, Slurm or a user started."""
+    """`Launcher` (trainapp/launch/rank.py) for a process that torchrun, Slurm or a user started; its run
+    lives in `run.dir` on storage every rank sees (the default services). `gc_pause`: the collector paused
+    by the entry point (trainapp/__main__.py), which the guard ends once the parts are built."""
 
-    def __init__(self) -> None:
+    def __init__(self, gc_pause: GcPause | None = None) -> None:
         self._entry: Path | None = None
+        self._gc_pause = gc_pause
 
     @property
     def name(self) -> str:
@@ -33,30 +34,20 @@ class Torchrun(Launcher):
             return "slurm"
         return "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "alone"
 
-    def guard(self, cfg: Config) -> RankGuard:
+    def guard(self, preempt: PreemptSection) -> RankGuard:
         guard = RankGuard()
+        guard.gc_pause = self._gc_pause
         guard.timeline.mark_process("worker_process")
         logs.setup_from_env()  # the network check logs before the group exists
-        guard.install(cfg.preempt.signals, cfg.preempt.grace_s)
+        guard.install(preempt.signals, preempt.grace_s)
         self._entry = drain.register()  # `trainapp drain` finds this process
         return guard
 
-    def context(self, cfg: Config, guard: RankGuard) -> DistContext:
-        return dist.setup(cfg.dist, cfg.network)
-
-    def publish(self, cfg: Config, ctx: DistContext) -> LocalPublish:
-        return LocalPublish(Path(cfg.run.dir) / "snapshots", cfg.snapshot.keep)
-
-    def lease(self, cfg: Config, ctx: DistContext) -> RunLease:
-        kind = ("slurm" if os.environ.get("SLURM_JOB_ID")
-                else "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "alone")
-        return take_for_group(ctx, cfg.run.dir, kind, cfg.run.lease_s, cfg.run.take_over)
+    def context(self, dist_cfg: DistSection, network: NetworkSection, guard: RankGuard) -> DistContext:
+        return dist.setup(dist_cfg, network)
 
     def restart(self) -> int:
         return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-    def live(self, cfg: Config, ctx: DistContext) -> LiveMetrics | None:
-        return serve(cfg.observe.prometheus_port, Path(cfg.run.dir).name, ctx)
 
     def close(self, ctx: DistContext | None) -> None:
         if ctx is not None:

@@ -15,11 +15,12 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from trainapp.config import Config
+from trainapp.config import ObserveSection
 from trainapp.observe import goodput, logs, tboard, timings, tracking
 from trainapp.observe.live import LiveMetrics
 from trainapp.observe.metrics import METRICS, MetricsWriter, read, val_metrics
@@ -30,139 +31,95 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainapp.core.loop")  # the loop's lines, as the loop names them
 
 
-# What the records read of the layers above (trainapp/core/build.py's Parts, trainapp/snapshots/manager.py's
-# SnapshotManager), which this layer may not import.
-class _Layout(Protocol):
-    def micro_steps(self, rank: int | None = None) -> int: ...
+@dataclass
+class StartFacts:
+    """What an attempt's `start` record says of the run's parts (made by trainapp/core/build.py's
+    `Parts.start_facts`): plain values, so that this layer reads nothing of the layers above."""
 
-    def to_dict(self) -> dict[str, Any]: ...
-
-
-class Position(Protocol):
-    """Where training is: trainapp/core/data.py's Progress (also what a snapshot's RNG state is saved at,
-    trainapp/core/state.py)."""
-
-    @property
-    def global_step(self) -> int: ...
-    @property
-    def epoch(self) -> int: ...
-    @property
-    def epoch_sample(self) -> int: ...
-
-
-class _Progress(Position, Protocol):
-    @property
-    def layout(self) -> _Layout: ...
-    @property
-    def global_batch(self) -> int: ...
-    @property
-    def resumed(self) -> dict[str, Any] | None: ...
-
-
-class _Precision(Protocol):
-    @property
-    def name(self) -> str: ...
-    @property
-    def why(self) -> str: ...
-
-
-class _Parts(Protocol):
-    @property
-    def progress(self) -> _Progress: ...
-    @property
-    def precision(self) -> _Precision: ...
-    @property
-    def total_steps(self) -> int: ...
-    @property
-    def peak_lr(self) -> float: ...
-    @property
-    def kernels(self) -> dict[str, Any] | None: ...
-    @property
-    def parallel(self) -> dict[str, Any]: ...
-    @property
-    def resumed_from(self) -> str | None: ...
-    @property
-    def resumed_tier(self) -> str | None: ...
-    @property
-    def resumed_tiers(self) -> list[str] | None: ...
-    @property
-    def resumed_note(self) -> str | None: ...
-    @property
-    def config_changes(self) -> dict[str, list[Any]]: ...
-    @property
-    def init(self) -> dict[str, Any] | None: ...
-
-
-class _Snapshots(Protocol):
-    @property
-    def failed(self) -> list[dict[str, Any]]: ...
-    @property
-    def failures(self) -> int: ...
-    @property
-    def async_write(self) -> bool: ...
-    @property
-    def last_blocking_s(self) -> float: ...
-    @property
-    def published_step(self) -> int | None: ...
+    step: int
+    epoch: int
+    epoch_sample: int
+    global_batch: int
+    layout: dict[str, Any]
+    """The layout of a global batch over the ranks (trainapp/core/layout.py's `to_dict`)."""
+    micro_steps: list[int]
+    """Micro-batches each rank trains per step, by rank: the work the straggler watch weighs."""
+    total_steps: int
+    peak_lr: float
+    amp: str
+    amp_why: str
+    kernels: dict[str, Any] | None
+    parallel: dict[str, Any]
+    resumed: dict[str, Any] | None
+    """The resumed snapshot's position (`global_step`, `world_size`), None for a fresh start."""
+    resumed_from: str | None
+    resumed_tier: str | None
+    resumed_tiers: list[str] | None
+    resumed_note: str | None
+    config_changes: dict[str, list[Any]]
+    init: dict[str, Any] | None
 
 
 class Records:
     """Rank 0 writes; the other ranks only log warnings. Made before the parts: a missing TensorBoard
     package is said before anything is built."""
 
-    def __init__(self, cfg: Config, ctx: DistContext, fence: Callable[[str], None] | None = None,
+    def __init__(self, ctx: DistContext, observe: ObserveSection, run_dir: str | Path,
+                 config: dict[str, Any] | None = None, *, fence: Callable[[str], None] | None = None,
                  lease: dict[str, Any] | None = None, live: LiveMetrics | None = None,
                  launcher: str = "alone") -> None:
-        """`fence`: raises when the run's lease was taken over (before every record); `lease`: what the
-        start record says of it; `live`: where this rank's live metrics go (trainapp/observe/live.py);
-        `launcher`: what started the rank (torchrun, slurm, ray, alone), for the start record."""
-        self.cfg, self.ctx, self.lease, self.live, self.launcher = cfg, ctx, lease, live, launcher
-        if cfg.observe.tensorboard:
+        """`observe`: the run's `observe` section; `run_dir`: where metrics.jsonl goes; `config`: the
+        run's whole config as a dict, for the start record and the log; `fence`: raises when the run's
+        lease was taken over (before every record); `lease`: what the start record says of it; `live`:
+        where this rank's live metrics go (trainapp/observe/live.py); `launcher`: what started the rank
+        (torchrun, slurm, ray, alone), for the start record."""
+        self.ctx, self.observe, self.run_dir, self.config = ctx, observe, Path(run_dir), config or {}
+        self.lease, self.live, self.launcher = lease, live, launcher
+        if observe.tensorboard:
             tboard.check()
-        tracking.check(cfg)
-        self.trackers = tracking.senders(cfg, launcher, fence) if ctx.is_main else []
+        tracking.check(observe)
+        self.trackers = tracking.senders(observe, self.run_dir, launcher, fence) if ctx.is_main else []
         self._ending = "FAILED"  # how the trackers' runs close unless a stop or the end says otherwise
-        self.metrics = MetricsWriter(Path(cfg.run.dir) / METRICS if ctx.is_main else None, fence)
+        self.metrics = MetricsWriter(self.run_dir / METRICS if ctx.is_main else None, fence)
         self.board: tboard.Board | None = None
-        self.stragglers = timings.Stragglers(cfg.observe.straggler_ratio, cfg.observe.straggler_intervals)
+        self.stragglers = timings.Stragglers(observe.straggler_ratio, observe.straggler_intervals)
         self.hosts: list[str] = []  # by rank, from the start record's placement
         self.last_ranks: list[dict] | None = None
         self._started_at: float | None = None  # this attempt's start record; None after its first step
 
-    def start(self, parts: _Parts, placement: dict[str, Any], restart: int | None,
+    def start(self, p: StartFacts, placement: dict[str, Any], restart: int | None,
               startup: dict[str, float]) -> None:
         """Every rank (it gathers each rank's network choice and placement on rank 0)."""
-        ctx, p, cfg = self.ctx, parts.progress, self.cfg
+        ctx = self.ctx
         gathered = ctx.gather_objects((ctx.network.to_dict() if ctx.network else None, placement))
         network, placed = ([g[0] for g in gathered], [g[1] for g in gathered]) if gathered else (None, None)
         self.hosts = [pl["host"] for pl in placed or []]
-        self.stragglers.work = [p.layout.micro_steps(r) for r in range(ctx.world_size)]
+        self.stragglers.work = p.micro_steps
         resumed = p.resumed or {}
         # From where this attempt starts: one timeline across restarts.
-        if cfg.observe.tensorboard and ctx.is_main:
-            self.board = tboard.Board(cfg.run.dir, resumed.get("global_step"))
-        self.metrics.write("start", step=p.global_step, epoch=p.epoch, epoch_sample=p.epoch_sample,
-                           world_size=ctx.world_size, global_batch=p.global_batch, layout=p.layout.to_dict(),
-                           total_steps=parts.total_steps, peak_lr=parts.peak_lr, amp=parts.precision.name,
-                           amp_why=parts.precision.why, backend=ctx.backend, device=str(ctx.device),
-                           device_why=ctx.device_why, kernels=parts.kernels, parallel=parts.parallel,
-                           threads=torch.get_num_threads(), interop_threads=torch.get_num_interop_threads(),
-                           restart=restart, resumed_from=parts.resumed_from,
-                           resumed_step=resumed.get("global_step"), resumed_tier=parts.resumed_tier,
-                           resumed_tiers=parts.resumed_tiers, resumed_note=parts.resumed_note,
-                           resumed_world_size=resumed.get("world_size"), network=network, placement=placed,
-                           startup=startup, lease=self.lease, config_changes=parts.config_changes,
-                           init=parts.init, launcher=self.launcher, config=cfg.to_dict())
+        if self.observe.tensorboard and ctx.is_main:
+            self.board = tboard.Board(str(self.run_dir), resumed.get("global_step"))
+        self.metrics.write("start", step=p.step, epoch=p.epoch, epoch_sample=p.epoch_sample,
+                           world_size=ctx.world_size, global_batch=p.global_batch, layout=p.layout,
+                           total_steps=p.total_steps, peak_lr=p.peak_lr, amp=p.amp, amp_why=p.amp_why,
+                           backend=ctx.backend, device=str(ctx.device), device_why=ctx.device_why,
+                           kernels=p.kernels, parallel=p.parallel, threads=torch.get_num_threads(),
+                           interop_threads=torch.get_num_interop_threads(), restart=restart,
+                           resumed_from=p.resumed_from, resumed_step=resumed.get("global_step"),
+                           resumed_tier=p.resumed_tier, resumed_tiers=p.resumed_tiers,
+                           resumed_note=p.resumed_note, resumed_world_size=resumed.get("world_size"),
+                           network=network, placement=placed, startup=startup, lease=self.lease,
+                           config_changes=p.config_changes, init=p.init, launcher=self.launcher,
+                           config=self.config)
         for tracker in self.trackers:
             tracker.start()
         if self.live is not None:
-            self.live.started(p.global_step, parts.total_steps, ctx.world_size)
+            self.live.started(p.step, p.total_steps, ctx.world_size)
             self._account_live()
         self._started_at = time.monotonic()
-        log.info("config %s", json.dumps(cfg.to_dict(), separators=(",", ":")))
-        log.info(_line(world_size=ctx.world_size, backend=ctx.backend, device=ctx.device,
-                       amp=parts.precision.name, global_batch=p.global_batch, total_steps=parts.total_steps,
-                       start_step=p.global_step))
+        log.info("config %s", json.dumps(self.config, separators=(",", ":")))
+        log.info(_line(world_size=ctx.world_size, backend=ctx.backend, device=ctx.device, amp=p.amp,
+                       global_batch=p.global_batch, total_steps=p.total_steps, start_step=p.step))
 
     def after_step(self, step: int) -> None:
         """A step hook: after this attempt's first step, rank 0 says so, with how long it took (its first
@@ -194,7 +151,7 @@ class Records:
         for found in self.stragglers.update(step, self.last_ranks):
             self.metrics.write("straggler", **found)
             if self.ctx.is_main:
-                log.warning("%s", timings.straggler_line(found, self.cfg.observe.straggler_ratio))
+                log.warning("%s", timings.straggler_line(found, self.observe.straggler_ratio))
         if self.live is not None:
             self.live.rank_timings(self.last_ranks, self.stragglers.reported)
 
@@ -204,30 +161,31 @@ class Records:
             self.board.scalars("eval", result["step"], val_metrics(result))
         log.info(_line(**result))
 
-    def snapshot(self, step: int, snapshots: _Snapshots) -> None:
-        """After a snapshot (`snapshots`: the manager): rank 0's failures, taken from its list, then the
-        snapshot itself unless it failed (a background write's outcome is known only later)."""
-        self.snapshot_failures(snapshots.failed)
+    def snapshot(self, step: int, *, failed: list[dict[str, Any]], failures: int, background: bool,
+                 blocking_s: float, published: Callable[[], int | None]) -> None:
+        """After a snapshot: rank 0's failures, taken from the manager's list `failed`, then the snapshot
+        itself unless it failed (`failures`: the manager's count; a `background` write's outcome is known
+        only later); `blocking_s`: what it held the step for; `published()`: the newest published step."""
+        self.snapshot_failures(failed)
         if self.board is not None:
             self.board.flush()  # what a SIGKILL could lose is only ever steps after this snapshot
-        if snapshots.failures == 0 or snapshots.async_write:
-            self.metrics.write("snapshot", step=step, blocking_s=round(snapshots.last_blocking_s, 4),
-                               background=snapshots.async_write)
+        if failures == 0 or background:
+            self.metrics.write("snapshot", step=step, blocking_s=round(blocking_s, 4), background=background)
             if self.live is not None:
                 self.live.snapshot(step)
         for tracker in self.trackers:  # what the snapshot covers is final once it is published
-            tracker.published = lambda: snapshots.published_step
+            tracker.published = published
             tracker.nudge()
 
     def snapshot_failures(self, failed: list[dict[str, Any]]) -> None:
         while failed:
             self.metrics.write("snapshot_failed", **failed.pop(0))
 
-    def drain_notice(self, step: int, notice: dict[str, Any]) -> None:
+    def drain_notice(self, step: int, notice: dict[str, Any], every_s: float = 0.0) -> None:
+        """A node drain heard at `step`; snapshots follow about every `every_s` (`preempt.ray_poll_s`)."""
         self.metrics.write("drain_notice", step=step, **notice)
         log.warning("preemption: %s; a snapshot now and about every %g s until the node is gone, training "
-                    "goes on",
-                    notice.get("what", "node drained"), self.cfg.preempt.ray_poll_s)
+                    "goes on", notice.get("what", "node drained"), every_s)
 
     def stop(self, kind: str, **fields: Any) -> None:
         """An agreed stop's record: `preempted`, `stopped` or `resized` (trainapp/faults/boundary.py's
@@ -240,10 +198,10 @@ class Records:
     def _account(self) -> dict[str, Any] | None:
         """Rank 0: the goodput account of the run so far, as if it ended now."""
         try:  # information: an account that cannot be made must not fail the run
-            return goodput.account(read(self.cfg.run.dir, missing_ok=True)
+            return goodput.account(read(self.run_dir, missing_ok=True)
                                    + [{"kind": "end", "time": time.time()}])
         except Exception as e:
-            log.warning("no goodput account for %s: %s: %s", self.cfg.run.dir, e.__class__.__name__, e)
+            log.warning("no goodput account for %s: %s: %s", self.run_dir, e.__class__.__name__, e)
             return None
 
     def _account_live(self) -> None:
@@ -266,12 +224,12 @@ class Records:
         self.metrics.write("end", **summary, **added)
         self.metrics.close()
         for tracker in self.trackers:
-            tracker.finish("FINISHED", self.cfg.observe.tracking_wait_s, summary.get("model"))
+            tracker.finish("FINISHED", self.observe.tracking_wait_s, summary.get("model"))
         return added
 
     def close(self) -> None:
         for tracker in self.trackers:  # after `end` a no-op; else what this attempt published, briefly
-            tracker.finish(self._ending, min(tracking.STOP_WAIT_S, self.cfg.observe.tracking_wait_s))
+            tracker.finish(self._ending, min(tracking.STOP_WAIT_S, self.observe.tracking_wait_s))
         if self.board is not None:
             self.board.close()
         self.metrics.close()

@@ -51,7 +51,7 @@ from trainapp.snapshots.store import (
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from trainapp.config import Config
+    from trainapp.config import SnapshotSection
     from trainapp.group import DistContext
 
 log = logging.getLogger(__name__)
@@ -149,10 +149,10 @@ class SnapshotManager:
         self._groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
 
     @classmethod
-    def from_config(cls, cfg: Config, publish: Publish, heartbeat: _Watch | None = None,
+    def from_config(cls, s: SnapshotSection, publish: Publish, *, heartbeat: _Watch | None = None,
                     fence: Fence | None = None, disk: Disk | None = None) -> SnapshotManager:
-        """The one place a run's snapshot manager is made from its config (`publish`: the launcher's)."""
-        s = cfg.snapshot
+        """The one place a run's snapshot manager is made from its `snapshot` section (`publish`: the
+        launcher's)."""
         return cls(publish, s.every_steps, s.async_, s.max_failures, disk, heartbeat, fence)
 
     def due(self, step: int, last: bool) -> bool:

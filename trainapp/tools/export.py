@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from trainapp.config import Config, ConfigError, from_dict
+from trainapp.config import ConfigError, from_dict
 from trainapp.core.items import Items
 from trainapp.core.task import BoundTask, bind
 from trainapp.errors import Failure
@@ -50,15 +50,20 @@ class CheckFailed(Failure):
     cause = "export"
 
 
-def _bound(source: Source, task: Any = None, setting: str = "PATH") -> tuple[Any, BoundTask]:
-    """The run's config and its task bound to one CPU process, from what `source` says of its run."""
+def _bound(source: Source, task: Any = None, setting: str = "PATH") -> tuple[dict[str, Any], BoundTask]:
+    """The run's config (a dict, defaults filled in) and its task bound to one CPU process, from what
+    `source` says of its run."""
     if source.config is None and task is None:
         raise ConfigError(f"{setting}={source.path}: a safetensors file without trainapp.json names no task; "
                           "pass task= (trainapp.load_model(path, task=MyTask())) or use an export directory")
     cfg = from_dict(source.config) if source.config is not None else from_dict({})
     ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None,
                       owns_group=False)
-    return cfg, bind(task, cfg, ctx)
+    if task is None:
+        from trainapp.tasks.load import resolve  # a built-in task's module (torchvision...) only when named
+
+        task = resolve(cfg)
+    return cfg.to_dict(), bind(task, ctx, name=cfg.task.name, seed=cfg.seed, run_dir=cfg.run.dir)
 
 
 def _model(bound: BoundTask, source: Source, setting: str) -> torch.nn.Module:
@@ -74,7 +79,7 @@ def load_model(path: str | Path, task: Any = None) -> torch.nn.Module:
     directory or a snapshot), in eval mode on the CPU; the task rebuilt from the run's config when not
     given (it must import here, as under `trainapp train`)."""
     source = open_source(path, setting="path")
-    cfg, bound = _bound(source, task, "path")
+    _, bound = _bound(source, task, "path")
     bound.datasets()  # a task may size its model by its data (a vocabulary), as in training
     return _model(bound, source, "path")
 
@@ -136,10 +141,10 @@ def export(path: str | Path, out: str | Path, step: int | None = None, ema: bool
     if dtype is not None and dtype not in DTYPE_NAMES:
         raise ConfigError(f"--dtype {dtype}: use one of {', '.join(DTYPE_NAMES)}")
     source = open_source(path, ema=ema, step=step)
-    cfg, bound = _bound(source, task)
+    config, bound = _bound(source, task)
     artifact = ArtifactDir(out, force)  # checked before anything is read
     try:
-        record = _write(bound, source, artifact, cfg, dtype or "fp32", check)
+        record = _write(bound, source, artifact, config, dtype or "fp32", check)
     except BaseException:
         artifact.abort()
         raise
@@ -148,14 +153,14 @@ def export(path: str | Path, out: str | Path, step: int | None = None, ema: bool
     return where
 
 
-def _write(bound: BoundTask, source: Source, artifact: ArtifactDir, cfg: Config, dtype: str,
+def _write(bound: BoundTask, source: Source, artifact: ArtifactDir, config: dict[str, Any], dtype: str,
            check: bool) -> dict[str, Any]:
-    """The file (then the task's format) into `artifact`, checked; the record."""
+    """The file (then the task's format) into `artifact`, checked; the record (`config`: the run's)."""
     _, val = bound.datasets()
     model = _model(bound, source, "PATH")
     source.release()  # a whole snapshot's mapped state.pt: its pages count in the RSS while it is mapped
     params = tensors_sha256(model.state_dict())  # as `trainapp inspect` prints it, before any cast
-    batch = _batch(bound, val, cfg.train.batch_size) if check else None
+    batch = _batch(bound, val, config["train"]["batch_size"]) if check else None
     ref = outputs(bound, model, batch) if check else None
     if dtype != "fp32":
         model.to(DTYPE_NAMES[dtype])  # floating tensors only
@@ -172,7 +177,7 @@ def _write(bound: BoundTask, source: Source, artifact: ArtifactDir, cfg: Config,
     return {"run_dir": _run_dir(source),
             "step": source.record.get("step"), "ema": bool(source.record.get("ema")), "source": source.record,
             "params_sha256": params, "tensors_sha256": digest, "tied": drop, "dtype": dtype, "check": result,
-            "task": {"name": cfg.task.name, "args": cfg.task.args}, "config": cfg.to_dict(),
+            "task": {"name": config["task"]["name"], "args": config["task"]["args"]}, "config": config,
             "task_export": "run" if callable(hook) else "the task has no export method",
             "written_by": "trainapp export", **versions()}
 

@@ -22,8 +22,8 @@ def run(run_dir: str, wait_s: float) -> tuple[list[str], bool]:
         raise ConfigError(f"{root}: no `start` record in {root / metrics.METRICS}; pass a run.dir")
     last = records[starts[-1]:]
     cfg = from_dict(last[0]["config"])
-    tracking.check(cfg)
-    senders = tracking.senders(cfg, last[0].get("launcher", "alone"), run_dir=root)
+    tracking.check(cfg.observe)
+    senders = tracking.senders(cfg.observe, root, last[0].get("launcher", "alone"))
     if not senders:
         raise ConfigError(f"{root}: its config sets no tracker (observe.mlflow_uri, observe.wandb_project)")
     ended = any(r.get("kind") == "end" for r in last)

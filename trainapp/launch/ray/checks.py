@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainapp import config
-from trainapp.config import Config, ConfigError
+from trainapp.config import ConfigError, NetworkSection, RaySection, TrainSection
 
 if TYPE_CHECKING:
     from pyarrow.fs import FileSystem
@@ -82,10 +82,11 @@ def _check_reachable(address: str) -> None:
                           "local Ray") from None
 
 
-def ray_address(cfg: Config) -> str:
-    """The cluster to join ('' for an embedded one), checked to answer; also the environment an
-    embedded Ray needs, which Ray reads when it is imported: so this runs before anything imports ray."""
-    address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
+def ray_address(ray_cfg: RaySection) -> str:
+    """The cluster to join (`ray.address`; '' for an embedded one), checked to answer; also the
+    environment an embedded Ray needs, which Ray reads when it is imported: so this runs before anything
+    imports ray."""
+    address = ray_cfg.address or os.environ.get("RAY_ADDRESS", "")
     if address and address != "auto" and "://" not in address:
         _check_reachable(address)
     if not address:
@@ -95,11 +96,10 @@ def ray_address(cfg: Config) -> str:
     return address
 
 
-def check_global_batch(cfg: Config) -> None:
+def check_global_batch(t: TrainSection, most: int) -> None:
     """ConfigError, before any worker starts, when `train.global_batch` is no whole number of micro-batches
     or has fewer of them than the largest group has workers (trainapp/core/layout.py says the same in
-    each worker)."""
-    t, most = cfg.train, cfg.ray.max_workers
+    each worker; `most`: `ray.num_workers`' largest group)."""
     if not t.global_batch:
         return
     if t.global_batch % t.batch_size:
@@ -112,14 +112,15 @@ def check_global_batch(cfg: Config) -> None:
                           f"lower train.batch_size")
 
 
-def worker_needs(cfg: Config, use_gpu: bool) -> dict[str, float]:
-    needs = dict(cfg.ray.resources_per_worker) or {"CPU": 1.0}
+def worker_needs(ray_cfg: RaySection, use_gpu: bool) -> dict[str, float]:
+    """One worker's resources: `ray.resources_per_worker` (default a CPU), a GPU when workers get one."""
+    needs = dict(ray_cfg.resources_per_worker) or {"CPU": 1.0}
     if use_gpu:
         needs.setdefault("GPU", 1.0)
     return needs
 
 
-def check_capacity(cfg: Config, needs: dict[str, float]) -> int:
+def check_capacity(ray_cfg: RaySection, needs: dict[str, float]) -> int:
     """How many workers the alive nodes can hold; ConfigError when fewer than the minimum."""
     import ray
 
@@ -128,10 +129,10 @@ def check_capacity(cfg: Config, needs: dict[str, float]) -> int:
     for n in nodes:
         res = n.get("Resources", {})
         capacity += min(int(res.get(k, 0) // v) if v > 0 else 10**6 for k, v in needs.items())
-    if cfg.ray.check_resources and capacity < cfg.ray.min_workers:
+    if ray_cfg.check_resources and capacity < ray_cfg.min_workers:
         have = ", ".join(f"{n.get('NodeManagerAddress')}: {int(n.get('Resources', {}).get('CPU', 0))} CPU "
                          f"{int(n.get('Resources', {}).get('GPU', 0))} GPU" for n in nodes)
-        raise ConfigError(f"ray.num_workers={cfg.ray.min_workers}: the cluster can hold at most {capacity} "
+        raise ConfigError(f"ray.num_workers={ray_cfg.min_workers}: the cluster can hold at most {capacity} "
                           f"workers needing {needs} ({have}); add nodes, lower ray.num_workers, or set "
                           "ray.check_resources=false on an autoscaling cluster")
     return capacity
@@ -180,12 +181,13 @@ class Preflight:
     start and a process group that never forms. One task per node does both, with no CPU reserved.
     """
 
-    def __init__(self, cfg: Config, storage: str):
+    def __init__(self, network_cfg: NetworkSection, env_cfg: dict[str, str], storage: str):
+        """`network_cfg`: the `network` section; `env_cfg`: `ray.env`, the workers' environment."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self.storage, self.nodes = storage, [n for n in ray.nodes() if n.get("Alive")]
-        network, env = dataclasses.asdict(cfg.network), dict(cfg.ray.env)
+        network, env = dataclasses.asdict(network_cfg), dict(env_cfg)
         task = ray.remote(num_cpus=0, max_retries=0)(probe_node)
         self.trains = [n["Resources"].get("CPU", 0) > 0 or n["Resources"].get("GPU", 0) > 0
                        for n in self.nodes]

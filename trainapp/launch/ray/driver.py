@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from trainapp.config import Config, ConfigError
 from trainapp.errors import Failure
-from trainapp.launch import startup
 from trainapp.launch.ray.checks import (
     Preflight,
     check_capacity,
@@ -224,8 +223,8 @@ def run(cfg: Config, task: Any = None) -> dict[str, Any]:
     """Fit a TorchTrainer over the cluster on `task` (default: the one `task.name` names, imported by
     each worker, where Ray's runtime environment ships the user's code); returns the rank-0 summary
     (with `stopped_by` and `exit_code` when the driver was told to stop: trainapp/launch/ray/stop.py)."""
-    check_global_batch(cfg)
-    tracking.check(cfg)  # a tracker set without its package: one line here, before any worker starts
+    check_global_batch(cfg.train, cfg.ray.max_workers)
+    tracking.check(cfg.observe)  # a tracker set without its package: one line here, before any worker starts
     if task is None:
         preflight_task(cfg)
     result, storage, stopped = _fit(cfg, **({"task": task} if task is not None else {}))
@@ -256,7 +255,7 @@ def _fit(cfg: Config, worker: Callable[[dict[str, Any]], Any] | None = None,
     back until the run trains (trainapp/launch/ray/output.py): a failed start on bad input is one line."""
     timeline = Timeline()
     timeline.mark_process("driver_process")
-    address = ray_address(cfg)
+    address = ray_address(cfg.ray)
     check_version()  # a Ray it was not written for stops here, before anything imports it
     gate = StartGate().install()  # before Ray is imported: its loggers keep the streams they find
     try:
@@ -326,17 +325,16 @@ def _preflight(cfg: Config, timeline: Timeline, where: str) -> tuple[str, dict[s
 
     resources = ray.cluster_resources()
     use_gpu = gpus_for_workers(cfg, resources.get("GPU", 0))
-    needs = worker_needs(cfg, use_gpu)
-    check_capacity(cfg, needs)
+    needs = worker_needs(cfg.ray, use_gpu)
+    check_capacity(cfg.ray, needs)
     storage = (cfg.ray.storage_path if is_uri(cfg.ray.storage_path)
                else str(Path(cfg.ray.storage_path).resolve()))
-    checks = Preflight(cfg, storage)
+    checks = Preflight(cfg.network, cfg.ray.env, storage)
     # Ray Train takes seconds to import (the trainer's module, used later, the most of it): while the
     # probes start on the nodes. Nothing the driver imports brings in torch (trainapp/launch/ray/private/,
     # trainapp/launch/ray/setup.py).
     from trainapp.launch.ray.private import run_record, trainer  # noqa: F401
     timeline.mark("driver_imported")
-    startup.resume_gc()  # the driver's imports are done (trainapp/__main__.py paused it)
     run_record.check_run_record(storage, cfg.ray.name)
     for line in checks.wait():
         log.info("network %s", line)

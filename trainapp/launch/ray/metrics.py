@@ -6,7 +6,6 @@ already scrapes: nothing else to open or configure.
 
 from __future__ import annotations
 
-from trainapp.config import Config
 from trainapp.group import DistContext
 from trainapp.observe.live import BADPUT, RANK, RUN, LiveMetrics
 
@@ -30,7 +29,7 @@ class RaySink:
         pass  # Ray's agent forgets a finished worker's series by itself
 
 
-def live(cfg: Config, ctx: DistContext, run: str) -> LiveMetrics | None:
-    """This worker's live metrics (its own rank's figures; rank 0's also the run's), or None when
-    `observe.ray_metrics` is off."""
-    return LiveMetrics(RaySink(), run, ctx.is_main, {ctx.rank}) if cfg.observe.ray_metrics else None
+def live(enabled: bool, ctx: DistContext, run: str) -> LiveMetrics | None:
+    """This worker's live metrics for the run named `run` (its own rank's figures; rank 0's also the
+    run's), or None when not `enabled` (`observe.ray_metrics`)."""
+    return LiveMetrics(RaySink(), run, ctx.is_main, {ctx.rank}) if enabled else None

@@ -35,10 +35,10 @@ def prepare_worker(env: dict[str, str], threads: int, network: dict[str, Any], p
     Python takes signals: the loop runs in a thread of Ray's); returns its network choice. It makes the
     rank's guard (trainapp/faults/guard.py), which the training function finds again. `imports`: the
     worker function's (IMPORTS), started in a thread the guard keeps, as this returns. The cyclic
-    collector is paused from here until the rank's parts are built (trainapp/launch/startup.py)."""
-    from trainapp.launch import startup
+    collector is paused from here until the rank's parts are built (trainapp/startup.py)."""
+    from trainapp.startup import GcPause
 
-    startup.pause_gc()
+    pause = GcPause()
     import torch
 
     from trainapp.faults import drain
@@ -47,6 +47,7 @@ def prepare_worker(env: dict[str, str], threads: int, network: dict[str, Any], p
     from trainapp.launch.ray.private import report_lines
 
     guard = RankGuard()
+    guard.gc_pause = pause
     guard.timeline.mark_process("worker_process")
     guard.timeline.mark("worker_setup")
     report_lines.quiet_report_lines()  # Ray Train has configured the worker's logging by now

@@ -23,7 +23,7 @@ from trainapp.faults.guard import RankGuard
 from trainapp.faults.preempt import Notices, Preempted, Resized, Stopped, StoppedBeforeStart
 from trainapp.group import DistContext
 from trainapp.launch import dist
-from trainapp.launch.rank import Launcher, run_rank
+from trainapp.launch.rank import Launcher, Services, run_rank
 from trainapp.launch.ray import metrics as ray_metrics
 from trainapp.launch.ray import resize
 from trainapp.launch.ray.checks import is_uri
@@ -49,33 +49,50 @@ def _ray_device() -> torch.device:
 
 
 class RayWorker(Launcher):
-    """`Launcher` (trainapp/launch/rank.py) for a Ray Train worker; `payload` is what the driver sent."""
+    """`Launcher` (trainapp/launch/rank.py) for a Ray Train worker: the guard `prepare_worker` made, the
+    group Ray created; its services are Ray's (`RayServices`). `payload` is what the driver sent."""
 
     name = "ray"
 
     def __init__(self, payload: dict[str, Any]) -> None:
-        self.payload = payload
+        self.services = self._services = RayServices(payload)
         self._guard: RankGuard | None = None
-        self._watch: StopWatch | None = None
 
-    def guard(self, cfg: config.Config) -> RankGuard:
+    def guard(self, preempt: config.PreemptSection) -> RankGuard:
         guard = self._guard = RankGuard.installed() or RankGuard()  # made by prepare_worker, before the group
-        for name, at in self.payload.get("launch", {}).items():  # the driver's start-up marks
+        for name, at in self._services.payload.get("launch", {}).items():  # the driver's start-up marks
             guard.timeline.mark(name, at)
         return guard
 
-    def context(self, cfg: config.Config, guard: RankGuard) -> DistContext:
-        return dist.setup(cfg.dist, ray_device=_ray_device)  # adopts the group Ray created
+    def context(self, dist_cfg: config.DistSection, network: config.NetworkSection,
+                guard: RankGuard) -> DistContext:
+        return dist.setup(dist_cfg, ray_device=_ray_device)  # adopts the group Ray created
 
-    def publish(self, cfg: config.Config, ctx: DistContext) -> RayPublish:
-        uri = cfg.ray.storage_path if is_uri(cfg.ray.storage_path) else None
-        return RayPublish(Path(cfg.run.dir), uri, cfg.snapshot.async_, cfg.ray.name,
-                          cfg.ray.report_interval_s)
+    def close(self, ctx: DistContext | None) -> None:
+        # The worker process lives on after training (Ray stops a finished group with SIGTERM): from now on
+        # a signal is no notice, it ends the process as it would without trainapp.
+        self._services.stop_watching()
+        if self._guard is not None:
+            self._guard.training_over()
+        if ctx is not None:
+            dist.teardown(ctx)
 
-    def drains(self, cfg: config.Config) -> RayDrainNotice | None:
-        return RayDrainNotice() if cfg.preempt.ray_poll_s and versions.drain_notices() else None
+    def resized(self, step: int | None, snapshot: str | None) -> None:
+        """Rank 0, after the snapshot a resize asked for: the answer to the controller's request."""
+        self._services.resized(step, snapshot)
 
-    def lease(self, cfg: config.Config, ctx: DistContext) -> RunLease:
+
+class RayServices(Services):
+    """The run's services under Ray Train: the driver holds the lease (a retry of the group is the same
+    run), snapshots are published with `ray.train.report` (to `ray.storage_path`), Ray's node drains are
+    notices, live metrics go to Ray's metrics agent. The `ray` section comes with the driver's payload."""
+
+    def __init__(self, payload: dict[str, Any]) -> None:
+        self.payload = payload
+        self.ray = config.from_dict(payload["config"]).ray
+        self._watch: StopWatch | None = None
+
+    def lease(self, ctx: DistContext, run: config.RunSection, kind: str) -> RunLease:
         given = self.payload.get("lease") or {}  # the driver holds it: a retry of the group is the same run
         held = RunLease(Fence.from_dict(given.get("fence")), given.get("summary"))
         # A stop asked for before this attempt started (during a restart of the group): every rank ends.
@@ -85,33 +102,32 @@ class RayWorker(Launcher):
                                      "the newest snapshot is where the run resumes")
         return held
 
-    def watch(self, ctx: DistContext, held: RunLease) -> None:
+    def watch(self, ctx: DistContext, held: RunLease, guard: RankGuard) -> None:
         """Rank 0 watches the lease for a stop (`ray job stop`) and, in an elastic group, the driver's
         resize controller's folder (the payload's `resizes`) for a resize; the others hear of either
         through the stop vote."""
         if ctx.rank == 0:
             folder = self.payload.get("resizes")  # only an elastic group is resized live
-            assert self._guard is not None  # run_rank asks for the guard first
-            self._watch = StopWatch(held.fence, store_at(folder) if folder else None, self._guard.notices)
+            self._watch = StopWatch(held.fence, store_at(folder) if folder else None, guard.notices)
 
-    def live(self, cfg: config.Config, ctx: DistContext) -> LiveMetrics | None:
-        return ray_metrics.live(cfg, ctx, cfg.ray.name)
+    def publish(self, ctx: DistContext, run_dir: str, snapshot: config.SnapshotSection) -> RayPublish:
+        uri = self.ray.storage_path if is_uri(self.ray.storage_path) else None
+        return RayPublish(Path(run_dir), uri, snapshot.async_, self.ray.name, self.ray.report_interval_s)
+
+    def drains(self, preempt: config.PreemptSection) -> RayDrainNotice | None:
+        return RayDrainNotice() if preempt.ray_poll_s and versions.drain_notices() else None
+
+    def live(self, ctx: DistContext, observe: config.ObserveSection, run_dir: str) -> LiveMetrics | None:
+        return ray_metrics.live(observe.ray_metrics, ctx, self.ray.name)
 
     def resized(self, step: int | None, snapshot: str | None) -> None:
-        """Rank 0, after the snapshot a resize asked for: the answer to the controller's request."""
         watch = self._watch
         assert watch is not None and watch.store is not None and watch.resize_id is not None  # its request
         resize.answer(watch.store, watch.resize_id, step, snapshot)
 
-    def close(self, ctx: DistContext | None) -> None:
-        # The worker process lives on after training (Ray stops a finished group with SIGTERM): from now on
-        # a signal is no notice, it ends the process as it would without trainapp.
+    def stop_watching(self) -> None:
         if self._watch is not None:
             self._watch.stop.set()
-        if self._guard is not None:
-            self._guard.training_over()
-        if ctx is not None:
-            dist.teardown(ctx)
 
 
 class StopWatch:

@@ -13,15 +13,15 @@ import importlib.util
 from pathlib import Path
 from typing import Callable
 
-from trainapp.config import Config, ConfigError
+from trainapp.config import ConfigError, ObserveSection
 from trainapp.observe.tracking.sender import STOP_WAIT_S, Sender
 
 __all__ = ["STOP_WAIT_S", "Sender", "check", "senders"]
 
 
-def check(cfg: Config) -> None:
-    """Every rank, before training: each tracker set has its package, or one line saying how to get it."""
-    o = cfg.observe
+def check(o: ObserveSection) -> None:
+    """Every rank, before training: each tracker set in `o` (the `observe` section) has its package, or one
+    line saying how to get it."""
     for key, value, package in (("observe.mlflow_uri", o.mlflow_uri, "mlflow"),
                                 ("observe.wandb_project", o.wandb_project, "wandb")):
         if value and importlib.util.find_spec(package) is None:
@@ -29,11 +29,10 @@ def check(cfg: Config) -> None:
                               f"'trainapp[{package}]' (or set {key}='')")
 
 
-def senders(cfg: Config, launcher: str, fence: Callable[[str], None] | None = None,
-            run_dir: Path | None = None) -> list[Sender]:
-    """Rank 0: a sender per tracker set (not started), for `run_dir` (default `run.dir`; `trainapp track`
-    names the directory it reads, wherever the run had it)."""
-    o, run_dir = cfg.observe, run_dir or Path(cfg.run.dir)
+def senders(o: ObserveSection, run_dir: Path, launcher: str,
+            fence: Callable[[str], None] | None = None) -> list[Sender]:
+    """Rank 0: a sender per tracker set in `o` (the `observe` section, not started), for the run in
+    `run_dir` (`run.dir`; `trainapp track` names the directory it reads, wherever the run had it)."""
     out = []
     if o.mlflow_uri:
         from trainapp.observe.tracking.mlflow_sink import MlflowSink

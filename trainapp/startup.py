@@ -16,22 +16,20 @@ from __future__ import annotations
 
 import gc
 
-_paused = False
 
+class GcPause:
+    """The collector paused from now until `end()` (nothing to do where it was off already: the user's
+    choice). The rank's guard keeps it (trainapp/faults/guard.py); `run_rank` ends it once the parts are
+    built, or when the start fails."""
 
-def pause_gc() -> None:
-    """Pause the cyclic collector for the start-up (a no-op where it was off already: the user's)."""
-    global _paused
-    if gc.isenabled():
-        gc.disable()
-        _paused = True
+    def __init__(self) -> None:
+        self.active = gc.isenabled()
+        if self.active:
+            gc.disable()
 
-
-def resume_gc() -> None:
-    """Turn the collector back on if `pause_gc` paused it, the start-up's objects frozen: the parts are
-    built (or the start failed)."""
-    global _paused
-    if _paused:
-        _paused = False
-        gc.freeze()
-        gc.enable()
+    def end(self) -> None:
+        """The collector back on, the start-up's objects frozen; once."""
+        if self.active:
+            self.active = False
+            gc.freeze()
+            gc.enable()
