@@ -39,7 +39,11 @@ IMAGE_BUILD_ARGS = $(foreach v,$(IMAGE_ARG_VARS),$(if $(filter command line,$(or
   --build-arg VCS_REF="$(shell git rev-parse HEAD 2>/dev/null)"
 
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+# One .venv, two levels, each redone when pyproject.toml changes: RUN_STAMP, trainapp and its dependencies
+# (what `make run` and the launch targets need); DEV_STAMP, the dev extra on top (tests, mypy, benchmarks).
+# DEV_STAMP keeps the name of the single stamp before the split: a dev .venv made then stays valid.
+RUN_STAMP := $(VENV)/.installed-run
+DEV_STAMP := $(VENV)/.installed
 TOOLS ?= .venv-tools
 TOOLS_STAMP := $(TOOLS)/.installed
 
@@ -53,13 +57,24 @@ help: ## Show this help
 
 ##@ Setup
 
-$(STAMP): pyproject.toml
+# --no-compile: pip byte-compiles every module it installs (torch, Ray: ~25 s of the 2-core first `make run`);
+# Python compiles the modules a run imports on first use instead. The dev install also satisfies a run: it
+# touches RUN_STAMP, so `make run` after `make test` installs nothing.
+$(RUN_STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev]'
+	$(BIN)/pip install --disable-pip-version-check -q --no-compile -e .
 	@touch $@
 
+$(DEV_STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev]'
+	@touch $@ $(RUN_STAMP)
+
 .PHONY: venv
-venv: $(STAMP) ## Create .venv (Python 3.11) and install trainapp with its dev extra
+venv: $(DEV_STAMP) ## Create .venv (Python 3.11) and install trainapp with its dev extra (what the tests need)
+
+.PHONY: venv-run
+venv-run: $(RUN_STAMP) ## Create .venv with trainapp and its dependencies only (what make run installs)
 
 $(TOOLS_STAMP): requirements-tools.txt
 	@test -x $(TOOLS)/bin/python || $(PYTHON) -m venv $(TOOLS)
@@ -72,16 +87,16 @@ tools: $(TOOLS_STAMP) ## Create .venv-tools with the static checkers (checkov, y
 ##@ Run
 
 .PHONY: run
-run: $(STAMP) ## Built-in default: a short 2-process DDP + AMP run on CPU (NPROC, RUN_DIR, ARGS)
+run: $(RUN_STAMP) ## Built-in default: a short 2-process DDP + AMP run on CPU (NPROC, RUN_DIR, ARGS)
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) \
 	  -m trainapp train run.dir=$(RUN_DIR) $(ARGS)
 
 .PHONY: config
-config: $(STAMP) ## Print the resolved config (CONFIG=file.yaml, ARGS="key=value ...")
+config: $(RUN_STAMP) ## Print the resolved config (CONFIG=file.yaml, ARGS="key=value ...")
 	$(BIN)/python -m trainapp config $(if $(CONFIG),--config $(CONFIG)) $(ARGS)
 
 .PHONY: config-reference
-config-reference: $(STAMP) ## Print the configuration reference table of docs/configuration.md (from the field docstrings)
+config-reference: $(RUN_STAMP) ## Print the configuration reference table of docs/configuration.md (from the field docstrings)
 	@$(BIN)/python -m trainapp config --reference
 
 ##@ Images
@@ -97,34 +112,34 @@ image-cpu: ## Build the CPU image $(IMAGE):$(TAG)-cpu (CPU_BASE, TORCH_INDEX_URL
 ##@ Ray (a real multi-node Ray cluster on this machine)
 
 .PHONY: ray-up
-ray-up: $(STAMP) ## Start a head (no task CPUs) and RAY_WORKERS worker nodes of RAY_CPUS CPUs, token auth on
+ray-up: $(RUN_STAMP) ## Start a head (no task CPUs) and RAY_WORKERS worker nodes of RAY_CPUS CPUs, token auth on
 	$(BIN)/python -m devtools.local_ray --dir $(RAY_DIR) up --workers $(RAY_WORKERS) --cpus $(RAY_CPUS) \
 	  --port $(RAY_PORT) --dashboard-port $(RAY_DASHBOARD_PORT)
 
 .PHONY: ray-submit
-ray-submit: $(STAMP) ## ray job submit a training run to it (ARGS, RAY_NAME: same name resumes, RAY_STORAGE, WORKING_DIR: your task's code)
+ray-submit: $(RUN_STAMP) ## ray job submit a training run to it (ARGS, RAY_NAME: same name resumes, RAY_STORAGE, WORKING_DIR: your task's code)
 	$(BIN)/python -m devtools.local_ray --dir $(RAY_DIR) submit $(if $(WORKING_DIR),--working-dir $(WORKING_DIR)) \
 	  -- python -m trainapp ray \
 	  ray.storage_path=$(RAY_STORAGE) ray.name=$(RAY_NAME) $(ARGS)
 
 .PHONY: ray-status
-ray-status: $(STAMP) ## Alive nodes, addresses and token file of the local Ray cluster
+ray-status: $(RUN_STAMP) ## Alive nodes, addresses and token file of the local Ray cluster
 	$(BIN)/python -m devtools.local_ray --dir $(RAY_DIR) status
 
 .PHONY: ray-down
-ray-down: $(STAMP) ## Stop exactly the processes ray-up started (never other Ray instances)
+ray-down: $(RUN_STAMP) ## Stop exactly the processes ray-up started (never other Ray instances)
 	$(BIN)/python -m devtools.local_ray --dir $(RAY_DIR) down
 
 ##@ Slurm
 
 .PHONY: slurm-submit
-slurm-submit: $(STAMP) ## sbatch slurm/train.sbatch from here (ARGS, CONFIG, RUN_DIR on shared storage, SBATCH_ARGS="--nodes=4")
+slurm-submit: $(RUN_STAMP) ## sbatch slurm/train.sbatch from here (ARGS, CONFIG, RUN_DIR on shared storage, SBATCH_ARGS="--nodes=4")
 	ARGS="$(ARGS)" VENV="$(abspath $(VENV))" $(if $(CONFIG),CONFIG="$(abspath $(CONFIG))") \
 	  $(if $(filter command line,$(origin RUN_DIR)),RUN_DIR="$(abspath $(RUN_DIR))") \
 	  sbatch $(SBATCH_ARGS) slurm/train.sbatch
 
 .PHONY: slurm-smoke
-slurm-smoke: $(STAMP) ## Needs root: installs Debian's slurmctld, slurmd, munge; a private 2-node Slurm runs slurm/train.sbatch through a preemption and bad input
+slurm-smoke: $(DEV_STAMP) ## Needs root: installs Debian's slurmctld, slurmd, munge; a private 2-node Slurm runs slurm/train.sbatch through a preemption and bad input
 	@if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v sbatch >/dev/null \
 	    || ! command -v munged >/dev/null; then \
 	  echo "installing Debian's slurmctld slurmd slurm-client munge"; \
@@ -158,7 +173,7 @@ kind-smoke: ## Needs Docker + kind: CPU image, kind cluster, job survives a dele
 	scripts/kind-smoke.sh
 
 .PHONY: container-smoke
-container-smoke: $(STAMP) ## Needs root, docker.io, debootstrap: CPU image, Ray head + 2 worker containers, jobs survive a killed and a stopped worker
+container-smoke: $(RUN_STAMP) ## Needs root, docker.io, debootstrap: CPU image, Ray head + 2 worker containers, jobs survive a killed and a stopped worker
 	RAY=$(abspath $(BIN))/ray DOCKER=$(DOCKER) $(BIN)/python scripts/container_smoke.py
 
 ##@ Test
@@ -168,7 +183,7 @@ lint: $(TOOLS_STAMP) ## ruff over the package, tests, benchmarks and scripts (py
 	$(TOOLS)/bin/ruff check --output-format concise .
 
 .PHONY: typecheck
-typecheck: $(STAMP) ## mypy over trainapp/ (pyproject.toml [tool.mypy]: every function typed); a warm cache takes seconds
+typecheck: $(DEV_STAMP) ## mypy over trainapp/ (pyproject.toml [tool.mypy]: every function typed); a warm cache takes seconds
 	$(BIN)/mypy
 
 # Two pytest-xdist workers, a test file each at a time: the suite alone keeps about 1.15 of 2 cores busy
@@ -178,19 +193,19 @@ TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 .PHONY: test
-test: $(STAMP) $(TOOLS_STAMP) lint typecheck ## The suite: every subsystem end to end, but the fault-scenario files of test-long and test-e2e, benchmarks, real Slurm; two lanes (TEST_WORKERS=2, PYTEST_ARGS="-k resume -x")
+test: $(DEV_STAMP) $(TOOLS_STAMP) lint typecheck ## The suite: every subsystem end to end, but the fault-scenario files of test-long and test-e2e, benchmarks, real Slurm; two lanes (TEST_WORKERS=2, PYTEST_ARGS="-k resume -x")
 	$(BIN)/python -m pytest $(XDIST) -m "not long" --durations=15 $(PYTEST_ARGS)
 
 .PHONY: test-long
-test-long: $(STAMP) $(TOOLS_STAMP) ## The fault-scenario files (tests/conftest.py LONG: Ray, kills, preemption, lease, FSDP, hangs, full disks, failures, compile, tracking) make test leaves out; CI runs it after make test
+test-long: $(DEV_STAMP) $(TOOLS_STAMP) ## The fault-scenario files (tests/conftest.py LONG: Ray, kills, preemption, lease, FSDP, hangs, full disks, failures, compile, tracking) make test leaves out; CI runs it after make test
 	$(BIN)/python -m pytest $(XDIST) -m long --durations=15 $(PYTEST_ARGS)
 
 .PHONY: test-e2e
-test-e2e: $(STAMP) $(TOOLS_STAMP) ## The long end-to-end fault scenarios (Ray faults, hangs, namespaces); CI runs them last where the CPU leaves room
+test-e2e: $(DEV_STAMP) $(TOOLS_STAMP) ## The long end-to-end fault scenarios (Ray faults, hangs, namespaces); CI runs them last where the CPU leaves room
 	$(BIN)/python -m pytest --e2e -m e2e --durations=15 $(PYTEST_ARGS)
 
 .PHONY: bench-smoke
-bench-smoke: $(STAMP) ## Every benchmark in its smoke mode, checked (tests/test_bench.py; make test and CI leave them out: run it for a change to bench/)
+bench-smoke: $(DEV_STAMP) ## Every benchmark in its smoke mode, checked (tests/test_bench.py; make test and CI leave them out: run it for a change to bench/)
 	$(BIN)/python -m pytest --bench -m bench --durations=6 tests/test_bench.py $(PYTEST_ARGS)
 
 # Another Ray, for `test-ray-oldest`: a venv with only that Ray installed (no dependencies), which finds
@@ -210,10 +225,10 @@ define other_ray_venv
 	@touch $(1)/.installed
 endef
 
-$(RAY_OLDEST_VENV)/.installed: $(STAMP) trainapp/launch/ray/checks.py
+$(RAY_OLDEST_VENV)/.installed: $(DEV_STAMP) trainapp/launch/ray/checks.py
 	$(call other_ray_venv,$(RAY_OLDEST_VENV),OLDEST_TESTED)
 
-$(RAY_UNSUPPORTED_VENV)/.installed: $(STAMP) trainapp/launch/ray/checks.py
+$(RAY_UNSUPPORTED_VENV)/.installed: $(DEV_STAMP) trainapp/launch/ray/checks.py
 	$(call other_ray_venv,$(RAY_UNSUPPORTED_VENV),UNSUPPORTED_TESTED)
 
 .PHONY: test-ray-oldest
@@ -223,10 +238,10 @@ test-ray-oldest: $(RAY_OLDEST_VENV)/.installed $(RAY_UNSUPPORTED_VENV)/.installe
 	  -k "compat or $(RAY_OLDEST_TESTS)" $(PYTEST_ARGS)
 
 .PHONY: test-fast
-test-fast: $(STAMP) $(TOOLS_STAMP) lint typecheck ## The edit-test loop: ruff and mypy, then every test that starts no training process, cluster, namespace or container
+test-fast: $(DEV_STAMP) $(TOOLS_STAMP) lint typecheck ## The edit-test loop: ruff and mypy, then every test that starts no training process, cluster, namespace or container
 	$(BIN)/python -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
-# No $(STAMP) prerequisite: a GPU machine gets a copy of .venv and no network, where a stamp older than
+# No stamp prerequisite: a GPU machine gets a copy of .venv and no network, where a stamp older than
 # pyproject.toml (mtimes are not always kept by the copy) would start a pip install that cannot succeed.
 .PHONY: gpu-check
 gpu-check: ## On a GPU machine, under 8 min: bf16/fp16, killed-and-resumed bitwise, compile + warm resume, checkpointing memory, FSDP, ResNet-50 img/s (bench/results/gpu.json; OUT=dir); without CUDA exit 2
@@ -236,7 +251,7 @@ gpu-check: ## On a GPU machine, under 8 min: bf16/fp16, killed-and-resumed bitwi
 ##@ Benchmarks
 
 .PHONY: bench
-bench: $(STAMP) ## Run every benchmark, then one summary table: bench/results/*.json, summary.md (BENCH_ARGS="--smoke")
+bench: $(DEV_STAMP) ## Run every benchmark, then one summary table: bench/results/*.json, summary.md (BENCH_ARGS="--smoke")
 	$(BIN)/python -m bench.loop_overhead $(BENCH_ARGS)
 	$(BIN)/python -m bench.launchers $(BENCH_ARGS)
 	$(BIN)/python -m bench.ray_floor $(BENCH_ARGS)
