@@ -5,15 +5,16 @@ import os
 import pickle
 import shutil
 import subprocess
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from filelock import FileLock
 from hypothesis import settings
-from helpers import (FAULT_RUN, FSDP_RUN, RANKS_RUN, REPO, run_cmd, scrape, torchrun2, torchrun_cmd, value,
-                     wait_until)
+from helpers import (FAULT_RUN, FSDP_RUN, RANKS_RUN, REPO, free_port, inspect, run_cmd, scrape, torchrun2,
+                     torchrun_cmd, value, wait_until)
 
 from bench.scratch import scratch
 
@@ -31,9 +32,9 @@ def pytest_addoption(parser):
         parser.addoption(option, action="store_true", help=f"also run the tests marked {marker} ({why})")
 
 
-LONG = ("test_ray.py", "test_compile.py", "test_lease.py", "test_preempt.py", "test_fsdp.py",
-        "test_hang.py", "test_tracking.py", "test_storage.py", "test_failure.py", "test_async_snapshot.py",
-        "test_malloc.py")
+LONG = ("test_ray.py", "test_ray_resume.py", "test_compile.py", "test_lease.py", "test_preempt.py",
+        "test_fsdp.py", "test_hang.py", "test_tracking.py", "test_storage.py", "test_failure.py",
+        "test_async_snapshot.py", "test_malloc.py")
 """The files of `make test-long` (marker `long`): the process-heavy ones, mostly fault scenarios, that each
 train, kill, restart or compile runs for minutes on a 2-core machine (a Ray cluster, torchrun's restarts,
 preemption, the lease, FSDP, hangs, full disks, failures explained, background snapshot writes, compile,
@@ -138,6 +139,13 @@ def _trained(cmd: list[str], env: dict | None = None) -> None:
 
 
 @pytest.fixture(scope="session")
+def straight_sha(straight_run) -> Callable[..., str]:
+    """`straight_sha(cmd, *args)`: the params_sha256 of `straight_run(cmd, *args)`, the run never stopped
+    that a stopped and resumed one must end bitwise equal to (the preemption, FSDP and Slurm tests)."""
+    return lambda cmd, *args: inspect(straight_run(cmd, *args))["params_sha256"]
+
+
+@pytest.fixture(scope="session")
 def torchrun_restarted(shared) -> Path:
     """One run several test files read: 2 ranks under torchrun, rank 1 SIGKILLed at step 13 by the drill
     and the group restarted from the step-10 snapshot, a record and TensorBoard scalars at every step.
@@ -212,6 +220,87 @@ def _slowed(where: Path) -> None:
         out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out[-3000:]
     (where / "slowed.pickle").write_bytes(pickle.dumps(SlowedRun(run_dir, out, port, scrapes)))
+
+
+class LocalRay:
+    """The local Ray cluster of tests/test_ray.py and tests/test_ray_resume.py (devtools/local_ray.py: a
+    head and 2 worker nodes of 1 CPU on loopback, its own short directory under /tmp and HOME), at most
+    one at a time per test process. Started by the first test that asks for `cluster`, it stays up while
+    tests still to run ask for it, whichever file they are in, and goes down at the end of the file after
+    which none does (`pytest_runtest_teardown` below), or at the end of the session: one start per run of
+    those files in every tier (a start takes minutes on a 2-core machine). A start that failed fails
+    every later asker the same way instead of starting again."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory):
+        self._tmp = tmp_path_factory
+        self.cluster = None
+        self._failed: BaseException | None = None
+
+    def get(self):
+        if self._failed is not None:
+            raise self._failed
+        if self.cluster is None:
+            from devtools.local_ray import LocalCluster
+
+            # A short directory: Ray's socket paths must stay under the OS limit.
+            c = LocalCluster(Path(f"/tmp/ta-ray-{uuid.uuid4().hex[:8]}"), workers=2, cpus=1,
+                             gcs_port=free_port(), dashboard_port=free_port())
+            try:
+                # 300 s: under `make test`'s two workers the head's job agent can take minutes to register.
+                c.up(timeout=300, cwd=REPO)
+            except BaseException as e:
+                self._failed = e
+                self._down(c)
+                raise
+            c.storage = self._tmp.mktemp("ray") / "storage"
+            self.cluster = c
+        return self.cluster
+
+    def stop(self) -> None:
+        c, self.cluster = self.cluster, None
+        if c is not None:
+            self._down(c)
+
+    @staticmethod
+    def _down(c) -> None:
+        c.down(grace=5)
+        subprocess.run(["rm", "-rf", str(c.dir)], check=False)
+
+
+LOCAL_RAY = pytest.StashKey[LocalRay]()
+
+
+@pytest.fixture(scope="session")
+def local_ray(pytestconfig, tmp_path_factory) -> Iterator[LocalRay]:
+    ray = pytestconfig.stash[LOCAL_RAY] = LocalRay(tmp_path_factory)
+    try:
+        yield ray
+    finally:
+        ray.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(local_ray):
+    """The local Ray cluster (`LocalRay`), with `storage`: a directory for the jobs' `ray.storage_path`."""
+    return local_ray.get()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """The local Ray cluster goes down at the end of a test file once no test still to run in this process
+    asks for it: of the tests after this one (a pytest-xdist worker knows only the next one, and takes a
+    whole file at a time), those that ask for `cluster` and are not skipped."""
+    result = yield
+    ray = item.config.stash.get(LOCAL_RAY, None)
+    if ray is None or ray.cluster is None or (nextitem is not None and nextitem.path == item.path):
+        return result
+    if hasattr(item.config, "workerinput"):
+        later = [nextitem] if nextitem is not None else []
+    else:
+        later = item.session.items[item.session.items.index(item) + 1:]
+    if not any("local_ray" in i.fixturenames and i.get_closest_marker("skip") is None for i in later):
+        ray.stop()
+    return result
 
 
 # Property tests (hypothesis) draw new examples in every run on a developer's machine; CI's runs

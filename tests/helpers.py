@@ -129,10 +129,11 @@ def torchrun(nproc: int, *args: str, max_restarts: int = 0, timeout: float = 300
     return run_cmd(torchrun_cmd(nproc, *args, max_restarts=max_restarts), timeout=timeout, env=env)
 
 
-def torchrun2(run_dir: Path, *args: str) -> list[str]:
+def torchrun2(run_dir: Path, *args: str, max_restarts: int = 1) -> list[str]:
     """2 ranks under torchrun on RUN_DIR, one restart allowed (the drills' kills use it; a run nobody
-    kills never restarts): the command of the shared runs (conftest.py's `straight_run`)."""
-    return torchrun_cmd(2, f"run.dir={run_dir}", *args, max_restarts=1)
+    kills never restarts): the command of the shared runs (conftest.py's `straight_run`). The preemption
+    tests allow none (`max_restarts=0`): a group they stopped stays stopped."""
+    return torchrun_cmd(2, f"run.dir={run_dir}", *args, max_restarts=max_restarts)
 
 
 def wait_until(pred: Callable[[], T], what: str, timeout: float = 120,
@@ -171,6 +172,15 @@ def wait_for_record(run_dir: Path, kind: str, match: Callable[[dict], bool], tim
                       f"{run_dir}: a matching {kind} record", timeout, gone)
 
 
+def wait_for_step(run_dir: Path, step: int, timeout: float = 240, kind: str = "train",
+                  gone: Callable[[], str | None] | None = None, interval: float = 0.05) -> None:
+    """Block until RUN_DIR/metrics.jsonl has a `kind` record (a step trained, by default) at `step` or
+    later; fail as soon as `gone()` gives a reason (the run, job or process ended first). A `gone` that
+    asks a scheduler (Slurm) is worth a longer `interval`."""
+    wait_until(at_step(run_dir, kind, step), f"{run_dir}: a {kind} record at step {step} or later", timeout,
+               gone, interval)
+
+
 def scrape(port: int, timeout: float = 2) -> dict[tuple[str, tuple], float] | None:
     """{(name, sorted labels): value} of the endpoint's samples; None while nothing answers."""
     try:
@@ -192,6 +202,23 @@ def inspect(path: Path) -> dict:
     return json.loads(r.stdout)
 
 
+def snapshot_state(step: float) -> dict:
+    """A training state as the snapshot code takes it (the model, the optimizer, the progress), every value
+    `step`: what a snapshot of step STEP holds in the snapshot store's and manager's tests."""
+    import torch
+
+    return {"model": {"w": torch.full((1000,), float(step))},
+            "optimizer": {"state": {0: {"m": torch.ones(3) * step}}},
+            "progress": {"global_step": int(step)}}
+
+
+def snapshot_manager(root: Path, keep: int = 3, **kw):
+    """A SnapshotManager publishing to ROOT (the newest `keep` kept), a snapshot due every 10 steps; `kw`:
+    its other settings (`async_write`, `disk`)."""
+    from trainapp.snapshots.manager import SnapshotManager
+    from trainapp.snapshots.publish import LocalPublish
+
+    return SnapshotManager(LocalPublish(root, keep), every_steps=10, **kw)
 
 
 def kill_registered(runtime_root: Path) -> None:

@@ -8,33 +8,21 @@ import subprocess
 
 import pytest
 import torch
-from helpers import (FAULT_RUN, PY, QUICK, REPO, exited, inspect, metrics, run_cmd, torchrun2, trainapp,
-                     wait_until)
+from helpers import (FAULT_RUN, PY, QUICK, REPO, exited, inspect, metrics, run_cmd, snapshot_manager,
+                     snapshot_state, torchrun2, trainapp, wait_until)
 
 from trainapp.faults.drills import SlowDisk
 from trainapp.group import DistContext
 from trainapp.snapshots import store as snapshot
-from trainapp.snapshots.manager import SnapshotManager
-from trainapp.snapshots.publish import LocalPublish
 from trainapp.snapshots.store import load_state, newest_valid
 
 ALONE = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None,
                     owns_group=False)
 
 
-def _manager(root, **kw) -> SnapshotManager:
-    return SnapshotManager(LocalPublish(root, keep=3), every_steps=10, **kw)
-
-
-def _state(value: float) -> dict:
-    return {"model": {"w": torch.full((1000,), value)},
-            "optimizer": {"state": {0: {"m": torch.ones(3) * value}}},
-            "progress": {"global_step": int(value)}}
-
-
 def test_the_background_write_holds_a_copy_not_the_live_tensors(tmp_path):
-    m = _manager(tmp_path, async_write=True, disk=SlowDisk(0.3))
-    state = _state(10.0)
+    m = snapshot_manager(tmp_path, async_write=True, disk=SlowDisk(0.3))
+    state = snapshot_state(10.0)
     m.save(ALONE, 10, state, {"global_step": 10}, {})
     state["model"]["w"].add_(5.0)  # training goes on mutating in place while the write is in flight
     state["optimizer"]["state"][0]["m"].zero_()
@@ -45,11 +33,11 @@ def test_the_background_write_holds_a_copy_not_the_live_tensors(tmp_path):
 
 
 def test_save_blocks_for_the_copy_and_the_next_save_waits_for_the_previous_write(tmp_path):
-    m = _manager(tmp_path, async_write=True, disk=SlowDisk(1.0))
-    m.save(ALONE, 10, _state(10.0), {"global_step": 10}, {})
+    m = snapshot_manager(tmp_path, async_write=True, disk=SlowDisk(1.0))
+    m.save(ALONE, 10, snapshot_state(10.0), {"global_step": 10}, {})
     first = m.last_blocking_s
     assert not m.path_for(10).exists(), "returned before the write finished: it runs in the background"
-    m.save(ALONE, 20, _state(20.0), {"global_step": 20}, {})
+    m.save(ALONE, 20, snapshot_state(20.0), {"global_step": 20}, {})
     second = m.last_blocking_s
     assert m.path_for(10).exists(), "the second save started before the first write was complete"
     m.wait()
@@ -58,8 +46,8 @@ def test_save_blocks_for_the_copy_and_the_next_save_waits_for_the_previous_write
 
 
 def test_the_cpu_copy_reuses_the_previous_snapshots_buffers_and_each_snapshot_keeps_its_values(tmp_path):
-    m = _manager(tmp_path, async_write=True)
-    state = _state(10.0)
+    m = snapshot_manager(tmp_path, async_write=True)
+    state = snapshot_state(10.0)
     state["model"]["conv"] = torch.randn(4, 3, 5, 5).to(memory_format=torch.channels_last)
     m.save(ALONE, 10, state, {"global_step": 10}, {})
     buffer = m._staging["model"]["w"].data_ptr()
@@ -83,8 +71,8 @@ def test_the_cpu_copy_reuses_the_previous_snapshots_buffers_and_each_snapshot_ke
 def test_a_failed_background_write_surfaces_in_the_training_thread(tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")
-    m = _manager(blocker, async_write=True)
-    m.save(ALONE, 10, _state(10.0), {"global_step": 10}, {})
+    m = snapshot_manager(blocker, async_write=True)
+    m.save(ALONE, 10, snapshot_state(10.0), {"global_step": 10}, {})
     with pytest.raises(OSError):
         m.wait()
     m.wait()  # reported once

@@ -13,8 +13,7 @@ import shutil
 import pytest
 import torch
 from helpers import FSDP_RUN, PY, QUICK, REPO, inspect, metrics, run_cmd, torchrun, torchrun2
-from test_preempt import Job, check_preempted, rerun_resumes_exactly, straight_sha
-from test_preempt import torchrun_cmd as preempt_cmd
+from test_preempt import Job, check_preempted, preempt_torchrun_cmd, rerun_resumes_exactly
 from test_storage import mounts, no_leftovers, tmpfs  # noqa: F401  (mounts: the fixture)
 
 FSDP = FSDP_RUN
@@ -31,20 +30,16 @@ def killed(run, *args: str):
     return run
 
 
-@pytest.fixture(scope="module")
-def straight(fsdp_straight):
-    return fsdp_straight
-
-
 @pytest.mark.slow
-def test_a_killed_rank_restarted_by_torchrun_ends_bitwise_equal_to_a_straight_fsdp_run(straight, tmp_path):
+def test_a_killed_rank_restarted_by_torchrun_ends_bitwise_equal_to_a_straight_fsdp_run(fsdp_straight,
+                                                                                        tmp_path):
     killed(tmp_path, *FSDP)
     starts = metrics(tmp_path, "start")
     assert [s["resumed_step"] for s in starts] == [None, 10]
     # Every rank wrote its shard; meta.json lists every file with its size and checksum.
     meta = json.loads((tmp_path / "snapshots" / "step_000000024" / "meta.json").read_text())
     assert sorted(meta["shards"]) == ["shards/.metadata", "shards/__0_0.distcp", "shards/__1_0.distcp"]
-    assert inspect(tmp_path)["params_sha256"] == inspect(straight)["params_sha256"]
+    assert inspect(tmp_path)["params_sha256"] == inspect(fsdp_straight)["params_sha256"]
     # no gather of the whole model at each snapshot: inspect reads the shards
     assert "params_sha256" not in meta
 
@@ -114,23 +109,24 @@ def test_asynchronous_shard_writes_publish_every_snapshot_whole_and_a_killed_ran
 
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_a_two_rank_snapshot_resumes_on_one_rank_resharded_at_the_same_global_sample(straight, tmp_path):
+def test_a_two_rank_snapshot_resumes_on_one_rank_resharded_at_the_same_global_sample(fsdp_straight,
+                                                                                     tmp_path):
     (tmp_path / "snapshots").mkdir()
-    shutil.copytree(straight / "snapshots" / "step_000000010", tmp_path / "snapshots" / "step_000000010")
+    shutil.copytree(fsdp_straight / "snapshots" / "step_000000010", tmp_path / "snapshots" / "step_000000010")
     r = torchrun(1, f"run.dir={tmp_path}", *FSDP, "run.allow_changes=[run.dir]")
     assert r.returncode == 0, r.output[-3000:]
     (start,) = metrics(tmp_path, "start")
     assert (start["resumed_step"], start["resumed_world_size"], start["world_size"]) == (10, 2, 1)
-    before = json.loads((straight / "snapshots" / "step_000000010" / "meta.json").read_text())
+    before = json.loads((fsdp_straight / "snapshots" / "step_000000010" / "meta.json").read_text())
     assert (start["epoch"], start["epoch_sample"]) == (before["epoch"], before["epoch_sample"])
     assert metrics(tmp_path, "end")[0]["steps"] == 24
 
 
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_a_flipped_byte_in_one_shard_is_rejected_in_one_line_and_the_previous_snapshot_is_used(straight,
-                                                                                               tmp_path):
-    shutil.copytree(straight / "snapshots", tmp_path / "snapshots")
+def test_a_flipped_byte_in_one_shard_is_rejected_in_one_line_and_the_previous_snapshot_is_used(
+        fsdp_straight, tmp_path):
+    shutil.copytree(fsdp_straight / "snapshots", tmp_path / "snapshots")
     shard = tmp_path / "snapshots" / "step_000000024" / "shards" / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -167,12 +163,12 @@ def test_a_full_disk_fails_shard_writes_whole_and_stops_after_max_failures_with_
 
 def fsdp_preempt_cmd(run_dir, *args):
     # Parameters gathered in autocast's dtype (bf16 where the CPU has it), BatchNorm units kept fp32.
-    return preempt_cmd(run_dir, "parallel.strategy=fsdp", "parallel.fsdp_param_dtype=amp", *args)
+    return preempt_torchrun_cmd(run_dir, "parallel.strategy=fsdp", "parallel.fsdp_param_dtype=amp", *args)
 
 
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_sigterm_to_one_fsdp_worker_snapshots_the_step_reached_and_the_rerun_is_bitwise_equal(straight_run,
+def test_sigterm_to_one_fsdp_worker_snapshots_the_step_reached_and_the_rerun_is_bitwise_equal(straight_sha,
                                                                                               tmp_path):
     """The preemption path of test_preempt.py with sharded snapshots (and low-precision gathers): the notice
     reaches rank 1, both ranks stop at the agreed step, every rank writes its shard of that step; zero
@@ -184,8 +180,7 @@ def test_sigterm_to_one_fsdp_worker_snapshots_the_step_reached_and_the_rerun_is_
     rec = check_preempted(run_dir, job, None)
     meta = json.loads((run_dir / "snapshots" / f"step_{rec['step']:09d}" / "meta.json").read_text())
     assert sorted(meta["shards"]) == ["shards/.metadata", "shards/__0_0.distcp", "shards/__1_0.distcp"]
-    rerun_resumes_exactly(run_dir, fsdp_preempt_cmd, rec["step"],
-                          straight_sha(straight_run, fsdp_preempt_cmd))
+    rerun_resumes_exactly(run_dir, fsdp_preempt_cmd, rec["step"], straight_sha(fsdp_preempt_cmd))
 
 
 @pytest.mark.slow

@@ -39,7 +39,9 @@ def shm(tmp_path):
     shutil.rmtree(where, ignore_errors=True)
 
 
-def _state(seed: int) -> dict:
+def _slot_state(seed: int) -> dict:
+    """A state with every kind of item a memory slot carries (float, bf16, empty and 0-d tensors, a tuple
+    like Python's generator state, bytes), drawn from `seed`."""
     g = torch.Generator().manual_seed(seed)
     return {"model": {"w": torch.randn(300, 300, generator=g), "b": torch.zeros(0),
                       "h": torch.randn(7, generator=g).to(torch.bfloat16), "n": torch.tensor(seed)},
@@ -58,7 +60,7 @@ def _equal(a, b) -> bool:
 
 
 def test_a_slot_reads_back_what_was_written_and_a_changed_byte_fails_its_check(shm):
-    state = _state(3)
+    state = _slot_state(3)
     slots.write(shm / "own-00000.0", state, seq=3, step=3)
     head = slots.header(shm / "own-00000.0")
     assert head is not None and (head.seq, head.step) == (3, 3)
@@ -74,7 +76,7 @@ def _writer(path_base: Path, kill_at: int) -> None:
     through the write of state `kill_at`."""
     for seq in range(1, kill_at + 1):
         midway = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if seq == kill_at else None
-        slots.write(Path(f"{path_base}.{seq % 2}"), _state(seq), seq=seq, step=seq, midway=midway)
+        slots.write(Path(f"{path_base}.{seq % 2}"), _slot_state(seq), seq=seq, step=seq, midway=midway)
 
 
 @pytest.mark.parametrize("kill_at", [1, 2, 5])
@@ -95,7 +97,7 @@ def test_a_copy_a_sigkill_interrupted_is_never_read(shm, kill_at):
         return
     assert newest is not None and newest.seq == kill_at - 1
     data = slots.read_bytes(newest)
-    assert data is not None and _equal(slots.decode(data), _state(kill_at - 1))
+    assert data is not None and _equal(slots.decode(data), _slot_state(kill_at - 1))
 
 
 def _copies(*entries) -> list[Copy]:

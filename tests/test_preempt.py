@@ -12,9 +12,9 @@ import subprocess
 import time
 from pathlib import Path
 
-import helpers
 import pytest
-from helpers import PY, REPO, at_step, exited, inspect, kill_registered, metrics, run_cmd, wait_until
+from helpers import (PY, REPO, TORCHRUN, exited, inspect, kill_registered, metrics, run_cmd, torchrun2,
+                     wait_for_step, wait_until)
 
 import trainapp
 from trainapp.faults import drain
@@ -66,7 +66,7 @@ class Job:
         """Once metrics.jsonl has a `kind` record at `step` or later (and `delay_s` more), send `signum` to
         `pid` (None: the whole process group, as a container runtime does); the exit code, which came
         within the grace period."""
-        wait_for(run_dir, kind, step, self)
+        self.reached(run_dir, kind, step)
         time.sleep(delay_s)
         t0 = time.monotonic()
         if pid is None:
@@ -76,6 +76,10 @@ class Job:
         rc = self.wait()
         assert time.monotonic() - t0 < 25
         return rc
+
+    def reached(self, run_dir: Path, kind: str, step: int, timeout: float = 120) -> None:
+        """Once metrics.jsonl has a `kind` record at `step` or later; fails at once if the job ended first."""
+        wait_for_step(run_dir, step, timeout, kind, gone=exited(self.proc, lambda: self.output()[1]))
 
     def kill(self) -> None:
         kill_registered(self.runtime)
@@ -94,24 +98,9 @@ def trainapp_cmd(run_dir: Path, *args: str) -> list[str]:
     return [PY, "-m", "trainapp", "train", f"run.dir={run_dir}", *RUN, *args]
 
 
-def torchrun_cmd(run_dir: Path, *args: str) -> list[str]:
-    return helpers.torchrun_cmd(2, f"run.dir={run_dir}", *RUN, *args)
-
-
-def wait_for(run_dir: Path, kind: str, step: int, job: Job, timeout: float = 120) -> None:
-    wait_until(at_step(run_dir, kind, step), f"{job.name}: a {kind} record at step {step} or later", timeout,
-               gone=exited(job.proc, lambda: job.output()[1]))
-
-
-def straight_sha(straight_run, cmd, *args: str) -> str:
-    """params_sha256 of the same run never stopped (conftest.py's `straight_run`: once per session)."""
-    return inspect(straight_run(cmd, *args))["params_sha256"]
-
-
-@pytest.fixture
-def straight(straight_run):
-    """`straight(cmd)`: straight_sha of RUN under `cmd`."""
-    return lambda cmd: straight_sha(straight_run, cmd)
+def preempt_torchrun_cmd(run_dir: Path, *args: str) -> list[str]:
+    """RUN under torchrun: 2 ranks on RUN_DIR, no restart (a group a test stopped stays stopped)."""
+    return torchrun2(run_dir, *RUN, *args, max_restarts=0)
 
 
 def check_preempted(run_dir: Path, job: Job, rc: int | None, signum: int = signal.SIGTERM,
@@ -135,45 +124,47 @@ def check_preempted(run_dir: Path, job: Job, rc: int | None, signum: int = signa
     return rec
 
 
-def rerun_resumes_exactly(run_dir: Path, cmd, stop_step: int, straight: str, *args: str) -> None:
+def rerun_resumes_exactly(run_dir: Path, cmd, stop_step: int, twin_sha: str, *args: str) -> None:
+    """The rerun of `cmd` after a stop at `stop_step` starts there and ends with the parameters `twin_sha`
+    of the run never stopped (conftest.py's `straight_sha`)."""
     r = run_cmd(cmd(run_dir, *args), timeout=300)
     assert r.returncode == 0, r.output[-3000:]
     start = metrics(run_dir, "start")[-1]
     assert start["resumed_step"] == stop_step and start["step"] == stop_step  # zero steps redone
     final = inspect(run_dir)
-    assert final["global_step"] == 200 and final["params_sha256"] == straight
+    assert final["global_step"] == 200 and final["params_sha256"] == twin_sha
 
 
 @slow
-def test_sigterm_alone_snapshots_the_step_reached_and_the_rerun_is_bitwise_equal(tmp_path, straight):
+def test_sigterm_alone_snapshots_the_step_reached_and_the_rerun_is_bitwise_equal(tmp_path, straight_sha):
     run_dir = tmp_path / "run"
     job = Job(trainapp_cmd(run_dir), tmp_path, "alone")
     rc = job.signal_after(run_dir, "train", 120, job.proc.pid)
     rec = check_preempted(run_dir, job, rc)
     assert rec["phase"] in ("data", "compute", "optim", "other")  # the phase clock's, inside a step
-    rerun_resumes_exactly(run_dir, trainapp_cmd, rec["step"], straight(trainapp_cmd))
+    rerun_resumes_exactly(run_dir, trainapp_cmd, rec["step"], straight_sha(trainapp_cmd))
 
 
 @pytest.mark.e2e
 @slow
-def test_sigterm_to_the_torchrun_process_group_stops_every_rank_at_one_step(tmp_path, straight):
+def test_sigterm_to_the_torchrun_process_group_stops_every_rank_at_one_step(tmp_path, straight_sha):
     """What a container runtime does: the signal reaches torchrun's agent and both workers; the agent
     forwards it again (a second notice, ignored)."""
     run_dir = tmp_path / "run"
-    job = Job(torchrun_cmd(run_dir), tmp_path, "group")
+    job = Job(preempt_torchrun_cmd(run_dir), tmp_path, "group")
     rc = job.signal_after(run_dir, "train", 120, None)
     out, err = job.output()
     assert rc != 0  # torchrun's own exit: its agent raises SignalException (documented)
     assert "forcefully exiting via 9" not in err, err[-3000:]  # no worker needed torchrun's SIGKILL
     assert "[rank 1] WARNING trainapp: preempted at step" in err and "exit 143" in err, err[-3000:]
     rec = check_preempted(run_dir, job, None)
-    rerun_resumes_exactly(run_dir, torchrun_cmd, rec["step"], straight(torchrun_cmd))
+    rerun_resumes_exactly(run_dir, preempt_torchrun_cmd, rec["step"], straight_sha(preempt_torchrun_cmd))
 
 
 @slow
 def test_sigterm_to_one_torchrun_worker_stops_both_at_the_same_step(tmp_path):
     run_dir = tmp_path / "run"
-    job = Job(torchrun_cmd(run_dir), tmp_path, "one")
+    job = Job(preempt_torchrun_cmd(run_dir), tmp_path, "one")
     ranks = job.workers(2)
     # rank 0, which writes, hears of it only through the vote
     rc = job.signal_after(run_dir, "train", 120, ranks[1])
@@ -187,13 +178,13 @@ def test_sigterm_to_one_torchrun_worker_stops_both_at_the_same_step(tmp_path):
 @pytest.mark.e2e
 @slow
 def test_second_signal_during_an_async_write_and_during_the_stop_keeps_every_snapshot_valid(tmp_path,
-                                                                                            straight):
+                                                                                            straight_sha):
     """The notice lands while the periodic step-100 snapshot is still being written in the background
     (the drill slows every write by 2 s); a second signal lands while the stop's own snapshot is written."""
     args = ("snapshot.async=true", "drill.snapshot_write_delay_s=2")
     run_dir = tmp_path / "run"
     job = Job(trainapp_cmd(run_dir, *args), tmp_path, "async")
-    wait_for(run_dir, "snapshot", 100, job)  # recorded when the copy is done; the write goes on
+    job.reached(run_dir, "snapshot", 100)  # recorded when the copy is done; the write goes on
     os.kill(job.proc.pid, signal.SIGTERM)
     time.sleep(1.0)
     os.kill(job.proc.pid, signal.SIGINT)
@@ -204,7 +195,7 @@ def test_second_signal_during_an_async_write_and_during_the_stop_keeps_every_sna
     assert inspect(run_dir / "snapshots" / "step_000000100")["global_step"] == 100
     # Asynchronous and slowed writes change nothing in the math (tests/test_async_snapshot.py): the
     # straight run without them is the reference.
-    rerun_resumes_exactly(run_dir, trainapp_cmd, rec["step"], straight(trainapp_cmd), *args)
+    rerun_resumes_exactly(run_dir, trainapp_cmd, rec["step"], straight_sha(trainapp_cmd), *args)
 
 
 @slow
@@ -237,11 +228,11 @@ def test_a_hung_peer_cannot_hold_the_stop_past_the_grace_period(tmp_path):
     """Rank 0 is frozen (SIGSTOP), rank 1 gets the notice: the vote never completes, so rank 1 exits
     with 143 when preempt.grace_s runs out, and the newest valid snapshot stays the periodic one."""
     run_dir = tmp_path / "run"
-    job = Job(torchrun_cmd(run_dir, "preempt.grace_s=4"), tmp_path, "hung")
+    job = Job(preempt_torchrun_cmd(run_dir, "preempt.grace_s=4"), tmp_path, "hung")
     ranks = job.workers(2)
     try:
-        wait_for(run_dir, "snapshot", 100, job)
-        wait_for(run_dir, "train", 110, job)
+        job.reached(run_dir, "snapshot", 100)
+        job.reached(run_dir, "train", 110)
         os.kill(ranks[0], signal.SIGSTOP)
         t0 = time.monotonic()
         os.kill(ranks[1], signal.SIGTERM)
@@ -347,7 +338,7 @@ def _polls(tmp_path: Path, mode: str) -> tuple[list[list], list[int]]:
     """Each rank's [step, seconds] of its polls, and the steps (the same on both ranks)."""
     script = tmp_path / "poll.py"
     script.write_text(POLL_SCRIPT)
-    r = run_cmd([helpers.TORCHRUN, "--standalone", "--nproc_per_node=2", str(script), str(tmp_path), mode],
+    r = run_cmd([TORCHRUN, "--standalone", "--nproc_per_node=2", str(script), str(tmp_path), mode],
                 timeout=120)
     assert r.returncode == 0, r.output[-3000:]
     polls = [json.loads((tmp_path / f"polls.{rank}.json").read_text()) for rank in (0, 1)]

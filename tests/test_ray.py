@@ -1,14 +1,16 @@
-"""The Ray launcher against a real local multi-node cluster: `ray start` head + 2 worker nodes on
-loopback, its own directory and HOME, torn down by PID. Jobs go in through real `ray job submit`."""
+"""The Ray launcher against a real local multi-node cluster (conftest.py's `cluster`: `ray start` head + 2
+worker nodes on loopback, its own directory and HOME, torn down by PID). Jobs go in through real `ray job
+submit` (tests/ray_jobs.py). Here: the launch and a fault drill run, user tasks, failures explained, bad
+input, a lost and a drained node, stopping a job, `doctor --comm`; a killed or SIGTERMed worker's resume
+is in tests/test_ray_resume.py, on the same cluster."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
-import contextlib
 import tempfile
 import time
 import uuid
@@ -17,251 +19,15 @@ from pathlib import Path
 import pytest
 import usertasks_ledger
 import usertasks_stream
-from helpers import (PY, QUICK, REPO, inspect, metrics, one_error_line, run_cmd, torchrun, trainapp,
-                     wait_for_record, wait_until)
+from helpers import (QUICK, REPO, inspect, metrics, one_error_line, run_cmd, torchrun, trainapp,
+                     wait_for_record, wait_for_step, wait_until)
+from ray_jobs import KILLABLE_RUN, USER_TASK, finish, redone_steps, submit, submit_background, submit_cmd
 
+from devtools.local_ray import RAY, proc_stat
 from trainapp.faults.boundary import StopVote
-from devtools.local_ray import RAY, LocalCluster, proc_stat
-from helpers import free_port
 from trainapp.observe.logs import FIRST_STEP
-from trainapp.snapshots.store import list_snapshots, step_of
-from trainapp.tools import report
 
 pytestmark = pytest.mark.slow
-
-# A run long enough to be killed in the middle: per-step records, a snapshot every 5 steps.
-LONG = ["train.max_steps=40", "train.epochs=20", "snapshot.every_steps=5", "train.progress=false",
-        "train.log_every=1", "data.train_size=1024", "data.val_size=256", "snapshot.memory_every_steps=0"]
-"""A Ray run resumed by the storage tier (the memory tier's resumes: its own test turns it on over this)."""
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    base = tmp_path_factory.mktemp("ray")
-    # A short directory: Ray's socket paths must stay under the OS limit.
-    c = LocalCluster(Path(f"/tmp/ta-ray-{uuid.uuid4().hex[:8]}"), workers=2, cpus=1,
-                     gcs_port=free_port(), dashboard_port=free_port())
-    try:
-        # 300 s: under `make test`'s two workers the head's job agent can take minutes to register.
-        c.up(timeout=300, cwd=REPO)
-        c.storage = base / "storage"
-        yield c
-    finally:
-        c.down(grace=5)
-        subprocess.run(["rm", "-rf", str(c.dir)], check=False)
-
-
-def _submit_cmd(cluster, name: str, *args: str, sid: str | None = None, wait: bool = True,
-                ship: str | None = None, stop_wait_s: int | None = None) -> list[str]:
-    env = ["--runtime-env-json", json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(stop_wait_s)}})] \
-        if stop_wait_s else []
-    return [RAY, "job", "submit", "--address", cluster.dashboard_url,
-            *(["--working-dir", ship] if ship else []), *(["--submission-id", sid] if sid else []),
-            *([] if wait else ["--no-wait"]), *env, "--", "python", "-m", "trainapp", "ray",
-            f"ray.storage_path={cluster.storage}", f"ray.name={name}", *args]
-
-
-def submit(cluster, name: str, *args: str, timeout: float = 400):
-    return run_cmd(_submit_cmd(cluster, name, *args), timeout=timeout, env=cluster.env())
-
-
-def submit_background(cluster, name: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(_submit_cmd(cluster, name, *args), cwd=REPO, env=cluster.env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def finish(proc: subprocess.Popen, timeout: float = 400) -> tuple[int, str]:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"job did not finish in {timeout}s:\n{out[-4000:]}")
-    return proc.returncode, out
-
-
-def _alive(pid: int) -> bool:
-    """Running, not a zombie waiting for its parent."""
-    stat = proc_stat(pid)
-    return stat is not None and stat[1][0] != "Z"
-
-
-def wait_for_step(run_dir: Path, step: int, timeout: float = 240) -> float:
-    """Block until metrics.jsonl shows a train record at `step` or later; returns the time seen."""
-    wait_for_record(run_dir, "train", lambda r: r["step"] >= step, timeout)
-    return time.time()
-
-
-def ray_worker_pids(cluster) -> list[int]:
-    """PIDs of the live training workers, from Ray's state API."""
-    actors = cluster.state("actors", class_name="RayTrainWorker", state="ALIVE")
-    return [a["pid"] for a in actors]
-
-
-def _nice(pid: int) -> int:
-    return int(proc_stat(pid)[1][16])
-
-
-def _redone(run_dir: Path) -> tuple[int, int]:
-    """(highest step trained before the restart, step resumed from)."""
-    records = metrics(run_dir)
-    starts = [i for i, r in enumerate(records) if r["kind"] == "start"]
-    assert len(starts) >= 2, "no restart recorded"
-    before = max(r["step"] for r in records[starts[0]:starts[1]] if r["kind"] == "train")
-    return before, records[starts[1]]["resumed_step"]
-
-
-@pytest.mark.e2e
-def test_sigkilled_ray_worker_costs_at_most_one_snapshot_interval(cluster):
-    run_dir = cluster.storage / "killed"
-    proc = submit_background(cluster, "killed", *LONG)
-    try:
-        wait_for_step(run_dir, 12)
-        pids = ray_worker_pids(cluster)
-        assert len(pids) == 2
-        # Training runs at full priority (Ray's default would be nice 15, below Ray's own daemons);
-        # the head's processes yield to it.
-        assert [_nice(pid) for pid in pids] == [cluster.worker_nice] * 2
-        gcs = cluster.node_pids("head")["gcs_server"]
-        assert _nice(gcs) == cluster.head_nice > cluster.worker_nice
-        # Where the kernel shares the CPU between sessions first (autogroups), the head's session as a
-        # whole yields too: its processes' nice values alone would rank them only among themselves.
-        autogroup = Path(f"/proc/{gcs}/autogroup")
-        if autogroup.exists():
-            assert autogroup.read_text().split()[-1] == str(cluster.head_nice), autogroup.read_text()
-        # Ray Train's controller runs the backend and the callbacks and trains nothing: it has no torch
-        # loaded (trainapp/launch/ray/private/backend.py keeps it out; its import is on the start-up's
-        # critical path).
-        controller = cluster.state("actors", class_name="TrainController", state="ALIVE")
-        assert len(controller) == 1, controller
-        assert "libtorch" not in Path(f"/proc/{controller[0]['pid']}/maps").read_text()
-        killed_at = time.time()
-        os.kill(pids[-1], signal.SIGKILL)
-    finally:
-        rc, out = finish(proc)
-    assert rc == 0, out[-4000:]
-    before, resumed = _redone(run_dir)
-    assert resumed % 5 == 0 and before - resumed <= 5, (before, resumed)
-    assert inspect(run_dir)["global_step"] == 40
-    # The killed rank wrote nothing; Ray Train's controller recorded what it saw, between the kill and
-    # the new group's start, and the report says it.
-    records = metrics(run_dir)
-    seen = [r for r in records if r["kind"] == "group_failure"]
-    starts = [r for r in records if r["kind"] == "start"]
-    assert len(seen) == 1 and killed_at < seen[0]["time"] < starts[1]["time"], (seen, killed_at)
-    # The killed worker fails Ray's health check (or its actor is seen dead); the other one loses its peer.
-    assert any(e.startswith(("WorkerHealthCheckFailedError", "ActorDiedError"))
-               for e in seen[0]["errors"].values()), seen
-    said = report.failures(records)
-    assert len(said) == 1 and said[0].startswith("attempt 0: Ray Train saw rank"), said
-    # The restarted group's start-up phases, for the recovery breakdown (trainapp/observe/timeline.py).
-    assert ({"worker_process", "worker_setup", "process_group", "built", "loaded"}
-            <= starts[1]["startup"].keys())
-    assert (killed_at < starts[1]["startup"]["worker_setup"] < starts[1]["startup"]["loaded"]
-            < starts[1]["time"])
-
-
-@pytest.mark.e2e
-def test_a_sigkilled_ray_worker_resumes_from_memory_redoing_at_most_one_step(cluster, tmp_path):
-    """The memory tier under Ray Train: a copy every step in a memory directory of the test's own (the
-    worker nodes share this machine's), storage snapshots every 50 steps; a worker SIGKILLed after step 12.
-    Ray Train restarts the group, whose workers resume the newest step in memory (one step redone, none
-    read from storage), to torchrun's parameters. The finished run leaves no copy there."""
-    run_dir = cluster.storage / "memory"
-    memory = Path(tempfile.mkdtemp(prefix="ta-test-mem-", dir="/dev/shm"))
-    args = [*LONG, "snapshot.every_steps=50", "snapshot.memory_every_steps=1",
-            f"snapshot.memory_dir={memory}"]
-    proc = submit_background(cluster, "memory", *args)
-    try:
-        wait_for_step(run_dir, 12)
-        os.kill(ray_worker_pids(cluster)[-1], signal.SIGKILL)
-    finally:
-        rc, out = finish(proc)
-    try:
-        assert rc == 0, out[-4000:]
-        before, resumed = _redone(run_dir)
-        assert before - resumed <= 1, (before, resumed)
-        start = metrics(run_dir, "start")[1]
-        assert start["resumed_tier"] == "memory" and start["resumed_from"].startswith("memory:"), start
-        straight = tmp_path / "torchrun"
-        r = torchrun(2, f"run.dir={straight}", *LONG)
-        assert r.returncode == 0, r.output[-3000:]
-        assert inspect(run_dir)["params_sha256"] == inspect(straight)["params_sha256"]
-        assert sorted(p.name for p in memory.iterdir()) == ["node-id"]
-    finally:
-        shutil.rmtree(memory, ignore_errors=True)
-
-
-def _steps_on(storage: Path) -> list[int]:
-    return [step_of(p.name) for p in list_snapshots(storage)]
-
-
-@pytest.mark.e2e
-def test_snapshots_ray_never_registered_resume_a_killed_run_and_are_deleted_once_superseded(cluster):
-    """`ray.report_interval_s` longer than the run: Ray registers only the final snapshot. With the
-    workers frozen (SIGSTOP) after a snapshot, storage holds that one and at most the next, being
-    written: every older one Ray never knew is gone. A SIGKILLed worker then costs at most one snapshot
-    interval (the restart finds the newest snapshot on storage), and the run resubmits with the same
-    name (Ray's record names no snapshot trainapp deleted)."""
-    name = "unregistered"
-    run_dir = cluster.storage / name
-    proc = submit_background(cluster, name, *LONG, "ray.report_interval_s=1000")
-    try:
-        wait_for_record(run_dir, "snapshot", lambda r: r["step"] >= 15)
-        pids = ray_worker_pids(cluster)
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        newest = max(r["step"] for r in metrics(run_dir, "snapshot"))  # written after older ones went
-        frozen = _steps_on(run_dir)
-        os.kill(pids[-1], signal.SIGKILL)
-        for pid in pids[:-1]:
-            os.kill(pid, signal.SIGCONT)
-    finally:
-        rc, out = finish(proc)
-    assert rc == 0, out[-4000:]
-    assert frozen and set(frozen) <= {newest, newest + 5}, (frozen, newest)
-    before, resumed = _redone(run_dir)
-    assert resumed >= max(frozen) and before - resumed <= 5, (before, resumed, frozen)
-    assert _steps_on(run_dir) == [40]  # the final one, registered; every unknown one went when it was
-    r = submit(cluster, name, *LONG, "train.max_steps=45", "ray.report_interval_s=1000")
-    assert r.returncode == 0, r.output[-4000:]
-    assert metrics(run_dir, "start")[-1]["resumed_step"] == 40
-    assert _steps_on(run_dir) == [40, 45]  # Ray keeps snapshot.keep=3 of the ones it knows
-    # A snapshot Ray knows, deleted by hand: Ray Train would refuse the run with a traceback and the
-    # advice to delete the run's directory. The driver says so in one line, and its fix works.
-    shutil.rmtree(run_dir / "step_000000040")
-    r = trainapp("ray", f"ray.address={cluster.address}", f"ray.storage_path={cluster.storage}",
-                 f"ray.name={name}", *LONG, timeout=90, env=cluster.client_env())
-    line = one_error_line(r, "ray", "step_000000040, gone from")
-    assert "move the record aside" in line, line
-    (run_dir / "checkpoint_manager_snapshot.json").rename(run_dir / "ray-record.json")
-    r = submit(cluster, name, *LONG, "train.max_steps=50", "ray.report_interval_s=1000")
-    assert r.returncode == 0, r.output[-4000:]
-    assert metrics(run_dir, "start")[-1]["resumed_step"] == 45
-
-
-@pytest.mark.e2e
-def test_uri_storage_resumes_from_the_newest_uploaded_snapshot_ray_never_registered(cluster, tmp_path):
-    """`ray.storage_path` a file:// URI, no report but the final one, `snapshot.async` (the upload, and
-    the deletion of the upload it supersedes, in the writer's thread): the restart after a SIGKILLed
-    worker lists the store and resumes from the newest snapshot uploaded, not from Ray's (none)."""
-    store, run_dir = tmp_path / "bucket", tmp_path / "run"
-    proc = submit_background(cluster, "uri-unregistered", *LONG, f"ray.storage_path=file://{store}",
-                             f"run.dir={run_dir}", "ray.report_interval_s=1000", "snapshot.async=true")
-    try:
-        # A background write starts only once the one before it is complete: with the record of
-        # snapshot 20 (written as its write starts), 15 is on the store.
-        wait_for_record(run_dir, "snapshot", lambda r: r["step"] >= 20)
-        os.kill(ray_worker_pids(cluster)[-1], signal.SIGKILL)
-    finally:
-        rc, out = finish(proc)
-    assert rc == 0, out[-4000:]
-    before, resumed = _redone(run_dir)
-    # At most one interval and the write in flight when the worker died.
-    assert resumed >= 15 and before - resumed <= 10, (before, resumed)
-    # Every upload Ray never knew went once a newer one was complete. Ray knows two: the final save's
-    # report registers the newest upload complete by then (35), and the flush at the end the final one.
-    assert _steps_on(store / "uri-unregistered") == [35, 40]
 
 
 DRILL_DELAY_S = 0.5
@@ -275,7 +41,7 @@ def ray_run_with_restart(cluster):
     r = submit(cluster, name, "train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5",
                "drill.kill_at_step=13", "drill.rank=1", f"drill.snapshot_write_delay_s={DRILL_DELAY_S}",
                f"observe.mlflow_uri=sqlite:///{cluster.storage}/mlflow.db", *QUICK,
-               "snapshot.memory_every_steps=0")  # the storage tier's resume (the memory tier's: below)
+               "snapshot.memory_every_steps=0")  # the storage tier's (the memory tier's: test_ray_resume.py)
     return r, cluster.storage / name
 
 
@@ -371,39 +137,14 @@ def test_ray_and_torchrun_end_with_the_same_parameters(ray_run_with_restart, tmp
     assert inspect(run_dir)["params_sha256"] == inspect(tmp_path / "tr")["params_sha256"]
 
 
-USER_TASK = ["task.name=tabular_task:Regression", "task.args.hidden=32", "task.args.train_rows=2048",
-             "optim.name=adamw", "optim.lr=0.003", "train.max_steps=24", "train.epochs=20",
-             "snapshot.every_steps=5", "train.progress=false", "train.log_every=5", "train.eval_every=10"]
-
 
 def test_a_user_task_not_shipped_stops_in_the_driver_before_any_worker(cluster):
     """The user's package is on no node and the job does not ship it: one line from the driver."""
-    missing = run_cmd(_submit_cmd(cluster, "usertask-unshipped", *USER_TASK), timeout=120, env=cluster.env())
+    missing = run_cmd(submit_cmd(cluster, "usertask-unshipped", *USER_TASK), timeout=120, env=cluster.env())
     assert missing.returncode != 0
     assert ("trainapp ray: error: task.name='tabular_task:Regression': cannot import tabular_task"
             in missing.output)
     assert "Started training worker group" not in missing.output  # the driver's preflight, before any worker
-
-
-@pytest.mark.e2e
-def test_a_user_task_shipped_with_working_dir_resumes_a_killed_worker_bitwise_as_under_torchrun(cluster,
-                                                                                                tmp_path):
-    """`ray job submit --working-dir` ships the user's package to the driver and the workers. Rank 1
-    SIGKILLs itself after step 13; the run ends where torchrun's straight run does."""
-    task = USER_TASK
-    # What `make ray-submit WORKING_DIR=examples/tabular` runs.
-    r = run_cmd([PY, "-m", "devtools.local_ray", "--dir", str(cluster.dir), "submit", "--working-dir",
-                 "examples/tabular", "--", "python", "-m", "trainapp", "ray",
-                 f"ray.storage_path={cluster.storage}", "ray.name=usertask", *task,
-                 "drill.kill_at_step=13", "drill.rank=1"], timeout=400, env=cluster.env())
-    assert r.returncode == 0, r.output[-4000:]
-    assert "trainapp ray: done steps=24" in r.output and "val_mse=" in r.output, r.output[-2000:]
-    run_dir = cluster.storage / "usertask"
-    assert [s["resumed_step"] for s in metrics(run_dir, "start")] == [None, 10]
-    t = run_cmd([*helpers_torchrun(), f"run.dir={tmp_path / 'tr'}", *task],
-                env={"PYTHONPATH": str(REPO / "examples" / "tabular")})
-    assert t.returncode == 0, t.output[-3000:]
-    assert inspect(run_dir)["params_sha256"] == inspect(tmp_path / "tr")["params_sha256"]
 
 
 @pytest.mark.e2e
@@ -415,8 +156,8 @@ def test_char_lm_sharded_resumes_a_killed_worker_from_every_shard_to_torchruns_p
     downloads the snapshot, loads every worker's shard and ends bitwise where torchrun's straight FSDP run
     does. Resubmitted on one worker (a node lost for good), the two-rank snapshot is resharded and the run
     goes on. And a script of the user's own, shipped with --working-dir, hands Ray its task object
-    (`trainapp.fit_ray`). (DDP's killed worker under Ray: the tests above; FSDP on a shared filesystem
-    path is torchrun's layout, tests/test_fsdp.py.)"""
+    (`trainapp.fit_ray`). (DDP's killed worker under Ray: tests/test_ray_resume.py; FSDP on a shared
+    filesystem path is torchrun's layout, tests/test_fsdp.py.)"""
     lm = ["parallel.strategy=fsdp", "task.name=char_lm", "task.args.n_embd=32", "task.args.n_layer=1",
           "task.args.block_size=32", "task.args.stride=64", "train.batch_size=16", "train.max_steps=24",
           "train.epochs=20", "snapshot.every_steps=5", "train.progress=false", "train.log_every=5",
@@ -461,10 +202,10 @@ def test_char_lm_sharded_resumes_a_killed_worker_from_every_shard_to_torchruns_p
     assert start["config"]["task"] == {"name": "tabular_task.task:Regression", "args": {}}
 
 
-def helpers_torchrun() -> list[str]:
-    from helpers import torchrun_cmd
-
-    return torchrun_cmd(2)
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its parent."""
+    stat = proc_stat(pid)
+    return stat is not None and stat[1][0] != "Z"
 
 
 @pytest.mark.e2e
@@ -598,7 +339,7 @@ def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back_with_ever
     uri = [f"ray.storage_path=file://{cluster.storage}/uri", f"run.dir={run_dir}"] if "URI" in data else []
     victim, newcomer = cluster.nodes[-1].name, f"worker{len(cluster.nodes)}"
     proc = subprocess.Popen(
-        _submit_cmd(cluster, name, f"task.name={task}", f"task.args.rows={rows}",
+        submit_cmd(cluster, name, f"task.name={task}", f"task.args.rows={rows}",
                     "task.args.step_s=0.1", "train.batch_size=16", "train.epochs=10", "train.max_steps=300",
                     "snapshot.every_steps=20", "train.progress=false", "train.log_every=1", "amp.dtype=off",
                     "ray.num_workers=[1,2]", "ray.worker_group_start_timeout_s=15", "ray.resize_check_s=5",
@@ -645,30 +386,6 @@ def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back_with_ever
     assert published["world_size"] == 2 and published["global_step"] == 300
 
 
-@pytest.mark.e2e
-def test_sigterm_to_a_ray_training_worker_stops_every_worker_at_one_step_and_redoes_none(cluster):
-    """SIGTERM reaching one Ray training worker (its node's shutdown, a container runtime): all workers
-    agree on the step, rank 0 reports the snapshot of it, the workers exit 143 and Ray Train restarts
-    the group from that snapshot. Periodic snapshots are off: nothing else could serve the resume."""
-    run_dir = cluster.storage / "sigterm"
-    proc = submit_background(cluster, "sigterm", *LONG, "train.max_steps=150", "snapshot.every_steps=0")
-    try:
-        wait_for_step(run_dir, 10)
-        pids = ray_worker_pids(cluster)
-        assert len(pids) == 2
-        os.kill(pids[-1], signal.SIGTERM)
-    finally:
-        rc, out = finish(proc)
-    assert rc == 0, out[-4000:]
-    (rec,) = metrics(run_dir, "preempted")
-    assert rec["signal"] == "SIGTERM" and rec["seconds"] < 25, rec
-    before, resumed = _redone(run_dir)
-    assert resumed == rec["step"] >= before, (before, resumed, rec)  # zero steps redone
-    # Once: Ray Train's print patch, which would also send the line through its logger, is off.
-    assert out.count("trainapp: preempted (SIGTERM) at step") == 1, out[-4000:]
-    assert inspect(run_dir)["global_step"] == 150
-
-
 def _node_of(cluster, pid: int) -> str:
     """The name of the local node whose `ray start` session holds process `pid`."""
     return next(n.name for n in cluster.nodes if pid in cluster.node_pids(n.name).values())
@@ -687,9 +404,9 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
 
     run_dir = cluster.storage / "drained"
     poll_s = 0.5
-    submitted_ms = time.time() * 1000  # the module's cluster ran other jobs before this one
-    # 400 steps (LONG's 20 epochs are 160): the node must die well before the run's end.
-    proc = submit_background(cluster, "drained", *LONG, "train.max_steps=400", "train.epochs=100",
+    submitted_ms = time.time() * 1000  # the cluster ran other jobs before this one
+    # 400 steps (KILLABLE_RUN's 20 epochs are 160): the node must die well before the run's end.
+    proc = submit_background(cluster, "drained", *KILLABLE_RUN, "train.max_steps=400", "train.epochs=100",
                              "snapshot.every_steps=0",
                              f"preempt.ray_poll_s={poll_s}",
                              "ray.num_workers=[1,2]", "ray.worker_group_start_timeout_s=15")
@@ -744,7 +461,7 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
     gaps_s = [trained[b] - trained[a] for a, b in zip(drain_snaps, drain_snaps[1:])]
     assert all(0.8 * poll_s <= g <= poll_s + StopVote.INTERVAL_S + 1.0 for g in gaps_s), (drain_snaps, gaps_s)
     assert min(b - a for a, b in zip(drain_snaps, drain_snaps[1:])) > 2, drain_snaps
-    before, resumed = _redone(run_dir)
+    before, resumed = redone_steps(run_dir)
     # A drain-time snapshot (rank 0 may die between writing one and recording it: the last one
     # written need not have a record), so at most one poll interval of training is lost.
     assert resumed >= notice["step"] and resumed in trained, (resumed, notice, snaps)
@@ -766,11 +483,12 @@ def test_ray_job_stop_snapshots_the_step_reached_and_the_resubmission_redoes_non
     (an MLflow store), each step once."""
     name, sid = "graceful", f"graceful-{uuid.uuid4().hex[:6]}"
     run_dir = cluster.storage / name
-    args = (*LONG, "train.epochs=100", "train.max_steps=300", "snapshot.every_steps=100", "ray.num_workers=2")
+    args = (*KILLABLE_RUN, "train.epochs=100", "train.max_steps=300", "snapshot.every_steps=100",
+            "ray.num_workers=2")
     # Steps of 250 ms (a sleep: the numbers do not change) while a second driver starts on a busy machine.
     slow = ("drill.slow_rank=0", "drill.slow_ms=250")
     track = f"observe.mlflow_uri=sqlite:///{cluster.storage}/mlflow-stop.db"
-    r = run_cmd(_submit_cmd(cluster, name, *args, *slow, track, sid=sid, wait=False, stop_wait_s=60),
+    r = run_cmd(submit_cmd(cluster, name, *args, *slow, track, sid=sid, wait=False, stop_wait_s=60),
                 env=cluster.env())
     assert r.returncode == 0, r.output
     wait_for_step(run_dir, 5)
@@ -843,8 +561,9 @@ def test_stop_jobs_a_head_pods_prestop_stops_a_running_job_with_its_snapshot(clu
     workers snapshot the step they reached, and the command returns once the job has ended."""
     name, sid = "prestop", f"prestop-{uuid.uuid4().hex[:6]}"
     run_dir = cluster.storage / name
-    args = (*LONG, "train.epochs=100", "train.max_steps=300", "drill.slow_rank=0", "drill.slow_ms=250")
-    r = run_cmd(_submit_cmd(cluster, name, *args, sid=sid, wait=False, stop_wait_s=60), env=cluster.env())
+    args = (*KILLABLE_RUN, "train.epochs=100", "train.max_steps=300", "drill.slow_rank=0",
+            "drill.slow_ms=250")
+    r = run_cmd(submit_cmd(cluster, name, *args, sid=sid, wait=False, stop_wait_s=60), env=cluster.env())
     assert r.returncode == 0, r.output
     wait_for_step(run_dir, 5)
     r = trainapp("stop-jobs", "--address", cluster.dashboard_url, "--wait-s", "60", env=cluster.env())

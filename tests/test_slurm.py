@@ -16,8 +16,8 @@ from pathlib import Path
 
 import helpers
 import pytest
-from helpers import PY, REPO, at_step, inspect, metrics, run_cmd, wait_until
-from test_preempt import RUN, straight_sha, torchrun_cmd  # the preemption tests' run and its straight twin
+from helpers import PY, REPO, inspect, metrics, run_cmd, torchrun_cmd, wait_for_step, wait_until
+from test_preempt import RUN, preempt_torchrun_cmd  # the preemption tests' run; 2 ranks of it under torchrun
 
 from trainapp.config import PreemptSection
 
@@ -116,18 +116,10 @@ def submit(slurm, tmp: Path, name: str, via_make: bool = False, **env: str) -> t
     return re.search(r"Submitted batch job (\d+)", r.stdout).group(1), out
 
 
-@pytest.fixture(scope="module")
-def straight(straight_run) -> str:
-    """params_sha256 of the same run on one machine, never stopped (torchrun, 2 processes)."""
-    return straight_sha(straight_run, torchrun_cmd)
-
-
-def wait_for_step(slurm, job: str, run_dir: Path, step: int, timeout: float = 180) -> None:
-    def ended() -> str | None:
-        state = slurm.job(job)["JobState"]
-        return None if state in ("PENDING", "RUNNING") else f"{state} first\n{slurm.logs()}"
-
-    wait_until(at_step(run_dir, "train", step), f"job {job}: step {step}", timeout, gone=ended, interval=0.1)
+def job_ended(slurm, job: str) -> str | None:
+    """For `wait_for_step(gone=...)`: why the job is no longer pending or running, None while it is."""
+    state = slurm.job(job)["JobState"]
+    return None if state in ("PENDING", "RUNNING") else f"job {job}: {state} first\n{slurm.logs()}"
 
 
 def stop_mid_run(slurm, tmp: Path, name: str, notice, extra: tuple[str, ...] = (), at_step: int = 30,
@@ -137,7 +129,7 @@ def stop_mid_run(slurm, tmp: Path, name: str, notice, extra: tuple[str, ...] = (
     own, not a periodic one (every `every` steps)."""
     run_dir = tmp / "run"
     job, out = submit(slurm, tmp, name, RUN_DIR=str(run_dir), ARGS=" ".join([*RUN, *extra]))
-    wait_for_step(slurm, job, run_dir, at_step)
+    wait_for_step(run_dir, at_step, 180, gone=lambda: job_ended(slurm, job), interval=0.1)
     notice(job)
     info = slurm.wait_job(job, timeout=300)
     (pre,) = metrics(run_dir, "preempted")
@@ -158,7 +150,8 @@ def shorten_the_time_limit(slurm, job: str) -> None:
 @pytest.mark.slow
 @pytest.mark.slurm
 @pytest.mark.parametrize("how", ["scancel-batch-usr1", "time-limit"])
-def test_a_preempted_job_requeues_itself_and_resumes_with_zero_steps_redone(slurm, straight, tmp_path, how):
+def test_a_preempted_job_requeues_itself_and_resumes_with_zero_steps_redone(slurm, straight_sha, tmp_path,
+                                                                            how):
     if how == "time-limit":  # steps of 300 ms (a sleep, no change to the numbers) outlast Slurm's 30 s check
         run_dir, info, text, pre = stop_mid_run(
             slurm, tmp_path, how, lambda job: shorten_the_time_limit(slurm, job), at_step=10, every=1000,
@@ -187,6 +180,7 @@ def test_a_preempted_job_requeues_itself_and_resumes_with_zero_steps_redone(slur
         assert {n["gloo"] for n in start["network"]} == {"trn0"}
     steps = [r["step"] for r in metrics(run_dir, "train")]
     assert len(steps) == len(set(steps)) and max(steps) == 200  # zero steps redone, none missing
+    straight = straight_sha(preempt_torchrun_cmd)  # the same run on one machine, never stopped
     assert inspect(run_dir)["params_sha256"] == straight
     # run.export, at the end of run 1
     exported = json.loads((run_dir / "model" / "trainapp.json").read_text())
@@ -197,7 +191,7 @@ def test_a_preempted_job_requeues_itself_and_resumes_with_zero_steps_redone(slur
 
 @pytest.mark.slow
 @pytest.mark.slurm
-def test_scancel_snapshots_and_the_same_run_dir_resumes_in_a_new_job(slurm, straight, tmp_path):
+def test_scancel_snapshots_and_the_same_run_dir_resumes_in_a_new_job(slurm, straight_sha, tmp_path):
     # scancel: SIGTERM to every process of the job
     run_dir, info, text, pre = stop_mid_run(slurm, tmp_path, "cancel", lambda job: slurm.run("scancel", job))
     assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", info
@@ -208,7 +202,7 @@ def test_scancel_snapshots_and_the_same_run_dir_resumes_in_a_new_job(slurm, stra
     info = slurm.wait_job(job2, timeout=300)
     assert info["JobState"] == "COMPLETED", (info, out2.read_text()[-3000:])
     assert metrics(run_dir, "start")[-1]["resumed_step"] == pre["step"]
-    assert inspect(run_dir)["params_sha256"] == straight
+    assert inspect(run_dir)["params_sha256"] == straight_sha(preempt_torchrun_cmd)
 
 
 FSDP_RUN = ("parallel.strategy=fsdp", "train.max_steps=40")  # sharded, and shorter: its straight run is extra
@@ -217,7 +211,7 @@ FSDP_RUN = ("parallel.strategy=fsdp", "train.max_steps=40")  # sharded, and shor
 @pytest.mark.slow
 @pytest.mark.slurm
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_killed_rank_is_restarted_inside_the_allocation_by_torchrun(slurm, straight, straight_run, tmp_path,
+def test_a_killed_rank_is_restarted_inside_the_allocation_by_torchrun(slurm, straight_sha, tmp_path,
                                                                        strategy):
     """Rank 1 (on node2) SIGKILLs itself after step 13: both nodes' torchrun agents meet again at the
     rendezvous on node1, and the group resumes in the same job from the memory tier (the default, `auto`:
@@ -236,11 +230,11 @@ def test_a_killed_rank_is_restarted_inside_the_allocation_by_torchrun(slurm, str
     assert second["resumed_tier"] == "memory", second
     assert {(p["host"], p["node_rank"]) for p in second["placement"]} == {("node1", 0), ("node2", 1)}
     if strategy == "ddp":
-        assert inspect(run_dir)["params_sha256"] == straight
+        assert inspect(run_dir)["params_sha256"] == straight_sha(preempt_torchrun_cmd)
         return
     meta = json.loads((run_dir / "snapshots" / "step_000000040" / "meta.json").read_text())
     assert {"shards/__0_0.distcp", "shards/__1_0.distcp"} <= set(meta["shards"]), meta
-    assert inspect(run_dir)["params_sha256"] == straight_sha(straight_run, torchrun_cmd, *FSDP_RUN)
+    assert inspect(run_dir)["params_sha256"] == straight_sha(preempt_torchrun_cmd, *FSDP_RUN)
 
 
 @pytest.mark.slow
@@ -311,6 +305,6 @@ def test_a_user_task_on_pythonpath_trains_across_two_nodes_to_torchruns_paramete
     assert not any(ln.startswith("trainapp_step{") for s in node2 for ln in s)  # the run's figures: rank 0's
     assert "trainapp: done steps=60" in text and "val_mse=" in text, text[-3000:]
     assert {p["host"] for p in metrics(run_dir, "start")[0]["placement"]} == {"node1", "node2"}
-    r = run_cmd(helpers.torchrun_cmd(2, f"run.dir={tmp_path / 'tr'}", *task), env={"PYTHONPATH": example})
+    r = run_cmd(torchrun_cmd(2, f"run.dir={tmp_path / 'tr'}", *task), env={"PYTHONPATH": example})
     assert r.returncode == 0, r.output[-3000:]
     assert inspect(run_dir)["params_sha256"] == inspect(tmp_path / "tr")["params_sha256"]

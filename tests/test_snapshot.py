@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import QUICK, inspect, metrics, trainapp
+from helpers import QUICK, inspect, metrics, snapshot_manager, snapshot_state, trainapp
 
 from trainapp.config import ConfigError
 from trainapp.snapshots import files
@@ -18,25 +18,16 @@ from trainapp.snapshots.publish import LocalPublish
 from trainapp.snapshots.store import newest_valid, params_sha256, verify
 
 
-def _state(step: int) -> dict:
-    return {"model": {"w": torch.full((4,), float(step)), "b": torch.zeros(2)},
-            "progress": {"global_step": step}}
-
-
-def _manager(tmp_path, keep=3) -> SnapshotManager:
-    return SnapshotManager(LocalPublish(tmp_path / "snapshots", keep), every_steps=10)
-
-
 def test_manager_owns_the_cadence(tmp_path):
-    m = _manager(tmp_path)
+    m = snapshot_manager(tmp_path / "snapshots")
     assert [s for s in range(1, 35) if m.due(s, last=False)] == [10, 20, 30]
     assert m.due(7, last=True)
     assert not SnapshotManager(LocalPublish(tmp_path, 1), every_steps=0).due(10, last=False)
 
 
 def test_write_is_complete_and_leaves_no_temporary_files(tmp_path):
-    m = _manager(tmp_path)
-    path = m.write(10, _state(10), {"global_step": 10})
+    m = snapshot_manager(tmp_path / "snapshots")
+    path = m.write(10, snapshot_state(10), {"global_step": 10})
     assert sorted(p.name for p in path.iterdir()) == [snapshot.META, snapshot.STATE]
     meta = verify(path)
     assert meta["global_step"] == 10 and meta["bytes"] == (path / snapshot.STATE).stat().st_size
@@ -44,16 +35,16 @@ def test_write_is_complete_and_leaves_no_temporary_files(tmp_path):
 
 
 def test_save_and_purge_keeps_last_k_snapshots(tmp_path):
-    m = _manager(tmp_path, keep=2)
+    m = snapshot_manager(tmp_path / "snapshots", keep=2)
     for step in (10, 20, 30, 40):
-        m.write(step, _state(step), {"global_step": step})
+        m.write(step, snapshot_state(step), {"global_step": step})
     assert [p.name for p in snapshot.list_snapshots(m.root)] == ["step_000000030", "step_000000040"]
 
 
 def test_corrupt_newest_snapshot_falls_back_to_the_previous_one(tmp_path, caplog):
-    m = _manager(tmp_path)
+    m = snapshot_manager(tmp_path / "snapshots")
     for step in (10, 20):
-        m.write(step, _state(step), {"global_step": step})
+        m.write(step, snapshot_state(step), {"global_step": step})
     newest = m.path_for(20) / snapshot.STATE
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte, same size
@@ -65,33 +56,33 @@ def test_corrupt_newest_snapshot_falls_back_to_the_previous_one(tmp_path, caplog
 
 
 def test_truncated_newest_snapshot_falls_back(tmp_path):
-    m = _manager(tmp_path)
+    m = snapshot_manager(tmp_path / "snapshots")
     for step in (10, 20):
-        m.write(step, _state(step), {"global_step": step})
+        m.write(step, snapshot_state(step), {"global_step": step})
     newest = m.path_for(20) / snapshot.STATE
     newest.write_bytes(newest.read_bytes()[:100])
     assert newest_valid(m.root)[0] == m.path_for(10)
 
 
 def test_snapshot_without_its_meta_record_is_incomplete(tmp_path):
-    m = _manager(tmp_path)
-    m.write(10, _state(10), {"global_step": 10})
-    m.write(20, _state(20), {"global_step": 20})
+    m = snapshot_manager(tmp_path / "snapshots")
+    m.write(10, snapshot_state(10), {"global_step": 10})
+    m.write(20, snapshot_state(20), {"global_step": 20})
     (m.path_for(20) / snapshot.META).unlink()
     assert newest_valid(m.root)[0] == m.path_for(10)
 
 
 def test_no_valid_snapshot_at_all_is_an_error_not_a_silent_restart(tmp_path):
-    m = _manager(tmp_path)
-    m.write(10, _state(10), {"global_step": 10})
+    m = snapshot_manager(tmp_path / "snapshots")
+    m.write(10, snapshot_state(10), {"global_step": 10})
     (m.path_for(10) / snapshot.STATE).write_bytes(b"garbage")
     with pytest.raises(ConfigError, match="none is valid"):
         newest_valid(m.root)
 
 
 def test_a_write_that_dies_midway_leaves_the_previous_snapshot_intact(tmp_path, monkeypatch):
-    m = _manager(tmp_path)
-    m.write(10, _state(10), {"global_step": 10})
+    m = snapshot_manager(tmp_path / "snapshots")
+    m.write(10, snapshot_state(10), {"global_step": 10})
 
     def dying_save(obj, f):
         f.write(b"partial bytes")
@@ -99,7 +90,7 @@ def test_a_write_that_dies_midway_leaves_the_previous_snapshot_intact(tmp_path, 
 
     monkeypatch.setattr(snapshot.torch, "save", dying_save)
     with pytest.raises(OSError):
-        m.write(20, _state(20), {"global_step": 20})
+        m.write(20, snapshot_state(20), {"global_step": 20})
     monkeypatch.undo()
     assert not m.path_for(20).exists() and not list(m.root.glob(".tmp-*"))
     assert newest_valid(m.root)[0] == m.path_for(10)
@@ -144,8 +135,8 @@ def test_a_filesystem_that_refuses_direct_writes_midway_gets_a_buffered_one(tmp_
 
 
 def test_format_1_snapshots_with_a_sha256_still_verify_and_corruption_is_still_caught(tmp_path):
-    m = _manager(tmp_path)
-    path = m.write(10, _state(10), {"global_step": 10})
+    m = snapshot_manager(tmp_path / "snapshots")
+    path = m.write(10, snapshot_state(10), {"global_step": 10})
     meta = json.loads((path / "meta.json").read_text())
     assert meta["format"] == 2 and meta["xxh3_128"] == files.file_digest(path / "state.pt")
     old = {k: v for k, v in meta.items() if k != "xxh3_128"}
@@ -160,18 +151,18 @@ def test_format_1_snapshots_with_a_sha256_still_verify_and_corruption_is_still_c
 
 
 def test_leftovers_of_a_killed_writer_are_swept_by_the_next_write(tmp_path):
-    m = _manager(tmp_path)
+    m = snapshot_manager(tmp_path / "snapshots")
     leftover = m.root / ".tmp-step_000000020-99999"
     leftover.mkdir(parents=True)
     (leftover / snapshot.STATE).write_bytes(b"half")
-    m.write(30, _state(30), {"global_step": 30})
+    m.write(30, snapshot_state(30), {"global_step": 30})
     assert not leftover.exists() and newest_valid(m.root)[0] == m.path_for(30)
 
 
 def test_rewriting_the_same_step_replaces_it_atomically(tmp_path):
-    m = _manager(tmp_path)
-    m.write(10, _state(10), {"global_step": 10, "tag": "old"})
-    m.write(10, _state(10), {"global_step": 10, "tag": "new"})
+    m = snapshot_manager(tmp_path / "snapshots")
+    m.write(10, snapshot_state(10), {"global_step": 10, "tag": "old"})
+    m.write(10, snapshot_state(10), {"global_step": 10, "tag": "new"})
     assert verify(m.path_for(10))["tag"] == "new"
     assert [p.name for p in m.root.iterdir()] == ["step_000000010"]
 

@@ -1,0 +1,72 @@
+"""What tests/test_ray.py and tests/test_ray_resume.py share: the runs they submit and the helpers that
+submit them to the local Ray cluster (conftest.py's `cluster`) through a real `ray job submit`, wait for
+their end and read what Ray Train did. A job that outlives its timeout is SIGKILLed by its session, as
+helpers.run_cmd does."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+from helpers import REPO, metrics, run_cmd
+
+from devtools.local_ray import RAY
+
+KILLABLE_RUN = ["train.max_steps=40", "train.epochs=20", "snapshot.every_steps=5", "train.progress=false",
+                "train.log_every=1", "data.train_size=1024", "data.val_size=256",
+                "snapshot.memory_every_steps=0"]
+"""A run long enough to be killed in the middle: per-step records, a snapshot every 5 steps. A Ray run
+resumed by the storage tier (the memory tier's resumes: its own test turns it on over this)."""
+
+USER_TASK = ["task.name=tabular_task:Regression", "task.args.hidden=32", "task.args.train_rows=2048",
+             "optim.name=adamw", "optim.lr=0.003", "train.max_steps=24", "train.epochs=20",
+             "snapshot.every_steps=5", "train.progress=false", "train.log_every=5", "train.eval_every=10"]
+"""examples/tabular's task, on no node's path: a job must ship it (`--working-dir`)."""
+
+
+def submit_cmd(cluster, name: str, *args: str, sid: str | None = None, wait: bool = True,
+               ship: str | None = None, stop_wait_s: int | None = None) -> list[str]:
+    """`ray job submit` of `python -m trainapp ray` named NAME on the cluster's storage, with `args`."""
+    env = ["--runtime-env-json", json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(stop_wait_s)}})] \
+        if stop_wait_s else []
+    return [RAY, "job", "submit", "--address", cluster.dashboard_url,
+            *(["--working-dir", ship] if ship else []), *(["--submission-id", sid] if sid else []),
+            *([] if wait else ["--no-wait"]), *env, "--", "python", "-m", "trainapp", "ray",
+            f"ray.storage_path={cluster.storage}", f"ray.name={name}", *args]
+
+
+def submit(cluster, name: str, *args: str, timeout: float = 400):
+    return run_cmd(submit_cmd(cluster, name, *args), timeout=timeout, env=cluster.env())
+
+
+def submit_background(cluster, name: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(submit_cmd(cluster, name, *args), cwd=REPO, env=cluster.env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 400) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"job did not finish in {timeout}s:\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+def ray_worker_pids(cluster) -> list[int]:
+    """PIDs of the live training workers, from Ray's state API."""
+    actors = cluster.state("actors", class_name="RayTrainWorker", state="ALIVE")
+    return [a["pid"] for a in actors]
+
+
+def redone_steps(run_dir: Path) -> tuple[int, int]:
+    """(highest step trained before the restart, step resumed from)."""
+    records = metrics(run_dir)
+    starts = [i for i, r in enumerate(records) if r["kind"] == "start"]
+    assert len(starts) >= 2, "no restart recorded"
+    before = max(r["step"] for r in records[starts[0]:starts[1]] if r["kind"] == "train")
+    return before, records[starts[1]]["resumed_step"]
