@@ -198,7 +198,11 @@ def test_a_user_task_shipped_with_working_dir_resumes_a_killed_worker_bitwise_as
     assert r.returncode == 0, r.output[-4000:]
     assert "trainapp ray: done steps=24" in r.output and "val_mse=" in r.output, r.output[-2000:]
     run_dir = cluster.storage / "usertask"
-    assert [s["resumed_step"] for s in metrics(run_dir, "start")] == [None, 10]
+    first, again = metrics(run_dir, "start")
+    # The memory tier's `auto` cadence may hold a newer step than the storage snapshot at 10: either serves.
+    assert first["resumed_step"] is None and (
+        (again["resumed_tier"], again["resumed_step"]) == ("storage", 10)
+        or (again["resumed_tier"] in ("memory", "peer") and 10 <= again["resumed_step"] <= 13)), again
     t = run_cmd([*torchrun_cmd(2), f"run.dir={tmp_path / 'tr'}", *task],
                 env={"PYTHONPATH": str(REPO / "examples" / "tabular")})
     assert t.returncode == 0, t.output[-3000:]
