@@ -231,7 +231,8 @@ class AmpSection:
 @dataclass(config=STRICT)
 class SnapshotSection:
     every_steps: int = Field(default=50, ge=0)
-    """Rank 0 writes a snapshot every N optimizer steps and at the end (0: only at the end)."""
+    """A snapshot every N optimizer steps and at the end (0: only at the end): written by rank 0 under DDP, by
+    every rank (its shard) under FSDP."""
     keep: int = Field(default=3, ge=1)
     """Complete snapshots to keep; older ones are deleted. Keep at least 2 if you want a fallback when
     the newest is found corrupt."""
