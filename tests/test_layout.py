@@ -57,6 +57,14 @@ def test_no_module_in_trainapp_is_longer_than_500_lines():
     assert not long, long
 
 
+def test_no_test_file_is_longer_than_600_lines():
+    """A test file is split by what it checks before it grows past 600 lines (shared checkers and helpers
+    live in tests/helpers.py, tests/conftest.py or a module of their own, such as tests/k8s_checks.py)."""
+    long = [f"{p.name} ({n} lines)" for p in sorted((REPO / "tests").glob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 600]
+    assert not long, long
+
+
 def test_every_module_says_what_it_is_for():
     missing = [str(p.relative_to(REPO)) for p in MODULES if not ast.get_docstring(_tree(p))]
     assert not missing, missing
