@@ -18,6 +18,7 @@ trainapp.errors'.
 The configuration is read whole here and in the parts' assembler (trainapp/core/build.py): every part
 below is given its own section, or the few values it uses, by keyword.
 """
+
 from __future__ import annotations
 
 import functools
