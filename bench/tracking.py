@@ -40,7 +40,9 @@ def _server(root: Path) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
                              "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1",
                              "--port", str(port), "--workers", "1"], stdout=open(root / "server.log", "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            # No job runner: its huey store, a /dev/shm folder, outlives the server.
+                            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

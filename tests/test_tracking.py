@@ -203,7 +203,10 @@ def mlflow_server(tmp_path_factory):
     proc = subprocess.Popen([MLFLOW, "server", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
                              "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1",
                              "--port", str(port), "--workers", "1"],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            # No job runner: it keeps a huey store in a /dev/shm folder of its own that the
+                            # server leaves behind, and nothing here runs MLflow jobs.
+                            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     url = f"http://127.0.0.1:{port}"
 
     def up() -> bool:
