@@ -81,17 +81,24 @@ def tool(name: str) -> Path:
     return path
 
 
+def communicate(proc: subprocess.Popen, timeout: float, what: str) -> tuple[str, str]:
+    """(stdout, stderr) of PROC, started in a session of its own; past `timeout`, that session SIGKILLed
+    and an AssertionError saying `what`, with the ends of the output."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{what}\n{(out or '')[-4000:]}\n{(err or '')[-3000:]}") from None
+
+
 def run_cmd(cmd: list[str], timeout: float = 300, env: dict | None = None) -> Result:
     """Run `cmd` in its own session; on timeout or error, SIGKILL exactly that process group."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}")
+        out, err = communicate(proc, timeout, f"timed out after {timeout}s: {' '.join(cmd)}")
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # stragglers of our own session only

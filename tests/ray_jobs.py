@@ -6,12 +6,10 @@ helpers.run_cmd does."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 from pathlib import Path
 
-from helpers import REPO, metrics, run_cmd
+from helpers import REPO, communicate, metrics, run_cmd
 
 from devtools.local_ray import RAY
 
@@ -48,12 +46,7 @@ def submit_background(cluster, name: str, *args: str) -> subprocess.Popen:
 
 
 def finish(proc: subprocess.Popen, timeout: float = 400) -> tuple[int, str]:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"job did not finish in {timeout}s:\n{out[-4000:]}")
+    out, _ = communicate(proc, timeout, f"job did not finish in {timeout}s:")
     return proc.returncode, out
 
 

@@ -65,7 +65,6 @@ class Trainer:
                  boundary: StepBoundary, records: Records, settings: LoopSettings,
                  step_hooks: tuple[Callable[[int], None], ...] = ()):
         self.ctx, self.parts, self.snapshots, self.settings = ctx, parts, snapshots, settings
-        self.train_section = settings.train
         self.guard, self.boundary, self.records, self.step_hooks = guard, boundary, records, step_hooks
         self.last_loss = float("nan")
         self.last_eval: dict[str, Any] | None = None
@@ -76,7 +75,7 @@ class Trainer:
             parts.strategy.time_waits(self.clock)
 
     def train(self) -> dict[str, Any]:
-        t, p = self.train_section, self.parts.progress
+        t, p = self.settings.train, self.parts.progress
         start_step = p.global_step
         bar = tqdm(total=self.parts.total_steps, initial=p.global_step, desc="train", unit="step",
                    dynamic_ncols=True, disable=not (self.ctx.is_main and t.progress), mininterval=0.5)
@@ -95,7 +94,7 @@ class Trainer:
             self.records.close()
 
     def _loop(self, bar: tqdm, meter: Throughput) -> None:
-        t, p, total = self.train_section, self.parts.progress, self.parts.total_steps
+        t, p, total = self.settings.train, self.parts.progress, self.parts.total_steps
         batches = None
         while p.global_step < total and p.epoch < t.epochs:  # a stream may run out before `total`
             batches = self._counted_step(batches, meter, bar)
@@ -156,9 +155,9 @@ class Trainer:
                 scaler.scale(loss * weight).backward()
             loss_sum += loss.detach()
         clock.enter("optim")
-        if self.train_section.grad_clip > 0:
+        if self.settings.train.grad_clip > 0:
             scaler.unscale_(parts.optimizer)  # clip the true gradients, not the scaled ones
-            torch.nn.utils.clip_grad_norm_(parts.model.parameters(), self.train_section.grad_clip)
+            torch.nn.utils.clip_grad_norm_(parts.model.parameters(), self.settings.train.grad_clip)
         scale = parts.precision.scale_tensor()
         before = scale.clone() if scale is not None else None
         scaler.step(parts.optimizer)  # skipped by the scaler when fp16 gradients hold inf/NaN

@@ -50,17 +50,19 @@ def _ray_device() -> torch.device:
 
 class RayWorker(Launcher):
     """`Launcher` (trainapp/launch/rank.py) for a Ray Train worker: the guard `prepare_worker` made, the
-    group Ray created; its services are Ray's (`RayServices`). `payload` is what the driver sent."""
+    group Ray created; its services are Ray's (`RayServices`). `payload` is what the driver sent, `ray`
+    its config's `ray` section."""
 
     name = "ray"
+    services: RayServices
 
-    def __init__(self, payload: dict[str, Any]) -> None:
-        self.services = self._services = RayServices(payload)
+    def __init__(self, payload: dict[str, Any], ray: config.RaySection) -> None:
+        self.services = RayServices(payload, ray)
         self._guard: RankGuard | None = None
 
     def guard(self, preempt: config.PreemptSection) -> RankGuard:
         guard = self._guard = RankGuard.installed() or RankGuard()  # made by prepare_worker, before the group
-        for name, at in self._services.payload.get("launch", {}).items():  # the driver's start-up marks
+        for name, at in self.services.payload.get("launch", {}).items():  # the driver's start-up marks
             guard.timeline.mark(name, at)
         return guard
 
@@ -71,7 +73,7 @@ class RayWorker(Launcher):
     def close(self, ctx: DistContext | None) -> None:
         # The worker process lives on after training (Ray stops a finished group with SIGTERM): from now on
         # a signal is no notice, it ends the process as it would without trainapp.
-        self._services.stop_watching()
+        self.services.stop_watching()
         if self._guard is not None:
             self._guard.training_over()
         if ctx is not None:
@@ -79,17 +81,17 @@ class RayWorker(Launcher):
 
     def resized(self, step: int | None, snapshot: str | None) -> None:
         """Rank 0, after the snapshot a resize asked for: the answer to the controller's request."""
-        self._services.resized(step, snapshot)
+        self.services.resized(step, snapshot)
 
 
 class RayServices(Services):
     """The run's services under Ray Train: the driver holds the lease (a retry of the group is the same
     run), snapshots are published with `ray.train.report` (to `ray.storage_path`), Ray's node drains are
-    notices, live metrics go to Ray's metrics agent. The `ray` section comes with the driver's payload."""
+    notices, live metrics go to Ray's metrics agent. `payload`: what the driver sent (the lease, the resize
+    folder); `ray`: the run's `ray` section."""
 
-    def __init__(self, payload: dict[str, Any]) -> None:
-        self.payload = payload
-        self.ray = config.from_dict(payload["config"]).ray
+    def __init__(self, payload: dict[str, Any], ray: config.RaySection) -> None:
+        self.payload, self.ray = payload, ray
         self._watch: StopWatch | None = None
 
     def lease(self, ctx: DistContext, run: config.RunSection, kind: str) -> RunLease:
@@ -180,8 +182,8 @@ class StopWatch:
 
 def train_worker(payload: dict[str, Any]) -> None:
     """The per-worker function: the same rank as torchrun's, with snapshots published to Ray."""
-    worker = RayWorker(payload)
     cfg = config.from_dict(payload["config"])
+    worker = RayWorker(payload, cfg.ray)
     try:
         run_rank(worker, cfg, payload.get("task"))
     except Resized as e:  # the snapshot is written: say so to the controller, and wait to be replaced
