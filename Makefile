@@ -201,8 +201,8 @@ test-long: $(DEV_STAMP) $(TOOLS_STAMP) ## The fault-scenario files (tests/confte
 	$(BIN)/python -m pytest $(XDIST) -m long --durations=15 $(PYTEST_ARGS)
 
 .PHONY: test-e2e
-test-e2e: $(DEV_STAMP) $(TOOLS_STAMP) ## The long end-to-end fault scenarios (Ray faults, hangs, namespaces); CI runs them last where the CPU leaves room
-	$(BIN)/python -m pytest --e2e -m e2e --durations=15 $(PYTEST_ARGS)
+test-e2e: $(DEV_STAMP) $(TOOLS_STAMP) ## The long end-to-end fault scenarios (Ray faults, hangs, namespaces) in two lanes; CI runs them after make test-long
+	$(BIN)/python -m pytest $(XDIST) --e2e -m e2e --durations=15 $(PYTEST_ARGS)
 
 .PHONY: bench-smoke
 bench-smoke: $(DEV_STAMP) ## Every benchmark in its smoke mode, checked (tests/test_bench.py; make test and CI leave them out: run it for a change to bench/)

@@ -9,7 +9,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from helpers import REPO, communicate, metrics, run_cmd
+from helpers import REPO, communicate, metrics, run_cmd, wait_for_step
 
 from devtools.local_ray import RAY
 
@@ -54,6 +54,16 @@ def ray_worker_pids(cluster) -> list[int]:
     """PIDs of the live training workers, from Ray's state API."""
     actors = cluster.state("actors", class_name="RayTrainWorker", state="ALIVE")
     return [a["pid"] for a in actors]
+
+
+def training_worker_pids(cluster, run_dir: Path, workers: int = 2) -> list[int]:
+    """The training workers' PIDs once the run has trained its first step. Asked before the step a test
+    kills at, not after it: Ray's state API can take seconds on a busy machine (a second suite beside
+    this one), and a run of 40 steps may be over by then."""
+    wait_for_step(run_dir, 1)
+    pids = ray_worker_pids(cluster)
+    assert len(pids) == workers, pids
+    return pids
 
 
 def redone_steps(run_dir: Path) -> tuple[int, int]:
