@@ -16,12 +16,14 @@ from hypothesis import settings
 from helpers import (FAULT_RUN, FSDP_RUN, RANKS_RUN, REPO, free_port, inspect, run_cmd, scrape, torchrun2,
                      torchrun_cmd, value, wait_until)
 
+from census import Census
+
 from bench.scratch import scratch
 
 # Tests `make test` leaves to a CI step of their own: marker -> (option, the target that runs them).
 SEPARATE = {
     "e2e": ("--e2e", "a long end-to-end fault scenario: make test-e2e runs it "
-                     "(CI does, last, where the CPU leaves room)"),
+                     "(CI does, after make test-long)"),
     "slurm": ("--slurm", "starts a real Slurm: make slurm-smoke runs it (CI does, after make test)"),
     "bench": ("--bench", "a benchmark's smoke run: make bench-smoke runs it (CI does not)"),
 }
@@ -30,6 +32,16 @@ SEPARATE = {
 def pytest_addoption(parser):
     for marker, (option, why) in SEPARATE.items():
         parser.addoption(option, action="store_true", help=f"also run the tests marked {marker} ({why})")
+    parser.addoption("--census", type=Path, metavar="FILE",
+                     help="count the processes each test file starts into FILE (a lane's: FILE-gwN), "
+                          "tests/census.py")
+
+
+def pytest_configure(config):
+    census = config.getoption("--census")
+    # Under pytest-xdist the lanes run the tests; the process that hands them out counts nothing.
+    if census and (os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", None)):
+        config.pluginmanager.register(Census(census.absolute()), "census")
 
 
 LONG = ("test_ray.py", "test_ray_resume.py", "test_compile.py", "test_lease.py", "test_preempt.py",

@@ -1,6 +1,7 @@
 """Real training processes: learning under DDP, exact resume after SIGKILL, resume at another world size."""
 
 import shutil
+import statistics
 import subprocess
 
 import pytest
@@ -46,7 +47,17 @@ def test_make_run_trains_two_ddp_processes_that_learn(tmp_path):
     for prev, cur, rec in zip(train[1:], train[2:-1], ranks[2:-1]):
         wall_ms = 1000 * (cur["time"] - prev["time"]) / (cur["step"] - prev["step"])
         assert rec["ranks"][0]["step_ms"] == pytest.approx(wall_ms, rel=0.15, abs=3), (rec, wall_ms)
-    assert metrics(run_dir, "straggler") == [] and "straggler:" not in r.output
+    # No straggler from the run's own work: rank 0's snapshot writes and records are not held against it.
+    # On a machine shared with another suite the kernel can slow one rank for real, and a straggler named
+    # then must be one the ranks records show (its busy time over observe.straggler_ratio=1.2 times the
+    # median for observe.straggler_intervals=3 intervals in a row), slow in work every rank does.
+    stragglers = metrics(run_dir, "straggler")
+    assert r.output.count("straggler:") == len(stragglers), r.output[-3000:]
+    for found in stragglers:
+        assert found["phase"] != "snapshot" and found["intervals"] == 3, found
+        shown = [x["ranks"] for x in ranks if x["step"] <= found["step"]][-3:]
+        assert all(e[found["rank"]]["busy_ms"] > 1.2 * statistics.median(o["busy_ms"] for o in e)
+                   for e in shown), (found, shown)
 
 
 def test_resume_after_sigkill_is_bitwise_identical_alone(tmp_path):
