@@ -1,5 +1,6 @@
-"""A census of the processes the tests start (`pytest --census=FILE`, `make test-census`): every process
-that appears under this pytest process (a lane's, under pytest-xdist) while a test file runs, counted per
+"""A census of the processes the tests start (`make test PYTEST_ARGS=--census=/tmp/c.json`; then
+`PYTHONPATH=. .venv/bin/python tests/census.py /tmp/c*.json` prints the table): every process that
+appears under this pytest process (a lane's, under pytest-xdist) while a test file runs, counted per
 file and by kind, with the seconds the file took. Most of the suite's time is process start-up (a Python
 that imports torch takes seconds on these CPUs), so this names the files where fewer processes would
 save the most.
@@ -19,29 +20,25 @@ from pathlib import Path
 
 import pytest
 
+from devtools.local_ray import proc_stat
+
 POLL_S = 0.02
 
 
-def _read(path: str) -> str:
-    try:
-        with open(path, "rb") as f:
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def _parent(pid: int) -> int:
-    for line in _read(f"/proc/{pid}/status").splitlines():
-        if line.startswith("PPid:"):
-            return int(line.split()[1])
-    return 0
+    stat = proc_stat(pid)
+    return int(stat[1][1]) if stat else 0
 
 
 def kind(pid: int) -> str:
     """`python` (an interpreter: trainapp, torchrun, a Ray worker before it renames itself), `ray actor`
     (`ray::...`), `ray daemon` (raylet, gcs_server, ...) or `other` (tc, ip, mount, docker, ...)."""
-    argv = _read(f"/proc/{pid}/cmdline").split("\0")
-    exe = os.path.basename(argv[0]) if argv and argv[0] else _read(f"/proc/{pid}/comm").strip()
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return "other"  # gone already
+    stat = proc_stat(pid)
+    exe = os.path.basename(argv[0]) if argv[0] else (stat[0] if stat else "")
     if exe.startswith("ray::"):
         return "ray actor"
     if exe.startswith("python") or (len(argv) > 1 and os.path.basename(argv[1]).startswith("python")):
