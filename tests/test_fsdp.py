@@ -165,8 +165,11 @@ def test_a_full_disk_fails_shard_writes_whole_and_stops_after_max_failures_with_
 
 
 def fsdp_preempt_cmd(run_dir, *args):
-    # Parameters gathered in autocast's dtype (bf16 where the CPU has it), BatchNorm units kept fp32.
-    return preempt_torchrun_cmd(run_dir, "parallel.strategy=fsdp", "parallel.fsdp_param_dtype=amp", *args)
+    # Parameters gathered in autocast's dtype (bf16 where the CPU has it), BatchNorm units kept fp32. 90
+    # steps, a periodic snapshot at 50: the stop, after step 55, lands between it and the end, in less
+    # than half the steps of test_preempt.py's run (FSDP's steps cost more).
+    return preempt_torchrun_cmd(run_dir, "parallel.strategy=fsdp", "parallel.fsdp_param_dtype=amp",
+                                "train.max_steps=90", "snapshot.every_steps=50", *args)
 
 
 @pytest.mark.slow
@@ -179,7 +182,7 @@ def test_sigterm_to_one_fsdp_worker_snapshots_the_step_reached_and_the_rerun_is_
     run_dir = tmp_path / "run"
     job = Job(fsdp_preempt_cmd(run_dir), tmp_path, "fsdp")
     ranks = job.workers(2)
-    job.signal_after(run_dir, "train", 120, ranks[1])
+    job.signal_after(run_dir, "train", 55, ranks[1])
     rec = check_preempted(run_dir, job, None)
     meta = json.loads((run_dir / "snapshots" / f"step_{rec['step']:09d}" / "meta.json").read_text())
     assert sorted(meta["shards"]) == ["shards/.metadata", "shards/__0_0.distcp", "shards/__1_0.distcp"]
