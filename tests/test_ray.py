@@ -419,8 +419,9 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
         undrained_ms = time.time() * 1000
         # A worker of this run (the state API may still list an earlier job's as alive).
         pids = {p["pid"] for p in metrics(run_dir, "start")[-1]["placement"]}
-        actor = next(a for a in cluster.state("actors", class_name="RayTrainWorker", state="ALIVE")
-                     if a["pid"] in pids)
+        actor = wait_until(lambda: next((a for a in cluster.state("actors", class_name="RayTrainWorker",
+                                                                   state="ALIVE") if a["pid"] in pids), None),
+                           f"a worker of this run (PIDs {sorted(pids)}) in Ray's state API", 30, interval=0.5)
         victim = _node_of(cluster, actor["pid"])
         drain = run_cmd([RAY, "drain-node", "--address", cluster.address, "--node-id", actor["node_id"],
                          "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "test: spot reclaim",
