@@ -132,6 +132,12 @@ class Node:
     """Where the node's Ray metrics agent serves Prometheus' format (with `LocalCluster.metrics`)."""
 
 
+class NodeStartFailed(RuntimeError):
+    """A node's `ray start` exited before the node joined. Ray gives a new raylet a fixed 30 s to
+    register with the GCS ("The current node timed out during startup"), which a 2-core machine running
+    two test suites at once can exceed; a second start usually works."""
+
+
 @dataclass
 class LocalCluster:
     dir: Path = DEFAULT_DIR
@@ -260,10 +266,10 @@ class LocalCluster:
                 raise RuntimeError(f"head did not come up; see {self.nodes[0].log}")
             # One at a time: on a small machine several raylets starting at once can miss their
             # registration deadline ("The current node timed out during startup").
-            self.wait_for_nodes(1, timeout)
+            self.wait_for_nodes(1, timeout, started=self.nodes[0])
             for i in range(self.workers):
-                self.add_worker(f"worker{i + 1}", cwd)
-                self.wait_for_nodes(2 + i, timeout)
+                node = self.add_worker(f"worker{i + 1}", cwd)
+                self.wait_for_nodes(2 + i, timeout, started=node)
             self.wait_for_jobs(timeout)
         except BaseException:
             self.down()
@@ -300,17 +306,25 @@ class LocalCluster:
         nodes = self.state("nodes", state="ALIVE")
         return -1 if nodes is None else len(nodes)
 
-    def wait_for_nodes(self, count: int, timeout: float) -> None:
+    def wait_for_nodes(self, count: int, timeout: float, started: Node | None = None) -> None:
+        """Until `count` nodes are alive; with `started` (the node just started), fails at once if its
+        `ray start` exits first (NodeStartFailed)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.alive_nodes() >= count:
                 return
+            if started is not None and not _session_pids(started.pid):
+                raise NodeStartFailed(f"node {started.name}: `ray start` exited before the node joined; "
+                                      f"logs in {self.dir / 'logs'}\n{self._tails([started])}")
             time.sleep(0.5)
-        tails = "\n".join(f"--- {n.log}\n"
-                          + "".join(Path(n.log).read_text(errors="replace").splitlines(True)[-8:])
-                          for n in self.nodes if Path(n.log).exists())
         raise RuntimeError(f"the cluster did not reach {count} alive nodes in {timeout:.0f}s (saw "
-                           f"{self.alive_nodes()}); logs in {self.dir / 'logs'}\n{tails}")
+                           f"{self.alive_nodes()}); logs in {self.dir / 'logs'}\n{self._tails(self.nodes)}")
+
+    @staticmethod
+    def _tails(nodes: list[Node]) -> str:
+        return "\n".join(f"--- {n.log}\n"
+                         + "".join(Path(n.log).read_text(errors="replace").splitlines(True)[-8:])
+                         for n in nodes if Path(n.log).exists())
 
     def wait_for_jobs(self, timeout: float) -> None:
         """Until a no-op job runs: the head's job agent registers some seconds after the node."""
