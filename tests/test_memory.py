@@ -22,7 +22,7 @@ from helpers import (FAULT_RUN, FSDP_RUN, REPO, TORCHRUN, inspect, metrics, run_
 
 from trainapp import cli
 from trainapp.snapshots import memory_slots as slots
-from trainapp.snapshots.memory import Copy, _choose, unusable
+from trainapp.snapshots.memory import Copy, MemoryTier, _choose, unusable
 from helpers import free_port
 
 MEMORY = ["snapshot.memory_every_steps=1"]
@@ -123,6 +123,20 @@ def test_the_ranks_agree_on_the_newest_step_every_rank_has_somewhere():
     # Storage holds a newer step than memory: storage resumes.
     assert _choose([a, a, b], 3, 13)[0] is None
     assert _choose([a, a, b], 3, 12)[0] == 12
+
+
+def test_a_run_folder_deleted_under_a_rank_is_made_again_and_the_copy_goes_on(shm, caplog):
+    """Something outside the run (a /dev/shm wiped by hand, a cleaner) deletes the run's folder before a
+    rank's first copy: the copy is made, one warning says so, and it is read back. (Seen once with two
+    suites side by side: a rank's first copy ended the run with FileNotFoundError.)"""
+    import shutil
+
+    tier = MemoryTier(shm, "wiped", 0, 1, 1)
+    shutil.rmtree(tier.root)
+    with caplog.at_level("WARNING", logger="trainapp"):
+        tier._write(3, {"x": torch.arange(4)})
+    assert [c.step for c in tier.inventory()] == [3]
+    assert f"{tier.root} was deleted while the run used it; made again" in caplog.text
 
 
 def test_a_memory_directory_that_cannot_hold_the_tier_is_named(tmp_path, shm):

@@ -234,7 +234,14 @@ class MemoryTier:
     def _write(self, step: int, state: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         if not self.files:
-            self.files = [slots.SlotFile(self._own(self.rank, k)) for k in (0, 1)]
+            try:
+                self.files = [slots.SlotFile(self._own(self.rank, k)) for k in (0, 1)]
+            except FileNotFoundError:
+                # The run's folder was deleted from outside the run (a /dev/shm wiped by hand or by a
+                # cleaner): made again, so the copies go on; what it held is gone, as a lost node's is.
+                log.warning("memory tier: %s was deleted while the run used it; made again", self.root)
+                self.root.mkdir(parents=True, exist_ok=True)
+                self.files = [slots.SlotFile(self._own(self.rank, k)) for k in (0, 1)]
             seqs = [f.seq for f in self.files]
             self.target = seqs.index(min(seqs))  # the older slot, or one that holds nothing whole
         hook = self.midway
