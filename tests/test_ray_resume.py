@@ -1,9 +1,9 @@
 """A Ray training worker killed or stopped mid-run on the local cluster (conftest.py's `cluster`, the one
-tests/test_ray.py uses), and what the restarted worker group resumes from: the memory tier one step
-back, the newest snapshot on storage or on a `file://` URI store where Ray registered none, a shipped
-user task to torchrun's parameters, and a SIGTERMed worker's own snapshot with zero steps redone (the
-storage tier's resume of a killed worker: test_ray.py's fault drill). Jobs go in through real `ray job
-submit` (tests/ray_jobs.py)."""
+tests/test_ray.py uses), and what the restarted worker group resumes from: the storage tier at most one
+snapshot interval back, the memory tier one step back, the newest snapshot on storage or on a `file://`
+URI store where Ray registered none, a shipped user task to torchrun's parameters, and a SIGTERMed
+worker's own snapshot with zero steps redone. Jobs go in through real `ray job submit`
+(tests/ray_jobs.py)."""
 
 from __future__ import annotations
 
@@ -33,20 +33,9 @@ def _nice(pid: int) -> int:
 
 
 @pytest.mark.e2e
-def test_a_sigkilled_ray_worker_resumes_from_memory_redoing_at_most_one_step(cluster, tmp_path):
-    """The memory tier under Ray Train: a copy every step in a memory directory of the test's own (the
-    worker nodes share this machine's), storage snapshots every 50 steps; a worker SIGKILLed after step 12.
-    Ray Train restarts the group, whose workers resume the newest step in memory (one step redone, none
-    read from storage), to torchrun's parameters. The finished run leaves no copy there. On the way, what
-    any killed Ray worker shows, whichever tier serves the resume (the storage tier's, after a worker
-    SIGKILLed by the fault drill: test_ray.py's `ray_run_with_restart`): the training workers' priority
-    above Ray's daemons, no torch in Ray Train's controller, the controller's `group_failure` record and
-    the report's line, the restarted group's start-up phases."""
-    run_dir = cluster.storage / "memory"
-    memory = Path(tempfile.mkdtemp(prefix="ta-test-mem-", dir="/dev/shm"))
-    args = [*KILLABLE_RUN, "snapshot.every_steps=50", "snapshot.memory_every_steps=1",
-            f"snapshot.memory_dir={memory}"]
-    proc = submit_background(cluster, "memory", *args)
+def test_sigkilled_ray_worker_costs_at_most_one_snapshot_interval(cluster):
+    run_dir = cluster.storage / "killed"
+    proc = submit_background(cluster, "killed", *KILLABLE_RUN)
     try:
         pids = training_worker_pids(cluster, run_dir)
         # Training runs at full priority (Ray's default would be nice 15, below Ray's own daemons);
@@ -70,27 +59,51 @@ def test_a_sigkilled_ray_worker_resumes_from_memory_redoing_at_most_one_step(clu
         os.kill(pids[-1], signal.SIGKILL)
     finally:
         rc, out = finish(proc)
+    assert rc == 0, out[-4000:]
+    before, resumed = redone_steps(run_dir)
+    assert resumed % 5 == 0 and before - resumed <= 5 and resumed < 40, (before, resumed)
+    assert inspect(run_dir)["global_step"] == 40
+    # The killed rank wrote nothing; Ray Train's controller recorded what it saw, between the kill and
+    # the new group's start, and the report says it.
+    records = metrics(run_dir)
+    seen = [r for r in records if r["kind"] == "group_failure"]
+    starts = [r for r in records if r["kind"] == "start"]
+    assert len(seen) == 1 and killed_at < seen[0]["time"] < starts[1]["time"], (seen, killed_at)
+    # The killed worker fails Ray's health check (or its actor is seen dead); the other one loses its peer.
+    assert any(e.startswith(("WorkerHealthCheckFailedError", "ActorDiedError"))
+               for e in seen[0]["errors"].values()), seen
+    said = report.failures(records)
+    assert len(said) == 1 and said[0].startswith("attempt 0: Ray Train saw rank"), said
+    # The restarted group's start-up phases, for the recovery breakdown (trainapp/observe/timeline.py).
+    assert ({"worker_process", "worker_setup", "process_group", "built", "loaded"}
+            <= starts[1]["startup"].keys())
+    assert (killed_at < starts[1]["startup"]["worker_setup"] < starts[1]["startup"]["loaded"]
+            < starts[1]["time"])
+
+
+@pytest.mark.e2e
+def test_a_sigkilled_ray_worker_resumes_from_memory_redoing_at_most_one_step(cluster, tmp_path):
+    """The memory tier under Ray Train: a copy every step in a memory directory of the test's own (the
+    worker nodes share this machine's), storage snapshots every 50 steps; a worker SIGKILLed after step 12.
+    Ray Train restarts the group, whose workers resume the newest step in memory (one step redone, none
+    read from storage), to torchrun's parameters. The finished run leaves no copy there."""
+    run_dir = cluster.storage / "memory"
+    memory = Path(tempfile.mkdtemp(prefix="ta-test-mem-", dir="/dev/shm"))
+    args = [*KILLABLE_RUN, "snapshot.every_steps=50", "snapshot.memory_every_steps=1",
+            f"snapshot.memory_dir={memory}"]
+    proc = submit_background(cluster, "memory", *args)
+    try:
+        pids = training_worker_pids(cluster, run_dir)
+        wait_for_step(run_dir, 12)
+        os.kill(pids[-1], signal.SIGKILL)
+    finally:
+        rc, out = finish(proc)
     try:
         assert rc == 0, out[-4000:]
         before, resumed = redone_steps(run_dir)
         assert before - resumed <= 1 and resumed < 40, (before, resumed)
         start = metrics(run_dir, "start")[1]
         assert start["resumed_tier"] == "memory" and start["resumed_from"].startswith("memory:"), start
-        # The killed rank wrote nothing; Ray Train's controller recorded what it saw, between the kill
-        # and the new group's start, and the report says it.
-        records = metrics(run_dir)
-        seen = [r for r in records if r["kind"] == "group_failure"]
-        assert len(seen) == 1 and killed_at < seen[0]["time"] < start["time"], (seen, killed_at)
-        # The killed worker fails Ray's health check (or its actor is seen dead); the other one loses its
-        # peer.
-        assert any(e.startswith(("WorkerHealthCheckFailedError", "ActorDiedError"))
-                   for e in seen[0]["errors"].values()), seen
-        said = report.failures(records)
-        assert len(said) == 1 and said[0].startswith("attempt 0: Ray Train saw rank"), said
-        # The restarted group's start-up phases, for the recovery breakdown (trainapp/observe/timeline.py).
-        phases = start["startup"]
-        assert {"worker_process", "worker_setup", "process_group", "built", "loaded"} <= phases.keys()
-        assert killed_at < phases["worker_setup"] < phases["loaded"] < start["time"]
         straight = tmp_path / "torchrun"
         r = torchrun(2, f"run.dir={straight}", *KILLABLE_RUN)
         assert r.returncode == 0, r.output[-3000:]
