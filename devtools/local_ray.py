@@ -81,7 +81,13 @@ def _session_nice(pid: int, nice: int) -> None:
     /proc/sys/kernel/sched_autogroup_enabled: on in most desktop kernels and on this project's CI
     machines), it first shares the CPU between sessions, and a process's own nice value ranks it only
     inside its session: the head at nice 10 would still take a full share beside each worker node's
-    session. Without autogroups the file is missing and the processes' own nice values do the work."""
+    session. Without autogroups the file is missing and the processes' own nice values do the work: every
+    thread of the session's live processes is set (a nice value is each thread's own), and what they
+    start later inherits it."""
+    for member in _session_pids(pid):
+        for task in Path(f"/proc/{member}/task").glob("*"):
+            with contextlib.suppress(OSError, ValueError):
+                os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
     try:
         Path(f"/proc/{pid}/autogroup").write_text(str(nice))
     except OSError:
@@ -130,12 +136,6 @@ class Node:
     log: str
     metrics_port: int = 0
     """Where the node's Ray metrics agent serves Prometheus' format (with `LocalCluster.metrics`)."""
-
-
-class NodeStartFailed(RuntimeError):
-    """A node's `ray start` exited before the node joined. Ray gives a new raylet a fixed 30 s to
-    register with the GCS ("The current node timed out during startup"), which a 2-core machine running
-    two test suites at once can exceed; a second start usually works."""
 
 
 @dataclass
@@ -217,7 +217,7 @@ class LocalCluster:
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def _start(self, name: str, args: list[str], cwd: Path, nice: int = 0) -> Node:
+    def _start(self, name: str, args: list[str], cwd: Path) -> Node:
         log = self.dir / "logs" / f"{name}.log"
         ip = self.node_ip if not self.nodes else self._address_of(len(self.nodes))
         # A short per-node temp directory: Ray's socket paths under it must stay under 108 bytes.
@@ -231,10 +231,7 @@ class LocalCluster:
             proc = subprocess.Popen([RAY, "start", "--block", f"--node-ip-address={ip}", f"--temp-dir={temp}",
                                      "--disable-usage-stats", *_own_ports(*ports), *args],
                                     env=self.env(), cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True,
-                                    preexec_fn=(lambda: os.nice(nice)) if nice else None)
-        if nice:
-            _session_nice(proc.pid, nice)
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
         node = Node(name, proc.pid, str(log), ports[0])
         self.nodes.append(node)
         self._save()
@@ -274,12 +271,7 @@ class LocalCluster:
             # The head yields to training only once the cluster is up: at nice 10 from its start, a busy
             # machine (two suites side by side) starved its raylet past Ray's fixed 30 s registration
             # deadline. Its later children (job supervisors) inherit the lower priority.
-            head = self.nodes[0].pid
-            for pid in _session_pids(head):
-                for task in Path(f"/proc/{pid}/task").glob("*"):  # a nice value is each thread's own
-                    with contextlib.suppress(OSError, ValueError):
-                        os.setpriority(os.PRIO_PROCESS, int(task.name), self.head_nice)
-            _session_nice(head, self.head_nice)
+            _session_nice(self.nodes[0].pid, self.head_nice)
         except BaseException:
             self.down()
             raise
@@ -317,13 +309,13 @@ class LocalCluster:
 
     def wait_for_nodes(self, count: int, timeout: float, started: Node | None = None) -> None:
         """Until `count` nodes are alive; with `started` (the node just started), fails at once if its
-        `ray start` exits first (NodeStartFailed)."""
+        `ray start` exits first (Ray gives a new raylet a fixed 30 s to register with the GCS)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.alive_nodes() >= count:
                 return
             if started is not None and not _session_pids(started.pid):
-                raise NodeStartFailed(f"node {started.name}: `ray start` exited before the node joined; "
+                raise RuntimeError(f"node {started.name}: `ray start` exited before the node joined; "
                                       f"logs in {self.dir / 'logs'}\n{self._tails([started])}")
             time.sleep(0.5)
         raise RuntimeError(f"the cluster did not reach {count} alive nodes in {timeout:.0f}s (saw "

@@ -5,7 +5,6 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -253,27 +252,18 @@ class LocalRay:
         if self._failed is not None:
             raise self._failed
         if self.cluster is None:
-            from devtools.local_ray import LocalCluster, NodeStartFailed
+            from devtools.local_ray import LocalCluster
 
-            for attempt in (1, 2):  # a second start where Ray's own registration deadline passed
-                # A short directory: Ray's socket paths must stay under the OS limit.
-                c = LocalCluster(Path(f"/tmp/ta-ray-{uuid.uuid4().hex[:8]}"), workers=2, cpus=1,
-                                 gcs_port=free_port(), dashboard_port=free_port())
-                try:
-                    # 300 s: under `make test`'s two workers the head's job agent can take minutes to
-                    # register.
-                    c.up(timeout=300, cwd=REPO)
-                    break
-                except NodeStartFailed as e:
-                    self._down(c)
-                    if attempt == 2:
-                        self._failed = e
-                        raise
-                    print(f"local Ray cluster: starting again: {str(e).splitlines()[0]}", file=sys.stderr)
-                except BaseException as e:
-                    self._failed = e
-                    self._down(c)
-                    raise
+            # A short directory: Ray's socket paths must stay under the OS limit.
+            c = LocalCluster(Path(f"/tmp/ta-ray-{uuid.uuid4().hex[:8]}"), workers=2, cpus=1,
+                             gcs_port=free_port(), dashboard_port=free_port())
+            try:
+                # 300 s: under `make test`'s two workers the head's job agent can take minutes to register.
+                c.up(timeout=300, cwd=REPO)
+            except BaseException as e:
+                self._failed = e
+                self._down(c)
+                raise
             c.storage = self._tmp.mktemp("ray") / "storage"
             self.cluster = c
         return self.cluster
