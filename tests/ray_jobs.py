@@ -50,19 +50,14 @@ def finish(proc: subprocess.Popen, timeout: float = 400) -> tuple[int, str]:
     return proc.returncode, out
 
 
-def ray_worker_pids(cluster) -> list[int]:
-    """PIDs of the live training workers, from Ray's state API."""
-    actors = cluster.state("actors", class_name="RayTrainWorker", state="ALIVE")
-    return [a["pid"] for a in actors]
-
-
-def training_worker_pids(cluster, run_dir: Path, workers: int = 2) -> list[int]:
-    """The training workers' PIDs once the run has trained its first step. Asked before the step a test
-    kills at, not after it: Ray's state API can take seconds on a busy machine (a second suite beside
-    this one), and a run of 40 steps may be over by then."""
+def training_worker_pids(run_dir: Path, workers: int = 2) -> list[int]:
+    """The training workers' PIDs by rank, from the placement in the run's first start record, once the
+    run has trained its first step. Not from Ray's state API: its dashboard runs on the head, which
+    yields to training (nice 10), and can take seconds to answer beside it; a run of 40 steps may be
+    over by then."""
     wait_for_step(run_dir, 1)
-    pids = ray_worker_pids(cluster)
-    assert len(pids) == workers, pids
+    pids = [p["pid"] for p in metrics(run_dir, "start")[0]["placement"]]
+    assert len(pids) == workers and all(Path(f"/proc/{pid}").exists() for pid in pids), pids
     return pids
 
 

@@ -37,7 +37,7 @@ def test_sigkilled_ray_worker_costs_at_most_one_snapshot_interval(cluster):
     run_dir = cluster.storage / "killed"
     proc = submit_background(cluster, "killed", *KILLABLE_RUN)
     try:
-        pids = training_worker_pids(cluster, run_dir)
+        pids = training_worker_pids(run_dir)
         # Training runs at full priority (Ray's default would be nice 15, below Ray's own daemons);
         # the head's processes yield to it.
         assert [_nice(pid) for pid in pids] == [cluster.worker_nice] * 2
@@ -51,9 +51,9 @@ def test_sigkilled_ray_worker_costs_at_most_one_snapshot_interval(cluster):
         # Ray Train's controller runs the backend and the callbacks and trains nothing: it has no torch
         # loaded (trainapp/launch/ray/private/backend.py keeps it out; its import is on the start-up's
         # critical path).
-        controller = cluster.state("actors", class_name="TrainController", state="ALIVE")
+        controller = cluster.actor_pids("TrainController")
         assert len(controller) == 1, controller
-        assert "libtorch" not in Path(f"/proc/{controller[0]['pid']}/maps").read_text()
+        assert "libtorch" not in Path(f"/proc/{controller[0]}/maps").read_text()
         wait_for_step(run_dir, 12)
         killed_at = time.time()
         os.kill(pids[-1], signal.SIGKILL)
@@ -93,7 +93,7 @@ def test_a_sigkilled_ray_worker_resumes_from_memory_redoing_at_most_one_step(clu
             f"snapshot.memory_dir={memory}"]
     proc = submit_background(cluster, "memory", *args)
     try:
-        pids = training_worker_pids(cluster, run_dir)
+        pids = training_worker_pids(run_dir)
         wait_for_step(run_dir, 12)
         os.kill(pids[-1], signal.SIGKILL)
     finally:
@@ -131,7 +131,7 @@ def test_snapshots_ray_never_registered_resume_a_killed_run_and_are_deleted_once
     proc = submit_background(cluster, name, *KILLABLE_RUN, "ray.report_interval_s=1000", "drill.slow_rank=0",
                              "drill.slow_ms=100")
     try:
-        pids = training_worker_pids(cluster, run_dir)
+        pids = training_worker_pids(run_dir)
         wait_for_record(run_dir, "snapshot", lambda r: r["step"] >= 15)
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
@@ -173,7 +173,7 @@ def test_uri_storage_resumes_from_the_newest_uploaded_snapshot_ray_never_registe
     proc = submit_background(cluster, "uri-unregistered", *KILLABLE_RUN, f"ray.storage_path=file://{store}",
                              f"run.dir={run_dir}", "ray.report_interval_s=1000", "snapshot.async=true")
     try:
-        pids = training_worker_pids(cluster, run_dir)
+        pids = training_worker_pids(run_dir)
         # A background write starts only once the one before it is complete: with the record of
         # snapshot 20 (written as its write starts), 15 is on the store.
         wait_for_record(run_dir, "snapshot", lambda r: r["step"] >= 20)
@@ -228,7 +228,7 @@ def test_sigterm_to_a_ray_training_worker_stops_every_worker_at_one_step_and_red
     proc = submit_background(cluster, "sigterm", *KILLABLE_RUN, "train.max_steps=150",
                              "snapshot.every_steps=0")
     try:
-        pids = training_worker_pids(cluster, run_dir)
+        pids = training_worker_pids(run_dir)
         wait_for_step(run_dir, 10)
         os.kill(pids[-1], signal.SIGTERM)
     finally:
