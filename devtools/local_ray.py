@@ -136,6 +136,8 @@ class Node:
     log: str
     metrics_port: int = 0
     """Where the node's Ray metrics agent serves Prometheus' format (with `LocalCluster.metrics`)."""
+    ip: str = ""
+    """The loopback address the node serves on (`--node-ip-address`): Ray names the node by it."""
 
 
 @dataclass
@@ -232,7 +234,7 @@ class LocalCluster:
                                      "--disable-usage-stats", *_own_ports(*ports), *args],
                                     env=self.env(), cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        node = Node(name, proc.pid, str(log), ports[0])
+        node = Node(name, proc.pid, str(log), ports[0], ip)
         self.nodes.append(node)
         self._save()
         return node

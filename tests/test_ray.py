@@ -412,18 +412,18 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
                              "snapshot.every_steps=0", "drill.slow_rank=0", "drill.slow_ms=25",
                              f"preempt.ray_poll_s={poll_s}",
                              "ray.num_workers=[1,2]", "ray.worker_group_start_timeout_s=15")
+    # Ray's IDs of the nodes, asked before the run: the state API goes through the head's dashboard,
+    # which yields to training and can take seconds to answer beside it.
+    node_ids = {n["node_ip"]: n["node_id"] for n in cluster.state("nodes", state="ALIVE") or []}
     victim = None
     try:
         wait_for_step(run_dir, 8)
         time.sleep(4 * poll_s)  # polls by time alone would have come by now
         undrained_ms = time.time() * 1000
-        # A worker of this run (the state API may still list an earlier job's as alive).
-        pids = {p["pid"] for p in metrics(run_dir, "start")[-1]["placement"]}
-        actor = wait_until(lambda: next((a for a in cluster.state("actors", class_name="RayTrainWorker",
-                                                                   state="ALIVE") if a["pid"] in pids), None),
-                           f"a worker of this run (PIDs {sorted(pids)}) in Ray's state API", 30, interval=0.5)
-        victim = _node_of(cluster, actor["pid"])
-        drain = run_cmd([RAY, "drain-node", "--address", cluster.address, "--node-id", actor["node_id"],
+        # The node of this run's last rank.
+        victim = _node_of(cluster, metrics(run_dir, "start")[-1]["placement"][-1]["pid"])
+        node_id = node_ids[next(n.ip for n in cluster.nodes if n.name == victim)]
+        drain = run_cmd([RAY, "drain-node", "--address", cluster.address, "--node-id", node_id,
                          "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "test: spot reclaim",
                          "--deadline-remaining-seconds", "120"], env=cluster.env(), timeout=60)
         assert drain.returncode == 0, drain.output
@@ -432,7 +432,7 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
                        60 if versions.drain_notices() else 6 * poll_s, interval=0.1)
         notices = metrics(run_dir, "drain_notice")
         assert bool(notices) == versions.drain_notices(), \
-            f"no drain_notice record within 60 s of the drain of {victim} ({actor}); last record: " \
+            f"no drain_notice record within 60 s of the drain of {victim} ({node_id}); last record: " \
             f"{metrics(run_dir)[-1]}"
         time.sleep(6 * poll_s)  # a few polls into the drain
         os.kill(cluster.node_pids(victim)["raylet"], signal.SIGKILL)
@@ -454,7 +454,7 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
     early = [t for t in broadcasts if submitted_ms <= t.get("creation_time_ms", submitted_ms) < undrained_ms]
     assert not early, early[:2]
     notice = notices[0]
-    assert notice["nodes"] == [actor["node_id"]] and 100 < notice["deadline_in_s"] <= 120, notice
+    assert notice["nodes"] == [node_id] and 100 < notice["deadline_in_s"] <= 120, notice
     records = metrics(run_dir)
     starts = [i for i, r in enumerate(records) if r["kind"] == "start"]
     assert len(starts) >= 2, f"no restart: the run ended before the node died ({records[-1]})"

@@ -94,6 +94,36 @@ def test_a_full_disk_with_room_for_one_stops_after_max_failures_with_exit_3(tmp_
     no_leftovers(snaps)
 
 
+def test_a_full_disk_is_known_when_torchs_writer_drops_the_errno(tmp_path, mounts):
+    """torch.distributed.checkpoint writes shards through torch's own file writer, which reports a full
+    disk as a RuntimeError about its zip position: the OSError only as the exception it was handling,
+    and not at all once DCP has carried the error to another rank, pickled. The snapshot manager still
+    knows it for ENOSPC (a failed snapshot, training goes on): by the errors' graph, else by the full
+    filesystem. The same RuntimeError on a filesystem with room is no storage error: a bug ends the run."""
+    import errno
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from trainapp.snapshots.manager import _storage_cause
+
+    full = tmpfs(mounts, tmp_path / "full", "256k")
+    with pytest.raises(dcp.api.CheckpointException) as caught:
+        dcp.save({"a": torch.zeros(20_000), "b": torch.zeros(80_000)},
+                 storage_writer=dcp.FileSystemWriter(str(full / "shards")), no_dist=True)
+    seen = _storage_cause(caught.value)
+    assert seen is not None and seen.errno == errno.ENOSPC, caught.value
+    (failure,) = caught.value.failures.values()
+    raised = failure[0] if isinstance(failure, tuple) else failure
+    carried = pickle.loads(pickle.dumps(raised))
+    assert isinstance(carried, RuntimeError) and carried.__context__ is None
+    assert _storage_cause(carried) is None
+    known = _storage_cause(carried, full / "shards")
+    assert known is not None and known.errno == errno.ENOSPC and "torch's writer said" in str(known), known
+    assert _storage_cause(carried, tmp_path) is None
+
+
 @pytest.mark.e2e
 def test_a_read_only_run_dir_fails_the_final_snapshot_with_exit_3_and_keeps_the_old_one(tmp_path, mounts):
     run_dir = tmp_path / "run"

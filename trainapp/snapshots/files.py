@@ -48,6 +48,22 @@ def is_storage_error(e: BaseException) -> bool:
     return isinstance(e, OSError) and e.errno in STORAGE_ERRNOS
 
 
+def no_space_left(path: Path) -> bool:
+    """Whether the filesystem holding `path` (or its nearest existing parent) has no block or no inode
+    left for this process (root may use the blocks ext4 reserves). torch's own file writer (the one
+    torch.distributed.checkpoint's shards go through) reports a full disk as a RuntimeError about its zip
+    position, its errno lost; this is how such an error is known for what it is."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    blocks = st.f_bfree if os.geteuid() == 0 else st.f_bavail
+    # A few blocks may stay free: a write of a block or more failed, the ones below it fit.
+    return blocks * st.f_frsize < 64 * 1024 or (st.f_files > 0 and st.f_favail == 0)
+
+
 def storage_hint(e: OSError, root: Path | str, size: int | None, setting: str = "run.dir") -> str:
     """What would fix a storage error, for its one-line message (`setting`: the key that names the
     storage)."""

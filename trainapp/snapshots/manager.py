@@ -28,10 +28,10 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, cast
 
 from trainapp.errors import ConfigError, Failure
-from trainapp.snapshots.files import Buffers, cpu_copy, is_storage_error, storage_hint
+from trainapp.snapshots.files import Buffers, cpu_copy, is_storage_error, no_space_left, storage_hint
 from trainapp.snapshots.lease import Fence
 from trainapp.snapshots.memory import MemoryTier
 from trainapp.snapshots.publish import Publish
@@ -262,7 +262,7 @@ class SnapshotManager:
                 self.publish.push_shards(ctx, step, tmp, list(own))
         except BaseException as e:  # DCP raises every rank's errors on every rank (a CheckpointException)
             error = e
-        cause = _storage_cause(error) if error is not None else None
+        cause = _storage_cause(error, tmp) if error is not None else None
         everyone = ctx.files.gather_objects((own, cause, error is not None))
         if error is not None and cause is None:
             raise error
@@ -418,14 +418,31 @@ class SnapshotManager:
         return where
 
 
-def _storage_cause(e: BaseException) -> OSError | None:
-    """The storage error (ENOSPC, EIO, ...) behind `e`, torch.distributed.checkpoint's wrapper of every
-    rank's failures included; None when it is none."""
-    if isinstance(e, OSError):
-        return e if is_storage_error(e) else None
-    failures = getattr(e, "failures", None)  # CheckpointException: {rank: (exception, its stack)}
-    for inner in (failures.values() if isinstance(failures, dict) else []):
-        found = _storage_cause(inner[0] if isinstance(inner, tuple) else inner)
-        if found is not None:
-            return found
-    return _storage_cause(e.__cause__) if e.__cause__ is not None else None
+def _storage_cause(e: BaseException, where: Path | None = None) -> OSError | None:
+    """The storage error (ENOSPC, EIO, ...) behind `e`, or None when it is none. A RuntimeError of
+    torch's file writer while the filesystem under `where` is full is ENOSPC: that writer drops the
+    errno, and DCP's wrapper carries another rank's error pickled, without the OSError it was raised in
+    the handling of."""
+    graph = list(_graph(e, set()))
+    found = next((x for x in graph if isinstance(x, OSError) and is_storage_error(x)), None)
+    runtime = [x for x in graph if isinstance(x, RuntimeError)]
+    if found is None and runtime and where is not None and no_space_left(where):
+        said = (str(runtime[-1]).splitlines() or ["RuntimeError"])[0][:200]
+        found = OSError(errno.ENOSPC, f"No space left on device (torch's writer said: {said})", str(where))
+    return found
+
+
+def _graph(e: BaseException, seen: set[int]) -> Iterator[BaseException]:
+    """`e` and every error behind it, depth first: torch.distributed.checkpoint's per-rank failures (a
+    CheckpointException: {rank: (exception, its stack)}), the cause, and the exception being handled when
+    it was raised (torch.save raises from its writer's __exit__ while handling the write's OSError)."""
+    if id(e) in seen:
+        return
+    seen.add(id(e))
+    yield e
+    failures = getattr(e, "failures", None)
+    ranks = [f[0] if isinstance(f, tuple) else f
+             for f in (failures.values() if isinstance(failures, dict) else [])]
+    for inner in (*ranks, e.__cause__, e.__context__):
+        if isinstance(inner, BaseException):
+            yield from _graph(inner, seen)
