@@ -166,6 +166,11 @@ class LocalCluster:
     head_nice: int = 10
     # Nice value of the worker processes (training) the raylets start. Ray's default: 15.
     worker_nice: int = 0
+    # A memory of its own for each worker node, as separate machines have: its `ray start` runs in a mount
+    # namespace of its own with a fresh tmpfs of this size (e.g. "512m") on /dev/shm, gone with the node's
+    # last process (the memory tier's copies of a lost node are lost with it). Needs root. Empty: every
+    # node shares this machine's /dev/shm.
+    node_memory: str = ""
     nodes: list[Node] = field(default_factory=list)
 
     # -- paths and environment ------------------------------------------------------------------
@@ -229,9 +234,14 @@ class LocalCluster:
                  and a.split("=")[0].endswith("-port") and a.rsplit("=", 1)[1].isdigit()}
         ports = free_ports(4, named | {self.gcs_port, self.dashboard_port}
                            | {n.metrics_port for n in self.nodes})
+        cmd = [RAY, "start", "--block", f"--node-ip-address={ip}", f"--temp-dir={temp}",
+               "--disable-usage-stats", *_own_ports(*ports), *args]
+        if self.node_memory and "--head" not in args:
+            # unshare and sh exec in place: the session leader's PID stays the node's.
+            cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                   f'mount -t tmpfs -o size={self.node_memory} tmpfs /dev/shm && exec "$@"', "sh", *cmd]
         with open(log, "ab") as out:
-            proc = subprocess.Popen([RAY, "start", "--block", f"--node-ip-address={ip}", f"--temp-dir={temp}",
-                                     "--disable-usage-stats", *_own_ports(*ports), *args],
+            proc = subprocess.Popen(cmd,
                                     env=self.env(), cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         node = Node(name, proc.pid, str(log), ports[0], ip)
@@ -419,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
                     default=LocalCluster.health_check_failure_threshold)
     up.add_argument("--metrics", action="store_true",
                     help="keep Ray's metrics export on (Prometheus/Grafana)")
+    up.add_argument("--node-memory", metavar="SIZE", default="",
+                    help="give each worker node a /dev/shm of its own of SIZE (e.g. 512m; needs root), as "
+                         "separate machines have: the memory tier's copies of a lost node go with it")
     sub.add_parser("down", help="end exactly the processes `up` started")
     sub.add_parser("status", help="alive nodes and how to reach the cluster")
     sb = sub.add_parser("submit", help="ray job submit to this cluster (token passed along)")
@@ -432,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
                          gcs_port=args.port, dashboard_port=args.dashboard_port,
                          health_check_period_ms=args.health_check_period_ms,
                          health_check_failure_threshold=args.health_check_failure_threshold,
-                         metrics=args.metrics).up()
+                         metrics=args.metrics, node_memory=args.node_memory).up()
         print(f"local ray cluster: {1 + c.workers} nodes up (head + {c.workers} x {c.cpus:g} CPU); "
               f"dashboard {c.dashboard_url}")
         print(f"  submit: make ray-submit   (or: RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={c.token_path} "

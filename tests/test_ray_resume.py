@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import (PY, REPO, inspect, metrics, one_error_line, run_cmd, torchrun, torchrun_cmd, trainapp,
+from helpers import (PY, REPO, inspect, metrics, one_error_line, run_cmd, torchrun2, torchrun_cmd, trainapp,
                      wait_for_record, wait_for_step)
 from ray_jobs import (KILLABLE_RUN, USER_TASK, finish, redone_steps, submit,
                       submit_background, training_worker_pids)
@@ -82,7 +82,7 @@ def test_sigkilled_ray_worker_costs_at_most_one_snapshot_interval(cluster):
 
 
 @pytest.mark.e2e
-def test_a_sigkilled_ray_worker_resumes_from_memory_redoing_at_most_one_step(cluster, tmp_path):
+def test_a_sigkilled_ray_worker_resumes_from_memory_redoing_at_most_one_step(cluster, straight_sha):
     """The memory tier under Ray Train: a copy every step in a memory directory of the test's own (the
     worker nodes share this machine's), storage snapshots every 50 steps; a worker SIGKILLed after step 12.
     Ray Train restarts the group, whose workers resume the newest step in memory (one step redone, none
@@ -104,10 +104,7 @@ def test_a_sigkilled_ray_worker_resumes_from_memory_redoing_at_most_one_step(clu
         assert before - resumed <= 1 and resumed < 40, (before, resumed)
         start = metrics(run_dir, "start")[1]
         assert start["resumed_tier"] == "memory" and start["resumed_from"].startswith("memory:"), start
-        straight = tmp_path / "torchrun"
-        r = torchrun(2, f"run.dir={straight}", *KILLABLE_RUN)
-        assert r.returncode == 0, r.output[-3000:]
-        assert inspect(run_dir)["params_sha256"] == inspect(straight)["params_sha256"]
+        assert inspect(run_dir)["params_sha256"] == straight_sha(torchrun2, *KILLABLE_RUN)
         assert sorted(p.name for p in memory.iterdir()) == ["node-id"]
     finally:
         shutil.rmtree(memory, ignore_errors=True)
