@@ -232,7 +232,11 @@ def test_an_out_of_memory_rank_then_a_hung_rank_are_explained_and_the_ray_run_en
             gone.append(time.time() - failed["time"])
     finally:
         rc, out = finish(proc)
-    assert rc == 0, (out[-3000:], [r for r in metrics(run_dir) if r["kind"] in ("start", "failure", "hang")])
+    if rc != 0:  # pytest shows a failed test's printed output whole, where it cuts a long message short
+        kinds = ("start", "failure", "hang", "group_failure")
+        print(*(json.dumps(r) for r in metrics(run_dir) if r["kind"] in kinds), out[-6000:], sep="\n")
+    assert rc == 0, [(r["kind"], r.get("attempt"), r.get("rank"), r.get("cause")) for r in metrics(run_dir)
+                     if r["kind"] in ("failure", "group_failure")]
     assert "trainapp ray: done steps=24" in out and "val_acc=" in out, out[-3000:]
     assert max(gone) < 10, gone
     by_attempt: dict[int, dict[int, dict]] = {}
@@ -422,7 +426,9 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
         undrained_ms = time.time() * 1000
         # The node of this run's last rank.
         victim = _node_of(cluster, metrics(run_dir, "start")[-1]["placement"][-1]["pid"])
-        node_id = node_ids[next(n.ip for n in cluster.nodes if n.name == victim)]
+        ip = next(n.ip for n in cluster.nodes if n.name == victim)
+        assert ip in node_ids, f"{victim} ({ip}) is not among the nodes Ray's state API listed: {node_ids}"
+        node_id = node_ids[ip]
         drain = run_cmd([RAY, "drain-node", "--address", cluster.address, "--node-id", node_id,
                          "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "test: spot reclaim",
                          "--deadline-remaining-seconds", "120"], env=cluster.env(), timeout=60)
