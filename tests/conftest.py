@@ -5,7 +5,6 @@ import os
 import pickle
 import shutil
 import subprocess
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,7 +202,6 @@ def slowed_run(shared) -> SlowedRun:
 
 
 def _slowed(where: Path) -> None:
-    from helpers import free_port
 
     run_dir, port = where / "run", free_port()
     # 200 ms: the ratio to the median of two ranks is (b + 200) / (b + 100) for a step of b ms, over 1.2 up to
@@ -252,17 +250,12 @@ class LocalRay:
         if self._failed is not None:
             raise self._failed
         if self.cluster is None:
-            from devtools.local_ray import LocalCluster
+            from ray_jobs import start_cluster
 
-            # A short directory: Ray's socket paths must stay under the OS limit.
-            c = LocalCluster(Path(f"/tmp/ta-ray-{uuid.uuid4().hex[:8]}"), workers=2, cpus=1,
-                             gcs_port=free_port(), dashboard_port=free_port())
             try:
-                # 300 s: under `make test`'s two workers the head's job agent can take minutes to register.
-                c.up(timeout=300, cwd=REPO)
+                c = start_cluster()
             except BaseException as e:
                 self._failed = e
-                self._down(c)
                 raise
             c.storage = self._tmp.mktemp("ray") / "storage"
             self.cluster = c
@@ -271,12 +264,9 @@ class LocalRay:
     def stop(self) -> None:
         c, self.cluster = self.cluster, None
         if c is not None:
-            self._down(c)
+            from ray_jobs import stop_cluster
 
-    @staticmethod
-    def _down(c) -> None:
-        c.down(grace=5)
-        subprocess.run(["rm", "-rf", str(c.dir)], check=False)
+            stop_cluster(c)
 
 
 LOCAL_RAY = pytest.StashKey[LocalRay]()

@@ -6,12 +6,14 @@ helpers.run_cmd does."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import uuid
 from pathlib import Path
 
-from helpers import REPO, communicate, metrics, run_cmd, wait_for_step
+from helpers import REPO, communicate, free_port, metrics, run_cmd, wait_for_step
 
-from devtools.local_ray import RAY
+from devtools.local_ray import RAY, LocalCluster
 
 KILLABLE_RUN = ["train.max_steps=40", "train.epochs=20", "snapshot.every_steps=5", "train.progress=false",
                 "train.log_every=1", "data.train_size=1024", "data.val_size=256",
@@ -23,6 +25,26 @@ USER_TASK = ["task.name=tabular_task:Regression", "task.args.hidden=32", "task.a
              "optim.name=adamw", "optim.lr=0.003", "train.max_steps=24", "train.epochs=20",
              "snapshot.every_steps=5", "train.progress=false", "train.log_every=5", "train.eval_every=10"]
 """examples/tabular's task, on no node's path: a job must ship it (`--working-dir`)."""
+
+
+def start_cluster(**options) -> LocalCluster:
+    """A head and two worker nodes of 1 CPU on free ports (`options`: more LocalCluster fields); gone
+    again if the start fails."""
+    # A short directory: Ray's socket paths must stay under the OS limit.
+    c = LocalCluster(Path(f"/tmp/ta-ray-{uuid.uuid4().hex[:8]}"), workers=2, cpus=1, gcs_port=free_port(),
+                     dashboard_port=free_port(), **options)
+    try:
+        # 300 s: under `make test`'s two workers the head's job agent can take minutes to register.
+        c.up(timeout=300, cwd=REPO)
+    except BaseException:
+        stop_cluster(c)
+        raise
+    return c
+
+
+def stop_cluster(c: LocalCluster) -> None:
+    c.down(grace=5)
+    subprocess.run(["rm", "-rf", str(c.dir)], check=False)
 
 
 def submit_cmd(cluster, name: str, *args: str, sid: str | None = None, wait: bool = True,
@@ -59,6 +81,20 @@ def training_worker_pids(run_dir: Path, workers: int = 2) -> list[int]:
     pids = [p["pid"] for p in metrics(run_dir, "start")[0]["placement"]]
     assert len(pids) == workers and all(Path(f"/proc/{pid}").exists() for pid in pids), pids
     return pids
+
+
+def signal_at_step(cluster, name: str, step: int, sig: int, *args: str) -> tuple[int, str]:
+    """Submit NAME with `args`, send `sig` to its last rank once it has trained `step`, and wait for the
+    job's end: (exit code of `ray job submit`, its output)."""
+    run_dir = cluster.storage / name
+    proc = submit_background(cluster, name, *args)
+    try:
+        pids = training_worker_pids(run_dir)
+        wait_for_step(run_dir, step)
+        os.kill(pids[-1], sig)
+    finally:
+        rc, out = finish(proc)
+    return rc, out
 
 
 def redone_steps(run_dir: Path) -> tuple[int, int]:

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import uuid
 from pathlib import Path
 
 import pytest
-from helpers import REPO, free_port, inspect, metrics, torchrun2, wait_for_step
-from ray_jobs import KILLABLE_RUN, finish, redone_steps, submit_background, training_worker_pids
+from helpers import REPO, inspect, metrics, torchrun2, wait_for_step
+from ray_jobs import (KILLABLE_RUN, finish, redone_steps, start_cluster, stop_cluster, submit_background,
+                      training_worker_pids)
 
 from devtools.local_ray import LocalCluster
 
@@ -26,15 +25,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e,
 @pytest.fixture
 def separate_memories(tmp_path):
     """A head and two worker nodes of 1 CPU, each worker node with 256 MiB of memory of its own."""
-    c = LocalCluster(Path(f"/tmp/ta-ray-{uuid.uuid4().hex[:8]}"), workers=2, cpus=1, gcs_port=free_port(),
-                     dashboard_port=free_port(), node_memory="256m")
+    c = start_cluster(node_memory="256m")
+    c.storage = tmp_path / "storage"
     try:
-        c.up(timeout=300, cwd=REPO)
-        c.storage = tmp_path / "storage"
         yield c
     finally:
-        c.down(grace=5)
-        subprocess.run(["rm", "-rf", str(c.dir)], check=False)
+        stop_cluster(c)
 
 
 def _memory_of(c: LocalCluster, name: str) -> Path:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from helpers import (PY, REPO, inspect, metrics, one_error_line, run_cmd, torchrun2, torchrun_cmd, trainapp,
                      wait_for_record, wait_for_step)
-from ray_jobs import (KILLABLE_RUN, USER_TASK, finish, redone_steps, submit,
+from ray_jobs import (KILLABLE_RUN, USER_TASK, finish, redone_steps, signal_at_step, submit,
                       submit_background, training_worker_pids)
 
 from devtools.local_ray import proc_stat
@@ -91,13 +91,7 @@ def test_a_sigkilled_ray_worker_resumes_from_memory_redoing_at_most_one_step(clu
     memory = Path(tempfile.mkdtemp(prefix="ta-test-mem-", dir="/dev/shm"))
     args = [*KILLABLE_RUN, "snapshot.every_steps=50", "snapshot.memory_every_steps=1",
             f"snapshot.memory_dir={memory}"]
-    proc = submit_background(cluster, "memory", *args)
-    try:
-        pids = training_worker_pids(run_dir)
-        wait_for_step(run_dir, 12)
-        os.kill(pids[-1], signal.SIGKILL)
-    finally:
-        rc, out = finish(proc)
+    rc, out = signal_at_step(cluster, "memory", 12, signal.SIGKILL, *args)
     try:
         assert rc == 0, out[-4000:]
         before, resumed = redone_steps(run_dir)
@@ -222,14 +216,8 @@ def test_sigterm_to_a_ray_training_worker_stops_every_worker_at_one_step_and_red
     agree on the step, rank 0 reports the snapshot of it, the workers exit 143 and Ray Train restarts
     the group from that snapshot. Periodic snapshots are off: nothing else could serve the resume."""
     run_dir = cluster.storage / "sigterm"
-    proc = submit_background(cluster, "sigterm", *KILLABLE_RUN, "train.max_steps=150",
+    rc, out = signal_at_step(cluster, "sigterm", 10, signal.SIGTERM, *KILLABLE_RUN, "train.max_steps=150",
                              "snapshot.every_steps=0")
-    try:
-        pids = training_worker_pids(run_dir)
-        wait_for_step(run_dir, 10)
-        os.kill(pids[-1], signal.SIGTERM)
-    finally:
-        rc, out = finish(proc)
     assert rc == 0, out[-4000:]
     (rec,) = metrics(run_dir, "preempted")
     assert rec["signal"] == "SIGTERM" and rec["seconds"] < 25, rec
