@@ -370,3 +370,4 @@ def test_with_a_pending_check_the_ranks_poll_only_once_one_of_them_has_a_notice(
     assert steps and steps[0] >= 150, steps
     assert steps[0] <= 150 + 0.5 / 0.009 + 5, steps  # the next vote: within half a second of rank 1's steps
     assert len(steps) >= 3 and min(b - a for a, b in zip(steps, steps[1:])) >= 5, steps
+

@@ -17,7 +17,7 @@ TORCH_ROOTS = {"torch", "nn", "F", "dist", "tdist", "dcp"}
 """Names trainapp's modules import torch (or a part of it) as."""
 PRIVATE_ATTRIBUTES = {"_get_fsdp_state", "_fsdp_param_groups", "_scale", "_BatchNorm",
                       "_is_mkldnn_bf16_supported", "graph_break_reasons", "get_cpp_compiler",
-                      "counters", "cache_dir"}
+                      "counters", "cache_dir", "_workers", "_worker_pids_set", "_remove_worker_pids"}
 """torch's private names that are attributes of an object, not of torch: found wherever they are read."""
 
 
@@ -45,6 +45,15 @@ def test_every_private_name_of_torch_trainapp_reads_exists_here():
     assert isinstance(graph_break_reasons, list) and callable(get_cpp_compiler)
     compiler, tried = torch_private.cpp_compiler()
     assert tried and (compiler is None or compiler in tried), (compiler, tried)
+    loader = torch.utils.data.DataLoader(range(4), num_workers=1)
+    it = iter(loader)
+    (worker,) = torch_private.loader_workers(it)
+    assert worker.is_alive() and it._worker_pids_set
+    torch_private.unwatch_loader_workers(it)
+    assert not it._worker_pids_set
+    worker.kill()  # off torch's SIGCHLD check: nothing raises here
+    worker.join(5)
+    del it
     assert len(torch_private.PRIVATE) == len(PRIVATE_ATTRIBUTES)
 
 

@@ -82,6 +82,15 @@ def leave(code: int) -> NoReturn:
     its process group destroyed, and the interpreter's own teardown then has nothing left to do but
     run torch's C++ destructors, one of which sometimes aborts a finished rank ("terminate called
     without an active exception", about 1 run in 10 with snapshot.async=true under torchrun)."""
+    import multiprocessing
+
+    # A child whose own code cannot run (a DataLoader worker deadlocked in its fork, trainapp/core/
+    # loader_start.py) would outlive the process and hold its pipes: end every child it started.
+    for child in multiprocessing.active_children():
+        try:
+            child.kill()
+        except OSError:  # ended meanwhile
+            pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -105,6 +105,10 @@ class DataSection:
     """Side of the square images fed to the model, in pixels."""
     num_workers: int = Field(default=0, ge=0, le=64)
     """DataLoader worker processes per training process (0 loads in the training process), for every task."""
+    worker_start_s: float = Field(default=10.0, gt=0, le=600)
+    """Seconds a DataLoader worker has to start (to reach its `worker_init_fn`) after it is forked; one
+    that has not is killed and the loader's workers started again, up to 3 times
+    (trainapp/core/loader_start.py: a fork deadlock of Python 3.11 and older)."""
     shard_retries: int = Field(default=2, ge=0, le=100)
     """A stream's shard that fails to open or read is reopened at the item it had reached this many times
     (0.5 s, 1 s, 2 s ... apart) before it counts as bad (trainapp/core/lane_reader.py)."""

@@ -196,15 +196,16 @@ def _data(cfg: Config, ctx: DistContext, task: BoundTask, train: Any, val: Any, 
         sampler = data.ResumableDistributedSampler(train, ctx.world_size, ctx.rank, shuffle=True,
                                                    seed=cfg.seed, layout=progress.layout)
         batches = data.EpochBatches(train, sampler, cfg.train.batch_size, cfg.data.num_workers, cuda,
-                                    cfg.seed, task.collate)
+                                    cfg.seed, task.collate, start_s=cfg.data.worker_start_s)
         horizon = functools.partial(data.plan_total, sampler, progress, cfg.train)
     if is_stream(val):
         val_loader = stream.val_loader(val, stream.listed(task.name, "val", val), ctx, cfg.train.batch_size,
-                                       cfg.data.num_workers, cuda, task.collate)
+                                       cfg.data.num_workers, cuda, task.collate,
+                                       start_s=cfg.data.worker_start_s)
     else:
         val = data.LocatedItems(val, "val")
         val_sampler = data.ResumableDistributedSampler(val, ctx.world_size, ctx.rank, shuffle=False,
                                                        seed=cfg.seed)
         val_loader = data.make_loader(val, val_sampler, cfg.train.batch_size, cfg.data.num_workers, cuda,
-                                      cfg.seed, task.collate)
+                                      cfg.seed, task.collate, start_s=cfg.data.worker_start_s)
     return batches, stream_part, horizon, val_loader

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorData
 
 from trainapp.config import TrainSection
 from trainapp.core.items import Items
+from trainapp.core.loader_start import StartCheckedLoader
 from trainapp.core.state import derived_seed
 
 if TYPE_CHECKING:
@@ -162,15 +163,16 @@ class ResumableDistributedSampler(DistributedSampler):
 
 
 def make_loader(dataset: MapStyle, sampler: ResumableDistributedSampler, batch_size: int, num_workers: int,
-                pin_memory: bool, generator_seed: int, collate: Callable | None = None) -> DataLoader:
+                pin_memory: bool, generator_seed: int, collate: Callable | None = None, *,
+                start_s: float) -> DataLoader:
     # An explicit generator keeps DataLoader's worker base seed off the global torch RNG, whose
     # position differs between an uninterrupted run and one resumed mid-epoch.
     # torch annotates a Dataset, and reads any map-style dataset (a length, items by index).
-    return DataLoader(
-        dataset,  # type: ignore[arg-type]
+    return StartCheckedLoader(
+        dataset,
         batch_size=batch_size, sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
         drop_last=False, generator=torch.Generator().manual_seed(generator_seed),
-        persistent_workers=False, collate_fn=collate,
+        persistent_workers=False, collate_fn=collate, start_s=start_s,
     )
 
 
@@ -199,9 +201,11 @@ class EpochBatches:
     to that position, and a fresh loader over it."""
 
     def __init__(self, dataset: MapStyle, sampler: ResumableDistributedSampler, batch_size: int,
-                 num_workers: int, pin_memory: bool, seed: int, collate: Callable | None = None):
+                 num_workers: int, pin_memory: bool, seed: int, collate: Callable | None = None, *,
+                 start_s: float):
         self.dataset, self.sampler, self.batch_size = dataset, sampler, batch_size
         self.num_workers, self.pin_memory, self.seed, self.collate = num_workers, pin_memory, seed, collate
+        self.start_s = start_s
 
     account = None  # a map-style dataset is read as it is
 
@@ -211,7 +215,8 @@ class EpochBatches:
     def epoch(self, epoch: int, start: int) -> Iterator[Any]:
         set_epoch(self.dataset, self.sampler, epoch, start)
         return iter(make_loader(self.dataset, self.sampler, self.batch_size, self.num_workers,
-                                self.pin_memory, self.seed * 100_003 + epoch, self.collate))
+                                self.pin_memory, self.seed * 100_003 + epoch, self.collate,
+                                start_s=self.start_s))
 
 
 class Progress:

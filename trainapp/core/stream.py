@@ -27,6 +27,7 @@ from trainapp.config import ConfigError
 from trainapp.core.items import DefaultCollate
 from trainapp.core.lane_reader import DOCS, LaneReader, ShardError, Source, ValReader, keep
 from trainapp.core.lanes import Deal
+from trainapp.core.loader_start import StartCheckedLoader
 from trainapp.errors import first_line
 
 if TYPE_CHECKING:
@@ -43,10 +44,11 @@ def shards_digest(shards: list[Any]) -> str:
 
 
 def val_loader(stream: Any, shards: list[Any], ctx: DistContext, batch_size: int, num_workers: int,
-               pin_memory: bool, collate: Callable[[list[Any]], Any]) -> DataLoader:
+               pin_memory: bool, collate: Callable[[list[Any]], Any], *, start_s: float) -> DataLoader:
     reader = ValReader(stream, shards, ctx.rank, ctx.world_size, batch_size, collate)
     workers = min(num_workers, len(reader.mine))
-    return DataLoader(reader, batch_size=None, num_workers=workers, pin_memory=pin_memory)
+    return StartCheckedLoader(reader, batch_size=None, num_workers=workers, pin_memory=pin_memory,
+                              start_s=start_s)
 
 
 def listed(name: str, which: str, stream: Any) -> list[Any]:
@@ -84,6 +86,7 @@ class StreamBatches:
                               "list the same shards in the same order on every rank (sort them)")
         self.progress, self.layout = progress, progress.layout  # the step a reader starts at picks each lane
         self.collate, self.num_workers, self.epochs = task.collate, data_cfg.num_workers, epochs
+        self.start_s = data_cfg.worker_start_s
         self.pin_memory = ctx.device.type == "cuda"
         self.source = Source(stream, shards, seed, task.random_items, data_cfg.shard_retries,
                               data_cfg.skip_bad_shards, batches=isinstance(task.collate, DefaultCollate))
@@ -147,9 +150,9 @@ class StreamBatches:
             self.account["resized"] += 1
         reader = LaneReader(self.source, self.deal, self._slots(), self.per_slot, self.progress.global_step,
                             self.layout.micro_batch, self.collate)
-        loader = DataLoader(reader, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
-                            collate_fn=keep,
-                            generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
+        loader = StartCheckedLoader(reader, batch_size=None, num_workers=self.num_workers,
+                                    pin_memory=self.pin_memory, collate_fn=keep, start_s=self.start_s,
+                                    generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
         self._entries, self._ahead = iter(loader), collections.deque()
 
     def __iter__(self) -> Iterator[Any]:

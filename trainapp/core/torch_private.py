@@ -18,6 +18,9 @@ a run on a cluster.
   cache is unpacked there).
 - `cpp_compiler`: the C++ compiler inductor compiles CPU kernels with (`parallel.compile` checks it
   before anything is built).
+- `loader_workers`, `unwatch_loader_workers`: a multi-process DataLoader iterator's worker processes,
+  and taking them off torch's SIGCHLD check (which raises in the training process when a watched worker
+  dies by a signal): trainapp/core/loader_start.py kills a worker stuck in its fork.
 """
 
 from __future__ import annotations
@@ -34,11 +37,14 @@ PRIVATE = ("torch.nn.modules.batchnorm._BatchNorm", "GradScaler._scale",
            "torch.ops.mkldnn._is_mkldnn_bf16_supported", "FSDPModule._get_fsdp_state",
            "FSDPState._fsdp_param_groups", "torch._dynamo.utils.graph_break_reasons",
            "torch._inductor.cpp_builder.get_cpp_compiler", "torch._dynamo.utils.counters",
-           "torch._inductor.runtime.cache_dir_utils.cache_dir")
+           "torch._inductor.runtime.cache_dir_utils.cache_dir", "_MultiProcessingDataLoaderIter._workers",
+           "_MultiProcessingDataLoaderIter._worker_pids_set",
+           "torch.utils.data._utils.signal_handling._remove_worker_pids")
 """Every private name read here; tests/test_torch_private.py checks each on the installed torch."""
 
 __all__ = ["BatchNormBase", "PRIVATE", "compile_cache_counts", "compiled_graphs", "cpp_compiler",
-           "fsdp_param_groups", "graph_breaks", "inductor_cache_dir", "onednn_bf16", "scale_tensor"]
+           "fsdp_param_groups", "graph_breaks", "inductor_cache_dir", "loader_workers", "onednn_bf16",
+           "scale_tensor", "unwatch_loader_workers"]
 
 
 def fsdp_param_groups(unit: FSDPModule) -> list[Any]:
@@ -115,3 +121,18 @@ def compile_cache_counts() -> dict[str, int]:
             "fxgraph_misses": counters["inductor"]["fxgraph_cache_miss"],
             "aot_hits": counters["aot_autograd"]["autograd_cache_hit"],
             "aot_misses": counters["aot_autograd"]["autograd_cache_miss"]}
+
+
+def loader_workers(iterator: Any) -> list[Any]:
+    """The worker processes (multiprocessing.Process) of a multi-process DataLoader iterator, by worker id."""
+    return list(iterator._workers)
+
+
+def unwatch_loader_workers(iterator: Any) -> None:
+    """Take the iterator's workers off torch's SIGCHLD check, so that killing one raises nothing in this
+    process; the iterator's own shutdown then skips that step."""
+    from torch.utils.data._utils.signal_handling import _remove_worker_pids
+
+    if iterator._worker_pids_set:
+        _remove_worker_pids(id(iterator))
+        iterator._worker_pids_set = False

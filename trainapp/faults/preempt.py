@@ -22,7 +22,7 @@ import os
 import signal
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from trainapp.errors import Failure
 from trainapp.faults.heartbeat import Heartbeat
@@ -97,6 +97,9 @@ class Notices:
         """The signal number of the first notice, 0 if none."""
         self.at = 0.0  # time.monotonic() of the first signal
         self.signals: set[int] = set()
+        self.before: dict[int, Any] = {}
+        """The handler each signal had before `install` (restored in forked children)."""
+        self.forked = False  # the fork hook is registered
         self.watching = False
         self.armed = False
         self.lock = threading.Lock()
@@ -129,8 +132,11 @@ class Notices:
                         "this process without a snapshot", ", ".join(sorted(n.name for n in nums)))
             return False
         for s in nums:
-            signal.signal(s, handler)
+            self.before.setdefault(int(s), signal.signal(s, handler))
         self.signals = {int(s) for s in nums}
+        if not self.forked:
+            os.register_at_fork(after_in_child=self._not_in_children)
+            self.forked = True
         if not self.watching:
             r, w = os.pipe()
             os.set_blocking(w, False)
@@ -143,6 +149,17 @@ class Notices:
                 threading.Thread(target=self._watch, args=(r,), name="preempt-watch", daemon=True).start()
                 self.watching = True
         return True
+
+    def _not_in_children(self) -> None:
+        """In a child forked from this process (a DataLoader worker): the handlers this process had before
+        `install`, and no wakeup fd. The child shares the watcher's pipe: a signal to it (torch ends a
+        worker that did not stop in time with SIGTERM) would otherwise read as a notice to this process."""
+        try:
+            signal.set_wakeup_fd(-1)
+            for s, before in self.before.items():
+                signal.signal(s, before if before is not None else signal.SIG_DFL)
+        except ValueError:  # forked from another thread than the main one: signal.signal refuses
+            pass
 
     def _record(self, signum: int) -> None:
         if not self.signum:

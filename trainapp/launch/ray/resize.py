@@ -82,14 +82,14 @@ class ResizeSnapshot(ControllerCallback, WorkerGroupCallback):
 
     def __init__(self, run_dir: str, wait_s: float, check_s: float) -> None:
         self.run_dir, self.wait_s, self.check_s = run_dir, wait_s, check_s
-        self._workers = 0  # of the running, healthy group; 0 while none runs
+        self._running = 0  # of the running, healthy group; 0 while none runs
         self._nodes, self._looked = 0, 0.0  # alive nodes when last looked, and when
 
     def after_worker_group_poll_status(self, worker_group_status: WorkerGroupPollStatus) -> None:
         """Every `check_s` while a group runs: when nodes joined the cluster, have the coordinator re-read
         it, so Ray Train's next resize check sees them (its view is otherwise up to 20 s old)."""
         now = time.monotonic()
-        if not self._workers or now - self._looked < self.check_s or not versions.cluster_reread():
+        if not self._running or now - self._looked < self.check_s or not versions.cluster_reread():
             return
         self._looked = now
         try:
@@ -104,21 +104,21 @@ class ResizeSnapshot(ControllerCallback, WorkerGroupCallback):
             say(f"could not look for nodes that joined ({e.__class__.__name__}: {e})")
 
     def after_worker_group_start(self, worker_group: WorkerGroup) -> None:
-        self._workers = len(worker_group.get_workers())
+        self._running = len(worker_group.get_workers())
 
     def before_worker_group_shutdown(self, worker_group: WorkerGroup) -> None:
-        self._workers = 0
+        self._running = 0
 
     def before_worker_group_abort(self, worker_group_context: WorkerGroupContext) -> None:
-        self._workers = 0
+        self._running = 0
 
     def before_controller_execute_failure_decision(self, failure_decision: FailureDecision) -> None:
         # The group failed: Ray Train shuts it down only when it executes the restart's resize, after
         # this callback's resize hook, and a failed group has no step to snapshot.
-        self._workers = 0
+        self._running = 0
 
     def before_controller_execute_resize_decision(self, resize_decision: ResizeDecision) -> None:
-        was, to = self._workers, resize_decision.num_workers
+        was, to = self._running, resize_decision.num_workers
         if not was or to == was:
             return
         try:  # an error raised here would fail the run: say it, and let Ray Train resize as it would
