@@ -314,3 +314,23 @@ def test_another_runs_copies_untouched_for_a_day_are_deleted_at_a_start(shm):
         os.utime(p, (long_ago, long_ago))
     _prune(shm, time.time() - STALE_S)
     assert not old.exists() and fresh.exists()
+
+
+def test_a_copied_run_directory_gets_its_own_memory_id_and_a_moved_one_keeps_it(tmp_path):
+    """`cp -r` of a run directory while the original is there (an experiment forked from a run's
+    snapshots): the copy's copies in memory must not be the original's, which a shared id would make them
+    (the same memory folder). A moved directory is the same run: its id is kept."""
+    import shutil
+
+    from trainapp.snapshots.memory import run_id
+
+    first = run_id(str(tmp_path / "a"))
+    assert run_id(str(tmp_path / "a")) == first  # every start of the run
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    copied = run_id(str(tmp_path / "b"))
+    assert copied != first and run_id(str(tmp_path / "b")) == copied and run_id(str(tmp_path / "a")) == first
+    (tmp_path / "a").rename(tmp_path / "c")
+    assert run_id(str(tmp_path / "c")) == first
+    (tmp_path / "legacy").mkdir()  # a file of one line, as runs before this change wrote it
+    (tmp_path / "legacy" / "memory-id").write_text("0123456789abcdef")
+    assert run_id(str(tmp_path / "legacy")) == "0123456789abcdef"

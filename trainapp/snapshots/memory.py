@@ -417,20 +417,39 @@ def _recv(side: DistContext, src: int) -> bytes:
 
 
 def _run_id(run_dir: str, ctx: DistContext) -> str:
+    """The run's id (`run_id`), read by the main rank and given to every rank."""
+    return ctx.files.broadcast_object(run_id(run_dir) if ctx.is_main else None) or ""
+
+
+def run_id(run_dir: str) -> str:
     """The run's id, kept in its run directory (made at its first start): copies in memory under another id
-    are another run's, even one in a run directory of the same name."""
-    rid = None
-    if ctx.is_main:
-        path = Path(run_dir) / RUN_ID
+    are another run's, even one in a run directory of the same name. The file also names the directory it
+    was made in: a run directory copied (`cp -r`) while the original is still there gets an id of its own,
+    so the copy never resumes from the original's copies in memory; one moved keeps its id."""
+    here = os.path.realpath(run_dir)
+    path = Path(here) / RUN_ID
+    try:
+        rid, _, made_in = path.read_text().strip().partition("\n")
+    except FileNotFoundError:
+        return _new_run_id(path, here)
+    if made_in and made_in != here:
         try:
-            rid = path.read_text().strip()
-        except FileNotFoundError:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{RUN_ID}.{os.getpid()}")
-            tmp.write_text(secrets.token_hex(8))
-            os.replace(tmp, path)
-            rid = path.read_text().strip()
-    return ctx.files.broadcast_object(rid) or ""
+            original = (Path(made_in) / RUN_ID).read_text().strip().partition("\n")[0]
+        except OSError:  # moved, or another node's path for the same shared directory
+            original = ""
+        if original == rid:
+            log.info("run.dir=%s is a copy of %s: its copies in memory are that run's; this run keeps "
+                     "its own", here, made_in)
+            return _new_run_id(path, here)
+    return rid
+
+
+def _new_run_id(path: Path, made_in: str) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{RUN_ID}.{os.getpid()}")
+    tmp.write_text(f"{secrets.token_hex(8)}\n{made_in}\n")
+    os.replace(tmp, path)
+    return path.read_text().strip().partition("\n")[0]
 
 
 def _shortfall(memory_dir: Path, nodes: list[tuple[str, int, int]], peer: bool) -> str | None:
