@@ -19,6 +19,9 @@ RAY_WORKERS ?= 2
 RAY_CPUS ?= 1
 RAY_PORT ?= 26379
 RAY_DASHBOARD_PORT ?= 28265
+# A private tmpfs of this size on each worker node's /dev/shm (e.g. 256m; root): a lost node takes its
+# memory-tier copies with it, as a real node would. Empty: the nodes share this machine's /dev/shm.
+RAY_NODE_MEMORY ?=
 RAY_STORAGE ?= $(CURDIR)/runs/ray
 RAY_NAME ?= demo
 # A directory Ray ships with `make ray-submit` (your task's package: docs/your-own-model.md).
@@ -114,7 +117,7 @@ image-cpu: ## Build the CPU image $(IMAGE):$(TAG)-cpu (CPU_BASE, TORCH_INDEX_URL
 .PHONY: ray-up
 ray-up: $(RUN_STAMP) ## Start a head (no task CPUs) and RAY_WORKERS worker nodes of RAY_CPUS CPUs, token auth on
 	$(BIN)/python -m devtools.local_ray --dir $(RAY_DIR) up --workers $(RAY_WORKERS) --cpus $(RAY_CPUS) \
-	  --port $(RAY_PORT) --dashboard-port $(RAY_DASHBOARD_PORT)
+	  --port $(RAY_PORT) --dashboard-port $(RAY_DASHBOARD_PORT) $(if $(RAY_NODE_MEMORY),--node-memory $(RAY_NODE_MEMORY))
 
 .PHONY: ray-submit
 ray-submit: $(RUN_STAMP) ## ray job submit a training run to it (ARGS, RAY_NAME: same name resumes, RAY_STORAGE, WORKING_DIR: your task's code)

@@ -309,3 +309,16 @@ def pytest_runtest_teardown(item, nextitem):
 # (.ci/run sets HYPOTHESIS_PROFILE=ci) draw the same ones, so a red CI run is a change's, not a draw's.
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 64 KiB tmpfs (root mounts it), unmounted after; skipped where it cannot be mounted."""
+    where = tmp_path / "tiny"
+    where.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    yield where
+    subprocess.run(["umount", str(where)], check=False)

@@ -145,19 +145,6 @@ def test_a_memory_directory_that_cannot_hold_the_tier_is_named(tmp_path, shm):
     assert "not a memory filesystem" in unusable(tmp_path, made_here=False)  # the disk under the tests
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A real 64 KiB tmpfs (root mounts it), unmounted after; skipped where it cannot be mounted."""
-    where = tmp_path / "tiny"
-    where.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)], capture_output=True,
-                       text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    yield where
-    subprocess.run(["umount", str(where)], check=False)
-
-
 def test_a_memory_tier_that_does_not_fit_is_one_line_before_the_first_step(capsys, tmp_path, small_tmpfs):
     run = tmp_path / "run"
     code = cli.main(["train", f"run.dir={run}", "train.max_steps=3", "train.progress=false", *MEMORY,

@@ -8,11 +8,12 @@ tests/test_ray_resume.py; a lost torchrun host in network namespaces: tests/test
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from pathlib import Path
 
 import pytest
-from helpers import REPO, inspect, metrics, torchrun2, wait_for_step
+from helpers import REPO, inspect, metrics, torchrun2, wait_for_step, wait_until
 from ray_jobs import (KILLABLE_RUN, finish, redone_steps, start_cluster, stop_cluster, submit_background,
                       training_worker_pids)
 
@@ -22,11 +23,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e,
               pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs per Ray node: needs root")]
 
 
-@pytest.fixture
-def separate_memories(tmp_path):
-    """A head and two worker nodes of 1 CPU, each worker node with 256 MiB of memory of its own."""
+@pytest.fixture(scope="module")
+def separate_memories(tmp_path_factory):
+    """A head and two worker nodes of 1 CPU, each worker node with 256 MiB of memory of its own; the tests
+    each lose one worker node and add another."""
     c = start_cluster(node_memory="256m")
-    c.storage = tmp_path / "storage"
+    c.storage = tmp_path_factory.mktemp("storage")
     try:
         yield c
     finally:
@@ -36,6 +38,10 @@ def separate_memories(tmp_path):
 def _memory_of(c: LocalCluster, name: str) -> Path:
     """The node's /dev/shm, seen from outside its mount namespace (through its raylet's root)."""
     return Path(f"/proc/{c.node_pids(name)['raylet']}/root/dev/shm")
+
+
+def _live_workers(c: LocalCluster) -> list[str]:
+    return [n.name for n in c.nodes[1:] if "raylet" in c.node_pids(n.name)]
 
 
 def test_a_lost_ray_node_resumes_from_its_buddys_memory_copy_bitwise(separate_memories, straight_sha):
@@ -48,7 +54,7 @@ def test_a_lost_ray_node_resumes_from_its_buddys_memory_copy_bitwise(separate_me
     try:
         pids = training_worker_pids(run_dir)
         victim = next(n.name for n in c.nodes if pids[1] in c.node_pids(n.name).values())
-        survivor = next(n.name for n in c.nodes[1:] if n.name != victim)
+        survivor = next(n for n in _live_workers(c) if n != victim)
         wait_for_step(run_dir, 12)
         held = sorted(p.name for p in _memory_of(c, survivor).glob("trainapp-*/run-*/*"))
         os.killpg(next(n.pid for n in c.nodes if n.name == victim), signal.SIGKILL)
@@ -67,3 +73,41 @@ def test_a_lost_ray_node_resumes_from_its_buddys_memory_copy_bitwise(separate_me
     # The finished run's copies are gone from both nodes' memories.
     for name in (survivor, "replacement"):
         assert not list(_memory_of(c, name).glob("trainapp-*/run-*")), name
+
+
+def _records_on(c: LocalCluster, nodes: list[str], local: Path) -> dict[str, Path]:
+    """{node: its own run directory, seen from outside} for each of `nodes` whose run directory has
+    records."""
+    found = {n: _memory_of(c, n) / local.relative_to("/dev/shm") for n in nodes}
+    return {n: p for n, p in found.items() if (p / "metrics.jsonl").exists()}
+
+
+def test_with_uri_storage_a_lost_rank_0_node_resumes_from_its_buddys_copy(separate_memories, straight_sha):
+    """`ray.storage_path` a URI, and `run.dir` each node's own (here in the node's private /dev/shm, as a
+    node-local disk): the memory tier's run id cannot be kept in `run.dir`, where a rank 0 started on
+    another node would not find it; it is the lease's (one per submission). The node of rank 0 is lost:
+    the new group's ranks take its state from the buddy's copy (`peer`), with no storage snapshot to
+    resume from, and end bitwise equal to torchrun's straight run."""
+    c = separate_memories
+    store, local = c.storage / "bucket", Path("/dev/shm") / f"ta-uri-run-{os.getpid()}"
+    proc = submit_background(c, "uri-memory", *KILLABLE_RUN, "snapshot.every_steps=50",
+                             "snapshot.memory_every_steps=1", "drill.slow_rank=0", "drill.slow_ms=50",
+                             f"ray.storage_path=file://{store}", f"run.dir={local}")
+    try:
+        workers = _live_workers(c)
+        ((victim, first),) = wait_until(lambda: list(_records_on(c, workers, local).items()) or None,
+                                        "rank 0's records on its node", timeout=240)
+        wait_for_step(first, 12)
+        assert metrics(first, "start")[0]["placement"][0]["pid"] in c.node_pids(victim).values()
+        os.killpg(next(n.pid for n in c.nodes if n.name == victim), signal.SIGKILL)
+        c.add_worker("replacement-2", REPO)
+        c.wait_for_nodes(3, 120)
+    finally:
+        rc, out = finish(proc)
+        shutil.rmtree(local, ignore_errors=True)  # the driver's, on the head
+    assert rc == 0, out[-4000:]
+    starts = [s for p in _records_on(c, _live_workers(c), local).values() for s in metrics(p, "start")]
+    assert len(starts) == 1 and starts[0]["resumed_tier"] == "peer", starts
+    assert starts[0]["resumed_step"] >= 12, starts
+    final = store / "uri-memory" / "step_000000040"
+    assert inspect(final)["params_sha256"] == straight_sha(torchrun2, *KILLABLE_RUN)

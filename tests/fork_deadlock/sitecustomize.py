@@ -10,6 +10,8 @@ import ctypes
 import os
 import sys
 
+import _imp
+
 AT = int(os.environ.get("FORK_DEADLOCK_AT", "0"))
 
 if AT and sys.version_info[:2] == (3, 11):
@@ -23,6 +25,11 @@ if AT and sys.version_info[:2] == (3, 11):
     def _before() -> None:
         _forks[0] += 1
         if _forks[0] == AT:
+            # The import lock first: os.fork takes it after these hooks, and waiting for it there lets the
+            # other threads run, one of which may need the thread-list lock (a thread ending) and then the
+            # GIL back: a deadlock of the parent, which the real fault does not have. Taken here, the fork
+            # holds both from now on without letting go of the GIL.
+            _imp.acquire_lock()
             _api.PyThread_acquire_lock(_MUTEX, 1)
             _held[0] = True
 
@@ -30,5 +37,6 @@ if AT and sys.version_info[:2] == (3, 11):
         if _held[0]:
             _held[0] = False
             _api.PyThread_release_lock(_MUTEX)
+            _imp.release_lock()
 
     os.register_at_fork(before=_before, after_in_parent=_after_in_parent)

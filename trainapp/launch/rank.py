@@ -68,6 +68,11 @@ class Services:
         """Notices of a node going away, besides signals (None: signals only)."""
         return None
 
+    def memory_id(self, held: RunLease) -> str | None:
+        """The run's id for its copies in memory when the run directory cannot keep one every node sees
+        (trainapp/snapshots/memory.py's `run_id`); None: kept in `run.dir`."""
+        return None
+
     def live(self, ctx: DistContext, observe: ObserveSection, run_dir: str) -> LiveMetrics | None:
         """Where this rank's live metrics go (trainapp/observe/live.py), if anywhere; every rank calls it."""
         return serve(observe.prometheus_port, Path(run_dir).name, ctx)
@@ -156,7 +161,8 @@ def trainer(launcher: Launcher, cfg: Config, ctx: DistContext, guard: RankGuard,
                                             disk=drills.disk)
     records = Records(ctx, cfg.observe, run_dir, cfg.to_dict(), fence=held.fence.check, lease=held.summary,
                       live=services.live(ctx, cfg.observe, run_dir), launcher=launcher.name)
-    memory = MemoryTier.from_config(s.memory_every_steps, s.memory_dir, run_dir, ctx)
+    memory = MemoryTier.from_config(s.memory_every_steps, s.memory_dir, run_dir, ctx,
+                                    given_id=services.memory_id(held))
     load = snapshots.load if memory is None else functools.partial(_recover, memory, snapshots)
     parts = build(cfg, ctx, load, guard.timeline.mark, task)
     snapshots.memory = _sized(memory, ctx, parts, s.memory_peer)

@@ -166,8 +166,8 @@ class MemoryTier:
         """Called with the step halfway through each copy (a drill's kill, trainapp/faults/drills.py)."""
 
     @classmethod
-    def from_config(cls, every: int | str, memory_dir: str, run_dir: str,
-                    ctx: DistContext) -> MemoryTier | None:
+    def from_config(cls, every: int | str, memory_dir: str, run_dir: str, ctx: DistContext,
+                    given_id: str | None = None) -> MemoryTier | None:
         """Every rank: the rank's memory tier (None: off). A memory directory that cannot hold it on some
         rank's node is one ConfigError on every rank when the cadence was set, and off (one warning line)
         for `auto`."""
@@ -183,7 +183,7 @@ class MemoryTier:
                 log.warning("snapshot.memory_every_steps=auto: the memory tier is off (%s)", problem)
             return None
         _prune(where, time.time() - STALE_S)
-        return cls(where, _run_id(run_dir, ctx), ctx.rank, ctx.world_size, every)
+        return cls(where, given_id or _run_id(run_dir, ctx), ctx.rank, ctx.world_size, every)
 
     def sized(self, ctx: DistContext, state_bytes: int, peer: bool) -> MemoryTier | None:
         """Every rank, once the parts are built: this tier if every node's memory directory holds two

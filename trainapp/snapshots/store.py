@@ -256,17 +256,23 @@ def load_state(snap: Path, name: str = STATE) -> dict[str, Any]:
     return state
 
 
-def full_sharded_model(snap: Path, name: str = "model") -> dict[str, torch.Tensor]:
+def full_sharded_model(snap: Path, name: str = "model") -> dict[str, Any]:
     """The whole model state of a sharded snapshot (part `name`), read from every rank's shard in this one
-    process (torch.distributed.checkpoint's conversion; the optimizer's state is read too, then dropped)."""
-    import tempfile
+    process straight into tensors of the saved shapes: nothing but the part's model is read (not the
+    optimizer's state), and nothing is written (a temporary copy would need the whole state's size free
+    in the temp directory)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory(prefix="trainapp-inspect-") as tmp:
-        dcp_to_torch_save(str(snap / SHARDS), f"{tmp}/full.pt")
-        full = torch.load(f"{tmp}/full.pt", map_location="cpu", weights_only=True)
-    return full[name]["model"]
+    reader = dcp.FileSystemReader(str(snap / SHARDS))
+    prefix = f"{name}.model."  # DCP's flattened keys: PART.model.NAME
+    model: dict[str, Any] = {}
+    for key, saved in reader.read_metadata().state_dict_metadata.items():
+        if key.startswith(prefix):  # a non-tensor entry (bytes) is read into its placeholder
+            model[key[len(prefix):]] = (torch.empty(tuple(saved.size), dtype=saved.properties.dtype)
+                                        if isinstance(saved, TensorStorageMetadata) else None)
+    dcp.load({name: {"model": model}}, storage_reader=reader, no_dist=True)
+    return model
 
 
 def list_snapshots(root: Path) -> list[Path]:

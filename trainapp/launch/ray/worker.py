@@ -10,6 +10,7 @@ the workers import this module (it imports torch), through setup.py's `train_wor
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import signal
 import sys
 import threading
@@ -115,6 +116,15 @@ class RayServices(Services):
     def publish(self, ctx: DistContext, run_dir: str, snapshot: config.SnapshotSection) -> RayPublish:
         uri = self.ray.storage_path if is_uri(self.ray.storage_path) else None
         return RayPublish(Path(run_dir), uri, snapshot.async_, self.ray.name, self.ray.report_interval_s)
+
+    def memory_id(self, held: RunLease) -> str | None:
+        """With `ray.storage_path` a URI, `run.dir` is each node's own: a rank 0 on another node after a
+        lost node would not find the id there, and the survivors' copies in memory would be another run's.
+        The id is then the lease's (its URI and generation: one per submission), the same on every node."""
+        fence = held.fence
+        if not is_uri(self.ray.storage_path) or not fence.generation:
+            return None
+        return hashlib.blake2b(f"{fence.run_dir}#{fence.generation}".encode(), digest_size=8).hexdigest()
 
     def drains(self, preempt: config.PreemptSection) -> RayDrainNotice | None:
         return RayDrainNotice() if preempt.ray_poll_s and versions.drain_notices() else None
