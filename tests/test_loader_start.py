@@ -73,12 +73,19 @@ import multiprocessing, os, signal, time
 from trainapp.faults.heartbeat import Heartbeat
 from trainapp.faults.preempt import Notices
 
+def wait(started):
+    started.set()  # after the child's after-fork hooks, which run before any of its Python code
+    time.sleep(30)
+
+
 notices = Notices(Heartbeat(), lambda *a: None)
 notices.heartbeat.phase = "compute"
 assert notices.install([], 25, lambda signum, frame: notices.handle(signum))
-child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))
+fork = multiprocessing.get_context("fork")
+started = fork.Event()
+child = fork.Process(target=wait, args=(started,))
 child.start()
-time.sleep(0.5)  # past the child's after-fork hooks
+assert started.wait(30)
 os.kill(child.pid, signal.SIGTERM)
 child.join(10)
 time.sleep(1)  # the watcher thread would have read a byte the child wrote to the shared pipe
