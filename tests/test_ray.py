@@ -469,12 +469,13 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
     snaps = [r["step"] for r in records[:first_start] if r["kind"] == "snapshot"]
     assert notice["step"] in snaps, (notice, snaps)
     # The polls, and so the drain-time snapshots, go by time, not by step: each poll interval holds
-    # many steps here, and about `poll_s` seconds of training (plus up to one vote interval).
+    # about `poll_s` seconds of training (plus up to one vote interval), and so several steps on average
+    # (one interval may hold only two where a second suite slows the steps: CI saw 84, 90, 92, 97).
     drain_snaps = [step for step in snaps if step >= notice["step"]]
     assert len(drain_snaps) >= 3, (notice, snaps)
     gaps_s = [trained[b] - trained[a] for a, b in zip(drain_snaps, drain_snaps[1:])]
     assert all(0.8 * poll_s <= g <= poll_s + StopVote.INTERVAL_S + 1.0 for g in gaps_s), (drain_snaps, gaps_s)
-    assert min(b - a for a, b in zip(drain_snaps, drain_snaps[1:])) > 2, drain_snaps
+    assert (drain_snaps[-1] - drain_snaps[0]) / (len(drain_snaps) - 1) > 2, drain_snaps
     before, resumed = redone_steps(run_dir)
     # A drain-time snapshot (rank 0 may die between writing one and recording it: the last one
     # written need not have a record), so at most one poll interval of training is lost.
