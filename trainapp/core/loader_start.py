@@ -57,8 +57,6 @@ class StartCheckedLoader(DataLoader):
         kwargs["worker_init_fn"] = _MarkStarted(self._started, kwargs.get("worker_init_fn"))
         super().__init__(*args, **kwargs)
         self.start_s = start_s
-        self.restarts = 0
-        """Times this loader's workers were started again."""
 
     def __iter__(self) -> Any:  # torch's iterator class is private (trainapp/core/torch_private.py)
         if self.num_workers == 0 or self.persistent_workers:
@@ -77,7 +75,6 @@ class StartCheckedLoader(DataLoader):
                 workers[i].kill()  # SIGKILL: the stuck child runs no handler (its inherited ones never ran)
                 workers[i].join(timeout=5)
             del it  # its shutdown ends the workers that did start
-            self.restarts += 1
             log.warning("data: DataLoader worker(s) %s did not start in data.worker_start_s=%g s (a fork "
                         "deadlock of Python < 3.12, CPython gh-112275); killed them, starting the loader's "
                         "workers again (attempt %d of %d)", missing, self.start_s, attempt + 1, ATTEMPTS)

@@ -99,7 +99,6 @@ class Notices:
         self.signals: set[int] = set()
         self.before: dict[int, Any] = {}
         """The handler each signal had before `install` (restored in forked children)."""
-        self.forked = False  # the fork hook is registered
         self.watching = False
         self.armed = False
         self.lock = threading.Lock()
@@ -131,12 +130,11 @@ class Notices:
             log.warning("preemption: signal handlers can only be installed from the main thread; %s will end "
                         "this process without a snapshot", ", ".join(sorted(n.name for n in nums)))
             return False
+        if not self.before:  # the first install in this process
+            os.register_at_fork(after_in_child=self._not_in_children)
         for s in nums:
             self.before.setdefault(int(s), signal.signal(s, handler))
         self.signals = {int(s) for s in nums}
-        if not self.forked:
-            os.register_at_fork(after_in_child=self._not_in_children)
-            self.forked = True
         if not self.watching:
             r, w = os.pipe()
             os.set_blocking(w, False)

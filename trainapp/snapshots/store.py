@@ -256,23 +256,38 @@ def load_state(snap: Path, name: str = STATE) -> dict[str, Any]:
     return state
 
 
-def full_sharded_model(snap: Path, name: str = "model") -> dict[str, Any]:
-    """The whole model state of a sharded snapshot (part `name`), read from every rank's shard in this one
-    process straight into tensors of the saved shapes: nothing but the part's model is read (not the
-    optimizer's state), and nothing is written (a temporary copy would need the whole state's size free
-    in the temp directory)."""
+Saved = dict[str, "tuple[torch.Size, torch.dtype] | None"]
+"""A sharded part's entries by name (`sharded_part`)."""
+
+
+def sharded_part(snap: Path, part: str) -> Saved:
+    """The model state of `part` in a sharded snapshot's shards (DCP keys PART.model.NAME), by NAME: each
+    tensor's (shape, dtype), None for a non-tensor entry. Read from the shards' metadata alone."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(str(snap / SHARDS))
-    prefix = f"{name}.model."  # DCP's flattened keys: PART.model.NAME
-    model: dict[str, Any] = {}
-    for key, saved in reader.read_metadata().state_dict_metadata.items():
-        if key.startswith(prefix):  # a non-tensor entry (bytes) is read into its placeholder
-            model[key[len(prefix):]] = (torch.empty(tuple(saved.size), dtype=saved.properties.dtype)
-                                        if isinstance(saved, TensorStorageMetadata) else None)
-    dcp.load({name: {"model": model}}, storage_reader=reader, no_dist=True)
+    prefix = f"{part}.model."
+    return {key[len(prefix):]: ((saved.size, saved.properties.dtype)
+                                if isinstance(saved, TensorStorageMetadata) else None)
+            for key, saved in dcp.FileSystemReader(str(snap / SHARDS)).read_metadata()
+            .state_dict_metadata.items() if key.startswith(prefix)}
+
+
+def read_sharded(snap: Path, part: str, saved: Saved) -> dict[str, Any]:
+    """The entries `saved` (of `sharded_part`) of `part`'s model, read from every rank's shard in this one
+    process straight into tensors of the saved shapes: nothing else is read, nothing is written."""
+    import torch.distributed.checkpoint as dcp
+
+    model: dict[str, Any] = {name: None if kind is None else torch.empty(tuple(kind[0]), dtype=kind[1])
+                             for name, kind in saved.items()}  # a non-tensor is read into its placeholder
+    dcp.load({part: {"model": model}}, storage_reader=dcp.FileSystemReader(str(snap / SHARDS)), no_dist=True)
     return model
+
+
+def full_sharded_model(snap: Path, name: str = "model") -> dict[str, Any]:
+    """The whole model state of a sharded snapshot (part `name`), not the optimizer's, and no temporary
+    copy (which would need the whole state's size free in the temp directory)."""
+    return read_sharded(snap, name, sharded_part(snap, name))
 
 
 def list_snapshots(root: Path) -> list[Path]:

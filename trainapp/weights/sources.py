@@ -175,23 +175,13 @@ def _snapshot(snap: Path, ema: bool, setting: str) -> Source:
 
 def _sharded(snap: Path, part: str, ema: bool) -> tuple[dict[str, Entry], Callable]:
     """Entries and reader of the `part` of a sharded snapshot's shards (DCP keys `PART.model.NAME`)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    shards = str(snap / store.SHARDS)
-    metadata = dcp.FileSystemReader(shards).read_metadata().state_dict_metadata
-    prefix = f"{part}.model."
-    raw = {plain_name(k[len(prefix):], ema): k[len(prefix):] for k, m in metadata.items()
-           if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
-           and k[len(prefix):] != "n_averaged"}
-    # `raw` names tensors only (TensorStorageMetadata, checked above).
-    entries = {n: Entry(n, cast(TensorStorageMetadata, metadata[prefix + k]).properties.dtype,
-                        tuple(cast(TensorStorageMetadata, metadata[prefix + k]).size))
-               for n, k in raw.items()}
+    saved = store.sharded_part(snap, part)
+    tensors = {k: kind for k, kind in saved.items() if kind is not None and k != "n_averaged"}
+    raw = {plain_name(k, ema): k for k in tensors}
+    entries = {n: Entry(n, tensors[k][1], tuple(tensors[k][0])) for n, k in raw.items()}
 
     def read(names: list[str]) -> dict[str, torch.Tensor]:
-        out = {raw[n]: torch.empty(entries[n].shape, dtype=entries[n].dtype) for n in names}
-        dcp.load({part: {"model": out}}, storage_reader=dcp.FileSystemReader(shards), no_dist=True)
+        out = store.read_sharded(snap, part, {raw[n]: tensors[raw[n]] for n in names})
         return {n: out[raw[n]] for n in names}
 
     return entries, read
