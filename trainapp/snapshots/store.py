@@ -49,6 +49,9 @@ if TYPE_CHECKING:
 
     from trainapp.group import DistContext
 
+    Saved = dict[str, tuple[torch.Size, torch.dtype] | None]
+    """A sharded part's entries by name (`sharded_part`)."""
+
 log = logging.getLogger(__name__)
 
 # torch.distributed.checkpoint in a process without a process group (a sharded snapshot resumed alone,
@@ -254,10 +257,6 @@ def load_state(snap: Path, name: str = STATE) -> dict[str, Any]:
     if not isinstance(state, dict) or state.get("model") is None:
         raise SnapshotError(f"{snap / name}: not a trainapp snapshot (no model state)")
     return state
-
-
-Saved = dict[str, "tuple[torch.Size, torch.dtype] | None"]
-"""A sharded part's entries by name (`sharded_part`)."""
 
 
 def sharded_part(snap: Path, part: str) -> Saved:
