@@ -68,6 +68,25 @@ def test_a_loader_worker_deadlocked_in_its_fork_is_started_again_and_the_run_end
     assert inspect(tmp_path / "faulted")["params_sha256"] == inspect(tmp_path / "straight")["params_sha256"]
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="the fault is made with Python 3.11's layout")
+def test_a_rank_the_hang_watchdog_ends_leaves_no_loader_worker_behind(tmp_path):
+    """The same stuck worker, with the loader told to wait for it far longer than the hang watchdog: the
+    watchdog ends the rank (exit 124), and the worker, whose own code never runs and so never sees its
+    parent go, ends with it instead of holding the rank's pipes as an orphan (trainapp/errors.py's
+    `leave`)."""
+    if not _fault_deadlocks():
+        pytest.skip("this Python has CPython gh-112275's fix: a fork no longer deadlocks on a held HEAD_LOCK")
+    r = trainapp("train", f"run.dir={tmp_path / 'hung'}", *TASK, "data.worker_start_s=600",
+                 "fault.hang_timeout_s=3", env=_env(3), timeout=120)
+    left = _left_behind()
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert r.returncode == 124, r.output[-3000:]
+    assert "hang: no progress" in r.output, r.output[-3000:]
+    assert not left, f"processes left behind by the run: {left}"
+
+
 FORKED_CHILD_SCRIPT = """
 import multiprocessing, os, signal, time
 from trainapp.faults.heartbeat import Heartbeat
