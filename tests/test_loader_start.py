@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -22,9 +23,15 @@ TASK = ["task.name=usertasks_stream:StreamLedger", "train.batch_size=16", "amp.d
 per evaluation."""
 
 
+RUN = f"TRAINAPP_TEST_RUN={uuid.uuid4().hex}"
+"""In the environment of every process this file starts: what `_left_behind` looks for, so that a second
+suite on the machine, with processes of its own under the same fault, is never taken for this one's."""
+
+
 def _env(at: int) -> dict[str, str]:
     path = os.pathsep.join([str(FAULT), str(USERTASKS), os.environ.get("PYTHONPATH", "")])
-    return {"PYTHONPATH": path, "FORK_DEADLOCK_AT": str(at), "HF_DATASETS_OFFLINE": "1"}
+    name, value = RUN.split("=")
+    return {"PYTHONPATH": path, "FORK_DEADLOCK_AT": str(at), "HF_DATASETS_OFFLINE": "1", name: value}
 
 
 def _fault_deadlocks() -> bool:
@@ -37,12 +44,13 @@ def _fault_deadlocks() -> bool:
 
 
 def _left_behind() -> list[int]:
-    """Processes still alive that the fault's environment reached (the run's and its workers)."""
+    """Processes of this file's faulted runs still alive (the runs and their workers)."""
     pids = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit() and int(d.name) != os.getpid():
             try:
-                if b"FORK_DEADLOCK_AT=3" in (d / "environ").read_bytes():
+                env = (d / "environ").read_bytes().split(b"\0")
+                if RUN.encode() in env and b"FORK_DEADLOCK_AT=3" in env:
                     pids.append(int(d.name))
             except OSError:
                 continue
