@@ -23,15 +23,16 @@ TASK = ["task.name=usertasks_stream:StreamLedger", "train.batch_size=16", "amp.d
 per evaluation."""
 
 
-RUN = f"TRAINAPP_TEST_RUN={uuid.uuid4().hex}"
-"""In the environment of every process this file starts: what `_left_behind` looks for, so that a second
-suite on the machine, with processes of its own under the same fault, is never taken for this one's."""
+RUN = uuid.uuid4().hex
+"""TRAINAPP_TEST_RUN in the environment of every process this file starts: what `_reap_left_behind` looks
+for, so that a second suite on the machine, with processes of its own under the same fault, is never
+taken for this one's."""
 
 
 def _env(at: int) -> dict[str, str]:
     path = os.pathsep.join([str(FAULT), str(USERTASKS), os.environ.get("PYTHONPATH", "")])
-    name, value = RUN.split("=")
-    return {"PYTHONPATH": path, "FORK_DEADLOCK_AT": str(at), "HF_DATASETS_OFFLINE": "1", name: value}
+    return {"PYTHONPATH": path, "FORK_DEADLOCK_AT": str(at), "HF_DATASETS_OFFLINE": "1",
+            "TRAINAPP_TEST_RUN": RUN}
 
 
 def _fault_deadlocks() -> bool:
@@ -43,16 +44,17 @@ def _fault_deadlocks() -> bool:
     return subprocess.run([PY, "-c", probe], env=env, timeout=60).returncode == 7
 
 
-def _left_behind() -> list[int]:
-    """Processes of this file's faulted runs still alive (the runs and their workers)."""
+def _reap_left_behind() -> list[int]:
+    """Processes of this file's faulted runs still alive (the runs and their workers), SIGKILLed."""
     pids = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit() and int(d.name) != os.getpid():
             try:
                 env = (d / "environ").read_bytes().split(b"\0")
-                if RUN.encode() in env and b"FORK_DEADLOCK_AT=3" in env:
+                if f"TRAINAPP_TEST_RUN={RUN}".encode() in env and b"FORK_DEADLOCK_AT=3" in env:
+                    os.kill(int(d.name), signal.SIGKILL)
                     pids.append(int(d.name))
-            except OSError:
+            except OSError:  # gone meanwhile
                 continue
     return pids
 
@@ -66,9 +68,7 @@ def test_a_loader_worker_deadlocked_in_its_fork_is_started_again_and_the_run_end
     assert straight.returncode == 0, straight.output[-3000:]
     # The 3rd fork: the first worker of the first evaluation or of epoch 1, whichever comes first.
     r = trainapp("train", f"run.dir={tmp_path / 'faulted'}", *TASK, "data.worker_start_s=3", env=_env(3))
-    left = _left_behind()
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
+    left = _reap_left_behind()
     assert r.returncode == 0, r.output[-3000:]
     warned = [line for line in r.output.splitlines() if "did not start in data.worker_start_s=3 s" in line]
     assert len(warned) == 1 and "[0]" in warned[0], r.output[-3000:]
@@ -87,9 +87,7 @@ def test_a_rank_the_hang_watchdog_ends_leaves_no_loader_worker_behind(tmp_path):
         pytest.skip("this Python has CPython gh-112275's fix: a fork no longer deadlocks on a held HEAD_LOCK")
     r = trainapp("train", f"run.dir={tmp_path / 'hung'}", *TASK, "data.worker_start_s=600",
                  "fault.hang_timeout_s=3", env=_env(3), timeout=120)
-    left = _left_behind()
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
+    left = _reap_left_behind()
     assert r.returncode == 124, r.output[-3000:]
     assert "hang: no progress" in r.output, r.output[-3000:]
     assert not left, f"processes left behind by the run: {left}"

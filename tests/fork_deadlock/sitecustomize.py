@@ -35,15 +35,12 @@ if AT and sys.version_info[:2] == (3, 11):
         _forks[0] += 1
         _target.value = _HEAD_LOCK if _forks[0] == AT else _SPARE
 
-    def _reset() -> None:
-        _target.value = _SPARE
-
     # Before-fork hooks run in the reverse order of registration, the others in that order: the import
     # lock first (os.fork takes it after the hooks, and waiting for it there would let other threads
-    # run), then the choice, then the lock; after the fork the lock goes first.
+    # run), then the choice (made anew at every fork), then the lock; after the fork the lock goes first.
     _take = functools.partial(_api.PyThread_acquire_lock, _target, 1)
     _give = functools.partial(_api.PyThread_release_lock, _target)
     os.register_at_fork(before=_take, after_in_parent=_give, after_in_child=_give)
-    os.register_at_fork(before=_choose, after_in_parent=_reset, after_in_child=_reset)
+    os.register_at_fork(before=_choose)
     os.register_at_fork(before=_imp.acquire_lock, after_in_parent=_imp.release_lock,
                         after_in_child=_imp.release_lock)
