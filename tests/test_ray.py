@@ -431,10 +431,12 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
         ip = next(n.ip for n in cluster.nodes if n.name == victim)
         assert ip in node_ids, f"{victim} ({ip}) is not among the nodes Ray's state API listed: {node_ids}"
         node_id = node_ids[ip]
+        asked_s = time.time()
         drain = run_cmd([RAY, "drain-node", "--address", cluster.address, "--node-id", node_id,
                          "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "test: spot reclaim",
                          "--deadline-remaining-seconds", "120"], env=cluster.env(), timeout=60)
         assert drain.returncode == 0, drain.output
+        drained_s = time.time()
         with contextlib.suppress(AssertionError):  # the Rays without drain notices write none
             wait_until(lambda: metrics(run_dir, "drain_notice"), "a drain notice",
                        60 if versions.drain_notices() else 6 * poll_s, interval=0.1)
@@ -462,7 +464,11 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
     early = [t for t in broadcasts if submitted_ms <= t.get("creation_time_ms", submitted_ms) < undrained_ms]
     assert not early, early[:2]
     notice = notices[0]
-    assert notice["nodes"] == [node_id] and 100 < notice["deadline_in_s"] <= 120, notice
+    # The deadline given (120 s from the moment `ray drain-node` sent it) less the time since, however late
+    # the notice came (21 s after the drain once, on a 2-core Xeon beside make test-e2e's other lane).
+    since = (notice["time"] - drained_s, notice["time"] - asked_s)
+    assert notice["nodes"] == [node_id], notice
+    assert 120 - since[1] - 1 <= notice["deadline_in_s"] <= 120 - since[0] + 1, (notice, since)
     records = metrics(run_dir)
     starts = [i for i, r in enumerate(records) if r["kind"] == "start"]
     assert len(starts) >= 2, f"no restart: the run ended before the node died ({records[-1]})"
