@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -207,6 +208,19 @@ def inspect(path: Path) -> dict:
     r = trainapp("inspect", str(path))
     assert r.returncode == 0, r.output
     return json.loads(r.stdout)
+
+
+def auto_resumed(output: str, storage_step: int, fault_step: int) -> tuple[str, int]:
+    """(tier, step) a run with `snapshot.memory_every_steps=auto` (the default) resumes from after a rank
+    died at `fault_step` (a drill: SIGKILL or a hang, before that step's copy), its newest storage
+    snapshot at `storage_step`. The tier copies at steps 1-3 (its probes), then every N steps, N what
+    their measured cost allows (attempt 1's line in `output`: smaller alone, larger beside a second lane),
+    and its newest copy of every rank resumes the run when it is at least as new as storage's."""
+    chosen = re.search(r"snapshot.memory_every_steps=auto: a copy every (\d+) step", output)
+    assert chosen, f"no line of the cadence `auto` chose in the output:\n{output[-3000:]}"
+    every = int(chosen[1])
+    newest = max([1, 2, 3, *range(every, fault_step, every)])
+    return ("memory", newest) if newest >= storage_step else ("storage", storage_step)
 
 
 def snapshot_state(step: float) -> dict:

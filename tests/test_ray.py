@@ -467,8 +467,7 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
     # The deadline given (120 s from the moment `ray drain-node` sent it) less the time since, however late
     # the notice came (21 s after the drain once, on a 2-core Xeon beside make test-e2e's other lane).
     since = (notice["time"] - drained_s, notice["time"] - asked_s)
-    assert notice["nodes"] == [node_id], notice
-    assert 120 - since[1] - 1 <= notice["deadline_in_s"] <= 120 - since[0] + 1, (notice, since)
+    assert notice["nodes"] == [node_id] and 119 - since[1] <= notice["deadline_in_s"] <= 121 - since[0], since
     records = metrics(run_dir)
     starts = [i for i, r in enumerate(records) if r["kind"] == "start"]
     assert len(starts) >= 2, f"no restart: the run ended before the node died ({records[-1]})"

@@ -10,8 +10,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import (PY, REPO, TORCHRUN, USERTASKS, inspect, metrics, one_error_line, run_cmd, torchrun2,
-                     torchrun_cmd, trainapp)
+from helpers import (PY, REPO, TORCHRUN, USERTASKS, auto_resumed, inspect, metrics, one_error_line, run_cmd,
+                     torchrun2, torchrun_cmd, trainapp)
 
 from trainapp import cli
 from trainapp.snapshots.store import load_state, newest_valid
@@ -119,11 +119,10 @@ def test_a_non_image_task_resumes_bitwise_after_a_sigkilled_rank_under_torchrun(
     clean, faulty = straight_run(torchrun2, *FAULT, *args, env=env), tmp_path / "faulty"
     r = run_cmd(torchrun2(faulty, *FAULT, *args, "drill.kill_at_step=13", "drill.rank=1"), env=env)
     assert r.returncode == 0, r.output[-3000:]
-    # The memory tier (snapshot.memory_every_steps=auto, the default) resumes it: a copy at least as new as
-    # the storage snapshot of step 10, at the cadence its measured cost allows.
+    # The memory tier (the default, `auto`: a copy every 4 or 5 steps here alone) resumes it where its copy
+    # is at least as new as the storage snapshot of step 10; under load its cadence may leave storage newer.
     start = metrics(faulty, "start")[-1]
-    assert start["resumed_tier"] == "memory" and 10 <= start["resumed_step"] <= 13, start
-    assert "snapshot.memory_every_steps=auto: a copy every" in r.output  # the cadence its cost allows
+    assert (start["resumed_tier"], start["resumed_step"]) == auto_resumed(r.output, 10, 13), start
     a, b = inspect(clean), inspect(faulty)
     assert a["global_step"] == b["global_step"] == 24 and a["params_sha256"] == b["params_sha256"]
     assert b["task"] != "image_classification" and b["model"] is None  # not the image task's model.name
@@ -167,9 +166,8 @@ def test_a_hung_rank_of_a_user_task_is_found_and_the_restart_resumes_bitwise(str
     assert r.returncode == 0, r.output[-3000:]
     failures = {f["rank"]: f for f in metrics(run_dir, "failure")}
     assert failures[1]["cause"] == "hang" and failures[1]["step"] == 25, failures
-    # The memory tier (the default) resumes it: a copy at least as new as the storage snapshot of step 20.
-    start = metrics(run_dir, "start")[-1]
-    assert start["resumed_tier"] == "memory" and 20 <= start["resumed_step"] <= 25, start
+    start = metrics(run_dir, "start")[-1]  # the memory tier (the default) or the storage snapshot of step 20
+    assert (start["resumed_tier"], start["resumed_step"]) == auto_resumed(r.output, 20, 25), start
     assert inspect(run_dir)["params_sha256"] == inspect(straight)["params_sha256"]
 
 
