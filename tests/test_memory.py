@@ -164,26 +164,13 @@ def test_a_memory_tier_that_does_not_fit_is_one_line_before_the_first_step(capsy
 
 
 @pytest.mark.slow
-def test_a_sigkilled_rank_resumes_from_memory_bitwise_its_straight_twin(tmp_path, torchrun_straight, shm):
-    """FAULT_RUN (snapshots on storage every 5 steps) with a memory copy every step: rank 1 SIGKILLed right
-    after step 13 (before its copy), the group restarted by torchrun resumes step 12 from memory (one step
-    redone), not the storage snapshot of step 10; the final parameters equal the run nobody killed. The
-    finished run leaves no copy in the memory directory."""
-    run = tmp_path / "run"
-    r = run_cmd(torchrun2(run, *FAULT_RUN, *MEMORY, f"snapshot.memory_dir={shm}", "drill.kill_at_step=13",
-                          "drill.rank=1"), timeout=600)
-    assert r.returncode == 0, r.output[-3000:]
-    starts = metrics(run, "start")
-    assert [(s["resumed_step"], s["resumed_tier"]) for s in starts] == [(None, None), (12, "memory")], starts
-    assert inspect(run)["params_sha256"] == inspect(torchrun_straight)["params_sha256"]
-    assert sorted(p.name for p in shm.iterdir()) == ["node-id"]
-    r = run_cmd([sys.executable, "-m", "trainapp", "report", str(run), "--out", str(tmp_path / "r.png")])
-    restart = "restarts       1: resumed at 12 from memory after 13 (1 redone, world size 2)"
-    assert restart in r.stdout, r.output
-
-
-@pytest.mark.slow
-def test_a_kill_in_the_middle_of_a_copy_resumes_from_the_copy_before(tmp_path, torchrun_straight, shm):
+def test_a_rank_sigkilled_in_the_middle_of_its_copy_resumes_from_the_copy_before_bitwise(
+        tmp_path, torchrun_straight, shm):
+    """FAULT_RUN (snapshots on storage every 5 steps) with a memory copy every step: rank 1 SIGKILLs itself
+    halfway through its copy of step 13 (a torn slot). The group restarted by torchrun resumes step 12 from
+    memory (one step redone), not the storage snapshot of step 10, and not the torn copy; the final
+    parameters equal the run nobody killed. The finished run leaves no copy in the memory directory.
+    (A kill before the copy starts: test_fsdp_shards_... below, tests/test_stream.py's typed items.)"""
     run = tmp_path / "run"
     r = run_cmd(torchrun2(run, *FAULT_RUN, *MEMORY, f"snapshot.memory_dir={shm}",
                           "drill.kill_in_memory_copy_at_step=13", "drill.rank=1"), timeout=600)
@@ -192,6 +179,10 @@ def test_a_kill_in_the_middle_of_a_copy_resumes_from_the_copy_before(tmp_path, t
     starts = metrics(run, "start")
     assert [(s["resumed_step"], s["resumed_tier"]) for s in starts] == [(None, None), (12, "memory")], starts
     assert inspect(run)["params_sha256"] == inspect(torchrun_straight)["params_sha256"]
+    assert sorted(p.name for p in shm.iterdir()) == ["node-id"]
+    r = run_cmd([sys.executable, "-m", "trainapp", "report", str(run), "--out", str(tmp_path / "r.png")])
+    restart = "restarts       1: resumed at 12 from memory after 13 (1 redone, world size 2)"
+    assert restart in r.stdout, r.output
 
 
 @pytest.mark.slow
