@@ -209,7 +209,7 @@ def _host_agent(host, port: int, run_dir: Path, log: Path, *args: str) -> subpro
     job whose rendezvous is on host-a."""
     cmd = [TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
            f"--rdzv-endpoint={netns.TRAIN_NET}.1:{port}", "--rdzv-id=memory",
-           "--rdzv-conf=last_call_timeout=2",
+           "--rdzv-conf=last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
            "--max-restarts=3", "-m", "trainapp", "train", f"run.dir={run_dir}", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     out = open(log, "ab")  # noqa: SIM115 (the child writes it; closed when the test ends)
