@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from devtools.local_ray import free_port  # noqa: F401  (the tests' one way to a free loopback port)
 from trainapp.observe.metrics import read as metrics  # noqa: F401  (the tests' name for the one reader)
+from trainapp.snapshots.memory import AUTO_PROBES
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]
@@ -35,6 +36,10 @@ sys.path.insert(0, str(USERTASKS))
 PY = sys.executable
 TORCHRUN = str(Path(PY).with_name("torchrun"))
 
+# The c10d rendezvous of the multi-node torchrun tests (tests/test_elastic.py, test_memory.py): a round
+# waits 2 s for more nodes, and an agent that left (preempted or lost) is dropped after 3 missed 1 s
+# keep-alives instead of torch's 5 s x 3 (docs/elastic.md: its restart 9 s instead of 21 s here).
+RDZV_CONF = "--rdzv-conf=last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
 # Small, fast settings shared by the process-level tests.
 QUICK = ["train.progress=false", "train.log_every=5", "data.train_size=1024", "data.val_size=256"]
 # A run that exercises every stateful part (accumulation, EMA, evaluation, snapshots every 5 steps), for
@@ -222,13 +227,13 @@ def inspect(path: Path) -> dict:
 def auto_resumed(output: str, storage_step: int, fault_step: int) -> tuple[str, int]:
     """(tier, step) a run with `snapshot.memory_every_steps=auto` (the default) resumes from after a rank
     died at `fault_step` (a drill: SIGKILL or a hang, before that step's copy), its newest storage
-    snapshot at `storage_step`. The tier copies at steps 1-3 (its probes), then every N steps, N what
-    their measured cost allows (attempt 1's line in `output`: smaller alone, larger beside a second lane),
-    and its newest copy of every rank resumes the run when it is at least as new as storage's."""
+    snapshot at `storage_step`. The tier copies at steps 1 to AUTO_PROBES (its probes), then every N steps,
+    N what their measured cost allows (attempt 1's line in `output`: smaller alone, larger beside a second
+    lane), and its newest copy of every rank resumes the run when it is at least as new as storage's."""
     chosen = re.search(r"snapshot.memory_every_steps=auto: a copy every (\d+) step", output)
     assert chosen, f"no line of the cadence `auto` chose in the output:\n{output[-3000:]}"
     every = int(chosen[1])
-    newest = max([1, 2, 3, *range(every, fault_step, every)])
+    newest = max([*range(1, AUTO_PROBES + 1), *range(every, fault_step, every)])
     return ("memory", newest) if newest >= storage_step else ("storage", storage_step)
 
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 import usertasks_ledger
 import usertasks_stream
-from helpers import REPO, TORCHRUN, USERTASKS, inspect, metrics, torchrun, trainapp, wait_for_record
+from helpers import (RDZV_CONF, REPO, TORCHRUN, USERTASKS, inspect, metrics, torchrun, trainapp,
+                     wait_for_record)
 
 from helpers import free_port
 from trainapp.snapshots.store import list_snapshots
@@ -67,9 +68,8 @@ def test_one_rank_with_accumulation_computes_what_two_ranks_with_an_uneven_split
 def _agent(port: int, run_dir, *args: str) -> subprocess.Popen:
     """One torchrun agent: a 'node' of an elastic job of 1 to 2 nodes on loopback."""
     cmd = [TORCHRUN, "--nnodes=1:2", "--nproc_per_node=1", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=ledger",
-           "--rdzv-conf=last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
-           "--max-restarts=4", "-m", "trainapp", "train", f"run.dir={run_dir}", *args]
+           f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=ledger", RDZV_CONF, "--max-restarts=4",
+           "-m", "trainapp", "train", f"run.dir={run_dir}", *args]
     # Without TORCH_DISABLE_SHARE_RDZV_TCP_STORE, a returning node waits for MASTER_ADDR in the new round
     # and fails after 60 s: torch 2.14's agent that was rank 0 before reuses its store and never
     # publishes the address again (docs/elastic.md).

@@ -17,8 +17,8 @@ from pathlib import Path
 import netns
 import pytest
 import torch
-from helpers import (FAULT_RUN, FSDP_RUN, REPO, TORCHRUN, inspect, metrics, run_cmd, torchrun, torchrun2,
-                     wait_for_record)
+from helpers import (FAULT_RUN, FSDP_RUN, RDZV_CONF, REPO, TORCHRUN, inspect, metrics, run_cmd, torchrun,
+                     torchrun2, wait_for_record)
 
 from trainapp import cli
 from trainapp.snapshots import memory_slots as slots
@@ -208,8 +208,7 @@ def _host_agent(host, port: int, run_dir: Path, log: Path, *args: str) -> subpro
     """One torchrun agent on `host` (its own network namespace and its own /dev/shm): a node of a 2-node
     job whose rendezvous is on host-a."""
     cmd = [TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint={netns.TRAIN_NET}.1:{port}", "--rdzv-id=memory",
-           "--rdzv-conf=last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
+           f"--rdzv-endpoint={netns.TRAIN_NET}.1:{port}", "--rdzv-id=memory", RDZV_CONF,
            "--max-restarts=3", "-m", "trainapp", "train", f"run.dir={run_dir}", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     out = open(log, "ab")  # noqa: SIM115 (the child writes it; closed when the test ends)
