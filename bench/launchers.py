@@ -452,8 +452,7 @@ def fault_rounds(b: Bench, n: int) -> dict:
                   flush=True)
             if what == "node":  # a fresh node in its place, for the next round and a whole cluster after
                 node = f"worker2-r{i + 1}"
-                b.cluster.add_worker(node, REPO)
-                b.cluster.wait_for_nodes(3, 120)
+                b.cluster.join_worker(node, 3, cwd=REPO)
     out = {}
     for key, got in runs.items():
         out[key] = statistics.median(s for s, _ in got)

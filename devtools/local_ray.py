@@ -140,6 +140,10 @@ class Node:
     """The loopback address the node serves on (`--node-ip-address`): Ray names the node by it."""
 
 
+class StartExited(RuntimeError):
+    """A node's `ray start` exited before the node joined the cluster."""
+
+
 @dataclass
 class LocalCluster:
     dir: Path = DEFAULT_DIR
@@ -299,6 +303,22 @@ class LocalCluster:
         return self._start(name, [f"--address={self.address}", f"--num-cpus={self.cpus:g}"],
                            cwd or Path.cwd())
 
+    def join_worker(self, name: str, count: int, timeout: float = 120, cwd: Path | None = None) -> Node:
+        """Start one more worker node and wait until `count` nodes are alive. Ray gives a new raylet a
+        fixed 30 s to register with the GCS, which a loaded machine can pass (the head's GCS yields to
+        training at `head_nice`): a `ray start` that exits before its node joined is started again while
+        `timeout` leaves room for another 30 s."""
+        deadline, attempt = time.monotonic() + timeout, 0
+        while True:
+            node = self.add_worker(name if attempt == 0 else f"{name}-again{attempt}", cwd)
+            try:
+                self.wait_for_nodes(count, max(deadline - time.monotonic(), 1), started=node)
+                return node
+            except StartExited:
+                attempt += 1
+                if deadline - time.monotonic() < 40:
+                    raise
+
     def state(self, resource: str, **filters: str) -> list[dict] | None:
         """Ray's state API over HTTP (`/api/v0/nodes`, `/api/v0/actors`, ...) with this cluster's
         token; None while the dashboard does not answer."""
@@ -327,7 +347,7 @@ class LocalCluster:
             if self.alive_nodes() >= count:
                 return
             if started is not None and not _session_pids(started.pid):
-                raise RuntimeError(f"node {started.name}: `ray start` exited before the node joined; "
+                raise StartExited(f"node {started.name}: `ray start` exited before the node joined; "
                                       f"logs in {self.dir / 'logs'}\n{self._tails([started])}")
             time.sleep(0.5)
         raise RuntimeError(f"the cluster did not reach {count} alive nodes in {timeout:.0f}s (saw "

@@ -73,7 +73,9 @@ def _agent(port: int, run_dir, *args: str) -> subprocess.Popen:
     # Without TORCH_DISABLE_SHARE_RDZV_TCP_STORE, a returning node waits for MASTER_ADDR in the new round
     # and fails after 60 s: torch 2.14's agent that was rank 0 before reuses its store and never
     # publishes the address again (docs/elastic.md).
-    env = {**ENV, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    # TMPDIR: an agent stopped by a signal leaves its log folder (tempfile's torchelastic_*) behind.
+    env = {**ENV, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+           "TMPDIR": str(run_dir.parent)}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
 

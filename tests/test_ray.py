@@ -359,7 +359,7 @@ def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back_with_ever
         wait_for_record(run_dir, "train", lambda r: r["world_size"] == 1)
         time.sleep(5)  # some steps on one worker
         returned = time.time()
-        cluster.add_worker(newcomer, REPO)
+        cluster.join_worker(newcomer, 3, cwd=REPO)  # the head, worker1 and the newcomer
         grown = wait_for_record(run_dir, "train", lambda r: r["world_size"] == 2 and r["time"] > returned)
         print(f"node returned to training on 2 workers: {grown['time'] - returned:.1f} s")
     finally:
@@ -449,8 +449,7 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
     finally:
         rc, out = finish(proc)
         if victim is not None:
-            cluster.add_worker(f"{victim}-after-drain", REPO)
-            cluster.wait_for_nodes(3, 120)
+            cluster.join_worker(f"{victim}-after-drain", 3, cwd=REPO)
     assert rc == 0, out[-4000:]
     if not versions.drain_notices():
         assert sum("no drain notices reach the training loop" in line

@@ -58,8 +58,7 @@ def test_a_lost_ray_node_resumes_from_its_buddys_memory_copy_bitwise(separate_me
         wait_for_step(run_dir, 12)
         held = sorted(p.name for p in _memory_of(c, survivor).glob("trainapp-*/run-*/*"))
         os.killpg(next(n.pid for n in c.nodes if n.name == victim), signal.SIGKILL)
-        c.add_worker("replacement", REPO)
-        c.wait_for_nodes(3, 120)
+        c.join_worker("replacement", 3, cwd=REPO)
     finally:
         rc, out = finish(proc)
     assert rc == 0, out[-4000:]
@@ -100,8 +99,7 @@ def test_with_uri_storage_a_lost_rank_0_node_resumes_from_its_buddys_copy(separa
         wait_for_step(first, 12)
         assert metrics(first, "start")[0]["placement"][0]["pid"] in c.node_pids(victim).values()
         os.killpg(next(n.pid for n in c.nodes if n.name == victim), signal.SIGKILL)
-        c.add_worker("replacement-2", REPO)
-        c.wait_for_nodes(3, 120)
+        c.join_worker("replacement-2", 3, cwd=REPO)
     finally:
         rc, out = finish(proc)
         shutil.rmtree(local, ignore_errors=True)  # the driver's, on the head
