@@ -281,8 +281,7 @@ class LocalCluster:
             # registration deadline ("The current node timed out during startup").
             self.wait_for_nodes(1, timeout, started=self.nodes[0])
             for i in range(self.workers):
-                node = self.add_worker(f"worker{i + 1}", cwd)
-                self.wait_for_nodes(2 + i, timeout, started=node)
+                self.join_worker(f"worker{i + 1}", 2 + i, timeout, cwd)
             self.wait_for_jobs(timeout)
             # The head yields to training only once the cluster is up: at nice 10 from its start, a busy
             # machine (two suites side by side) starved its raylet past Ray's fixed 30 s registration
@@ -307,7 +306,8 @@ class LocalCluster:
         """Start one more worker node and wait until `count` nodes are alive. Ray gives a new raylet a
         fixed 30 s to register with the GCS, which a loaded machine can pass (the head's GCS yields to
         training at `head_nice`): a `ray start` that exits before its node joined is started again while
-        `timeout` leaves room for another 30 s."""
+        `timeout` leaves room for another 30 s. The one way a worker node joins: `up` and the tests that
+        replace a lost node."""
         deadline, attempt = time.monotonic() + timeout, 0
         while True:
             node = self.add_worker(name if attempt == 0 else f"{name}-again{attempt}", cwd)
