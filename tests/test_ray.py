@@ -475,9 +475,8 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
     snaps = [r["step"] for r in records[:first_start] if r["kind"] == "snapshot"]
     assert notice["step"] in snaps, (notice, snaps)
     # The polls, and so the drain-time snapshots, go by time, not by step: each poll interval holds
-    # about `poll_s` seconds of training (plus up to one vote interval), counted from the end of the last
-    # poll's barrier (before the step's record: a slow barrier once left 0.31 s between two records when the
-    # count began before it), and so several steps on average
+    # about `poll_s` seconds of training (plus up to one vote interval) from the end of the last poll's
+    # barrier (CI saw 0.31 s when the count began before it), and so several steps on average
     # (one interval may hold only two where a second suite slows the steps: CI saw 84, 90, 92, 97).
     drain_snaps = [step for step in snaps if step >= notice["step"]]
     assert len(drain_snaps) >= 3, (notice, snaps)
