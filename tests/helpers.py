@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+import forked
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -100,10 +101,28 @@ def communicate(proc: subprocess.Popen, timeout: float, what: str) -> tuple[str,
         raise AssertionError(f"{what}\n{(out or '')[-4000:]}\n{(err or '')[-3000:]}") from None
 
 
-def run_cmd(cmd: list[str], timeout: float = 300, env: dict | None = None) -> Result:
-    """Run `cmd` in its own session; on timeout or error, SIGKILL exactly that process group."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+def _cmd_env(env: dict | None) -> dict[str, str]:
+    """What a test's command runs with: this process's environment, one intra-op thread, unbuffered output."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+
+
+def _forkable(cmd: list[str]) -> tuple[str, list[str]] | None:
+    """The module and arguments of a command that can be forked from this process, if it is one."""
+    if cmd[:3] == [PY, "-m", "trainapp"]:
+        return "trainapp", cmd[3:]
+    if cmd[:1] == [TORCHRUN]:
+        return "torch.distributed.run", cmd[1:]
+    return None
+
+
+def run_cmd(cmd: list[str], timeout: float = 300, env: dict | None = None, fresh: bool = False) -> Result:
+    """Run `cmd` in its own session; on timeout or error, SIGKILL exactly that process group.
+    `python -m trainapp ...` and `torchrun ...` are forked from this process (tests/forked.py: torch
+    imported once; torchrun's ranks are fresh interpreters still), unless `fresh` (a test of start-up)."""
+    forkable = _forkable(cmd)
+    if forkable and not fresh:
+        return Result(*forked.run(*forkable, _cmd_env(env), timeout))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_cmd_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
         out, err = communicate(proc, timeout, f"timed out after {timeout}s: {' '.join(cmd)}")
@@ -129,8 +148,8 @@ def one_error_line(r: Result, command: str, needle: str, code: int = 2) -> str:
     return mine[0]
 
 
-def trainapp(*args: str, timeout: float = 300, env: dict | None = None) -> Result:
-    return run_cmd([PY, "-m", "trainapp", *args], timeout=timeout, env=env)
+def trainapp(*args: str, timeout: float = 300, env: dict | None = None, fresh: bool = False) -> Result:
+    return run_cmd([PY, "-m", "trainapp", *args], timeout=timeout, env=env, fresh=fresh)
 
 
 def torchrun_cmd(nproc: int, *args: str, max_restarts: int = 0) -> list[str]:

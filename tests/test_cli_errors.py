@@ -79,10 +79,15 @@ CASES = {
 }
 
 
+FRESH = ("unknown key", "only corrupt snapshots")
+"""Cases run by a fresh interpreter (the others fork from this process, tests/forked.py): one before
+torch is imported, one after."""
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_bad_input_exits_2_with_one_line(case, tmp_path):
     make_args, needle = CASES[case]
-    r = trainapp(*make_args(tmp_path), timeout=120)
+    r = trainapp(*make_args(tmp_path), timeout=120, fresh=case in FRESH)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2, r.output
     assert "Traceback" not in r.output

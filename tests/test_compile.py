@@ -59,7 +59,9 @@ def test_a_compiled_run_resumes_a_killed_rank_bitwise_and_restarts_warm_on_an_em
     # comes from the carried one, unpacked before the compile, and inductor compiles nothing.
     carried = _unpack(next((run / "compile").iterdir()).read_bytes())[1]
     names = set(tarfile.open(fileobj=io.BytesIO(carried)).getnames())
-    r = trainapp("train", f"run.dir={run}", *COMPILED, "train.max_steps=19", timeout=600, env=_env(fresh))
+    # A fresh interpreter, as inductor's settings and compile workers are made once per process.
+    r = trainapp("train", f"run.dir={run}", *COMPILED, "train.max_steps=19", timeout=600, env=_env(fresh),
+                 fresh=True)
     assert r.returncode == 0, r.output[-3000:]
     resumed = metrics(run, "start")[-1]
     assert resumed["resumed_step"] == 16 and resumed["world_size"] == 1
@@ -121,7 +123,7 @@ def test_a_carried_file_outside_the_cache_is_refused(tmp_path):
 
 def test_without_a_cpp_compiler_compile_is_refused_in_one_line(tmp_path):
     r = trainapp("train", f"run.dir={tmp_path}", *LM, "parallel.compile=true",
-                 env={"CXX": str(tmp_path / "no-such-compiler")})
+                 env={"CXX": str(tmp_path / "no-such-compiler")}, fresh=True)  # inductor reads CXX at import
     line = one_error_line(r, "train", "parallel.compile=true")
     assert "no-such-compiler" in line and "parallel.compile=false" in line, line
     assert not (tmp_path / "snapshots").exists()

@@ -67,7 +67,9 @@ def test_a_loader_worker_deadlocked_in_its_fork_is_started_again_and_the_run_end
     straight = trainapp("train", f"run.dir={tmp_path / 'straight'}", *TASK, env=_env(0))
     assert straight.returncode == 0, straight.output[-3000:]
     # The 3rd fork: the first worker of the first evaluation or of epoch 1, whichever comes first.
-    r = trainapp("train", f"run.dir={tmp_path / 'faulted'}", *TASK, "data.worker_start_s=3", env=_env(3))
+    # A fresh interpreter: the fault is installed at its start (tests/fork_deadlock/sitecustomize.py).
+    r = trainapp("train", f"run.dir={tmp_path / 'faulted'}", *TASK, "data.worker_start_s=3", env=_env(3),
+                 fresh=True)
     left = _reap_left_behind()
     assert r.returncode == 0, r.output[-3000:]
     warned = [line for line in r.output.splitlines() if "did not start in data.worker_start_s=3 s" in line]
@@ -86,7 +88,7 @@ def test_a_rank_the_hang_watchdog_ends_leaves_no_loader_worker_behind(tmp_path):
     if not _fault_deadlocks():
         pytest.skip("this Python has CPython gh-112275's fix: a fork no longer deadlocks on a held HEAD_LOCK")
     r = trainapp("train", f"run.dir={tmp_path / 'hung'}", *TASK, "data.worker_start_s=600",
-                 "fault.hang_timeout_s=3", env=_env(3), timeout=120)
+                 "fault.hang_timeout_s=3", env=_env(3), timeout=120, fresh=True)
     left = _reap_left_behind()
     assert r.returncode == 124, r.output[-3000:]
     assert "hang: no progress" in r.output, r.output[-3000:]

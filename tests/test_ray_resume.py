@@ -146,7 +146,7 @@ def test_snapshots_ray_never_registered_resume_a_killed_run_and_are_deleted_once
     # advice to delete the run's directory. The driver says so in one line, and its fix works.
     shutil.rmtree(run_dir / "step_000000040")
     r = trainapp("ray", f"ray.address={cluster.address}", f"ray.storage_path={cluster.storage}",
-                 f"ray.name={name}", *KILLABLE_RUN, timeout=90, env=cluster.client_env())
+                 f"ray.name={name}", *KILLABLE_RUN, timeout=90, env=cluster.client_env(), fresh=True)
     line = one_error_line(r, "ray", "step_000000040, gone from")
     assert "move the record aside" in line, line
     (run_dir / "checkpoint_manager_snapshot.json").rename(run_dir / "ray-record.json")

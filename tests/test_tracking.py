@@ -93,7 +93,7 @@ def test_a_bad_tracker_setting_stops_before_training_with_one_line(tmp_path):
     (hide / "sitecustomize.py").write_text("import sys\nsys.modules['wandb'] = None\n")
     env = {**os.environ, "PYTHONPATH": f"{hide}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     r = trainapp("train", f"run.dir={tmp_path / 'b'}", "observe.wandb_project=demo", "train.max_steps=2",
-                 env=env)
+                 env=env, fresh=True)  # a fresh interpreter: sitecustomize runs at its start
     one_error_line(r, "train", "observe.wandb_project='demo' needs the wandb package: pip install "
                                "'trainapp[wandb]'")
     assert not (tmp_path / "b" / "metrics.jsonl").exists() or not metrics(tmp_path / "b", "train")
