@@ -5,14 +5,18 @@ torchrun starts are fresh interpreters, as ever.
 
 The child is a real process (its own PID, session, exit code, stdout and stderr; `drill.*` kills it as
 any rank), started from a copy of this one instead of from `exec`. What a fresh interpreter would have
-and the test's process does not is put back before trainapp's `__main__` runs: the environment, the
-working directory, `sys.path` (the interpreter's own, then `PYTHONPATH`), one intra-op thread
-(`OMP_NUM_THREADS`, as `run_cmd` gives a process), Python's default warning filters and warning
-output, no logging handler on the root logger, the default signal dispositions and hooks, no
-multiprocessing children, and `atexit` functions of its own only. What it cannot put back: modules the
-test's process imported stay imported (settings read from the environment at import time keep the
-test's values). A test of start-up itself (imports, interpreter flags) runs a fresh process
-(`helpers.trainapp(..., fresh=True)` or `run_cmd`)."""
+and the test's process does not is put back before the module's `__main__` runs: the environment, the
+working directory, `sys.path` (the interpreter's own, then `PYTHONPATH`) and only the modules it
+reaches, one intra-op thread (`OMP_NUM_THREADS`, as `run_cmd` gives a process), Python's default
+warning filters and warning output, no logging handler on the root logger, the default signal
+dispositions and hooks, no multiprocessing children, `atexit` functions of its own only, and nothing
+of the test's process collected (so none of its objects is finalized here).
+
+What it cannot put back: modules the test's process imported that the child's path also reaches stay
+imported (settings read from the environment at import time keep the test's values), and the child
+holds copies of the test process's open files (closing them would let the child reuse their numbers
+under objects that still write to them). A test of start-up itself (a `sitecustomize`, import-time
+settings, interpreter flags) runs a fresh process: `fresh=True` to `helpers.run_cmd` or `trainapp`."""
 
 from __future__ import annotations
 
