@@ -327,10 +327,8 @@ for step in range(1, 301):
     state["step"] = step
     time.sleep(0.004 if ctx.rank == 0 else 0.009)  # the ranks' clocks and step times differ
     assert vote.stop(step) == 0
-    if vote.take_poll():
-        began = time.perf_counter() - t0
-        time.sleep(0.1)  # the poll's barrier, slow (a busy Ray cluster): not training time
-        vote.polled()
+    began = time.perf_counter() - t0
+    if vote.take_poll(lambda: time.sleep(0.1))[0]:  # the poll's barrier, slow (a busy Ray cluster)
         polls.append([step, began, time.perf_counter() - t0])
 vote.close()
 with open(sys.argv[1] + f"/polls.{ctx.rank}.json", "w") as f:

@@ -14,7 +14,7 @@ import datetime
 import signal
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
 import torch
 import torch.distributed as tdist
@@ -23,6 +23,8 @@ from trainapp.faults.preempt import Notices, Preempted, Resized, Stopped
 
 if TYPE_CHECKING:
     from trainapp.group import DistContext
+
+T = TypeVar("T")
 
 
 class DrainNotices(Protocol):
@@ -115,12 +117,11 @@ class StepBoundary:
 
     def _drained(self, step: int) -> bool:
         """True at every poll while a node of the run is being drained: snapshot now, keep training."""
-        if self.drains is None or not self.vote.take_poll():
+        if self.drains is None:
             return False
-        notice = self.drains()
-        # The next poll counts from the end of this one: a barrier slowed by a busy cluster is not
-        # training, and must not shorten the next interval (CI once saw 0.31 s between polls 0.5 s apart).
-        self.vote.polled()
+        polled, notice = self.vote.take_poll(self.drains)
+        if not polled:
+            return False
         if notice is not None and notice.pop("new", True):
             self.on_drain(step, notice)
         return notice is not None
@@ -143,7 +144,7 @@ class StopVote:
     is a CPU tensor and never synchronises the device.
 
     With `poll_s` > 0 the vote also carries whether `poll_s` has passed on any rank since the ranks
-    last polled: `take_poll()` is then true at the same boundary on every rank (the boundary where
+    last polled: `take_poll(ask)` then asks at the same boundary on every rank (the boundary where
     that vote is read), so a barrier such as `ray.train.get_preemption_info()` goes by time too, without
     a collective of its own. With `pending` (a cheap local check: has this rank been told of a
     notice?) a rank proposes a poll only while `pending()` is true, so the barrier is not paid at all
@@ -178,14 +179,16 @@ class StopVote:
         if agreed:
             self._poll, self.polled_t = True, now
 
-    def take_poll(self) -> bool:
-        """True, once, at a boundary where the ranks agreed to poll (`poll_s`): the same on every rank."""
-        poll, self._poll = self._poll, False
-        return poll
-
-    def polled(self) -> None:
-        """The poll `take_poll` allowed has ended (its barrier returned): `poll_s` counts from now."""
+    def take_poll(self, ask: Callable[[], T]) -> tuple[bool, T | None]:
+        """At a boundary where the ranks agreed to poll (the same on every rank, once): (True, `ask()`),
+        and the next poll's `poll_s` counts from when `ask` returned: a barrier slowed by a busy cluster
+        is not training (CI once saw 0.31 s between polls 0.5 s apart when it counted). Else (False, None)."""
+        if not self._poll:
+            return False, None
+        self._poll = False
+        answer = ask()
         self.polled_t = time.perf_counter()
+        return True, answer
 
     def stop(self, step: int) -> int:
         """The agreed signal number at this boundary, 0 to go on (and `take_poll` answers for it)."""
