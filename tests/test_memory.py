@@ -7,6 +7,7 @@ directory that cannot hold the tier one line before the first step."""
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import subprocess
@@ -41,19 +42,30 @@ def shm(tmp_path):
 
 def _slot_state(seed: int) -> dict:
     """A state with every kind of item a memory slot carries (float, bf16, empty and 0-d tensors, a tuple
-    like Python's generator state, bytes), drawn from `seed`."""
+    like Python's generator state, bytes; a module's state dict, whose `_metadata` holds the versions its
+    loading migrates old keys by; a task's Counter and defaultdict), drawn from `seed`."""
     g = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        module = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)).state_dict()
     return {"model": {"w": torch.randn(300, 300, generator=g), "b": torch.zeros(0),
                       "h": torch.randn(7, generator=g).to(torch.bfloat16), "n": torch.tensor(seed)},
+            "ema": module,
+            "task": {"seen": collections.Counter(a=seed),
+                     "by_len": collections.defaultdict(list, {3: [seed]})},
             "rng": {"python": (3, tuple(range(seed, seed + 5)), None), "numpy": b"\x00\x01"},
             "progress": {"global_step": seed}}
 
 
 def _equal(a, b) -> bool:
+    """The same values in containers of the same kind (a state dict's `_metadata`, a defaultdict's
+    factory): what torch.save and torch.load give back, so a resume from memory loads as one from storage."""
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
     if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+        return (type(a) is type(b) and getattr(a, "_metadata", None) == getattr(b, "_metadata", None)
+                and getattr(a, "default_factory", None) is getattr(b, "default_factory", None)
+                and list(a) == list(b) and all(_equal(a[k], b[k]) for k in a))
     if isinstance(a, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(map(_equal, a, b))
     return a == b

@@ -57,6 +57,11 @@ def train_here(capsys, tmp_path, *args) -> tuple[int, str]:
     ("usertasks_probe:Ragged", [], "of the train set is a float32 tensor of shape ("),
     ("usertasks_probe:Ragged", ["data.num_workers=1"], "of the train set is a float32 tensor of shape ("),
     ("no_such_module_xyz.tasks:Task", [], "cannot import no_such_module_xyz.tasks (ModuleNotFoundError"),
+    ("usertasks_probe:NumpyState", [], "no snapshot of this run could be resumed: its "
+                                       "task['norm']['mean'] is a numpy.ndarray, which "
+                                       "torch.load(weights_only=True) will not load"),
+    ("usertasks_probe:ExtraState", [], "its model['2._extra_state'] is a types.Settings, which torch.save "
+                                       "cannot write"),
 ])
 def test_a_bad_task_is_one_line_naming_it_and_exit_2(on_path, capsys, tmp_path, name, args, expected):
     code, err = train_here(capsys, tmp_path, f"task.name={name}", *args)

@@ -101,3 +101,37 @@ class Counting(Good):
 
     def load_state_dict(self, state):
         self.seen = state["seen"]
+
+
+class NumpyState(Good):
+    """A running mean of the inputs kept as a numpy array in its state: torch.save writes it, a snapshot's
+    torch.load(weights_only=True) would not read it back."""
+
+    def __init__(self, rows: int = 256):
+        super().__init__(rows)
+        import numpy as np
+
+        self.mean = np.zeros(4)
+
+    def state_dict(self):
+        return {"seen": 0, "norm": {"mean": self.mean}}
+
+    def load_state_dict(self, state):
+        self.mean = state["norm"]["mean"]
+
+
+class _Tagged(nn.Linear):
+    """A layer with extra state of its own class, as some model libraries keep (a quantizer's settings)."""
+
+    def get_extra_state(self):
+        import dataclasses
+
+        return dataclasses.make_dataclass("Settings", ["bits"])(8)
+
+    def set_extra_state(self, state):
+        pass
+
+
+class ExtraState(Good):
+    def model(self, ctx):
+        return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), _Tagged(16, 1), nn.Flatten(0))

@@ -129,6 +129,7 @@ def build(cfg: Config, ctx: DistContext,
                         "rng": RngState(ctx, cfg.seed, progress)},
                        records={"config": cfg.to_dict(), "init": init})
     mark("built")
+    state.check_loadable(cfg.task.name)  # else snapshots are written that the first restart cannot read
     diff = _resume(cfg, ctx, state, found) if found is not None else {}
     if stream_part is not None and found is not None:
         stream_part.settle(progress)  # the resumed epoch's rest may not fill a step: then it ends here

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from trainapp.errors import ConfigError
+from trainapp.snapshots import loadable
 from trainapp.snapshots.files import local_bytes
 from trainapp.snapshots.store import LOCAL_COPY, SHARDED, SHARDS
 
@@ -195,6 +196,20 @@ class TrainState:
             elif part is not None and not getattr(part, "collective", False):  # those hold a few numbers
                 total += local_bytes(part.state_dict())
         return total
+
+    def check_loadable(self, task_name: str) -> None:
+        """ConfigError naming the first value a storage snapshot of this state would not load back
+        (`loadable.refusal`): a task's numpy array, a model's extra state of its own class. Every rank, no
+        collective: the parts that gather across ranks (trainapp's own numbers) and the sharded ones
+        (DCP's format) are left out."""
+        own = {name: part.state_dict() for name, part in self.parts.items()
+               if part is not None and not getattr(part, "collective", False)
+               and not getattr(part, "sharded", False)}
+        refused = loadable.refusal({**own, **self.records})
+        if refused is not None:
+            raise ConfigError(f"task.name={task_name!r}: no snapshot of this run could be resumed: its "
+                              f"{refused}; keep tensors, numbers, strings, lists and dicts in the state (a "
+                              "numpy array: torch.from_numpy; docs/your-own-model.md)")
 
     def shards(self) -> dict[str, Any] | None:
         """Every rank: this rank's shard of every sharded part (DCP's state dict), None without one."""

@@ -1,0 +1,99 @@
+"""Whether a state can come back from a storage snapshot: `state.pt` is read with
+`torch.load(weights_only=True)` (trainapp/snapshots/store.py), which refuses what it does not know
+(a numpy array or scalar, a dataclass, a defaultdict, most objects), while `torch.save` writes them
+all. A run whose state holds one of them writes snapshots it can never resume from, and finds out at
+its first restart. `refusal` finds such a value before the first step.
+
+The check loads the state's skeleton (every tensor replaced by an empty one of its dtype), so it costs
+what the state's structure costs, not its bytes.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import re
+from typing import Any
+
+import torch
+
+
+def _skeleton(obj: Any) -> Any:
+    if type(obj) is torch.Tensor:
+        return torch.empty(0, dtype=obj.dtype)
+    if isinstance(obj, dict):
+        values = {k: _skeleton(v) for k, v in obj.items()}
+        if type(obj) is dict:
+            return values
+        try:
+            out = copy.copy(obj)  # its own kind: weights_only takes an OrderedDict, not a defaultdict
+            for k, v in values.items():  # not update(): a Counter's adds
+                out[k] = v
+        except Exception:
+            return obj
+        return out
+    if type(obj) in (list, tuple):
+        return type(obj)(_skeleton(v) for v in obj)
+    return obj
+
+
+def _refused(obj: Any) -> str | None:
+    """Why `obj` does not come back from torch.save then torch.load(weights_only=True), else None."""
+    buf = io.BytesIO()
+    try:
+        torch.save(obj, buf)
+    except Exception as e:
+        return f"which torch.save cannot write ({e.__class__.__name__}: {_first_line(e)})"
+    buf.seek(0)
+    try:
+        torch.load(buf, weights_only=True)
+    except Exception as e:
+        named = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        return ("which torch.load(weights_only=True) will not load back ("
+                + (f"it does not allow {named.group(1)}" if named else
+                   f"{e.__class__.__name__}: {_first_line(e)}") + ")")
+    return None
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:160]
+
+
+def _emptied(obj: Any) -> Any:
+    """A container of `obj`'s kind with nothing in it (whether the kind itself is refused)."""
+    try:
+        out = copy.copy(obj)
+        out.clear()
+        return out
+    except Exception:
+        return obj
+
+
+def _first(obj: Any, where: str) -> tuple[str, Any]:
+    """(the key path, the value) of the first value in `obj` that is refused by itself."""
+    if isinstance(obj, (dict, list, tuple)) and type(obj) not in (dict, list, tuple) \
+            and _refused(_emptied(obj) if not isinstance(obj, tuple) else obj) is not None:
+        return where, obj
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if _refused(_skeleton(v)) is not None:
+                return _first(v, f"{where}[{k!r}]")
+    elif type(obj) in (list, tuple):
+        for i, v in enumerate(obj):
+            if _refused(_skeleton(v)) is not None:
+                return _first(v, f"{where}[{i}]")
+    return where, obj
+
+
+def refusal(state: dict[str, Any]) -> str | None:
+    """None when a snapshot of `state` loads back; else one phrase naming the first value it would not:
+    its key path (`task['mean']`), its type and torch's reason."""
+    if _refused(_skeleton(state)) is None:
+        return None
+    for name, part in state.items():
+        if _refused(_skeleton(part)) is not None:
+            where, value = _first(part, str(name))
+            kind = type(value)
+            why = _refused(_skeleton(value)) or "which a snapshot will not load back"
+            return f"{where} is a {kind.__module__}.{kind.__qualname__}, {why}"
+    return "the state as a whole is refused"
