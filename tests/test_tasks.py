@@ -100,6 +100,17 @@ def test_the_tasks_own_state_is_in_every_snapshot_and_resumes(on_path, capsys, t
     assert ev["val_count"] == 32 and ev["val_mse"] >= 0 and set(ev) >= {"val_mse", "val_count", "step"}
 
 
+def test_task_state_that_a_snapshot_would_not_load_back_later_stops_at_that_snapshot(on_path, capsys,
+                                                                                      tmp_path):
+    """A running mean that becomes a numpy array after the start's check: the first storage snapshot is
+    refused in one line (exit 2) instead of being written, so no snapshot of the run is unloadable."""
+    code, err = train_here(capsys, tmp_path, "task.name=usertasks_probe:LateNumpy", "snapshot.every_steps=3")
+    assert code == 2, err[-2000:]
+    line = err.strip().splitlines()[-1]
+    assert "its task['norm']['mean'] is a numpy.ndarray" in line and "Traceback" not in err, err[-2000:]
+    assert not list((tmp_path / "run" / "snapshots").glob("step_*"))
+
+
 def test_a_user_exception_in_loss_mid_run_is_a_failure_record_with_rank_step_and_phase(tmp_path):
     run_dir = tmp_path / "run"
     r = run_cmd([*torchrun_cmd(2), f"run.dir={run_dir}", *SHORT, "task.name=usertasks_probe:Counting",

@@ -135,3 +135,15 @@ class _Tagged(nn.Linear):
 class ExtraState(Good):
     def model(self, ctx):
         return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), _Tagged(16, 1), nn.Flatten(0))
+
+
+class LateNumpy(NumpyState):
+    """The running mean starts as None (a snapshot takes it) and becomes a numpy array at the first batch."""
+
+    def __init__(self, rows: int = 256):
+        super().__init__(rows)
+        self.mean = None
+
+    def loss(self, model, batch):
+        self.mean = batch[0].mean(0).numpy()
+        return super().loss(model, batch)

@@ -127,9 +127,9 @@ def build(cfg: Config, ctx: DistContext,
                         **strategy.state(model, opt.optimizer, ema), "scheduler": opt.schedule,
                         "scaler": precision.scaler, "task": task.state,
                         "rng": RngState(ctx, cfg.seed, progress)},
-                       records={"config": cfg.to_dict(), "init": init})
+                       records={"config": cfg.to_dict(), "init": init}, task_name=cfg.task.name)
     mark("built")
-    state.check_loadable(cfg.task.name)  # else snapshots are written that the first restart cannot read
+    state.check_loadable()  # else snapshots are written that the first restart cannot read
     diff = _resume(cfg, ctx, state, found) if found is not None else {}
     if stream_part is not None and found is not None:
         stream_part.settle(progress)  # the resumed epoch's rest may not fill a step: then it ends here

@@ -150,12 +150,15 @@ class TrainState:
     loaded back (the resolved config)."""
 
     def __init__(self, parts: dict[str, Stateful | ShardedState | None],
-                 records: dict[str, Any] | None = None):
+                 records: dict[str, Any] | None = None, task_name: str = ""):
         self.parts, self.records = parts, records or {}
+        self.task_name = task_name
+        """The task whose state this is (`task.name`), named by `check_loadable`'s error."""
 
     def state_dict(self, is_main: bool) -> dict[str, Any] | None:
         """Every rank calls this, because a part may gather across ranks (one marked `collective`, as
-        the RNG is); the others are read on rank 0 only, the one that writes. None on other ranks."""
+        the RNG is); the others are read on rank 0 only, the one that writes. None on other ranks.
+        ConfigError on rank 0 when the state would not load back (`check_loadable`)."""
         out: dict[str, Any] = {}
         for name, part in self.parts.items():
             if part is None:
@@ -164,7 +167,11 @@ class TrainState:
                 out[name] = SHARDED
             elif is_main or getattr(part, "collective", False):
                 out[name] = part.state_dict()
-        return {**out, **self.records} if is_main else None
+        if not is_main:
+            return None
+        state = {**out, **self.records}
+        self._refuse(loadable.refusal(state))  # a value that came after the first step's check
+        return state
 
     def own_state_dict(self) -> dict[str, Any]:
         """Every rank, without a collective: its share of the state (a part that gathers across ranks gives
@@ -197,17 +204,19 @@ class TrainState:
                 total += local_bytes(part.state_dict())
         return total
 
-    def check_loadable(self, task_name: str) -> None:
+    def check_loadable(self) -> None:
         """ConfigError naming the first value a storage snapshot of this state would not load back
         (`loadable.refusal`): a task's numpy array, a model's extra state of its own class. Every rank, no
-        collective: the parts that gather across ranks (trainapp's own numbers) and the sharded ones
-        (DCP's format) are left out."""
+        collective, before the first step: the parts that gather across ranks (trainapp's own numbers)
+        and the sharded ones (DCP's format) are left out."""
         own = {name: part.state_dict() for name, part in self.parts.items()
                if part is not None and not getattr(part, "collective", False)
                and not getattr(part, "sharded", False)}
-        refused = loadable.refusal({**own, **self.records})
+        self._refuse(loadable.refusal({**own, **self.records}))
+
+    def _refuse(self, refused: str | None) -> None:
         if refused is not None:
-            raise ConfigError(f"task.name={task_name!r}: no snapshot of this run could be resumed: its "
+            raise ConfigError(f"task.name={self.task_name!r}: no snapshot of this run could be resumed: its "
                               f"{refused}; keep tensors, numbers, strings, lists and dicts in the state (a "
                               "numpy array: torch.from_numpy; docs/your-own-model.md)")
 
