@@ -20,20 +20,27 @@ from typing import Any
 import torch
 
 
+def same_kind(obj: dict, values: dict) -> dict:
+    """`values` (`obj`'s keys) in a mapping of `obj`'s own kind, as torch.save keeps it: a module's state
+    dict is an OrderedDict whose `_metadata` holds each module's version (what `_load_from_state_dict`
+    migrates old keys by); a task's state may hold a Counter or a defaultdict. A kind that cannot be
+    copied: a dict."""
+    if type(obj) is dict:
+        return values
+    try:
+        out = copy.copy(obj)
+        for k, v in values.items():  # not update(): a Counter's adds; the keys are obj's, its order stays
+            out[k] = v
+    except Exception:
+        return values
+    return out
+
+
 def _skeleton(obj: Any) -> Any:
     if type(obj) is torch.Tensor:  # any dtype loads; a subclass (a library's quantized tensor) may not
         return None
-    if isinstance(obj, dict):
-        values = {k: _skeleton(v) for k, v in obj.items()}
-        if type(obj) is dict:
-            return values
-        try:
-            out = copy.copy(obj)  # its own kind: weights_only takes an OrderedDict, not a defaultdict
-            for k, v in values.items():  # not update(): a Counter's adds
-                out[k] = v
-        except Exception:
-            return obj
-        return out
+    if isinstance(obj, dict):  # its own kind: weights_only takes an OrderedDict, not a defaultdict
+        return same_kind(obj, {k: _skeleton(v) for k, v in obj.items()})
     if type(obj) in (list, tuple):
         return type(obj)(_skeleton(v) for v in obj)
     return obj

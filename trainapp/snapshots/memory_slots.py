@@ -10,7 +10,6 @@ two slots the valid one with the higher sequence number is the newest; writing a
 
 from __future__ import annotations
 
-import copy
 import io
 import os
 import pickle
@@ -22,6 +21,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import xxhash
+
+from trainapp.snapshots.loadable import same_kind
 
 MAGIC = b"TAMEMv01"
 HEADER = struct.Struct("<8sQQQQQ24x")  # magic, sequence, step, skeleton bytes, payload bytes, checksum
@@ -52,7 +53,7 @@ def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
         tensors.append(obj.detach())
         return _Ref(len(tensors) - 1)
     if isinstance(obj, dict):
-        return _same_kind(obj, {k: _split(v, tensors) for k, v in obj.items()})
+        return same_kind(obj, {k: _split(v, tensors) for k, v in obj.items()})
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
         if set(map(type, obj)) <= _PLAIN:  # numbers alone (a generator's state): as they are, at C speed
             return obj
@@ -63,26 +64,11 @@ def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
 _PLAIN = frozenset({int, float, bool, str, bytes, type(None)})
 
 
-def _same_kind(obj: dict, values: dict) -> dict:
-    """`values` in a mapping of `obj`'s own kind, as torch.save keeps it: a module's state dict is an
-    OrderedDict whose `_metadata` holds each module's version (what `_load_from_state_dict` migrates old
-    keys by), a task's state may hold a Counter or a defaultdict. A kind that cannot be copied: a dict."""
-    if type(obj) is dict:
-        return values
-    try:
-        out = copy.copy(obj)
-        for k, v in values.items():  # not update(): a Counter's adds; the keys are obj's, its order stays
-            out[k] = v
-    except Exception:
-        return values
-    return out
-
-
 def _join(obj: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(obj, _Ref):
         return tensors[obj.index]
     if isinstance(obj, dict):
-        return _same_kind(obj, {k: _join(v, tensors) for k, v in obj.items()})
+        return same_kind(obj, {k: _join(v, tensors) for k, v in obj.items()})
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
         return type(obj)(_join(v, tensors) for v in obj)
     return obj
