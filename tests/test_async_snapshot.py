@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import subprocess
@@ -66,6 +67,23 @@ def test_the_cpu_copy_reuses_the_previous_snapshots_buffers_and_each_snapshot_ke
     assert torch.equal(second["model"]["grown"], torch.ones(7))
     assert torch.equal(second["model"]["conv"], state["model"]["conv"])
     assert second["model"]["conv"].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_an_async_snapshot_keeps_the_containers_a_synchronous_one_keeps(tmp_path):
+    """A module's state dict (an OrderedDict whose `_metadata` holds the module versions loading migrates
+    old keys by) and a task's Counter come back from a background write as from a synchronous one."""
+    module = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)).state_dict()
+    loaded = []
+    for async_write in (False, True):
+        m = snapshot_manager(tmp_path / str(async_write), async_write=async_write)
+        state = {**snapshot_state(1.0), "ema": module, "task": {"seen": collections.Counter(a=3)}}
+        m.save(ALONE, 10, state, {"global_step": 10}, {})
+        m.wait()
+        loaded.append(load_state(m.path_for(10)))
+    for got in loaded:
+        assert type(got["ema"]) is collections.OrderedDict and got["ema"]._metadata == module._metadata
+        assert list(got["ema"]) == list(module) and got["task"]["seen"] == collections.Counter(a=3)
+        assert type(got["task"]["seen"]) is collections.Counter
 
 
 def test_a_failed_background_write_surfaces_in_the_training_thread(tmp_path):

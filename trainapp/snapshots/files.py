@@ -22,6 +22,8 @@ import torch
 import xxhash
 from torch.utils.serialization import config as torch_serialization_config
 
+from trainapp.snapshots.loadable import same_kind
+
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
@@ -268,7 +270,7 @@ def _copy(obj: Any, into: Any, cuda: list[bool]) -> Any:
         return dst.copy_(src, non_blocking=src.is_cuda)
     if isinstance(obj, dict):
         into = into if isinstance(into, dict) else {}
-        return {k: _copy(v, into.get(k), cuda) for k, v in obj.items()}
+        return same_kind(obj, {k: _copy(v, into.get(k), cuda) for k, v in obj.items()})  # as torch.save
     if isinstance(obj, (list, tuple)):
         into = into if isinstance(into, (list, tuple)) and len(into) == len(obj) else [None] * len(obj)
         return type(obj)(_copy(v, i, cuda) for v, i in zip(obj, into))
