@@ -68,41 +68,24 @@ def _first_line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [""])[0][:160]
 
 
-def _emptied(obj: Any) -> Any:
-    """A container of `obj`'s kind with nothing in it (whether the kind itself is refused)."""
-    try:
-        out = copy.copy(obj)
-        out.clear()
-        return out
-    except Exception:
-        return obj
-
-
-def _first(obj: Any, where: str) -> tuple[str, Any]:
-    """(the key path, the value) of the first value in `obj` that is refused by itself."""
-    if isinstance(obj, (dict, list, tuple)) and type(obj) not in (dict, list, tuple) \
-            and _refused(_emptied(obj) if not isinstance(obj, tuple) else obj) is not None:
-        return where, obj
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            if _refused(_skeleton(v)) is not None:
-                return _first(v, f"{where}[{k!r}]")
-    elif type(obj) in (list, tuple):
-        for i, v in enumerate(obj):
-            if _refused(_skeleton(v)) is not None:
-                return _first(v, f"{where}[{i}]")
-    return where, obj
+def _first(obj: Any, where: str) -> tuple[str, Any, str | None]:
+    """(key path, value, why) of the innermost refused value in `obj`, which is refused as a whole: a
+    refused child's, else `obj` itself (its own kind is what is refused: a defaultdict, a dataclass)."""
+    children = obj.items() if isinstance(obj, dict) else enumerate(obj) if type(obj) in (list, tuple) else ()
+    for k, v in children:
+        if _refused(_skeleton(v)) is not None:
+            return _first(v, f"{where}[{k!r}]")
+    return where, obj, _refused(_skeleton(obj))
 
 
 def refusal(state: dict[str, Any]) -> str | None:
     """None when a snapshot of `state` loads back; else one phrase naming the first value it would not:
     its key path (`task['mean']`), its type and torch's reason."""
-    if _refused(_skeleton(state)) is None:
+    if _refused(_skeleton(state)) is None:  # one round trip when it loads, as it nearly always does
         return None
     for name, part in state.items():
         if _refused(_skeleton(part)) is not None:
-            where, value = _first(part, str(name))
+            where, value, why = _first(part, str(name))
             kind = type(value)
-            why = _refused(_skeleton(value)) or "which a snapshot will not load back"
             return f"{where} is a {kind.__module__}.{kind.__qualname__}, {why}"
     return "the state as a whole is refused"
