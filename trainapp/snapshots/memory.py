@@ -147,7 +147,6 @@ class MemoryTier:
         self.auto = every == "auto"
         self.every = 1 if self.auto else int(every)
         self.node = node_id(memory_dir)
-        self.root.mkdir(parents=True, exist_ok=True)
         self.last_seconds = 0.0
         """Seconds the last copy held training."""
         self.copies = 0
@@ -193,6 +192,9 @@ class MemoryTier:
         nodes = ctx.files.all_gather_objects((self.node, state_bytes, free))
         short = _shortfall(self.memory_dir, nodes, peer)
         if short is None:
+            # Made only now: a run that stops before its first step (bad input, a state no snapshot could
+            # load back) leaves no empty folder behind in the node's memory.
+            self.root.mkdir(parents=True, exist_ok=True)
             self.link = PeerLink.start(ctx, self.root, [n for n, _, _ in nodes]) if peer else None
             return self
         fix = ("give it more memory (docker run --shm-size, a Kubernetes emptyDir with medium: Memory and a "
