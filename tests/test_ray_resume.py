@@ -69,8 +69,9 @@ def test_sigkilled_ray_worker_costs_at_most_one_snapshot_interval(cluster):
     seen = [r for r in records if r["kind"] == "group_failure"]
     starts = [r for r in records if r["kind"] == "start"]
     assert len(seen) == 1 and killed_at < seen[0]["time"] < starts[1]["time"], (seen, killed_at)
-    # The killed worker fails Ray's health check (or its actor is seen dead); the other one loses its peer.
-    assert any(e.startswith(("WorkerHealthCheckFailedError", "ActorDiedError"))
+    # The killed worker fails Ray's health check (or its actor is seen dead), or the controller hears first
+    # from the other one, whose collective lost its peer: which comes first is the machine's timing.
+    assert any(e.startswith(("WorkerHealthCheckFailedError", "ActorDiedError")) or "remote worker crash" in e
                for e in seen[0]["errors"].values()), seen
     said = report.failures(records)
     assert len(said) == 1 and said[0].startswith("attempt 0: Ray Train saw rank"), said
