@@ -168,14 +168,14 @@ def test_a_memory_tier_that_does_not_fit_is_one_line_before_the_first_step(capsy
     assert f"snapshot.memory_every_steps=1: {small_tmpfs} has 0.1 MiB free on node" in lines[0], lines[0]
     assert "docker run --shm-size" in lines[0] and "Traceback" not in err
     assert not list(run.glob("snapshots/step_*"))
-    assert not list(Path(small_tmpfs).glob("run-*"))  # a run that never stepped leaves no folder there
+    assert not list(small_tmpfs.glob("run-*"))  # a run that never stepped leaves no folder there
     # auto: the same directory turns the tier off, with one warning line, and the run trains.
     code = cli.main(["train", f"run.dir={tmp_path / 'auto'}", "train.max_steps=3", "train.progress=false",
                      "snapshot.memory_every_steps=auto", f"snapshot.memory_dir={small_tmpfs}",
                      "data.train_size=256", "data.val_size=64"])
     err = capsys.readouterr().err
     assert code == 0 and "snapshot.memory_every_steps=auto: the memory tier is off:" in err, err[-3000:]
-    assert not list(Path(small_tmpfs).glob("run-*"))
+    assert not list(small_tmpfs.glob("run-*"))
 
 
 @pytest.mark.slow
