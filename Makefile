@@ -213,6 +213,13 @@ test-long: $(DEV_STAMP) $(TOOLS_STAMP) ## The fault-scenario files (tests/confte
 test-e2e: $(DEV_STAMP) $(TOOLS_STAMP) ## The long end-to-end fault scenarios (Ray faults, hangs, namespaces) in two lanes; CI runs them after make test-long
 	$(BIN)/python -m pytest $(XDIST) --e2e -m e2e --durations=15 $(PYTEST_ARGS)
 
+# CI's one session for both: a Ray cluster started once for test_ray.py's long and e2e tests, the straight
+# twins (conftest.py's session fixtures) trained once, and no lane left idle while the other finishes the
+# first tier's last file. The same tests, markers and two lanes as the two targets above.
+.PHONY: test-long-e2e
+test-long-e2e: $(DEV_STAMP) $(TOOLS_STAMP) ## make test-long and make test-e2e as one session in two lanes; CI runs it after make test
+	$(BIN)/python -m pytest $(XDIST) --e2e -m "long or e2e" --durations=15 $(PYTEST_ARGS)
+
 .PHONY: bench-smoke
 bench-smoke: $(DEV_STAMP) ## Every benchmark in its smoke mode, checked (tests/test_bench.py; make test and CI leave them out: run it for a change to bench/)
 	$(BIN)/python -m pytest --bench -m bench --durations=6 tests/test_bench.py $(PYTEST_ARGS)
