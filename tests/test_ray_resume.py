@@ -71,12 +71,16 @@ def test_sigkilled_ray_worker_costs_at_most_one_snapshot_interval(cluster):
     starts = [r for r in records if r["kind"] == "start"]
     assert len(seen) == 1 and killed_at < seen[0]["time"] < starts[1]["time"], (seen, killed_at)
     # The killed worker fails Ray's health check (or its actor is seen dead), or the controller hears first
-    # from the other one, whose collective lost its peer (Gloo's words are kept in the record's line):
-    # which comes first is the machine's timing.
-    assert any(e.startswith(("WorkerHealthCheckFailedError", "ActorDiedError"))
-               or any(s in e for s in PEER_GONE) for e in seen[0]["errors"].values()), seen
+    # from the other one, whose collective lost its peer: which comes first is the machine's timing.
     said = report.failures(records)
-    assert len(said) == 1 and said[0].startswith("attempt 0: Ray Train saw rank"), said
+    assert len(said) == 1, said
+    errors = list(seen[0]["errors"].values())
+    if any(e.startswith(("WorkerHealthCheckFailedError", "ActorDiedError")) for e in errors):
+        assert said[0].startswith("attempt 0: Ray Train saw rank"), said  # the silent rank, by Ray's word
+    else:  # the survivor's line, Gloo's words kept; its own record, where it wrote one, leads the report
+        assert errors and all(any(s in e for s in PEER_GONE) for e in errors), seen
+        assert (said[0].startswith("attempt 0: Ray Train saw rank")
+                or ": peer: a peer's connection closed: it died without a word" in said[0]), said
     # The restarted group's start-up phases, for the recovery breakdown (trainapp/observe/timeline.py).
     assert ({"worker_process", "worker_setup", "process_group", "built", "loaded"}
             <= starts[1]["startup"].keys())
