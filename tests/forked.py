@@ -170,6 +170,31 @@ def _decoded(raw: bytes) -> str:
     return io.TextIOWrapper(io.BytesIO(raw), encoding=locale.getpreferredencoding(False)).read()
 
 
+_AUTOGRAD_FORKED_BAD = False
+"""Whether this process has been found unable to fork a child that runs autograd (`usable`)."""
+
+
+def usable() -> bool:
+    """Whether a child forked from this process now can train. Not once this process has started
+    autograd's device threads (an in-process `torch.compile` whose model ran backward does, whatever
+    its backend): from then on every forked child's backward fails ("Unable to handle autograd's
+    threading in combination with fork-based multiprocessing"), and the test's command must start a
+    fresh interpreter instead. A forked probe that runs one backward tells; about 25 ms, and once it
+    fails this process is never asked again."""
+    global _AUTOGRAD_FORKED_BAD
+    if not _AUTOGRAD_FORKED_BAD:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                torch.ones(1, requires_grad=True).sum().backward()
+                code = 0
+            finally:
+                os._exit(code)
+        _AUTOGRAD_FORKED_BAD = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0
+    return not _AUTOGRAD_FORKED_BAD
+
+
 def run(module: str, args: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, str]:
     """`python -m MODULE ARGS` with `env` as its whole environment, forked from this process: its
     exit code (minus the signal that ended it, as `subprocess` gives it), stdout and stderr. On timeout

@@ -118,9 +118,10 @@ def _forkable(cmd: list[str]) -> tuple[str, list[str]] | None:
 def run_cmd(cmd: list[str], timeout: float = 300, env: dict | None = None, fresh: bool = False) -> Result:
     """Run `cmd` in its own session; on timeout or error, SIGKILL exactly that process group.
     `python -m trainapp ...` and `torchrun ...` are forked from this process (tests/forked.py: torch
-    imported once; torchrun's ranks are fresh interpreters still), unless `fresh` (a test of start-up)."""
+    imported once; torchrun's ranks are fresh interpreters still), unless `fresh` (a test of start-up)
+    or a fork of this process could not train (`forked.usable`)."""
     forkable = _forkable(cmd)
-    if forkable and not fresh:
+    if forkable and not fresh and forked.usable():
         return Result(*forked.run(*forkable, _cmd_env(env), timeout))
     proc = subprocess.Popen(cmd, cwd=REPO, env=_cmd_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)

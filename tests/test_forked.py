@@ -5,9 +5,11 @@ same exit code for a process killed by a signal."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
-from helpers import QUICK, inspect, one_error_line, trainapp
+from helpers import QUICK, REPO, inspect, one_error_line, trainapp
 
 pytestmark = pytest.mark.slow
 
@@ -39,3 +41,23 @@ def test_a_forked_run_imports_only_what_its_own_path_holds(tmp_path):
 def test_a_forked_run_killed_by_a_signal_exits_as_a_process_killed_by_it(tmp_path):
     r = trainapp("train", f"run.dir={tmp_path}", "train.max_steps=6", *QUICK, "drill.kill_at_step=2")
     assert r.returncode == -9, r.output[-2000:]
+
+
+def test_once_the_tests_process_compiled_and_ran_backward_its_commands_start_fresh_and_train(tmp_path):
+    """A process that compiled a model and ran its backward (as test_compile.py's in-process tests do in
+    a lane) can no longer fork a child that trains: the child's backward fails. From then on the tests'
+    commands start fresh interpreters (forked.usable), and the run trains. In a process of its own, so
+    that the lane running this test keeps forking."""
+    script = f"""
+import sys
+sys.path[:0] = [{str(REPO / "tests")!r}]
+import torch, forked
+from helpers import QUICK, trainapp
+before = forked.usable()
+torch.compile(torch.nn.Linear(4, 4), backend="eager")(torch.ones(2, 4)).sum().backward()
+r = trainapp("train", "run.dir={tmp_path}", "train.max_steps=2", *QUICK)
+print("usable", before, forked.usable(), "exit", r.returncode, r.stderr[-2000:])
+"""
+    r = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert "usable True False exit 0" in r.stdout, (r.stdout[-3000:], r.stderr[-3000:])
+    assert inspect(tmp_path)["global_step"] == 2
