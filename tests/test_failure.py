@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import PY, QUICK, REPO, metrics, run_cmd, torchrun_cmd, trainapp
+from helpers import PY, QUICK, REPO, metrics, run_cmd, torchrun_cmd, trainapp, wait_until
 
 from trainapp.errors import PEER_EXIT, ConfigError
 from trainapp.faults import failure
-from trainapp.faults.heartbeat import Heartbeat
+from trainapp.faults.heartbeat import PEER_FIRST_S, PEER_WAIT_PHASES, Heartbeat, Watchdog
 from trainapp.faults.preempt import Preempted
 from helpers import free_port
 from trainapp.snapshots.manager import StorageError
@@ -207,3 +207,26 @@ def test_every_rank_agrees_on_a_fresh_attempt_name_over_a_store_holding_a_dead_a
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[2\] did not join"):
         attempt([0, 1], t=datetime.timedelta(seconds=2))
     del server
+
+
+def test_a_rank_waiting_on_its_peers_gives_the_hung_rank_the_first_word(tmp_path):
+    """A silent rank in a phase that waits on its peers (a collective) records a hang only PEER_FIRST_S
+    after one whose own work stopped would, so that the rank that hangs is on record first (under Ray
+    Train the controller stops the group once one worker exited)."""
+    heartbeat = Heartbeat()
+    dog = Watchdog(heartbeat, 0.4, 0.4, tmp_path / "stacks.txt", rank=1, fire=lambda silent: None)
+    dog.start().stop()
+    heartbeat.step += 1  # past the first step: the run's timeout, not the start-up's
+    for phase, allowance in (("data", 0.4), *((p, 0.4 + PEER_FIRST_S) for p in PEER_WAIT_PHASES),
+                             ("snapshot", None)):  # rank 1 waits for rank 0's write, which rank 0 watches
+        heartbeat.set_phase(phase)
+        assert dog._allowance() == allowance, phase
+    fired: list[float] = []
+    heartbeat.set_phase("compute")
+    dog = Watchdog(heartbeat, 0.4, 0.4, tmp_path / "stacks.txt", rank=1, fire=fired.append).start()
+    heartbeat.step += 1
+    try:
+        wait_until(lambda: fired, "the watchdog's fire", timeout=30)
+    finally:
+        dog.stop()
+    assert fired[0] > 0.4 + PEER_FIRST_S, fired

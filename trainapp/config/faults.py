@@ -21,7 +21,8 @@ class FaultSection:
     """Hung-rank watchdog: a rank whose training thread made no progress (no step, data batch, eval
     batch or snapshot chunk) for this long dumps its stacks to `run.dir/hangs/`, says so in one line and
     exits with 124, so the launcher restarts the group from the newest snapshot. A rank blocked in a
-    collective by a hung peer counts as hung too. 0: off (the process-group timeout remains)."""
+    collective by a hung peer counts as hung too, 2 s later, so that the hung rank is on record first.
+    0: off (the process-group timeout remains)."""
     hang_startup_s: float = Field(default=600.0, gt=0)
     """The watchdog's allowance until the first step is done (imports, data, compilation, the first
     collective): first steps are slow."""

@@ -10,8 +10,12 @@ launcher restarts the group (torchrun `--max-restarts`, Ray's `FailureConfig`) a
 its snapshot.
 
 A rank blocked in a collective because a peer hangs stops beating too, so the healthy ranks find the
-hang as well. The exception: ranks other than 0 waiting for rank 0's snapshot write (`snapshot` phase)
-do not count the wait; rank 0's own watchdog watches the write, chunk by chunk. A sharded snapshot's
+hang as well, `PEER_FIRST_S` after the hung rank would: a rank whose silence is a wait on its peers
+(`PEER_WAIT_PHASES`) gives the rank that hangs the first word. Under Ray Train the controller stops the
+whole group once one worker has exited, so whoever records first may be the only one on record, and
+it should be the rank that hung, not the one waiting for it. The exception: ranks other than 0
+waiting for rank 0's snapshot write (`snapshot` phase) do not count the wait; rank 0's own watchdog
+watches the write, chunk by chunk. A sharded snapshot's
 shards are written by every rank in one torch.distributed.checkpoint call that reports no progress:
 while it moves bytes, a thread beats for the training thread (`writing`). The process-group timeout
 (`dist.timeout_s`) stays as the backstop.
@@ -26,6 +30,15 @@ import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator
+
+
+PEER_WAIT_PHASES = ("compute", "optim", "step")
+"""Phases in which a rank's silence may be a wait for a peer: a collective of the forward and backward
+(DDP's gradient all-reduce, FSDP's all-gathers and reduce-scatters), FSDP's gradient-norm all-reduce."""
+PEER_FIRST_S = 2.0
+"""Extra silence a rank in `PEER_WAIT_PHASES` allows before it records a hang: the hung rank's watchdog
+ticks within a second of its own timeout and posts its failure, and this rank's failure watch
+(trainapp/faults/failure.py) sees the post within another second and records `peer` instead."""
 
 
 class Heartbeat:
@@ -138,7 +151,8 @@ class Watchdog:
         if self.rank != 0 and self.heartbeat.phase == "snapshot":
             return None  # waiting for rank 0's write, which rank 0's watchdog watches
         started = self.heartbeat.step != self._first_step  # a step was done since start()
-        return self.timeout_s if started else max(self.startup_s, self.timeout_s)
+        allowance = self.timeout_s if started else max(self.startup_s, self.timeout_s)
+        return allowance + (PEER_FIRST_S if self.heartbeat.phase in PEER_WAIT_PHASES else 0.0)
 
     def _watch(self) -> None:
         poll = min(1.0, self.timeout_s / 4)
