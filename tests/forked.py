@@ -3,14 +3,14 @@ torch imported already: a fresh interpreter spends 2 to 3 s of CPU importing tor
 most of a bad-input check or a short single-process run, and of torchrun's agent (issue 71). The ranks
 torchrun starts are fresh interpreters, as ever.
 
-The child is a real process (its own PID, session, exit code, stdout and stderr; `drill.*` kills it as
-any rank), started from a copy of this one instead of from `exec`. What a fresh interpreter would have
-and the test's process does not is put back before the module's `__main__` runs: the environment, the
-working directory, `sys.path` (the interpreter's own, then `PYTHONPATH`) and only the modules it
-reaches, one intra-op thread (`OMP_NUM_THREADS`, as `run_cmd` gives a process), Python's default
-warning filters and warning output, no logging handler on the root logger, the default signal
-dispositions and hooks, no multiprocessing children, `atexit` functions of its own only, and nothing
-of the test's process collected (so none of its objects is finalized here).
+The child is a real process (its own PID, session, exit code, stdout and stderr; `drill.*` kills it as any
+rank), started from a copy of this one instead of from `exec`. What a fresh interpreter would have and the
+test's process does not is put back before the module's `__main__` runs: the environment, the working
+directory, `tempfile`'s directory (from the child's `TMPDIR`), `sys.path` (the interpreter's own, then
+`PYTHONPATH`) and only the modules it reaches, one intra-op thread (`OMP_NUM_THREADS`, as `run_cmd` gives
+a process), Python's default warning filters and warning output, no logging handler on the root logger,
+the default signal dispositions and hooks, no multiprocessing children, `atexit` functions of its own
+only, and nothing of the test's process collected (so none of its objects is finalized here).
 
 What it cannot put back: modules the test's process imported that the child's path also reaches stay
 imported (settings read from the environment at import time keep the test's values), and the child
@@ -36,6 +36,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -97,6 +98,7 @@ def _as_fresh(env: dict[str, str]) -> None:
     os.chdir(REPO)
     os.environ.clear()
     os.environ.update(env)
+    tempfile.tempdir = None  # the test process's cached choice: the child's TMPDIR decides, as at a start
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [str(REPO), *extra, *_interpreter_path()]
     _forget_unreachable()

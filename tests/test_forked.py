@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import QUICK, REPO, inspect, one_error_line, trainapp
+from helpers import QUICK, REPO, inspect, one_error_line, torchrun, trainapp
 
 pytestmark = pytest.mark.slow
 
@@ -61,3 +61,14 @@ print("usable", before, forked.usable(), "exit", r.returncode, r.stderr[-2000:])
     r = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert "usable True False exit 0" in r.stdout, (r.stdout[-3000:], r.stderr[-3000:])
     assert inspect(tmp_path)["global_step"] == 2
+
+
+def test_a_forked_torchrun_keeps_its_temporary_directory_where_its_tmpdir_says(tmp_path):
+    """The test's process chose its temporary directory before the suite set TMPDIR for its children, and
+    `tempfile` keeps that choice: a forked torchrun would leave its torchelastic_* directory there (in
+    /tmp, one per run) instead of where its own TMPDIR says, as a fresh one does."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    r = torchrun(1, f"run.dir={tmp_path / 'run'}", "train.max_steps=2", *QUICK, env={"TMPDIR": str(tmp)})
+    assert r.returncode == 0, r.output[-3000:]
+    assert [p.name for p in tmp.iterdir() if p.name.startswith("torchelastic_")], list(tmp.iterdir())
