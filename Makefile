@@ -196,7 +196,7 @@ TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # ruff and mypy go beside the suite, not before it: a fresh mypy is a minute of one core, which the suite
-# leaves idle (it keeps about 1.6 of 2 cores busy); a failed check fails `make test` once the suite ends.
+# leaves idle (it keeps about 1.8 of 2 cores busy); a failed check fails `make test` once the suite ends.
 .PHONY: test
 test: $(DEV_STAMP) $(TOOLS_STAMP) ## The suite: every subsystem end to end, but the fault-scenario files of test-long and test-e2e, benchmarks, real Slurm; two lanes (TEST_WORKERS=2, PYTEST_ARGS="-k resume -x"); ruff and mypy beside it
 	@$(MAKE) --no-print-directory -j3 lint typecheck test-suite

@@ -12,13 +12,12 @@ its snapshot.
 A rank blocked in a collective because a peer hangs stops beating too, so the healthy ranks find the
 hang as well, `PEER_FIRST_S` after the hung rank would: a rank whose silence is a wait on its peers
 (`PEER_WAIT_PHASES`) gives the rank that hangs the first word. Under Ray Train the controller stops the
-whole group once one worker has exited, so whoever records first may be the only one on record, and
-it should be the rank that hung, not the one waiting for it. The exception: ranks other than 0
-waiting for rank 0's snapshot write (`snapshot` phase) do not count the wait; rank 0's own watchdog
-watches the write, chunk by chunk. A sharded snapshot's
-shards are written by every rank in one torch.distributed.checkpoint call that reports no progress:
-while it moves bytes, a thread beats for the training thread (`writing`). The process-group timeout
-(`dist.timeout_s`) stays as the backstop.
+whole group once one worker has exited, so whoever records first may be the only one on record, and it
+should be the rank that hung, not the one waiting for it. The exception: ranks other than 0 waiting for
+rank 0's snapshot write (`snapshot` phase) do not count the wait; rank 0's own watchdog watches the
+write, chunk by chunk. A sharded snapshot's shards are written by every rank in one
+torch.distributed.checkpoint call that reports no progress: while it moves bytes, a thread beats for the
+training thread (`writing`). The process-group timeout (`dist.timeout_s`) stays as the backstop.
 """
 
 from __future__ import annotations
@@ -34,7 +33,9 @@ from typing import Callable, Iterator
 
 PEER_WAIT_PHASES = ("compute", "optim", "step")
 """Phases in which a rank's silence may be a wait for a peer: a collective of the forward and backward
-(DDP's gradient all-reduce, FSDP's all-gathers and reduce-scatters), FSDP's gradient-norm all-reduce."""
+(DDP's gradient all-reduce, FSDP's all-gathers and reduce-scatters), FSDP's gradient-norm all-reduce
+(`step`: how records before the phase clock named the step). `trainapp report` puts a hang found in one
+of them after the others' records: that rank was most often waiting for the one that hung."""
 PEER_FIRST_S = 2.0
 """Extra silence a rank in `PEER_WAIT_PHASES` allows before it records a hang: the hung rank's watchdog
 ticks within a second of its own timeout and posts its failure, and this rank's failure watch

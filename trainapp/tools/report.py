@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, Sequence
 
 from trainapp.config import ConfigError, changes
+from trainapp.faults.heartbeat import PEER_WAIT_PHASES
 from trainapp.observe import goodput, metrics
 from trainapp.snapshots.lease import describe
 from trainapp.tools import timeline_plot
@@ -59,15 +60,11 @@ def restarts(records: list[dict]) -> list[dict]:
     return out
 
 
-WAITING_PHASES = ("compute", "step")
-"""Phases in which a rank found hung is most often waiting for a peer: forward and backward, with the
-gradient all-reduce (`step`: how records before the phase clock named it)."""
-
-
 def _root_cause_first(f: dict) -> tuple:
     # A peer's record follows another's failure; a rank found hung in forward and backward is most often
     # waiting in the gradient all-reduce for the rank that hung elsewhere (data, eval, its write).
-    return f.get("cause") == "peer", f.get("cause") == "hang" and f.get("phase") in WAITING_PHASES, f["time"]
+    waiting = f.get("cause") == "hang" and f.get("phase") in PEER_WAIT_PHASES
+    return f.get("cause") == "peer", waiting, f["time"]
 
 
 def failures(records: list[dict]) -> list[str]:
