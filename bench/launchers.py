@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 import uuid
+from typing import Callable
 from pathlib import Path
 
 from bench.common import (
@@ -274,10 +275,11 @@ class Bench:
                 "train_faults_per_step": None if faults is None else faults * step / workers}
 
     def kill_run(self, launcher: str, what: str, i: int = 0, node: str = "worker2", *extra: str,
-                 kill_step: int | None = None, name: str | None = None) -> tuple[float, dict[str, float]]:
+                 kill_step: int | None = None, name: str | None = None,
+                 ready: Callable[[], object] | None = None) -> tuple[float, dict[str, float]]:
         """Kill a worker (or the worker node `node`) at step `kill_step` (default args.kill_step) of a run
-        with `extra` settings in WORK/`name`; seconds to the first step after resume, and where they went
-        (detection: until Ray Train's controller recorded the failure)."""
+        with `extra` settings in WORK/`name`, and once `ready()` is true; seconds to the first step after
+        resume, and where they went (detection: until Ray Train's controller recorded the failure)."""
         run_dir = self.work / (name or f"{launcher}-{what}-{i}")
         at = self.args.kill_step if kill_step is None else kill_step
         # A record every step: the first step after the restart is the moment measured.
@@ -286,6 +288,8 @@ class Bench:
             extra += ("ray.num_workers=[1,2]", f"ray.worker_group_start_timeout_s={self.args.start_timeout}")
         p, _ = self.launch(launcher, run_dir, *extra)
         wait_for(lambda: any(r["step"] >= at for r in train_records(run_dir)), 600, "kill step")
+        if ready is not None:
+            wait_for(ready, 120, "ready to kill")
         if what == "node":
             victim = self.cluster.node_pids(node)["raylet"]
         elif launcher == "ray":

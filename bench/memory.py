@@ -6,10 +6,12 @@ it, and what its copies cost the steps.
   random step from 60 to 99; the same kill steps with the memory tier on (a copy every step) and off
   (the control: storage resumes it, as before the tier). Lost = (the first step after the restart -
   the kill) + the steps redone x the run's median step time. Under torchrun (its agent restarts the
-  group) and under Ray Train on a local cluster (head + 2 worker nodes, 1 CPU each). Keys
-  `memory_recovery_seconds` (Ray), `memory_recovery_seconds_torchrun`, their controls
-  `storage_recovery_seconds(_torchrun)`, and `memory_over_storage_loss(_torchrun)`; also the steps
-  redone and the tier each restart says.
+  group) and under Ray Train on a local cluster (head + 2 worker nodes, 1 CPU each), where the memory
+  tier's runs have spare worker processes (`ray.spare_after_s=0`, the kill waits until both are idle)
+  and a third run of each kill step has the memory tier without them. Keys `memory_recovery_seconds`
+  (Ray), `memory_recovery_seconds_torchrun`, their controls `storage_recovery_seconds(_torchrun)`,
+  `memory_over_storage_loss(_torchrun)`, and under Ray `..._no_spares`; also the steps redone and the
+  tier each restart says.
 - Step cost: paired runs under torchrun (2 workers), memory tier on (a copy every step) and off, in
   alternating order, each a median step time over its log intervals (samples/s counts the copies);
   `memory_snapshot_step_ratio` (SmallCNN), `memory_snapshot_step_ratio_char_lm`, and `control` (off/off).
@@ -42,9 +44,23 @@ CHAR_LM = ["task.name=char_lm", "task.args.n_embd=64", "task.args.n_layer=2", "t
            "train.batch_size=32"]
 
 
+MODES = ("memory", "storage", "memory_no_spares")
+"""The fault runs: the memory tier with spare processes (Ray: docs/ray.md#spare-workers), the storage tier
+alone as before both (the control), and under Ray the memory tier without spares."""
+
+
 def _memory(on: bool, memory_dir: Path) -> list[str]:
     return (["snapshot.memory_every_steps=1", f"snapshot.memory_dir={memory_dir}"] if on
             else ["snapshot.memory_every_steps=0"])
+
+
+def _fault(launcher: str, mode: str, memory_dir: Path) -> list[str]:
+    """A fault run's settings: the tier, and under Ray the spares (started at once, where the default waits
+    30 s: the kill then waits for both)."""
+    spares = [] if launcher != "ray" else ["ray.spare_workers=false"]
+    if launcher == "ray" and mode == "memory":
+        spares = ["ray.spare_workers=true", "ray.spare_after_s=0"]
+    return [*_memory(mode != "storage", memory_dir), *spares]
 
 
 def lost(run_dir: Path, to_step: float) -> dict:
@@ -61,9 +77,27 @@ def lost(run_dir: Path, to_step: float) -> dict:
             "resumed_step": restart.get("resumed_step"), "killed_after": before}
 
 
+def _fault_run(b: Bench, work: Path, launcher: str, mode: str, i: int, kill: int) -> dict:
+    """One kill run of `mode` (MODES), what it lost and where the restart's seconds went."""
+    name = f"{launcher}-{mode}-{i}"
+    memory_dir = Path(tempfile.mkdtemp(prefix="ta-bench-mem-", dir="/dev/shm"))
+    spare = mode == "memory" and launcher == "ray"
+    try:
+        seconds, phases = b.kill_run(launcher, "worker", i, "worker2", *FAULT_MODEL,
+                                     *_fault(launcher, mode, memory_dir), kill_step=kill, name=name,
+                                     ready=(lambda: len(b.cluster.spare_pids()) == 2) if spare else None)
+    finally:
+        shutil.rmtree(memory_dir, ignore_errors=True)
+    r = {**lost(work / name, seconds), "phases": phases}
+    print(f"{launcher} {mode} killed after step {r['killed_after']}: resumed {r['resumed_step']} "
+          f"({r['tier']}), {r['redone']} redone, lost {r['lost_s']:.1f} s "
+          f"({r['to_first_step_s']:.1f} s to a step)", flush=True)
+    return r
+
+
 def fault_rounds(work: Path, launchers: list[str], rounds: int, steps: int, seed: int) -> dict:
-    """Per launcher, `rounds` kill steps (seeded), each a worker SIGKILLed with the memory tier on and off
-    (bench/launchers.py's kill runs, storage snapshots every 50 steps)."""
+    """Per launcher, `rounds` kill steps (seeded), each a worker SIGKILLed in each of MODES (torchrun: the
+    first two), each mode first in turn (bench/launchers.py's kill runs, storage snapshots every 50 steps)."""
     rng = random.Random(seed)
     kills = [rng.randrange(60, 100) for _ in range(rounds)]
     out: dict = {"kill_steps": kills}
@@ -72,28 +106,20 @@ def fault_rounds(work: Path, launchers: list[str], rounds: int, steps: int, seed
         if "ray" in launchers:
             b.cluster.up(cwd=REPO)
         for launcher in launchers:
-            got: dict[str, list[dict]] = {"memory": [], "storage": []}
+            modes = MODES if launcher == "ray" else MODES[:2]
+            got: dict[str, list[dict]] = {mode: [] for mode in modes}
             for i, k in enumerate(kills):
-                for mode in (("memory", "storage") if i % 2 == 0 else ("storage", "memory")):
-                    name = f"{launcher}-{mode}-{i}"
-                    memory_dir = Path(tempfile.mkdtemp(prefix="ta-bench-mem-", dir="/dev/shm"))
-                    try:
-                        on = _memory(mode == "memory", memory_dir)
-                        seconds, phases = b.kill_run(launcher, "worker", i, "worker2", *FAULT_MODEL, *on,
-                                                kill_step=k, name=name)
-                    finally:
-                        shutil.rmtree(memory_dir, ignore_errors=True)
-                    r = {**lost(work / name, seconds), "phases": phases}
-                    got[mode].append(r)
-                    print(f"{launcher} {mode} killed after step {r['killed_after']}: resumed "
-                          f"{r['resumed_step']} ({r['tier']}), {r['redone']} redone, lost "
-                          f"{r['lost_s']:.1f} s ({r['to_first_step_s']:.1f} s to a step)", flush=True)
+                for mode in modes[i % len(modes):] + modes[:i % len(modes)]:
+                    got[mode].append(_fault_run(b, work, launcher, mode, i, k))
             suffix = "" if launcher == "ray" else "_torchrun"
-            for mode in ("memory", "storage"):
-                out[f"{mode}_recovery_seconds{suffix}"] = statistics.median(r["lost_s"] for r in got[mode])
-                out[f"{mode}_runs{suffix}"] = got[mode]
-            out[f"memory_over_storage_loss{suffix}"] = statistics.median(
-                m["lost_s"] / s["lost_s"] for m, s in zip(got["memory"], got["storage"]))
+            for mode in modes:
+                tier, also = ("storage", "") if mode == "storage" else ("memory", mode.removeprefix("memory"))
+                lost_s = [r["lost_s"] for r in got[mode]]
+                out[f"{tier}_recovery_seconds{suffix}{also}"] = statistics.median(lost_s)
+                out[f"{tier}_runs{suffix}{also}"] = got[mode]
+                if mode != "storage":
+                    out[f"memory_over_storage_loss{suffix}{also}"] = statistics.median(
+                        m["lost_s"] / s["lost_s"] for m, s in zip(got[mode], got["storage"]))
     finally:
         b.close()
     return out

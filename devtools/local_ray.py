@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import AbstractSet
 
+from trainapp.launch.ray import spares
 from trainapp.launch.ray.stop import STOP_WAIT_S
 
 DEFAULT_DIR = Path(os.environ.get("TMPDIR", "/tmp")) / f"trainapp-ray-{os.getuid()}"
@@ -382,6 +383,18 @@ class LocalCluster:
         """{process name: pid} of one node's processes (e.g. 'raylet')."""
         node = next(n for n in self.nodes if n.name == name)
         return {_comm(pid): pid for pid in _session_pids(node.pid)}
+
+    def spare_pids(self) -> dict[int, Path]:
+        """This cluster's idle spare worker processes (trainapp/launch/ray/spares.py): {pid: its file}, for
+        the files whose process is a child of one of the cluster's Raylets."""
+        raylets = {self.node_pids(n.name).get("raylet") for n in self.nodes}
+        found = {}
+        for path in spares.root().glob("*/*/spare-*"):
+            pid = int(path.name.split("-")[1])
+            stat = proc_stat(pid)
+            if stat is not None and int(stat[1][1]) in raylets:
+                found[pid] = path
+        return found
 
     def actor_pids(self, class_name: str) -> list[int]:
         """PIDs of this cluster's live actors of `class_name`, by the process title Ray gives an actor's

@@ -298,13 +298,15 @@ them), and the resize callback's."""
     # Each probe task unpickles trainapp.launch.ray.checks on its node: a torch import there costs seconds
     # of CPU per node at every launch (and the driver imports Ray Train while the probes start).
     ("import trainapp.launch.ray.checks", ("torch", "ray", "ray.train")),
+    # Every process of a job with spares imports the setup hook's module (trainapp/launch/ray/spares.py).
+    ("import trainapp.launch.ray.spares", ("torch", "ray", "trainapp.config")),
     # Ray Train's controller unpickles the backend config (private/backend.py) with its setup function
     # (setup.py) and the controller callbacks: it trains nothing and must not pay torch's import.
     (CONTROLLER, ("torch",)),
     ("import trainapp.launch.ray.setup", ("torch",)),
     # The driver builds the trainer and hands Ray the per-worker function: torch is the workers' alone.
     (DRIVER, ("torch",)),
-], ids=["probes", "controller", "setup", "driver"])
+], ids=["probes", "hook", "controller", "setup", "driver"])
 def test_what_the_probes_the_controller_and_the_driver_run_imports_no_torch(statement, absent):
     code = f"import sys; {statement}; print(sorted(m for m in {absent!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers import (PY, REPO, inspect, metrics, one_error_line, run_cmd, torchrun2, torchrun_cmd, trainapp,
-                     wait_for_record, wait_for_step)
+                     wait_for_record, wait_for_step, wait_until)
 from ray_jobs import (KILLABLE_RUN, USER_TASK, finish, redone_steps, signal_at_step, submit,
                       submit_background, training_worker_pids)
 
@@ -81,32 +81,57 @@ def test_sigkilled_ray_worker_costs_at_most_one_snapshot_interval(cluster):
         assert errors and all(any(s in e for s in PEER_GONE) for e in errors), seen
         assert (said[0].startswith("attempt 0: Ray Train saw rank")
                 or ": peer: a peer's connection closed: it died without a word" in said[0]), said
-    # The restarted group's start-up phases, for the recovery breakdown (trainapp/observe/timeline.py).
+    # The restarted group's start-up phases, for the recovery breakdown (trainapp/observe/timeline.py); it
+    # started in fresh processes: spares start only once a worker has run `ray.spare_after_s` (30 s).
     assert ({"worker_process", "worker_setup", "process_group", "built", "loaded"}
             <= starts[1]["startup"].keys())
+    assert "worker_preloaded" not in starts[1]["startup"], starts[1]["startup"]
     assert (killed_at < starts[1]["startup"]["worker_setup"] < starts[1]["startup"]["loaded"]
             < starts[1]["time"])
 
 
 @pytest.mark.e2e
-def test_a_sigkilled_ray_worker_resumes_from_memory_redoing_at_most_one_step(cluster, straight_sha):
+def test_a_sigkilled_ray_worker_resumes_from_memory_in_spare_processes_redoing_at_most_one_step(
+        cluster, straight_sha):
     """The memory tier under Ray Train: a copy every step in a memory directory of the test's own (the
-    worker nodes share this machine's), storage snapshots every 50 steps; a worker SIGKILLed after step 12.
-    Ray Train restarts the group, whose workers resume the newest step in memory (one step redone, none
-    read from storage), to torchrun's parameters. The finished run leaves no copy there."""
+    worker nodes share this machine's), storage snapshots every 50 steps. Spare processes start at once
+    (`ray.spare_after_s=0`), one per worker; once both are idle, a worker is SIGKILLed (rank 0 sleeps 800
+    ms a step, which changes no number, so that the run is still training then). Ray Train restarts the
+    group in the spares, whose workers resume the newest step in memory (one step redone, none read from
+    storage), to torchrun's parameters. The finished run leaves no copy in memory, and the job's end
+    leaves no spare process and no spare's file."""
     run_dir = cluster.storage / "memory"
     memory = Path(tempfile.mkdtemp(prefix="ta-test-mem-", dir="/dev/shm"))
     args = [*KILLABLE_RUN, "snapshot.every_steps=50", "snapshot.memory_every_steps=1",
-            f"snapshot.memory_dir={memory}"]
-    rc, out = signal_at_step(cluster, "memory", 12, signal.SIGKILL, *args)
+            f"snapshot.memory_dir={memory}", "ray.spare_after_s=0", "drill.slow_rank=0", "drill.slow_ms=800"]
+
+    def two_spares() -> dict[int, Path] | None:
+        found = cluster.spare_pids()
+        return found if len(found) == 2 else None
+
+    proc = submit_background(cluster, "memory", *args)
+    try:
+        pids = training_worker_pids(run_dir)
+        waiting = wait_until(two_spares, "two idle spares", 120)
+        killed_at = time.time()
+        os.kill(pids[-1], signal.SIGKILL)
+    finally:
+        rc, out = finish(proc)
     try:
         assert rc == 0, out[-4000:]
         before, resumed = redone_steps(run_dir)
         assert before - resumed <= 1 and resumed < 40, (before, resumed)
         start = metrics(run_dir, "start")[1]
         assert start["resumed_tier"] == "memory" and start["resumed_from"].startswith("memory:"), start
+        # The new group ran in the spares, their imports done before the kill.
+        assert sorted(p["pid"] for p in start["placement"]) == sorted(waiting), (start["placement"], waiting)
+        assert start["startup"]["worker_preloaded"] < killed_at < start["startup"]["worker_setup"], start
         assert inspect(run_dir)["params_sha256"] == straight_sha(torchrun2, *KILLABLE_RUN)
         assert sorted(p.name for p in memory.iterdir()) == ["node-id"]
+        # Ray ends a job's idle processes with it (the spares the new group asked for, if they started),
+        # and the driver removes the job's spare folder.
+        wait_until(lambda: not cluster.spare_pids(), "the spares to end with the job", 30)
+        assert not any(path.parent.exists() for path in waiting.values()), waiting
     finally:
         shutil.rmtree(memory, ignore_errors=True)
 

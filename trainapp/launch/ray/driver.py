@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import os
 from pathlib import Path
@@ -32,6 +33,7 @@ from trainapp.launch.ray.checks import (
     ray_address,
     worker_needs,
 )
+from trainapp.launch.ray import spares
 from trainapp.launch.ray.output import StartGate
 from trainapp.launch.ray.stop import DriverStop, note_request, release_left_behind
 from trainapp.observe import tracking
@@ -62,19 +64,31 @@ def _torch_config(cfg: Config, threads: int, worker: Callable[[dict[str, Any]], 
                                               "imports": IMPORTS[worker]})
 
 
-def connect(address: str) -> str:
-    """ray.init for the cluster we run in, the one named, or an embedded one. Returns a description."""
+def connect(address: str, hook: str | None = None) -> str:
+    """ray.init for the cluster we run in, the one named, or an embedded one, with `hook` as the job's
+    `worker_process_setup_hook` unless the job has one of its own. Returns a description."""
     import ray
 
+    env = {"worker_process_setup_hook": hook} if hook and not _job_hook() else None
     try:
         if address:
-            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True, runtime_env=env)
             return f"cluster at {address}"
-        ray.init(logging_level=logging.WARNING)
+        ray.init(logging_level=logging.WARNING, runtime_env=env)
         return "embedded local Ray"
     except ConnectionError as e:
         raise ConfigError(f"ray.address={address}: cannot join the Ray cluster "
                           f"({str(e).splitlines()[0]})") from None
+
+
+def _job_hook() -> str | None:
+    """The `worker_process_setup_hook` of the runtime env this job was submitted with (`ray job submit
+    --runtime-env-json`), which Ray hands the driver in RAY_JOB_CONFIG_JSON_ENV_VAR."""
+    try:
+        given = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}"))
+        return (given.get("runtime_env") or {}).get("worker_process_setup_hook")
+    except (ValueError, AttributeError):
+        return None
 
 
 def _error_in(exc: BaseException) -> Failure | None:
@@ -170,7 +184,7 @@ def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, 
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
     from trainapp.launch.ray.private import controller, trainer, versions
-    from trainapp.launch.ray.setup import train_worker
+    from trainapp.launch.ray.setup import PRELOADS, train_worker
 
     for line in versions.lost(drains=bool(cfg.preempt.ray_poll_s),
                               elastic=cfg.ray.elastic):
@@ -186,6 +200,9 @@ def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, 
     held = {"lease": {"fence": lease.fence.to_dict(), "summary": lease.summary()}} if lease else {}
     elastic = {"elastic_resize_monitor_interval_s": cfg.ray.resize_check_s} if cfg.ray.elastic else {}
     resizes = {"resizes": _controller_dir(cfg, storage)} if cfg.ray.elastic else {}
+    # A spare process (trainapp/launch/ray/spares.py) gets the training workers' runtime env, this included.
+    preload = ({"worker_runtime_env": {"env_vars": {spares.PRELOAD: ",".join(PRELOADS[worker])}}}
+               if cfg.ray.spare_workers and worker in PRELOADS and not _job_hook() else {})
     return trainer.TorchTrainer(
         worker,
         train_loop_config={"config": worker_cfg.to_dict(), "launch": timeline.marks(), **extra, **held,
@@ -201,6 +218,7 @@ def _trainer(cfg: Config, storage: str, needs: dict[str, float], use_gpu: bool, 
             failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.snapshot.keep),
             callbacks=_callbacks(cfg, storage, lease.generation if lease else 0),  # type: ignore[arg-type]
+            **preload,  # type: ignore[arg-type]
         ),
     )
 
@@ -285,7 +303,12 @@ def _fit_connected(cfg: Config, timeline: Timeline, gate: StartGate, address: st
                    **extra: Any) -> tuple[Result, str, dict[str, Any]]:
     """`_fit` once the streams are gated: join, check, fit, and leave the cluster (after the gate's
     verdict, so that what Ray prints while it shuts down goes the same way)."""
-    where = connect(address)
+    spare = cfg.ray.spare_workers and worker is None
+    theirs = _job_hook() if spare else None
+    if theirs:
+        log.warning("ray.spare_workers: off for this job: its runtime_env has a worker_process_setup_hook "
+                    "of its own (%s), and a job has only one", theirs)
+    where = connect(address, spares.HOOK if spare else None)
     timeline.mark("driver_connected")
     import ray
 
@@ -302,6 +325,8 @@ def _fit_connected(cfg: Config, timeline: Timeline, gate: StartGate, address: st
         raise
     finally:
         gate.release()
+        if spare:
+            spares.forget(ray.get_runtime_context().get_job_id())
         ray.shutdown()
 
 

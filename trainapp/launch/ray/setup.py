@@ -44,11 +44,15 @@ def prepare_worker(env: dict[str, str], threads: int, network: dict[str, Any], p
     from trainapp.faults import drain
     from trainapp.faults.guard import RankGuard
     from trainapp.launch import net
+    from trainapp.launch.ray import spares
     from trainapp.launch.ray.private import report_lines
 
     guard = RankGuard()
     guard.gc_pause = pause
     guard.timeline.mark_process("worker_process")
+    preloaded = spares.taken()
+    if preloaded is not None:  # this process waited as a spare, its imports done
+        guard.timeline.mark("worker_preloaded", preloaded)
     guard.timeline.mark("worker_setup")
     report_lines.quiet_report_lines()  # Ray Train has configured the worker's logging by now
     # Ray's own SIGTERM handler ends the worker at once; ours turns it into the agreed stop.
@@ -96,3 +100,9 @@ IMPORTS: MappingProxyType[Callable[[dict[str, Any]], Any], tuple[str, ...]] = Ma
     comm_worker: ("trainapp.launch.comm", "trainapp.launch.ray.worker"),
 })
 """The modules each worker function imports first: `prepare_worker` imports them while the group forms."""
+
+PRELOADS: MappingProxyType[Callable[[dict[str, Any]], Any], tuple[str, ...]] = MappingProxyType({
+    train_worker: ("torch", "ray.train", "ray.train.torch.config", __name__, *IMPORTS[train_worker]),
+})
+"""What a spare worker process imports before it is needed (trainapp/launch/ray/spares.py): a training
+worker's imports, Ray Train's and its torch backend's among them."""

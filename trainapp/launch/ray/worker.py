@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import signal
 import sys
 import threading
@@ -26,7 +27,7 @@ from trainapp.group import DistContext
 from trainapp.launch import dist
 from trainapp.launch.rank import Launcher, Services, run_rank
 from trainapp.launch.ray import metrics as ray_metrics
-from trainapp.launch.ray import resize
+from trainapp.launch.ray import resize, spares
 from trainapp.launch.ray.checks import is_uri
 from trainapp.launch.ray.private import versions
 from trainapp.launch.ray.publish import RayDrainNotice, RayPublish
@@ -190,10 +191,36 @@ class StopWatch:
         return True
 
 
+def keep_spares(after_s: float) -> threading.Event:
+    """After `after_s` seconds (unless the returned event is set first), the node's first worker brings the
+    node's idle spare processes up to one per training worker there (trainapp/launch/ray/spares.py).
+    Nothing happens where the driver gave the workers nothing to preload (`ray.spare_workers=false`, a job
+    with a setup hook of its own)."""
+    done = threading.Event()
+
+    def run() -> None:
+        if done.wait(after_s):
+            return
+        try:
+            import ray.train
+
+            ctx = ray.train.get_context()
+            if ctx.get_local_rank() == 0:
+                spares.top_up(ctx.get_local_world_size(), spares.KEEP_S)
+        except Exception as e:  # the run trains on; a restart then starts fresh processes, as without spares
+            print(f"trainapp: ray.spare_workers: no spare processes on this node ({type(e).__name__}: {e})",
+                  file=sys.stderr, flush=True)
+
+    if os.environ.get(spares.PRELOAD):
+        threading.Thread(target=run, name="trainapp-spares", daemon=True).start()
+    return done
+
+
 def train_worker(payload: dict[str, Any]) -> None:
     """The per-worker function: the same rank as torchrun's, with snapshots published to Ray."""
     cfg = config.from_dict(payload["config"])
     worker = RayWorker(payload, cfg.ray)
+    spared = keep_spares(cfg.ray.spare_after_s)
     try:
         run_rank(worker, cfg, payload.get("task"))
     except Resized as e:  # the snapshot is written: say so to the controller, and wait to be replaced
@@ -213,6 +240,8 @@ def train_worker(payload: dict[str, Any]) -> None:
         if e.rank == 0:
             print(e.line(), file=sys.stderr, flush=True)
         leave(e.exit_code)
+    finally:
+        spared.set()
 
 
 def comm_worker(payload: dict[str, Any]) -> dict[str, Any]:

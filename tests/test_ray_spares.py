@@ -1,0 +1,114 @@
+"""The spare worker processes' bookkeeping (trainapp/launch/ray/spares.py) without a cluster: which process
+of a job becomes a spare (one that takes a claim), what it imports, how idle spares are counted, and what
+is cleaned up. `_here` (the job's folder on this node, from Ray's runtime context) is a test folder here;
+tests/test_ray_resume.py runs spares on a real cluster (Ray starts them, a restarted group runs in them,
+the job's end ends them)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from trainapp.launch.ray import driver, spares
+
+
+@pytest.fixture
+def here(tmp_path, monkeypatch):
+    folder = tmp_path / "job" / "node"
+    monkeypatch.setattr(spares, "_here", lambda: folder)
+    monkeypatch.delenv(spares.READY, raising=False)
+    return folder
+
+
+def _not_yet_imported(*names: str) -> str:
+    for name in names:
+        assert name not in sys.modules, name
+    return ",".join(names)
+
+
+def test_a_process_that_takes_a_claim_imports_the_modules_and_is_idle_until_taken(here, monkeypatch):
+    monkeypatch.setenv(spares.PRELOAD, _not_yet_imported("xml.dom.pulldom", "no_such_module_anywhere"))
+    spares.want(here, 2)
+    before = time.time()
+    spares.preload()  # the module that does not import is left to the worker's own import: no error here
+    assert "xml.dom.pulldom" in sys.modules
+    assert len(list(here.glob("want-*"))) == 1  # one claim per process
+    assert [p.name for p in here.glob("spare-*")] == [f"spare-{os.getpid()}"]
+    assert spares.idle(here) == 1
+    ready = spares.taken()  # a training worker now runs in it
+    assert ready is not None and before <= ready <= time.time()
+    assert spares.idle(here) == 0 and spares.READY not in os.environ
+    assert spares.taken() is None  # once
+
+
+def test_a_process_ray_starts_for_a_worker_takes_no_claim_and_imports_nothing(here, monkeypatch):
+    monkeypatch.setenv(spares.PRELOAD, _not_yet_imported("xml.dom.expatbuilder"))
+    spares.preload()  # no folder yet
+    here.mkdir(parents=True)
+    spares.preload()  # a folder without claims
+    old = here / "want-old"
+    old.touch()
+    os.utime(old, (time.time() - spares.CLAIM_S - 1,) * 2)
+    spares.preload()  # a stale claim: dropped, not taken
+    assert "xml.dom.expatbuilder" not in sys.modules
+    assert list(here.iterdir()) == [] and spares.READY not in os.environ
+
+
+def test_only_the_training_workers_env_makes_a_spare_and_the_hook_never_raises(here, monkeypatch):
+    spares.want(here, 1)
+    monkeypatch.delenv(spares.PRELOAD, raising=False)
+    spares.preload()  # the controller, a probe, any other process of the job
+    assert len(list(here.glob("want-*"))) == 1
+    monkeypatch.setenv(spares.PRELOAD, "json")
+
+    def no_ray():
+        raise RuntimeError("Ray is not initialized")
+
+    monkeypatch.setattr(spares, "_here", no_ray)
+    spares.preload()  # Ray ends a process whose hook raises: this one returns
+    assert spares.READY not in os.environ
+
+
+def test_idle_counts_the_spares_alive_and_forgets_the_dead(here):
+    here.mkdir(parents=True)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (here / f"spare-{os.getpid()}").touch()
+    (here / f"spare-{gone.pid}").touch()
+    assert spares.idle(here) == 1
+    assert [p.name for p in here.iterdir()] == [f"spare-{os.getpid()}"]
+
+
+def test_a_top_up_asks_for_what_the_node_lacks_and_prunes_old_jobs(here, monkeypatch):
+    from trainapp.launch.ray.private import prestart
+
+    asked = []
+    monkeypatch.setattr(prestart, "prestart", lambda n, keep_s: asked.append((n, keep_s)))
+    old_job = here.parent.parent / "0a000000"
+    (old_job / "node").mkdir(parents=True)
+    os.utime(old_job, (time.time() - spares.PRUNE_S - 1,) * 2)
+    recent_job = here.parent.parent / "0b000000"
+    recent_job.mkdir()
+    monkeypatch.setattr(spares, "root", lambda: here.parent.parent)
+    assert spares.top_up(3, spares.KEEP_S) == 3
+    assert spares.top_up(3, spares.KEEP_S) == 0  # three claims pending: their processes are starting
+    for claim in list(here.glob("want-*"))[:2]:
+        claim.unlink()  # two spares took theirs, one of them is idle and one was taken since
+    (here / f"spare-{os.getpid()}").touch()
+    assert spares.top_up(3, spares.KEEP_S) == 1
+    assert asked == [(3, spares.KEEP_S), (1, spares.KEEP_S)]
+    assert not old_job.exists() and recent_job.exists()
+
+
+def test_the_driver_reads_the_jobs_own_setup_hook(monkeypatch):
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    assert driver._job_hook() is None
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", '{"runtime_env": {"env_vars": {"A": "1"}}}')
+    assert driver._job_hook() is None
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR",
+                       '{"runtime_env": {"worker_process_setup_hook": "mypkg.setup"}}')
+    assert driver._job_hook() == "mypkg.setup"
