@@ -74,7 +74,7 @@ ROWS = [
      None, "{:.2g}"),
     ("memory", "memory_over_storage_loss_torchrun", "memory tier: time a SIGKILLed worker costs (to the "
      "first resumed step, plus the steps redone), with it / without (storage every 50 steps), torchrun x2, "
-     "100 ms steps", ("<=", 0.5), "{:.3f}"),
+     "SmallCNN at batch 256", ("<=", 0.5), "{:.3f}"),
     ("memory", "memory_recovery_seconds_torchrun", "memory tier: that time with it, torchrun (s)", None,
      "{:.1f}"),
     ("memory", "storage_recovery_seconds_torchrun", "control: without it (storage resumes), torchrun (s)",
