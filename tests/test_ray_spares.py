@@ -90,7 +90,11 @@ def test_a_top_up_asks_for_what_the_node_lacks_and_prunes_old_jobs(here, monkeyp
     monkeypatch.setattr(prestart, "prestart", lambda n, keep_s: asked.append((n, keep_s)))
     old_job = here.parent.parent / "0a000000"
     (old_job / "node").mkdir(parents=True)
-    os.utime(old_job, (time.time() - spares.PRUNE_S - 1,) * 2)
+    long_job = here.parent.parent / "0c000000"  # as old, but a spare of its own still waits
+    (long_job / "node").mkdir(parents=True)
+    (long_job / "node" / f"spare-{os.getpid()}").touch()
+    for job in (old_job, long_job):
+        os.utime(job, (time.time() - spares.PRUNE_S - 1,) * 2)
     recent_job = here.parent.parent / "0b000000"
     recent_job.mkdir()
     monkeypatch.setattr(spares, "root", lambda: here.parent.parent)
@@ -101,7 +105,7 @@ def test_a_top_up_asks_for_what_the_node_lacks_and_prunes_old_jobs(here, monkeyp
     (here / f"spare-{os.getpid()}").touch()
     assert spares.top_up(3, spares.KEEP_S) == 1
     assert asked == [(3, spares.KEEP_S), (1, spares.KEEP_S)]
-    assert not old_job.exists() and recent_job.exists()
+    assert not old_job.exists() and recent_job.exists() and long_job.exists()
 
 
 def test_the_driver_reads_the_jobs_own_setup_hook(monkeypatch):
@@ -112,3 +116,22 @@ def test_the_driver_reads_the_jobs_own_setup_hook(monkeypatch):
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR",
                        '{"runtime_env": {"worker_process_setup_hook": "mypkg.setup"}}')
     assert driver._job_hook() == "mypkg.setup"
+
+
+def test_a_spares_imports_leave_cuda_alone():
+    """A spare imports before Ray gives it a GPU (CUDA_VISIBLE_DEVICES is set when a training worker starts
+    in it): an import that asked CUDA for its devices would fix them to the node's all. In a fresh
+    interpreter, none of the preloaded modules asks."""
+    from trainapp.launch.ray.setup import PRELOADS, train_worker
+
+    code = f"""
+import torch
+asked = []
+real = torch._C._cuda_getDeviceCount
+torch._C._cuda_getDeviceCount = lambda: asked.append(1) or real()
+for name in {list(PRELOADS[train_worker])!r}:
+    __import__(name)
+print(len(asked), torch.cuda.is_initialized())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["0", "False"], out.stdout + out.stderr

@@ -63,10 +63,14 @@ def forget(job_id: str) -> None:
 
 
 def _prune(keep: str) -> None:
+    """Other jobs' folders untouched for PRUNE_S, unless a spare of theirs still lives (a job that has run
+    that long)."""
     now = time.time()
     for job in root().glob("*"):
         try:
-            if job.name != keep and now - job.stat().st_mtime > PRUNE_S:
+            if job.name == keep or now - job.stat().st_mtime <= PRUNE_S:
+                continue
+            if not any(idle(node) for node in job.iterdir()):
                 shutil.rmtree(job, ignore_errors=True)
         except OSError:
             continue
