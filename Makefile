@@ -254,6 +254,7 @@ $(RAY_UNSUPPORTED_VENV)/.installed: $(DEV_STAMP) trainapp/launch/ray/checks.py
 test-ray-oldest: $(RAY_OLDEST_VENV)/.installed $(RAY_UNSUPPORTED_VENV)/.installed ## The Ray tests on the oldest supported Ray (its own venv), and a Ray below the range refused; CI runs it
 	TRAINAPP_RAY_UNSUPPORTED_PYTHON=$(abspath $(RAY_UNSUPPORTED_VENV))/bin/python \
 	  $(RAY_OLDEST_VENV)/bin/python -m pytest --e2e --durations=10 tests/test_ray_compat.py tests/test_ray.py \
+	  tests/test_ray_resume.py \
 	  -k "compat or $(RAY_OLDEST_TESTS)" $(PYTEST_ARGS)
 
 .PHONY: test-fast

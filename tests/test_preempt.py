@@ -364,9 +364,10 @@ def test_the_ranks_agree_on_the_steps_of_a_timed_poll(tmp_path):
     for (_, _, ended), (_, began, _) in zip(polls[0], polls[0][1:]):
         # Due poll_s after the last one ended, polled at the first vote after that: a vote's 50 ms, the
         # ranks' skew (0.2 s) and a step or two later at most, each step as long as it was measured here (a
-        # busy machine holds one many times its 9 ms).
+        # busy machine holds one many times its 9 ms). The vote's clock starts when the poll returned, the
+        # script's `ended` a moment later: a process descheduled in between reads a gap short by as much.
         step = max(b - a for a, b in zip(began_at, began_at[1:]) if ended <= b and a <= began)
-        assert 0.2 <= began - ended <= 0.2 + 0.05 + 0.2 + 2 * step, (began - ended, step, polls[0])
+        assert 0.2 - step <= began - ended <= 0.2 + 0.05 + 0.2 + 2 * step, (began - ended, step, polls[0])
     # Many steps apart on average (one interval may hold fewer where a second suite slows the steps).
     assert (steps[-1] - steps[0]) / (len(steps) - 1) >= 5, steps
 
