@@ -109,15 +109,15 @@ def test_a_sigkilled_ray_worker_resumes_from_memory_in_spare_processes_redoing_a
         found = cluster.spare_pids()
         return found if len(found) == 2 else None
 
-    proc = submit_background(cluster, "memory", *args)
-    try:
-        pids = training_worker_pids(run_dir)
-        waiting = wait_until(two_spares, "two idle spares", 120)
-        killed_at = time.time()
-        os.kill(pids[-1], signal.SIGKILL)
-    finally:
-        rc, out = finish(proc)
-    try:
+    try:  # the memory directory goes whatever fails
+        proc = submit_background(cluster, "memory", *args)
+        try:
+            pids = training_worker_pids(run_dir)
+            waiting = wait_until(two_spares, "two idle spares", 120)
+            killed_at = time.time()
+            os.kill(pids[-1], signal.SIGKILL)
+        finally:
+            rc, out = finish(proc)
         assert rc == 0, out[-4000:]
         before, resumed = redone_steps(run_dir)
         assert before - resumed <= 1 and resumed < 40, (before, resumed)
