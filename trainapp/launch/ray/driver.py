@@ -66,10 +66,10 @@ def _torch_config(cfg: Config, threads: int, worker: Callable[[dict[str, Any]], 
 
 def connect(address: str, hook: str | None = None) -> str:
     """ray.init for the cluster we run in, the one named, or an embedded one, with `hook` as the job's
-    `worker_process_setup_hook` unless the job has one of its own. Returns a description."""
+    `worker_process_setup_hook`. Returns a description."""
     import ray
 
-    env = {"worker_process_setup_hook": hook} if hook and not _job_hook() else None
+    env = {"worker_process_setup_hook": hook} if hook else None
     try:
         if address:
             ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True, runtime_env=env)
@@ -308,7 +308,7 @@ def _fit_connected(cfg: Config, timeline: Timeline, gate: StartGate, address: st
     if theirs:
         log.warning("ray.spare_workers: off for this job: its runtime_env has a worker_process_setup_hook "
                     "of its own (%s), and a job has only one", theirs)
-    where = connect(address, spares.HOOK if spare else None)
+    where = connect(address, spares.HOOK if spare and not theirs else None)
     timeline.mark("driver_connected")
     import ray
 
