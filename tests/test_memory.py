@@ -83,6 +83,40 @@ def test_a_slot_reads_back_what_was_written_and_a_changed_byte_fails_its_check(s
     assert not slots.check(bytes(torn))
 
 
+Pair = collections.namedtuple("Pair", "a b")
+
+
+def test_a_slot_keeps_its_views_while_the_layout_holds_and_reads_back_any_layout(shm):
+    """Tensors in any layout (transposed, channels_last, in a named tuple, one met twice, int, bool,
+    complex): read back equal. A slot written again with the same dtypes and shapes keeps its mapping;
+    one whose shapes change, or whose pickled part outgrows the slot's room, is remade and reads back."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(5, 7, generator=g)
+    conv = torch.randn(4, 3, 5, 5, generator=g).to(memory_format=torch.channels_last)
+
+    def state(step: int, rows: int = 5, note: str = "") -> dict:
+        shared = torch.arange(6) * step
+        return {"t": w.t() * step, "conv": conv * step, "again": shared, "step": step, "note": note,
+                "pair": Pair(torch.ones(2, dtype=torch.bool), shared), "z": torch.full((3,), 1 + 2j) * step,
+                "rows": torch.randn(rows, 2, generator=g)}
+
+    slot = slots.SlotFile(shm / "own-00000.0")
+    try:
+        for step, kwargs in enumerate([{}, {}, {"rows": 9}, {"note": "x" * (2 * slots.SLACK)}], start=1):
+            mapping = slot.map
+            want = state(step, **kwargs)
+            head = slot.write(want, seq=step, step=step)
+            assert (slot.map is mapping) == (step == 2), step  # kept only while the layout held and fitted
+            data = slots.read_raw(head.path)  # what a restart reads: the slot's bytes, not the file's room
+            assert slots.check(data) and data == slots.read_bytes(head)
+            got = slots.decode(data)
+            assert _equal(got, want) and type(got["pair"]) is Pair
+            assert got["again"] is got["pair"].b  # one tensor met twice is one tensor read back
+            assert got["t"].is_contiguous() and torch.equal(got["conv"], conv * step)
+    finally:
+        slot.close()
+
+
 def _writer(path_base: Path, kill_at: int) -> None:
     """A process that writes states 1, 2, ... into two alternating slots and SIGKILLs itself halfway
     through the write of state `kill_at`."""

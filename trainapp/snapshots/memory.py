@@ -382,20 +382,15 @@ def _transfer(side: DistContext, plan: list[tuple[int, int, str, str]], rank: in
     for owner, holder, path, _ in plan:
         if owner == holder:
             if owner == rank:
-                mine = _read(path)
+                mine = slots.read_raw(path)
             continue
         if rank == holder:
-            _send(side, _read(path) or b"", owner)
+            _send(side, slots.read_raw(path) or b"", owner)
         elif rank == owner:
             mine = _recv(side, holder)
     return mine or None
 
 
-def _read(path: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError:
-        return b""
 
 
 def _send(side: DistContext, data: bytes, dst: int) -> None:

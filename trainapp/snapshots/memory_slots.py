@@ -2,10 +2,16 @@
 `/dev/shm`, which outlives the training process), written then committed with a sequence number and a
 checksum, so that a copy a SIGKILL interrupted is never read.
 
-A slot file is a 64-byte header, the pickled skeleton of the state (its tensors replaced by their index)
-and the tensors' bytes, each 64-byte aligned. The header is written twice: first with sequence 0 (the slot
-is being written: invalid), last with the new sequence number and the payload's checksum. Of an owner's
-two slots the valid one with the higher sequence number is the newest; writing always goes to the other.
+A slot file is a 64-byte header, the tensors' bytes (each at a 64-byte aligned offset) and the pickled
+state with every tensor replaced by its index, after the list of the tensors' offsets, dtypes and shapes.
+The header is written twice: first with sequence 0 (the slot is being written: invalid), last with the
+new sequence number and the payload's checksum. Of an owner's two slots the valid one with the higher
+sequence number is the newest; writing always goes to the other.
+
+A copy runs at every step, so it is made cheap: the tensors come first, at offsets that depend only on
+their dtypes and shapes, so a slot keeps its typed views of them from one copy to the next and a copy is
+one `torch._foreach_copy_` into them; pickle's own walk (in C) finds the tensors (`reducer_override`),
+where a walk in Python took four times as long.
 """
 
 from __future__ import annotations
@@ -22,11 +28,12 @@ import numpy as np
 import torch
 import xxhash
 
-from trainapp.snapshots.loadable import same_kind
-
-MAGIC = b"TAMEMv01"
-HEADER = struct.Struct("<8sQQQQQ24x")  # magic, sequence, step, skeleton bytes, payload bytes, checksum
+MAGIC = b"TAMEMv02"
+HEADER = struct.Struct("<8sQQQQQ24x")  # magic, sequence, step, tensor bytes, pickle bytes, checksum
 ALIGN = 64
+SLACK = 64 * 1024
+"""Room a slot's file keeps after the pickled state, so that a state whose numbers grow by a few bytes
+(a step count, a longer name) does not remake the mapping and its views."""
 
 
 @dataclass(frozen=True)
@@ -38,71 +45,59 @@ class Slot:
     step: int
     checksum: int
     size: int
+    """The payload's bytes (the tensors' and the pickle's), after the header."""
 
 
-class _Ref:
-    """A tensor's place in the skeleton: its index among the payload's tensors."""
-
-    def __init__(self, index: int):
-        self.index = index
+def _tensor(index: int) -> Any:
+    """What the pickled state names for its `index`-th tensor; `decode` puts the tensor in its place."""
+    raise pickle.UnpicklingError("a memory slot's state is read by memory_slots.decode")
 
 
-def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """`obj` with every tensor replaced by a `_Ref` (the tensors appended to `tensors`, on the CPU)."""
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj.detach())
-        return _Ref(len(tensors) - 1)
-    if isinstance(obj, dict):
-        return same_kind(obj, {k: _split(v, tensors) for k, v in obj.items()})
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        if set(map(type, obj)) <= _PLAIN:  # numbers alone (a generator's state): as they are, at C speed
-            return obj
-        return type(obj)(_split(v, tensors) for v in obj)
-    return obj
+class _Pickler(pickle.Pickler):
+    """Pickles a state with each tensor replaced by its index in `tensors` (a tensor that is in the state
+    twice is stored once, as pickle keeps any object)."""
 
+    def __init__(self, buf: io.BytesIO):
+        super().__init__(buf, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list[torch.Tensor] = []
 
-_PLAIN = frozenset({int, float, bool, str, bytes, type(None)})
-
-
-def _join(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, _Ref):
-        return tensors[obj.index]
-    if isinstance(obj, dict):
-        return same_kind(obj, {k: _join(v, tensors) for k, v in obj.items()})
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_join(v, tensors) for v in obj)
-    return obj
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            self.tensors.append(obj)
+            return _tensor, (len(self.tensors) - 1,)
+        return NotImplemented
 
 
 def _pad(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def encode(state: Any) -> tuple[bytes, list[torch.Tensor], list[int]]:
-    """(the skeleton's bytes, the tensors, each tensor's offset in the payload after the skeleton)."""
-    tensors: list[torch.Tensor] = []
-    skeleton = _split(state, tensors)
-    specs = [(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in tensors]
-    buf = io.BytesIO()
-    pickle.dump((skeleton, specs), buf, protocol=pickle.HIGHEST_PROTOCOL)
-    head = buf.getvalue()
-    offsets, at = [], _pad(len(head))
+def _layout(tensors: list[torch.Tensor]) -> tuple[list[tuple[int, str, tuple[int, ...]]], int]:
+    """Each tensor's (offset, dtype, shape) in the tensors' bytes, and those bytes' size."""
+    specs, at = [], 0
     for t in tensors:
-        offsets.append(at)
+        specs.append((at, str(t.dtype).removeprefix("torch."), tuple(t.shape)))
         at = _pad(at + t.numel() * t.element_size())
-    return head, tensors, offsets + [at]
+    return specs, at
 
 
 class SlotFile:
-    """One slot file kept open and mapped between writes (the mapping is remade only when the size of the
-    state changes): a copy is one pass over the tensors' bytes, no page faults of a fresh mapping."""
+    """One slot file kept open and mapped between writes, with typed views of where each tensor goes: while
+    the tensors' dtypes and shapes stay the same (as a training state's do), a copy makes no view and no
+    mapping, it copies the tensors' bytes and pickles the rest."""
 
     def __init__(self, path: Path):
         self.path = path
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         self.size = -1
         self.map: Any = None
-        self.view: torch.Tensor | None = None
+        self.key: list[tuple[torch.dtype, torch.Size]] | None = None
+        """The dtypes and shapes `dsts` and `specs` were made for."""
+        self.dsts: list[torch.Tensor] = []
+        self.specs = b""
+        """The pickled list of the tensors' (offset, dtype, shape)."""
+        self.region = 0
+        """The tensors' bytes."""
 
     @property
     def seq(self) -> int:
@@ -110,42 +105,69 @@ class SlotFile:
         head = header(self.path)
         return head.seq if head is not None else -1
 
-    def _mapping(self, size: int) -> torch.Tensor:
-        if size != self.size or self.view is None:
-            self.view = None
-            if self.map is not None:
-                self.map.close()
-            os.ftruncate(self.fd, size)
-            self.map, self.size = _mapped(self.fd, size), size
-            self.view = torch.frombuffer(self.map, dtype=torch.uint8)
-        return self.view
+    def _views(self, tensors: list[torch.Tensor], pickled: int) -> list[torch.Tensor]:
+        """Where each of `tensors` goes (the mapping made again when the tensors' dtypes or shapes changed,
+        or when it has no room for `pickled` bytes of pickle after them); kept for the next write."""
+        key = [(t.dtype, t.shape) for t in tensors]
+        if key == self.key and HEADER.size + self.region + len(self.specs) + pickled <= self.size:
+            return self.dsts
+        self._unmap()
+        specs, self.region = _layout(tensors)
+        self.specs = pickle.dumps(specs, protocol=pickle.HIGHEST_PROTOCOL)
+        size = HEADER.size + self.region + len(self.specs) + pickled + SLACK
+        os.ftruncate(self.fd, size)
+        self.map, self.size = _mapped(self.fd, size), size
+        body = torch.frombuffer(self.map, dtype=torch.uint8)[HEADER.size:]
+        self.dsts = [body[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                     for (at, _, _), t in zip(specs, tensors)]
+        self.key = key
+        return self.dsts
+
+    def _unmap(self) -> None:
+        self.dsts, self.key = [], None  # views into the mapping: gone before it is closed
+        if self.map is not None:
+            self.map.close()
+            self.map = None
 
     def write(self, state: Any, seq: int, step: int, midway: Callable[[], None] | None = None) -> Slot:
         """`state` (a tree of dicts, lists and tensors, any picklable leaves) into this slot, committed last:
         a crash at any point leaves either the old valid slot or an invalid one. `midway` is called with
         half the tensors written (a drill's kill)."""
-        head, tensors, offsets = encode(state)
-        size = offsets[-1]
-        os.pwrite(self.fd, HEADER.pack(MAGIC, 0, step, len(head), size, 0), 0)  # invalid from here on
-        body = self._mapping(HEADER.size + size)[HEADER.size:]
-        body[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-        for k, (t, at) in enumerate(zip(tensors, offsets)):
-            if midway is not None and k == len(tensors) // 2:
+        os.pwrite(self.fd, HEADER.pack(MAGIC, 0, step, 0, 0, 0), 0)  # invalid from here on
+        buf = io.BytesIO()
+        pickler = _Pickler(buf)
+        pickler.dump(state)
+        tensors = pickler.tensors
+        dsts = self._views(tensors, buf.tell())
+        rest = self.specs + buf.getvalue()
+        half = len(tensors) // 2
+        with torch.no_grad():
+            _copy(dsts[:half], tensors[:half])
+            if midway is not None:
                 midway()
-            n = t.numel() * t.element_size()
-            if n:
-                body[at:at + n].copy_(t.reshape(-1).view(torch.uint8) if t.is_contiguous()
-                                      else t.contiguous().reshape(-1).view(torch.uint8))
-        checksum = xxhash.xxh3_64_intdigest(memoryview(self.map)[HEADER.size:])
-        os.pwrite(self.fd, HEADER.pack(MAGIC, seq, step, len(head), size, checksum), 0)  # the commit
-        return Slot(self.path, seq, step, checksum, size)
+            _copy(dsts[half:], tensors[half:])
+        payload = self.region + len(rest)
+        with memoryview(self.map) as mv:
+            mv[HEADER.size + self.region:HEADER.size + payload] = rest
+            checksum = xxhash.xxh3_64_intdigest(mv[HEADER.size:HEADER.size + payload])
+        os.pwrite(self.fd, HEADER.pack(MAGIC, seq, step, self.region, len(rest), checksum), 0)  # the commit
+        return Slot(self.path, seq, step, checksum, payload)
 
     def close(self) -> None:
-        self.view = None
-        if self.map is not None:
-            self.map.close()
-            self.map = None
+        self._unmap()
         os.close(self.fd)
+
+
+def _copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """Each source into its view: one foreach copy when every source is in CPU memory (a GPU's tensors
+    go one by one, each a copy to the host)."""
+    if not srcs:
+        return
+    if all(t.device.type == "cpu" for t in srcs):
+        torch._foreach_copy_(dsts, srcs)
+    else:
+        for d, t in zip(dsts, srcs):
+            d.copy_(t)
 
 
 def write(path: Path, state: Any, seq: int, step: int, midway: Callable[[], None] | None = None) -> Slot:
@@ -161,8 +183,8 @@ def write_raw(path: Path, data: bytes) -> None:
     """A whole slot file's bytes (checked by `check`: another node's copy) into `path`, committed last."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        magic, seq, step, skeleton, payload, checksum = HEADER.unpack_from(data)
-        os.pwrite(fd, HEADER.pack(magic, 0, step, skeleton, payload, 0), 0)
+        magic, seq, step, region, pickled, checksum = HEADER.unpack_from(data)
+        os.pwrite(fd, HEADER.pack(magic, 0, step, region, pickled, 0), 0)
         os.ftruncate(fd, len(data))
         os.pwrite(fd, memoryview(data)[HEADER.size:], HEADER.size)
         os.pwrite(fd, data[:HEADER.size], 0)
@@ -177,8 +199,8 @@ def _mapped(fd: int, size: int) -> Any:
 
 
 def header(path: Path) -> Slot | None:
-    """The slot's header when it is committed (a sequence number, the file whole), else None: a missing,
-    short, torn or foreign file. The checksum is checked when the slot is read (`read`)."""
+    """The slot's header when it is committed (a sequence number, the file long enough), else None: a
+    missing, short, torn or foreign file. The checksum is checked when the slot is read (`read_bytes`)."""
     try:
         with open(path, "rb") as f:
             raw = f.read(HEADER.size)
@@ -187,49 +209,72 @@ def header(path: Path) -> Slot | None:
         return None
     if len(raw) < HEADER.size:
         return None
-    magic, seq, step, _, payload, checksum = HEADER.unpack(raw)
-    if magic != MAGIC or seq == 0 or size != HEADER.size + payload:
+    magic, seq, step, region, pickled, checksum = HEADER.unpack(raw)
+    if magic != MAGIC or seq == 0 or size < HEADER.size + region + pickled:
         return None
-    return Slot(path, seq, step, checksum, payload)
+    return Slot(path, seq, step, checksum, region + pickled)
 
 
 def read_bytes(slot: Slot) -> bytes | None:
-    """The slot file's bytes (header and payload) if its checksum holds, else None."""
-    try:
-        data = Path(slot.path).read_bytes()
-    except OSError:
-        return None
+    """The slot's bytes (header and payload, without the file's slack) if its checksum holds, else None."""
+    data = read_raw(slot.path)
     return data if check(data, slot) else None
 
 
+def read_raw(path: Path | str) -> bytes:
+    """A slot file's header and the payload it says it has (b"" when unreadable), unchecked."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(HEADER.size)
+            if len(raw) < HEADER.size:
+                return raw
+            _, _, _, region, pickled, _ = HEADER.unpack(raw)
+            return raw + f.read(region + pickled)
+    except OSError:
+        return b""
+
+
 def check(data: bytes, slot: Slot | None = None) -> bool:
-    """Whether `data` (a whole slot file) is committed and its payload matches its checksum (and, given
-    `slot`, is that write)."""
+    """Whether `data` (a slot's bytes, as `read_bytes` gives them) is committed and its payload matches its
+    checksum (and, given `slot`, is that write)."""
     if len(data) < HEADER.size:
         return False
-    magic, seq, step, _, payload, checksum = HEADER.unpack_from(data)
-    if magic != MAGIC or seq == 0 or len(data) != HEADER.size + payload:
+    magic, seq, step, region, pickled, checksum = HEADER.unpack_from(data)
+    if magic != MAGIC or seq == 0 or len(data) != HEADER.size + region + pickled:
         return False
     if slot is not None and (seq, step, checksum) != (slot.seq, slot.step, slot.checksum):
         return False
     return xxhash.xxh3_64_intdigest(memoryview(data)[HEADER.size:]) == checksum
 
 
+class _Unpickler(pickle.Unpickler):
+    """Unpickles a slot's state, each tensor index given its tensor."""
+
+    def __init__(self, buf: io.BytesIO, tensors: list[torch.Tensor]):
+        super().__init__(buf)
+        self.tensors = tensors
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == (__name__, _tensor.__name__):
+            return self.tensors.__getitem__
+        return super().find_class(module, name)
+
+
 def decode(data: bytes) -> Any:
-    """The state of a slot file's bytes (checked by `check` first)."""
-    _, _, _, skeleton_len, _, _ = HEADER.unpack_from(data)
+    """The state of a slot's bytes (checked by `check` first): its tensors copied out of `data`."""
+    _, _, _, region, _, _ = HEADER.unpack_from(data)
     body = memoryview(data)[HEADER.size:]
-    skeleton, specs = pickle.loads(body[:skeleton_len])
-    tensors, at = [], _pad(skeleton_len)
-    for dtype, shape in specs:
+    buf = io.BytesIO(body[region:])
+    specs = pickle.load(buf)
+    tensors = []
+    for at, dtype, shape in specs:
         t = torch.empty(shape, dtype=getattr(torch, dtype))
         n = t.numel() * t.element_size()
         if n:
             raw = np.frombuffer(body, dtype=np.uint8, count=n, offset=at)
             t.reshape(-1).view(torch.uint8).numpy()[:] = raw
         tensors.append(t)
-        at = _pad(at + n)
-    return _join(skeleton, tensors)
+    return _Unpickler(buf, tensors).load()
 
 
 def newest(paths: list[Path]) -> Slot | None:
