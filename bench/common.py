@@ -37,6 +37,33 @@ def write_result(out: Path, result: dict) -> None:
     out.write_text(json.dumps(result, indent=2) + "\n")
 
 
+MEMORY_TIER_KEYS = ("memory_recovery_seconds", "memory_recovery_seconds_torchrun", "storage_recovery_seconds",
+                    "storage_recovery_seconds_torchrun", "memory_over_storage_loss",
+                    "memory_over_storage_loss_torchrun", "memory_tier_measured")
+"""bench/memory.py's time per failure, kept in bench/results/launchers.json beside the launchers' own
+recovery times (where issue 69 asked for them); `memory_tier_measured` says when, where and from which
+file. bench/launchers.py keeps them when it writes that file again."""
+
+
+def memory_tier_keys(result: dict, source: Path) -> dict:
+    """The MEMORY_TIER_KEYS of bench/memory.py's `result` (written to `source`)."""
+    keys = {k: result[k] for k in MEMORY_TIER_KEYS if k in result}
+    keys["memory_tier_measured"] = {"by": "bench/memory.py", "file": source.name, "date": result.get("date"),
+                                    "machine": result.get("machine")}
+    return keys
+
+
+def kept_memory_tier_keys(out: Path) -> dict:
+    """The MEMORY_TIER_KEYS already in the launchers' result `out` (none when it is not there)."""
+    import json
+
+    try:
+        old = json.loads(out.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: old[k] for k in MEMORY_TIER_KEYS if k in old}
+
+
 def overrides(steps: int, snapshot_every: int, *extra: str) -> list[str]:
     """The benchmarks' run: the built-in model on 2048 synthetic images, `steps` steps."""
     return [f"train.max_steps={steps}", "train.epochs=100", f"snapshot.every_steps={snapshot_every}",

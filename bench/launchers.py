@@ -45,6 +45,7 @@ from bench.common import (
     REPO,
     first_step_after_restart,
     first_step_start,
+    kept_memory_tier_keys,
     launch_cmd,
     overrides,
     records,
@@ -529,6 +530,7 @@ def main() -> int:
         "kill_rounds": args.kill_rounds, "spare_core_rounds": args.spare_core_rounds, "smoke": args.smoke,
         "machine": describe(), "date": time.strftime("%Y-%m-%d"),
     })
+    result.update(kept_memory_tier_keys(out))  # bench/memory.py's, measured apart
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()
