@@ -26,6 +26,10 @@ code 2 (tests/test_gpu_path.py runs it so). With CUDA, in this order:
                      resumes from step 10 and ends with the straight run's parameters, bit for bit
                      (every tensor of model/model.safetensors equal under torch.equal, and the final
                      snapshots' `params_sha256`); char_lm with dropout 0.1 (the CUDA generator resumed)
+                     (every pair with `snapshot.memory_every_steps=0`: storage resumes it)
+    d-memory-char_lm the char_lm pair with a memory-tier copy every step (the GPU's tensors copied to a
+                     slot in /dev/shm): the twin resumes from memory at step 12 (`resumed_tier` memory)
+                     and ends equal to d-bitwise-char_lm's straight run; its memory directory left empty
     d-nondet-image   INFO: the same pair of the image task without `train.deterministic` (cuDNN's
                      autotuner on, TF32): bitwise equal or not, and by how much it differs
     e-cpu            `dist.device=cpu` on the GPU machine trains on the CPU (start record device cpu)
@@ -98,8 +102,11 @@ TASKS = {
 CUDA = ["dist.device=cuda"]
 BITWISE = ["train.max_steps=24", "train.epochs=10", "snapshot.every_steps=5", "train.grad_accum=2",
            "train.ema_decay=0.9", "train.eval_every=10"]
-KILL_AT, RESUME_AT = 13, 10
-"""The drill kills after step 13; the snapshot of step 10 (every 5) is where the twin resumes."""
+STORAGE_ONLY = ["snapshot.memory_every_steps=0"]
+"""The bitwise pairs resume from storage: the memory tier (default `auto`) would resume them from memory."""
+KILL_AT, RESUME_AT, MEMORY_RESUME_AT = 13, 10, 12
+"""The drill kills after step 13: the snapshot of step 10 (every 5) is where the twin resumes from storage,
+the copy of step 12 where it resumes from memory (a copy every step; the kill comes before step 13's)."""
 
 
 class OutOfTime(Exception):
@@ -306,7 +313,8 @@ def compare_models(a: Path, b: Path) -> dict[str, Any]:
 def bitwise(s: Session, name: str, task: str, deterministic: bool, extra: tuple[str, ...] = ()) -> Verdict:
     """A straight run and a twin SIGKILLed after step 13 and started again: the same parameters?"""
     v = Verdict(status="" if deterministic else "INFO")
-    args = [*CUDA, *TASKS[task], *BITWISE, *extra, f"train.deterministic={str(deterministic).lower()}"]
+    args = [*CUDA, *TASKS[task], *BITWISE, *STORAGE_ONLY, *extra,
+            f"train.deterministic={str(deterministic).lower()}"]
     straight = s.train(f"{name}-straight", args)
     killed = s.train(f"{name}-killed", [*args, f"drill.kill_at_step={KILL_AT}"])
     resumed = s.train(f"{name}-resumed", [*args, f"drill.kill_at_step={KILL_AT}"], run_dir=killed.run_dir)
@@ -332,6 +340,46 @@ def bitwise(s: Session, name: str, task: str, deterministic: bool, extra: tuple[
         v.numbers["kernels"] = straight.start()["kernels"]
     if deterministic:
         v.need(equal, "the resumed twin's parameters differ from the straight run's")
+    return v
+
+
+def memory_resume(s: Session) -> Verdict:
+    """char_lm with dropout (the CUDA generator is in the copy) and a memory-tier copy every step, killed
+    after step 13 and started again: resumed from memory at step 12, equal to d-bitwise-char_lm's straight
+    run (its own straight run when that one is missing). The copies are the GPU tensors copied to the host."""
+    v = Verdict()
+    base = [*CUDA, *TASKS["char_lm"], *BITWISE, "task.args.dropout=0.1", "train.deterministic=true"]
+    straight_dir = s.scratch / "d-bitwise-char_lm-straight"
+    if not (straight_dir / "model" / "model.safetensors").exists():
+        straight = s.train("d-memory-char_lm-straight", [*base, *STORAGE_ONLY])
+        if not v.ran(straight):
+            return v
+        straight_dir = straight.run_dir
+    shm = Path(tempfile.mkdtemp(prefix="ta-gpu-check-", dir="/dev/shm"))
+    try:
+        args = [*base, "snapshot.memory_every_steps=1", f"snapshot.memory_dir={shm}",
+                f"drill.kill_at_step={KILL_AT}"]
+        killed = s.train("d-memory-char_lm-killed", args)
+        resumed = s.train("d-memory-char_lm-resumed", args, run_dir=killed.run_dir)
+        left = sorted(p.name for p in shm.iterdir())
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    v.numbers["seconds"] = round(killed.seconds + resumed.seconds, 1)
+    if not (v.ran(killed, rc=-signal.SIGKILL) and v.ran(resumed)):
+        return v
+    starts = [(st.get("resumed_step"), st.get("resumed_tier")) for st in resumed.records("start")]
+    v.need(starts == [(None, None), (MEMORY_RESUME_AT, "memory")],
+           f"start records' (resumed_step, resumed_tier) {starts}, expected [(None, None), "
+           f"({MEMORY_RESUME_AT}, 'memory')]")
+    memory = resumed.end().get("memory_tier") or {}
+    models = compare_models(straight_dir, killed.run_dir)
+    shas = (s.params_sha256(straight_dir), s.params_sha256(killed.run_dir))
+    equal = models["differ"] == 0 and shas[0] is not None and shas[0] == shas[1]
+    v.numbers.update(bitwise_equal=equal, tensors_differ=models["differ"],
+                     max_abs_diff=f"{models['max_abs_diff']:.3g}", copy_ms=memory.get("copy_ms"),
+                     left_in_memory=left)
+    v.need(equal, "the twin resumed from memory differs from the straight run")
+    v.need(left in ([], ["node-id"]), f"the finished run left {left} in its memory directory")
     return v
 
 
@@ -548,6 +596,8 @@ def gpu_checks(s: Session) -> list[tuple[str, str, Callable[[], Verdict]]]:
          lambda: bitwise(s, "d-bitwise-image", "image", True)),
         ("d-bitwise-char_lm", "train.deterministic=true, killed and resumed = straight, char_lm with dropout",
          lambda: bitwise(s, "d-bitwise-char_lm", "char_lm", True, ("task.args.dropout=0.1",))),
+        ("d-memory-char_lm", "a memory-tier copy every step: killed at step 13, resumed from memory at 12 "
+         "= straight, char_lm with dropout", lambda: memory_resume(s)),
         ("d-nondet-image", "the same pair without train.deterministic (informational)",
          lambda: bitwise(s, "d-nondet-image", "image", False)),
         ("e-cpu", "dist.device=cpu on a GPU machine trains on the CPU", lambda: on_cpu(s)),
