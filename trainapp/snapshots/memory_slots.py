@@ -10,7 +10,7 @@ sequence number is the newest; writing always goes to the other.
 
 A copy runs at every step, so it is made cheap: the tensors come first, at offsets that depend only on
 their dtypes and shapes, so a slot keeps its typed views of them from one copy to the next and a copy is
-one `torch._foreach_copy_` into them; pickle's own walk (in C) finds the tensors (`reducer_override`),
+a `copy_` of each into its view; pickle's own walk (in C) finds the tensors (`reducer_override`),
 where a walk in Python took four times as long.
 """
 
@@ -141,7 +141,7 @@ class SlotFile:
         dsts = self._views(tensors, buf.tell())
         rest = self.specs + buf.getvalue()
         half = len(tensors) // 2
-        with torch.no_grad():
+        with torch.no_grad():  # a parameter in a task's state copies as its data
             _copy(dsts[:half], tensors[:half])
             if midway is not None:
                 midway()
@@ -159,15 +159,11 @@ class SlotFile:
 
 
 def _copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """Each source into its view: one foreach copy when every source is in CPU memory (a GPU's tensors
-    go one by one, each a copy to the host)."""
-    if not srcs:
-        return
-    if all(t.device.type == "cpu" for t in srcs):
-        torch._foreach_copy_(dsts, srcs)
-    else:
-        for d, t in zip(dsts, srcs):
-            d.copy_(t)
+    """Each source into its view (a GPU's tensor is copied to the host). One `torch._foreach_copy_` for
+    all saved little over these copies once the views are kept (0.12 against 0.15 ms for char_lm's 113
+    tensors), and it is private: trainapp reads torch's private names only in core/, above this layer."""
+    for d, t in zip(dsts, srcs):
+        d.copy_(t)
 
 
 def write(path: Path, state: Any, seq: int, step: int, midway: Callable[[], None] | None = None) -> Slot:
