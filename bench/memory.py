@@ -14,7 +14,9 @@ it, and what its copies cost the steps.
   tier each restart says.
 - Step cost: paired runs under torchrun (2 workers), memory tier on (a copy every step) and off, in
   alternating order, each a median step time over its log intervals (samples/s counts the copies);
-  `memory_snapshot_step_ratio` (SmallCNN), `memory_snapshot_step_ratio_char_lm`, and `control` (off/off).
+  `memory_snapshot_step_ratio` (SmallCNN), `memory_snapshot_step_ratio_char_lm`, and `control` (off/off);
+  also each model's copy time in the run (`MODEL_copy_ms`, the end record's `memory_tier.copy_ms`) and its
+  share of a step without copies (`MODEL_copy_share`), which the machine's drift between runs leaves alone.
 
     python -m bench.memory            # writes bench/results/memory.json
     python -m bench.memory --smoke    # one round of each, short runs
@@ -131,6 +133,7 @@ def step_rounds(work: Path, rounds: int, steps: int) -> dict:
     out: dict = {}
     for model, extra in (("smallcnn", SMALLCNN), ("char_lm", CHAR_LM)):
         got: dict[str, list[float]] = {"on": [], "off": [], "off2": []}
+        copy_ms: list[float] = []
         for r in range(rounds):
             order = ["off", "on", "off2"] if r % 2 == 0 else ["off2", "on", "off"]
             for mode in order:
@@ -144,13 +147,19 @@ def step_rounds(work: Path, rounds: int, steps: int) -> dict:
                                    stderr=subprocess.DEVNULL, timeout=900)
                 finally:
                     shutil.rmtree(memory_dir, ignore_errors=True)
-                got[mode].append(statistics.median(step_times(records(run_dir))))
+                recs = records(run_dir)
+                got[mode].append(statistics.median(step_times(recs)))
+                ends = [r for r in recs if r["kind"] == "end" and (r.get("memory_tier") or {}).get("copy_ms")]
+                copy_ms += [ends[-1]["memory_tier"]["copy_ms"]] if mode == "on" and ends else []
             print(f"{model} round {r}: " + ", ".join(f"{k} {1e3 * v[-1]:.1f} ms" for k, v in got.items()),
                   flush=True)
         key = "memory_snapshot_step_ratio" + ("" if model == "smallcnn" else f"_{model}")
         out[key] = statistics.median(a / b for a, b in zip(got["on"], got["off"]))
         out[f"{key}_control"] = statistics.median(a / b for a, b in zip(got["off2"], got["off"]))
         out[f"{model}_step_ms"] = {k: 1e3 * statistics.median(v) for k, v in got.items()}
+        if copy_ms:  # the copy's own time in the run (its end record), against the step: drift-free
+            out[f"{model}_copy_ms"] = statistics.median(copy_ms)
+            out[f"{model}_copy_share"] = statistics.median(copy_ms) / out[f"{model}_step_ms"]["off"]
     return out
 
 
