@@ -149,8 +149,9 @@ def step_rounds(work: Path, rounds: int, steps: int) -> dict:
                     shutil.rmtree(memory_dir, ignore_errors=True)
                 recs = records(run_dir)
                 got[mode].append(statistics.median(step_times(recs)))
-                ends = [r for r in recs if r["kind"] == "end" and (r.get("memory_tier") or {}).get("copy_ms")]
-                copy_ms += [ends[-1]["memory_tier"]["copy_ms"]] if mode == "on" and ends else []
+                if mode == "on":  # the copy's own time, from the end record
+                    copy_ms += [ms for r in recs if r["kind"] == "end"
+                                and (ms := (r.get("memory_tier") or {}).get("copy_ms"))][-1:]
             print(f"{model} round {r}: " + ", ".join(f"{k} {1e3 * v[-1]:.1f} ms" for k, v in got.items()),
                   flush=True)
         key = "memory_snapshot_step_ratio" + ("" if model == "smallcnn" else f"_{model}")

@@ -310,6 +310,14 @@ def compare_models(a: Path, b: Path) -> dict[str, Any]:
     return {"tensors": len(ta), "differ": len(differ), "max_abs_diff": max(gaps, default=0.0)}
 
 
+def same_params(s: Session, a: Path, b: Path) -> tuple[bool, dict[str, Any], tuple[str | None, str | None]]:
+    """Whether two runs ended with the same parameters (every exported tensor equal and the final
+    snapshots' `params_sha256`), the tensors compared, and the two hashes."""
+    models = compare_models(a, b)
+    shas = (s.params_sha256(a), s.params_sha256(b))
+    return models["differ"] == 0 and shas[0] is not None and shas[0] == shas[1], models, shas
+
+
 def bitwise(s: Session, name: str, task: str, deterministic: bool, extra: tuple[str, ...] = ()) -> Verdict:
     """A straight run and a twin SIGKILLed after step 13 and started again: the same parameters?"""
     v = Verdict(status="" if deterministic else "INFO")
@@ -330,9 +338,7 @@ def bitwise(s: Session, name: str, task: str, deterministic: bool, extra: tuple[
            f"the start record's train.deterministic is {config.get('deterministic')}")
     steps = (straight.end().get("steps"), resumed.end().get("steps"))
     v.need(steps == (24, 24), f"final steps {steps}, expected 24 and 24")
-    models = compare_models(straight.run_dir, killed.run_dir)
-    shas = (s.params_sha256(straight.run_dir), s.params_sha256(killed.run_dir))
-    equal = models["differ"] == 0 and shas[0] is not None and shas[0] == shas[1]
+    equal, models, shas = same_params(s, straight.run_dir, killed.run_dir)
     v.numbers.update(bitwise_equal=equal, tensors=models["tensors"], tensors_differ=models["differ"],
                      max_abs_diff=f"{models['max_abs_diff']:.3g}",
                      snapshot_sha_equal=shas[0] is not None and shas[0] == shas[1])
@@ -372,9 +378,7 @@ def memory_resume(s: Session) -> Verdict:
            f"start records' (resumed_step, resumed_tier) {starts}, expected [(None, None), "
            f"({MEMORY_RESUME_AT}, 'memory')]")
     memory = resumed.end().get("memory_tier") or {}
-    models = compare_models(straight_dir, killed.run_dir)
-    shas = (s.params_sha256(straight_dir), s.params_sha256(killed.run_dir))
-    equal = models["differ"] == 0 and shas[0] is not None and shas[0] == shas[1]
+    equal, models, _ = same_params(s, straight_dir, killed.run_dir)
     v.numbers.update(bitwise_equal=equal, tensors_differ=models["differ"],
                      max_abs_diff=f"{models['max_abs_diff']:.3g}", copy_ms=memory.get("copy_ms"),
                      left_in_memory=left)

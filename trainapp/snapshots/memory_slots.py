@@ -11,7 +11,7 @@ sequence number is the newest; writing always goes to the other.
 A copy runs at every step, so it is made cheap: the tensors come first, at offsets that depend only on
 their dtypes and shapes, so a slot keeps its typed views of them from one copy to the next and a copy is
 a `copy_` of each into its view; pickle's own walk (in C) finds the tensors (`reducer_override`),
-where a walk in Python took four times as long.
+not a walk of the state in Python.
 """
 
 from __future__ import annotations
@@ -159,9 +159,9 @@ class SlotFile:
 
 
 def _copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """Each source into its view (a GPU's tensor is copied to the host). One `torch._foreach_copy_` for
-    all saved little over these copies once the views are kept (0.12 against 0.15 ms for char_lm's 113
-    tensors), and it is private: trainapp reads torch's private names only in core/, above this layer."""
+    """Each source into its view (a GPU's tensor is copied to the host). Not `torch._foreach_copy_`: with
+    the views kept it saves little (docs/benchmarks.md#the-memory-tier), and it is private: trainapp reads
+    torch's private names only in core/, above this layer."""
     for d, t in zip(dsts, srcs):
         d.copy_(t)
 
