@@ -917,8 +917,15 @@ class Smoke:
         step = smoke_assert.max_train_step(self.records())
         if step != KUBERAY_STEPS:
             raise Failure(f"the run on the KubeRay pods ended at step {step}, not {KUBERAY_STEPS}")
+        # The pods' 3 GiB limit leaves no room for a spare beside a training worker: the run says so (a
+        # spare there had Ray's memory monitor end the worker).
+        said = [line for line in self.jobs_api(f"{self.job}/logs").get("logs", "").splitlines()
+                if "ray.spare_workers:" in line]
+        for line in said:
+            log(f"the job said: {line.strip()}")
         self.summaries.append(f"the RayCluster's pods as KubeRay {kuberay.KUBERAY_VERSION} builds them "
-                              f"trained {KUBERAY_STEPS} steps")
+                              f"trained {KUBERAY_STEPS} steps"
+                              + (f" ({len(said)} line(s) on spares without memory)" if said else ""))
 
     def liveness(self) -> None:
         """A copy of the worker template whose liveness probe checks a port nothing listens on: the runner

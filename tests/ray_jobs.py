@@ -104,3 +104,13 @@ def redone_steps(run_dir: Path) -> tuple[int, int]:
     assert len(starts) >= 2, "no restart recorded"
     before = max(r["step"] for r in records[starts[0]:starts[1]] if r["kind"] == "train")
     return before, records[starts[1]]["resumed_step"]
+
+
+def one_record(run_dir: Path, kind: str, out: str) -> dict:
+    """The run's one `kind` record. None or several: fails with the records' kinds (steps and evals left
+    out) and the job's lines about resizes and failures, which say what happened instead."""
+    found = metrics(run_dir, kind)
+    kinds = [r.get("kind") for r in metrics(run_dir) if r.get("kind") not in ("train", "eval")]
+    said = [line for line in out.splitlines() if "resiz" in line or "fail" in line]
+    assert len(found) == 1, (kind, kinds, said[-20:])
+    return found[0]

@@ -13,7 +13,10 @@ import time
 
 import pytest
 
-from trainapp.launch.ray import driver, spares
+from trainapp.launch.ray import driver, node_memory, spares
+
+GIB = 2**30
+ROOMY = node_memory.Memory(used=1 * GIB, total=64 * GIB)
 
 
 @pytest.fixture
@@ -98,14 +101,84 @@ def test_a_top_up_asks_for_what_the_node_lacks_and_prunes_old_jobs(here, monkeyp
     recent_job = here.parent.parent / "0b000000"
     recent_job.mkdir()
     monkeypatch.setattr(spares, "root", lambda: here.parent.parent)
-    assert spares.top_up(3, spares.KEEP_S) == 3
-    assert spares.top_up(3, spares.KEEP_S) == 0  # three claims pending: their processes are starting
+    assert spares.top_up(3, spares.KEEP_S, ROOMY) == 3
+    assert spares.top_up(3, spares.KEEP_S, ROOMY) == 0  # three claims pending: their processes are starting
     for claim in list(here.glob("want-*"))[:2]:
         claim.unlink()  # two spares took theirs, one of them is idle and one was taken since
     (here / f"spare-{os.getpid()}").touch()
-    assert spares.top_up(3, spares.KEEP_S) == 1
+    assert spares.top_up(3, spares.KEEP_S, ROOMY) == 1
     assert asked == [(3, spares.KEEP_S), (1, spares.KEEP_S)]
     assert not old_job.exists() and recent_job.exists() and long_job.exists()
+
+
+def test_a_top_up_asks_only_for_the_spares_the_nodes_memory_has_room_for(here, monkeypatch, capsys):
+    """The KubeRay pods of the container smoke (a 3 GiB limit, a training worker of 1.4 GiB) had Ray's
+    memory monitor end the training worker once a spare started beside it: a spare is asked for only where
+    it fits below Ray's kill line, with `MARGIN` to spare, at the memory's peak; fewer is said in a line."""
+    from trainapp.launch.ray.private import prestart
+
+    asked = []
+    monkeypatch.setattr(prestart, "prestart", lambda n, keep_s: asked.append(n))
+    monkeypatch.setattr(spares, "root", lambda: here.parent.parent)
+    monkeypatch.delenv(node_memory.THRESHOLD_ENV, raising=False)
+    monkeypatch.delenv(node_memory.REFRESH_ENV, raising=False)
+    here.mkdir(parents=True)
+    (here.parent.parent / spares.COST).write_text(f"{GIB // 2}\n")  # a spare of the node said 0.5 GiB
+    assert spares.cost() == GIB // 2
+    pod = node_memory.Memory(used=int(2.2 * GIB), total=3 * GIB)  # 0.95 - 0.05 of 3 GiB: 2.7 GiB
+    assert spares.room(pod, GIB // 2, node_memory.kill_at()) == 1
+    assert spares.top_up(2, spares.KEEP_S, pod) == 1
+    line = capsys.readouterr().err
+    assert line.startswith("trainapp: ray.spare_workers: 1 of 2 spare process(es) on this node") \
+        and "2.20 of 3.00 GiB" in line and "from 95% of it" in line and "0.50 GiB" in line, line
+    for claim in here.glob("want-*"):
+        claim.unlink()
+    full = node_memory.Memory(used=int(2.3 * GIB), total=3 * GIB)
+    assert spares.top_up(1, spares.KEEP_S, full) == 0 and asked == [1]
+    assert "0 of 1 spare process(es)" in capsys.readouterr().err
+    monkeypatch.setenv(node_memory.THRESHOLD_ENV, "0.99")  # the node's Ray kills later: room again
+    assert spares.top_up(1, spares.KEEP_S, full) == 1 and asked == [1, 1]
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv(node_memory.REFRESH_ENV, "0")  # Ray's monitor off: only the kernel's limit counts
+    assert node_memory.kill_at() == 1.0
+
+
+def test_a_spare_says_what_it_costs_and_the_node_memory_is_counted_as_rays_monitor_counts_it(here,
+                                                                                              monkeypatch):
+    monkeypatch.setattr(spares, "root", lambda: here.parent.parent)
+    assert spares.cost() == spares.COST_BEFORE  # no spare on this node yet
+    monkeypatch.setenv(spares.PRELOAD, "json")
+    spares.want(here, 1)
+    spares.preload()
+    said = spares.cost()
+    assert said != spares.COST_BEFORE and 0.5 * said < node_memory.private_bytes() < 2 * said
+    spares.taken()
+    # This machine's memory by our rule and by Ray's own, a moment apart.
+    from ray._private.utils import get_used_memory
+
+    ours = node_memory.read()
+    assert abs(ours.used - get_used_memory()) < 256 * 2**20, (ours, get_used_memory())
+    assert 0 < ours.used < ours.total
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_node_memory_of_a_container_is_its_cgroups_less_file_cache_against_its_limit(tmp_path, version):
+    """Ray's rule, on the files of a container's memory cgroup (v1 and v2), as Ray reads them."""
+    if version == 1:
+        (tmp_path / "memory").mkdir()
+        files = {"memory/memory.usage_in_bytes": 3000, "memory/memory.limit_in_bytes": 8000,
+                 "memory/memory.stat": "cache 9\ntotal_inactive_file 500\ntotal_active_file 300\n"}
+    else:
+        files = {"memory.current": 3000, "memory.max": 8000,
+                 "memory.stat": "anon 2000\ninactive_file 500\nactive_file 300\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(f"{text}\n")
+    assert node_memory.read(tmp_path) == node_memory.Memory(used=2200, total=8000)
+    if version == 2:
+        (tmp_path / "memory.max").write_text("max\n")  # no limit: the machine's memory
+        import psutil
+
+        assert node_memory.read(tmp_path) == node_memory.Memory(2200, psutil.virtual_memory().total)
 
 
 def test_the_driver_reads_the_jobs_own_setup_hook(monkeypatch):

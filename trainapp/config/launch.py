@@ -150,7 +150,9 @@ class RaySection:
     """Keep, on each node, one idle worker process per training worker there with the training worker's
     imports done (Ray Train, torch, trainapp), so that the group Ray Train starts after a failure begins
     in those processes instead of fresh ones, seconds sooner (docs/ray.md, "Spare workers"). A spare
-    holds a process's host memory (with torch imported) while the job lasts, and no GPU memory."""
+    holds a process's host memory (with torch imported) while the job lasts, and no GPU memory: a node
+    gets only the spares its memory has room for below Ray's memory monitor's threshold (one line says
+    so when that is fewer)."""
     spare_after_s: float = Field(default=30.0, ge=0)
     """Seconds after a worker starts before its node's spares start: each spare's imports take seconds of a
     CPU core beside the steps, which a run that ends sooner need not pay."""

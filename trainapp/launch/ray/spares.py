@@ -25,10 +25,13 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
+import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
+
+from trainapp.launch.ray import node_memory
 
 HOOK = "trainapp.launch.ray.spares.preload"
 PRELOAD = "TRAINAPP_RAY_PRELOAD"
@@ -41,6 +44,14 @@ CLAIM_S = 120.0
 """A claim file this old is stale (its process never started, or started for another claim) and dropped."""
 
 
+COST = "spare-bytes"
+"""In the node's folder of spares: the private bytes of the newest spare there, once its imports were done
+(its cost to the node's memory)."""
+COST_BEFORE = 512 * 2**20
+"""A spare's cost before one on the node has said (spares measured 0.27 to 0.45 GB: docs/ray.md)."""
+MARGIN = 0.05
+"""The share of the node's memory left free below Ray's kill line after the spares: the steps' memory
+peaks between the samples the training worker takes of it."""
 PRUNE_S = 24 * 3600.0
 """A job's folder untouched this long is another job's leftover (its driver's node removes it at the end;
 the other nodes' stay until this): the next top-up on the node removes it."""
@@ -68,7 +79,7 @@ def _prune(keep: str) -> None:
     now = time.time()
     for job in root().glob("*"):
         try:
-            if job.name == keep or now - job.stat().st_mtime <= PRUNE_S:
+            if job.name == keep or not job.is_dir() or now - job.stat().st_mtime <= PRUNE_S:
                 continue
             if not any(idle(node) for node in job.iterdir()):
                 shutil.rmtree(job, ignore_errors=True)
@@ -102,8 +113,24 @@ def preload() -> None:
         ready = time.time()
         (here / f"spare-{os.getpid()}").write_text(f"{ready}\n")
         os.environ[READY] = str(ready)
+        _say_cost()
     except Exception:  # a hook that raises ends the process; without a spare nothing is lost
         return
+
+
+def _say_cost() -> None:
+    """Leave this spare's private bytes for the node's next top-up (`cost`)."""
+    tmp = root() / f"{COST}.{os.getpid()}"
+    tmp.write_text(f"{node_memory.private_bytes()}\n")
+    os.replace(tmp, root() / COST)
+
+
+def cost() -> int:
+    """What a spare costs this node's memory: the newest spare's measure, else `COST_BEFORE`."""
+    try:
+        return int((root() / COST).read_text()) or COST_BEFORE
+    except (OSError, ValueError):
+        return COST_BEFORE
 
 
 def _claim(here: Path) -> bool:
@@ -160,14 +187,30 @@ def want(here: Path, n: int) -> None:
         (here / f"want-{uuid.uuid4().hex}").touch()
 
 
-def top_up(per_node: int, keep_s: int) -> int:
+def room(peak: node_memory.Memory, each: int, kill_at: float) -> int:
+    """How many spares of `each` bytes fit on a node whose memory peaked at `peak` and whose processes Ray
+    ends from `kill_at` of its total on, `MARGIN` of the total left free."""
+    return max(0, int(((kill_at - MARGIN) * peak.total - peak.used) // max(each, 1)))
+
+
+def top_up(per_node: int, keep_s: int, peak: node_memory.Memory) -> int:
     """On a training worker: ask this node's Raylet for the spares that bring its idle ones to
-    `per_node`, each kept at least `keep_s`; returns how many were asked for."""
+    `per_node`, each kept at least `keep_s`, as many of them as the node's memory has room for at its
+    `peak` (one line on stderr when that is fewer); returns how many were asked for."""
     from trainapp.launch.ray.private import prestart
 
     here = _here()
     _prune(here.parent.name)
-    n = max(0, per_node - idle(here) - _pending(here))
+    lacking = max(0, per_node - idle(here) - _pending(here))
+    each, kill_at = cost(), node_memory.kill_at()
+    n = min(lacking, room(peak, each, kill_at))
+    if n < lacking:
+        gib = 2.0**30
+        print(f"trainapp: ray.spare_workers: {n} of {lacking} spare process(es) on this node: its memory "
+              f"peaked at {peak.used / gib:.2f} of {peak.total / gib:.2f} GiB, Ray's memory monitor ends "
+              f"processes from {kill_at:.0%} of it ({node_memory.THRESHOLD_ENV}), and a spare holds "
+              f"{each / gib:.2f} GiB; give the node more memory to have them (the restarted group then "
+              "starts in fresh processes, seconds later)", file=sys.stderr, flush=True)
     if n:
         want(here, n)
         prestart.prestart(n, keep_s)

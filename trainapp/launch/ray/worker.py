@@ -27,7 +27,7 @@ from trainapp.group import DistContext
 from trainapp.launch import dist
 from trainapp.launch.rank import Launcher, Services, run_rank
 from trainapp.launch.ray import metrics as ray_metrics
-from trainapp.launch.ray import resize, spares
+from trainapp.launch.ray import node_memory, resize, spares
 from trainapp.launch.ray.checks import is_uri
 from trainapp.launch.ray.private import versions
 from trainapp.launch.ray.publish import RayDrainNotice, RayPublish
@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 
 REPLACED_WITHIN_S = 120.0
 """How long workers that snapshotted for a resize wait for Ray Train to replace their group."""
+PEAK_EVERY_S = 1.0
+"""How often the node's memory is sampled before its spares are asked for (its peak decides how many)."""
 
 
 def _ray_device() -> torch.device:
@@ -193,20 +195,27 @@ class StopWatch:
 
 def keep_spares(after_s: float) -> threading.Event:
     """After `after_s` seconds (unless the returned event is set first), the node's first worker brings the
-    node's idle spare processes up to one per training worker there (trainapp/launch/ray/spares.py).
+    node's idle spare processes up to one per training worker there, as many as the node's memory has room
+    for at its peak over those seconds, sampled every `PEAK_EVERY_S` (trainapp/launch/ray/spares.py).
     Nothing happens where the driver gave the workers nothing to preload (`ray.spare_workers=false`, a job
     with a setup hook of its own)."""
     done = threading.Event()
 
     def run() -> None:
-        if done.wait(after_s):
+        peak, end = node_memory.read(), time.monotonic() + after_s
+        while (left := end - time.monotonic()) > 0:
+            if done.wait(min(PEAK_EVERY_S, left)):
+                return
+            now = node_memory.read()
+            peak = now if now.used > peak.used else peak
+        if done.is_set():
             return
         try:
             import ray.train
 
             ctx = ray.train.get_context()
             if ctx.get_local_rank() == 0:
-                spares.top_up(ctx.get_local_world_size(), spares.KEEP_S)
+                spares.top_up(ctx.get_local_world_size(), spares.KEEP_S, peak)
         except Exception as e:  # the run trains on; a restart then starts fresh processes, as without spares
             print(f"trainapp: ray.spare_workers: no spare processes on this node ({type(e).__name__}: {e})",
                   file=sys.stderr, flush=True)
