@@ -114,3 +114,17 @@ def one_record(run_dir: Path, kind: str, out: str) -> dict:
     said = [line for line in out.splitlines() if "resiz" in line or "fail" in line]
     assert len(found) == 1, (kind, kinds, said[-20:])
     return found[0]
+
+
+def node_of(cluster, pid: int) -> str:
+    """The name of the local node whose `ray start` session holds process `pid`."""
+    return next(n.name for n in cluster.nodes if pid in cluster.node_pids(n.name).values())
+
+
+def steps_at_world_size(run_dir: Path, world_size: int) -> int:
+    """Steps trained since the run's newest start, if that start's group has `world_size` workers; else 0."""
+    records = metrics(run_dir, missing_ok=True)
+    start = max((i for i, r in enumerate(records) if r["kind"] == "start"), default=None)
+    if start is None or records[start]["world_size"] != world_size:
+        return 0
+    return sum(r["kind"] == "train" for r in records[start:])

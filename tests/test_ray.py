@@ -21,8 +21,8 @@ import usertasks_ledger
 import usertasks_stream
 from helpers import (FAULT_RUN, QUICK, REPO, inspect, metrics, one_error_line, run_cmd, torchrun, trainapp,
                      wait_for_record, wait_for_step, wait_until)
-from ray_jobs import (KILLABLE_RUN, USER_TASK, finish, one_record, redone_steps, submit, submit_background,
-                      submit_cmd)
+from ray_jobs import (KILLABLE_RUN, USER_TASK, finish, node_of, one_record, redone_steps, steps_at_world_size,
+                      submit, submit_background, submit_cmd)
 
 from devtools.local_ray import RAY, proc_stat
 from trainapp.faults.boundary import StopVote
@@ -393,11 +393,6 @@ def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back_with_ever
     assert published["world_size"] == 2 and published["global_step"] == 300
 
 
-def _node_of(cluster, pid: int) -> str:
-    """The name of the local node whose `ray start` session holds process `pid`."""
-    return next(n.name for n in cluster.nodes if pid in cluster.node_pids(n.name).values())
-
-
 @pytest.mark.e2e
 def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(cluster):
     """A drain for preemption (what the autoscaler and our pods' preStop send) reaches the loop through
@@ -423,11 +418,13 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
     node_ids = {n["node_ip"]: n["node_id"] for n in cluster.state("nodes", state="ALIVE") or []}
     victim = None
     try:
-        wait_for_step(run_dir, 8)
+        # 8 steps of both workers (on a busy cluster an elastic run may start on one and grow): the node
+        # drained is then one of the group Ray Train's preemption watcher follows.
+        wait_until(lambda: steps_at_world_size(run_dir, 2) >= 8, "8 steps of a 2-worker group", 240)
         time.sleep(4 * poll_s)  # polls by time alone would have come by now
         undrained_ms = time.time() * 1000
         # The node of this run's last rank.
-        victim = _node_of(cluster, metrics(run_dir, "start")[-1]["placement"][-1]["pid"])
+        victim = node_of(cluster, metrics(run_dir, "start")[-1]["placement"][-1]["pid"])
         ip = next(n.ip for n in cluster.nodes if n.name == victim)
         assert ip in node_ids, f"{victim} ({ip}) is not among the nodes Ray's state API listed: {node_ids}"
         node_id = node_ids[ip]
@@ -443,7 +440,7 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
         notices = metrics(run_dir, "drain_notice")
         assert bool(notices) == versions.drain_notices(), \
             f"no drain_notice record within 60 s of the drain of {victim} ({node_id}); last record: " \
-            f"{metrics(run_dir)[-1]}"
+            f"{metrics(run_dir)[-1]}; groups: {[r['world_size'] for r in metrics(run_dir, 'start')]}"
         time.sleep(6 * poll_s)  # a few polls into the drain
         os.kill(cluster.node_pids(victim)["raylet"], signal.SIGKILL)
     finally:
@@ -468,9 +465,10 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
     since = (notice["time"] - drained_s, notice["time"] - asked_s)
     assert notice["nodes"] == [node_id] and 119 - since[1] <= notice["deadline_in_s"] <= 121 - since[0], since
     records = metrics(run_dir)
-    starts = [i for i, r in enumerate(records) if r["kind"] == "start"]
-    assert len(starts) >= 2, f"no restart: the run ended before the node died ({records[-1]})"
-    first_start = starts[1]  # the restart's
+    noticed = next(i for i, r in enumerate(records) if r["kind"] == "drain_notice")
+    starts = [i for i, r in enumerate(records) if r["kind"] == "start" and i > noticed]
+    assert starts, f"no restart: the run ended before the node died ({records[-1]})"
+    first_start = starts[0]  # the restart's
     trained = {r["step"]: r["time"] for r in records[:first_start] if r["kind"] == "train"}
     snaps = [r["step"] for r in records[:first_start] if r["kind"] == "snapshot"]
     assert notice["step"] in snaps, (notice, snaps)
