@@ -124,6 +124,11 @@ class RaySection:
     worker reserves."""
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment variables set in every worker before the process group is created."""
+    checks_timeout_s: float = Field(default=180.0, gt=0)
+    """How long the driver waits for the checks on every node (`ray.storage_path` writable,
+    `network.interface` resolved) before it stops with one line. Each check is a task in the job's
+    runtime env: a node's first one waits for a worker process and that env (a `--working-dir`
+    download, a pip install), which on a busy node takes more than a minute."""
     worker_group_start_timeout_s: float = Field(default=60.0, gt=0)
     """Ray Train gives up starting a worker group after this long and retries (possibly with fewer
     workers when elastic). Ray's default is 60 s. With `ray.node_loss_wait_s` the restart after a

@@ -13,6 +13,7 @@ import dataclasses
 import importlib.metadata
 import os
 import socket
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,9 +37,6 @@ OLDEST_TESTED = "2.55.1"
 """The newest patch of the oldest supported minor: CI runs the Ray tests on it too (make test-ray-oldest)."""
 UNSUPPORTED_TESTED = "2.54.1"
 """A Ray just below the range, installed by make test-ray-oldest to see the driver refuse it."""
-
-PROBE_TIMEOUT_S = 60
-
 
 def is_uri(path: str) -> bool:
     return "://" in path
@@ -181,12 +179,15 @@ class Preflight:
     start and a process group that never forms. One task per node does both, with no CPU reserved.
     """
 
-    def __init__(self, network_cfg: NetworkSection, env_cfg: dict[str, str], storage: str):
-        """`network_cfg`: the `network` section; `env_cfg`: `ray.env`, the workers' environment."""
+    def __init__(self, network_cfg: NetworkSection, env_cfg: dict[str, str], storage: str,
+                 timeout_s: float):
+        """`network_cfg`: the `network` section; `env_cfg`: `ray.env`, the workers' environment;
+        `timeout_s`: `ray.checks_timeout_s`."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self.storage, self.nodes = storage, [n for n in ray.nodes() if n.get("Alive")]
+        self.timeout_s, self.started = timeout_s, time.monotonic()
         network, env = dataclasses.asdict(network_cfg), dict(env_cfg)
         task = ray.remote(num_cpus=0, max_retries=0)(probe_node)
         self.trains = [n["Resources"].get("CPU", 0) > 0 or n["Resources"].get("GPU", 0) > 0
@@ -200,10 +201,13 @@ class Preflight:
         import ray
 
         try:
-            results: list[Any] = ray.get(self.refs, timeout=PROBE_TIMEOUT_S)
+            results: list[Any] = ray.get(self.refs, timeout=max(0.0, self.started + self.timeout_s
+                                                                    - time.monotonic()))
         except ray.exceptions.GetTimeoutError:
             raise ConfigError(f"ray.storage_path={self.storage}, network.interface: the checks did not "
-                              f"finish on every node within {PROBE_TIMEOUT_S} s") from None
+                              f"finish on every node within {self.timeout_s:g} s (ray.checks_timeout_s): "
+                              "a node that runs no task, or one slower to start the job's runtime env; "
+                              "raise ray.checks_timeout_s for the latter") from None
         for n, (err, _, _) in zip(self.nodes, results):
             if err:
                 raise ConfigError(f"ray.storage_path={self.storage}: not writable on node "

@@ -19,6 +19,7 @@ import functools
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -354,7 +355,7 @@ def _preflight(cfg: Config, timeline: Timeline, where: str) -> tuple[str, dict[s
     check_capacity(cfg.ray, needs)
     storage = (cfg.ray.storage_path if is_uri(cfg.ray.storage_path)
                else str(Path(cfg.ray.storage_path).resolve()))
-    checks = Preflight(cfg.network, cfg.ray.env, storage)
+    checks = Preflight(cfg.network, cfg.ray.env, storage, cfg.ray.checks_timeout_s)
     # Ray Train takes seconds to import (the trainer's module, used later, the most of it): while the
     # probes start on the nodes. Nothing the driver imports brings in torch (trainapp/launch/ray/private/,
     # trainapp/launch/ray/setup.py).
@@ -363,6 +364,7 @@ def _preflight(cfg: Config, timeline: Timeline, where: str) -> tuple[str, dict[s
     run_record.check_run_record(storage, cfg.ray.name)
     for line in checks.wait():
         log.info("network %s", line)
+    log.info("the checks on %d node(s) took %.1f s", len(checks.nodes), time.monotonic() - checks.started)
     log.info("%s: %s workers, %s per worker, storage %s/%s", where, cfg.ray.num_workers, needs, storage,
              cfg.ray.name)
     timeline.mark("driver_checked")
