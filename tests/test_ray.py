@@ -314,12 +314,13 @@ def test_bad_ray_input_fails_fast_with_one_line(cluster, tmp_path):
     }
     for name, (args, needle) in cases.items():
         t0 = time.monotonic()
-        r = trainapp("ray", *args, timeout=150, env=cluster.client_env(), fresh=True)  # a Ray client
+        r = trainapp("ray", *args, timeout=300, env=cluster.client_env(), fresh=True)  # a Ray client
         elapsed = time.monotonic() - t0
         one_error_line(r, "ray", needle)
         # Not a speed figure: the failure this guards against is Ray Train retrying the bad group or waiting
-        # out its start timeouts (many minutes). The start itself takes 20-80 s on a busy 2-core machine.
-        assert elapsed < 120, (name, elapsed)
+        # out its start timeouts (many minutes). The start itself takes 20-80 s on a busy 2-core machine,
+        # over 150 s on Ray 2.55 beside CI's container and Slurm smokes.
+        assert elapsed < 240, (name, elapsed)
         if name == "built-in task args":
             # The workers' tracebacks and Ray Train's account of them stay in Ray's session logs (the
             # driver's own native lines, if any, are not the run's and are not counted).
