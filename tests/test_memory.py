@@ -87,9 +87,11 @@ Pair = collections.namedtuple("Pair", "a b")
 
 
 def test_a_slot_keeps_its_views_while_the_layout_holds_and_reads_back_any_layout(shm):
-    """Tensors in any layout (transposed, channels_last, in a named tuple, one met twice, int, bool,
-    complex): read back equal. A slot written again with the same dtypes and shapes keeps its mapping;
-    one whose shapes change, or whose pickled part outgrows the slot's room, is remade and reads back."""
+    """Tensors in any layout and of any kind (transposed, channels_last, in a named tuple, one met twice,
+    int, bool, complex, bfloat16, 0-dim, empty, a parameter, one that requires grad): read back equal and
+    of the same kind, as torch.load gives them back. A slot written again with the same dtypes and shapes
+    keeps its mapping; one whose shapes change, or whose pickled part outgrows the slot's room, is remade
+    and reads back."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(5, 7, generator=g)
     conv = torch.randn(4, 3, 5, 5, generator=g).to(memory_format=torch.channels_last)
@@ -98,7 +100,11 @@ def test_a_slot_keeps_its_views_while_the_layout_holds_and_reads_back_any_layout
         shared = torch.arange(6) * step
         return {"t": w.t() * step, "conv": conv * step, "again": shared, "step": step, "note": note,
                 "pair": Pair(torch.ones(2, dtype=torch.bool), shared), "z": torch.full((3,), 1 + 2j) * step,
-                "rows": torch.randn(rows, 2, generator=g)}
+                "rows": torch.randn(rows, 2, generator=g), "scalar": torch.tensor(step / 3),
+                "bf16": w.bfloat16() * step, "empty": torch.empty(0, 4),
+                "param": torch.nn.Parameter(w[0] * step),
+                "frozen": torch.nn.Parameter(w[1], requires_grad=False),
+                "temperature": torch.full((), 0.5 * step, requires_grad=True)}
 
     slot = slots.SlotFile(shm / "own-00000.0")
     try:
@@ -113,6 +119,10 @@ def test_a_slot_keeps_its_views_while_the_layout_holds_and_reads_back_any_layout
             assert _equal(got, want) and type(got["pair"]) is Pair
             assert got["again"] is got["pair"].b  # one tensor met twice is one tensor read back
             assert got["t"].is_contiguous() and torch.equal(got["conv"], conv * step)
+            assert type(got["param"]) is torch.nn.Parameter and got["param"].requires_grad
+            assert type(got["frozen"]) is torch.nn.Parameter and not got["frozen"].requires_grad
+            assert got["temperature"].requires_grad and not got["scalar"].requires_grad
+            assert got["scalar"].dim() == 0 and got["empty"].shape == (0, 4)
     finally:
         slot.close()
 

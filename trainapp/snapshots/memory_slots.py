@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import xxhash
 
-MAGIC = b"TAMEMv02"
+MAGIC = b"TAMEMv03"  # v03: each tensor's kind (a parameter, requires grad) in its spec
 HEADER = struct.Struct("<8sQQQQQ24x")  # magic, sequence, step, tensor bytes, pickle bytes, checksum
 ALIGN = 64
 SLACK = 64 * 1024
@@ -72,13 +72,29 @@ def _pad(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _layout(tensors: list[torch.Tensor]) -> tuple[list[tuple[int, str, tuple[int, ...]]], int]:
-    """Each tensor's (offset, dtype, shape) in the tensors' bytes, and those bytes' size."""
+def _kind(t: torch.Tensor) -> str:
+    """What a tensor is besides its values, as torch.save keeps it: a parameter (that does or does not
+    require grad), a tensor that requires grad, or a plain one ("")."""
+    if isinstance(t, torch.nn.Parameter):
+        return "param" if t.requires_grad else "param-nograd"
+    return "grad" if t.requires_grad else ""
+
+
+def _layout(tensors: list[torch.Tensor]) -> tuple[list[tuple[int, str, tuple[int, ...], str]], int]:
+    """Each tensor's (offset, dtype, shape, kind) in the tensors' bytes, and those bytes' size."""
     specs, at = [], 0
     for t in tensors:
-        specs.append((at, str(t.dtype).removeprefix("torch."), tuple(t.shape)))
+        specs.append((at, str(t.dtype).removeprefix("torch."), tuple(t.shape), _kind(t)))
         at = _pad(at + t.numel() * t.element_size())
     return specs, at
+
+
+def _as(t: torch.Tensor, kind: str) -> torch.Tensor:
+    """`t` made what `_kind` named, so that a state read from memory loads as one read from storage (a
+    task that assigns a parameter from its state keeps a parameter)."""
+    if kind.startswith("param"):
+        return torch.nn.Parameter(t, requires_grad=kind == "param")
+    return t.requires_grad_() if kind == "grad" else t
 
 
 class SlotFile:
@@ -91,8 +107,8 @@ class SlotFile:
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         self.size = -1
         self.map: Any = None
-        self.key: list[tuple[torch.dtype, torch.Size]] | None = None
-        """The dtypes and shapes `dsts` and `specs` were made for."""
+        self.key: list[tuple[torch.dtype, torch.Size, str]] | None = None
+        """The dtypes, shapes and kinds `dsts` and `specs` were made for."""
         self.dsts: list[torch.Tensor] = []
         self.specs = b""
         """The pickled list of the tensors' (offset, dtype, shape)."""
@@ -108,7 +124,7 @@ class SlotFile:
     def _views(self, tensors: list[torch.Tensor], pickled: int) -> list[torch.Tensor]:
         """Where each of `tensors` goes (the mapping made again when the tensors' dtypes or shapes changed,
         or when it has no room for `pickled` bytes of pickle after them); kept for the next write."""
-        key = [(t.dtype, t.shape) for t in tensors]
+        key = [(t.dtype, t.shape, _kind(t)) for t in tensors]
         if key == self.key and HEADER.size + self.region + len(self.specs) + pickled <= self.size:
             return self.dsts
         self._unmap()
@@ -119,7 +135,7 @@ class SlotFile:
         self.map, self.size = _mapped(self.fd, size), size
         body = torch.frombuffer(self.map, dtype=torch.uint8)[HEADER.size:]
         self.dsts = [body[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                     for (at, _, _), t in zip(specs, tensors)]
+                     for (at, *_), t in zip(specs, tensors)]
         self.key = key
         return self.dsts
 
@@ -263,13 +279,13 @@ def decode(data: bytes) -> Any:
     buf = io.BytesIO(body[region:])
     specs = pickle.load(buf)
     tensors = []
-    for at, dtype, shape in specs:
+    for at, dtype, shape, kind in specs:
         t = torch.empty(shape, dtype=getattr(torch, dtype))
         n = t.numel() * t.element_size()
         if n:
             raw = np.frombuffer(body, dtype=np.uint8, count=n, offset=at)
             t.reshape(-1).view(torch.uint8).numpy()[:] = raw
-        tensors.append(t)
+        tensors.append(_as(t, kind))
     return _Unpickler(buf, tensors).load()
 
 
