@@ -16,6 +16,7 @@ from helpers import (FAULT_RUN, FSDP_RUN, RANKS_RUN, REPO, free_port, inspect, r
                      torchrun_cmd, value, wait_until)
 
 from census import Census
+from lanes import Lanes
 
 from bench.scratch import scratch
 
@@ -41,6 +42,8 @@ def pytest_configure(config):
     # Under pytest-xdist the lanes run the tests; the process that hands them out counts nothing.
     if census and (os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", None)):
         config.pluginmanager.register(Census(census.absolute()), "census")
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        config.pluginmanager.register(Lanes(), "lanes")
 
 
 LONG = ("test_ray.py", "test_ray_resume.py", "test_compile.py", "test_lease.py", "test_preempt.py",
