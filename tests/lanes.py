@@ -15,19 +15,21 @@ class Lanes:
 
     def __init__(self) -> None:
         self.files: Counter[tuple[str, str]] = Counter()
-        self.lanes: Counter[str] = Counter()
+        """Seconds per (test file, lane)."""
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         node = getattr(report, "node", None)  # xdist's worker, on reports that came from a lane
         lane = node.gateway.id if node is not None else "main"
         self.files[(report.nodeid.split("::")[0], lane)] += report.duration
-        self.lanes[lane] += report.duration
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
-        if not self.lanes:
+        if not self.files:
             return
+        lanes: Counter[str] = Counter()
+        for (_, lane), s in self.files.items():
+            lanes[lane] += s
         tr = terminalreporter
         tr.write_sep("=", "seconds per lane, and the 10 longest test files (lane)")
-        tr.write_line("   ".join(f"{lane} {s:.0f} s" for lane, s in sorted(self.lanes.items())))
+        tr.write_line("   ".join(f"{lane} {s:.0f} s" for lane, s in sorted(lanes.items())))
         for (name, lane), s in self.files.most_common(10):
             tr.write_line(f"{s:8.1f}s  {name} ({lane})")

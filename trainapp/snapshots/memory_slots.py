@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import xxhash
 
-MAGIC = b"TAMEMv03"  # v03: each tensor's kind (a parameter, requires grad) in its spec
+MAGIC = b"TAMEMv03"  # v03: a tensor's kind (a parameter, requires grad) in the pickle
 HEADER = struct.Struct("<8sQQQQQ24x")  # magic, sequence, step, tensor bytes, pickle bytes, checksum
 ALIGN = 64
 SLACK = 64 * 1024
@@ -48,8 +48,9 @@ class Slot:
     """The payload's bytes (the tensors' and the pickle's), after the header."""
 
 
-def _tensor(index: int) -> Any:
-    """What the pickled state names for its `index`-th tensor; `decode` puts the tensor in its place."""
+def _tensor(index: int, kind: str = "") -> Any:
+    """What the pickled state names for its `index`-th tensor, of `kind` (`_kind`); `decode` puts the
+    tensor in its place."""
     raise pickle.UnpicklingError("a memory slot's state is read by memory_slots.decode")
 
 
@@ -64,12 +65,8 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             self.tensors.append(obj)
-            return _tensor, (len(self.tensors) - 1,)
+            return _tensor, (len(self.tensors) - 1, _kind(obj))
         return NotImplemented
-
-
-def _pad(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def _kind(t: torch.Tensor) -> str:
@@ -80,21 +77,17 @@ def _kind(t: torch.Tensor) -> str:
     return "grad" if t.requires_grad else ""
 
 
-def _layout(tensors: list[torch.Tensor]) -> tuple[list[tuple[int, str, tuple[int, ...], str]], int]:
-    """Each tensor's (offset, dtype, shape, kind) in the tensors' bytes, and those bytes' size."""
+def _pad(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _layout(tensors: list[torch.Tensor]) -> tuple[list[tuple[int, str, tuple[int, ...]]], int]:
+    """Each tensor's (offset, dtype, shape) in the tensors' bytes, and those bytes' size."""
     specs, at = [], 0
     for t in tensors:
-        specs.append((at, str(t.dtype).removeprefix("torch."), tuple(t.shape), _kind(t)))
+        specs.append((at, str(t.dtype).removeprefix("torch."), tuple(t.shape)))
         at = _pad(at + t.numel() * t.element_size())
     return specs, at
-
-
-def _as(t: torch.Tensor, kind: str) -> torch.Tensor:
-    """`t` made what `_kind` named, so that a state read from memory loads as one read from storage (a
-    task that assigns a parameter from its state keeps a parameter)."""
-    if kind.startswith("param"):
-        return torch.nn.Parameter(t, requires_grad=kind == "param")
-    return t.requires_grad_() if kind == "grad" else t
 
 
 class SlotFile:
@@ -107,8 +100,8 @@ class SlotFile:
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         self.size = -1
         self.map: Any = None
-        self.key: list[tuple[torch.dtype, torch.Size, str]] | None = None
-        """The dtypes, shapes and kinds `dsts` and `specs` were made for."""
+        self.key: list[tuple[torch.dtype, torch.Size]] | None = None
+        """The dtypes and shapes `dsts` and `specs` were made for."""
         self.dsts: list[torch.Tensor] = []
         self.specs = b""
         """The pickled list of the tensors' (offset, dtype, shape)."""
@@ -124,7 +117,7 @@ class SlotFile:
     def _views(self, tensors: list[torch.Tensor], pickled: int) -> list[torch.Tensor]:
         """Where each of `tensors` goes (the mapping made again when the tensors' dtypes or shapes changed,
         or when it has no room for `pickled` bytes of pickle after them); kept for the next write."""
-        key = [(t.dtype, t.shape, _kind(t)) for t in tensors]
+        key = [(t.dtype, t.shape) for t in tensors]
         if key == self.key and HEADER.size + self.region + len(self.specs) + pickled <= self.size:
             return self.dsts
         self._unmap()
@@ -135,7 +128,7 @@ class SlotFile:
         self.map, self.size = _mapped(self.fd, size), size
         body = torch.frombuffer(self.map, dtype=torch.uint8)[HEADER.size:]
         self.dsts = [body[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                     for (at, *_), t in zip(specs, tensors)]
+                     for (at, _, _), t in zip(specs, tensors)]
         self.key = key
         return self.dsts
 
@@ -268,8 +261,16 @@ class _Unpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == (__name__, _tensor.__name__):
-            return self.tensors.__getitem__
+            return self._tensor
         return super().find_class(module, name)
+
+    def _tensor(self, index: int, kind: str = "") -> torch.Tensor:
+        """The `index`-th tensor made what `_kind` named, so that a state read from memory loads as one
+        read from storage (a task that assigns a parameter from its state keeps a parameter)."""
+        t = self.tensors[index]
+        if kind.startswith("param"):
+            return torch.nn.Parameter(t, requires_grad=kind == "param")
+        return t.requires_grad_() if kind == "grad" else t
 
 
 def decode(data: bytes) -> Any:
@@ -279,13 +280,13 @@ def decode(data: bytes) -> Any:
     buf = io.BytesIO(body[region:])
     specs = pickle.load(buf)
     tensors = []
-    for at, dtype, shape, kind in specs:
+    for at, dtype, shape in specs:
         t = torch.empty(shape, dtype=getattr(torch, dtype))
         n = t.numel() * t.element_size()
         if n:
             raw = np.frombuffer(body, dtype=np.uint8, count=n, offset=at)
             t.reshape(-1).view(torch.uint8).numpy()[:] = raw
-        tensors.append(_as(t, kind))
+        tensors.append(t)
     return _Unpickler(buf, tensors).load()
 
 
