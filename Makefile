@@ -229,10 +229,9 @@ bench-smoke: $(DEV_STAMP) ## Every benchmark in its smoke mode, checked (tests/t
 # to make instead of a second copy of torch. Its torchrun runs its own python, so its Ray.
 RAY_OLDEST_VENV ?= .venv-ray-oldest
 RAY_UNSUPPORTED_VENV ?= .venv-ray-unsupported
-# The lost node's URI-store case only: its stream case differs in trainapp's data path, not in what it asks
-# of Ray (make test-e2e runs both on the current Ray). The spare processes ask the Raylet directly.
+# The spare processes ask the Raylet directly; a drain and a lost node ask Ray what each version says.
 RAY_OLDEST_TESTS ?= test_job_submit or drill or same_parameters or drained or bad_ray_input \
-                    or (lost_node and URI) or memory_in_spare
+                    or lost_node or memory_in_spare
 define other_ray_venv
 	@test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
 	$(1)/bin/pip install --disable-pip-version-check -q --no-deps "ray[default,train]==$$($(BIN)/python -c \

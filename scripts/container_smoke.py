@@ -29,10 +29,10 @@ worker pod killed, the other a worker pod deleted (preStop, SIGTERM) without red
              Deployment goes first. No NCCL/Gloo interface pinned: network.interface=auto must pick eth0
              in every worker pod
     kill     `ray job submit` (to the head pod's IP, as a port-forward would give) of the RayJob's
-             entrypoint plus the smoke's sizes (2 workers, 60 steps, a snapshot every 10) -> the pod of
+             entrypoint plus the smoke's sizes (2 workers, 40 steps, a snapshot every 10) -> the pod of
              rank 0 deleted with --grace-period=0 --force (SIGKILL, no preStop) at step >= 25 -> the
              Deployment replaces it -> the job resumes from its newest snapshot (20) and succeeds
-    stop     a second run (100 steps) -> rank 0's pod deleted as `kubectl delete pod` does: preStop
+    stop     a second run (60 steps) -> rank 0's pod deleted as `kubectl delete pod` does: preStop
              (`trainapp drain`), then SIGTERM, SIGKILL only after terminationGracePeriodSeconds -> all ranks
              stop after the next step with a snapshot of it and a `preempted` record, the container exits
              by itself (143), and the job resumes from exactly that step: zero steps redone
@@ -123,14 +123,15 @@ PYPI = "https://pypi.org/simple"
 MIN_FREE_GB = 12
 PKG_PORT = 28180  # the local package server's port when free (else any)
 
-# The run: as scripts/kind-smoke.sh, plus 96-pixel images so that a step takes ~0.6 s here (at 32
-# pixels the 60 steps are over in 6 s, before a poll can see step 20). The kill comes between two
-# snapshots (20 and 30), so that steps are redone and a resume from anything but step 20 would show.
-STEPS, EVERY, KILL_AT = 60, 10, 25
+# The run: as scripts/kind-smoke.sh, plus 96-pixel images so that a step takes 0.6 s or more here (at 32
+# pixels the steps are over in seconds, before a poll can see step 20). The kill comes between two
+# snapshots (20 and 30), so that steps are redone and a resume from anything but step 20 would show;
+# the 15 steps after it pass a snapshot (30) and end at one (40).
+STEPS, EVERY, KILL_AT = 40, 10, 25
 # The stop run: stopped at step >= 25 too, but the notice takes longer to land than a kill (preStop ->
 # `trainapp drain` -> SIGTERM to the training processes -> the next step), and the run must still be
-# going then.
-STOP_STEPS, STOP_AT = 100, 25
+# going then (the notice's step was 3 after STOP_AT in the runs seen: 35 steps leave room for more).
+STOP_STEPS, STOP_AT = 60, 25
 KUBERAY_STEPS = 20  # a short run on the RayCluster's pods: they start and train
 RUNS = "/mnt/runs"  # the run claim's mountPath in every Ray pod (the entrypoint's ray.storage_path)
 RAYJOB = REPO / "k8s/kuberay/rayjob.train.yaml"  # the job's entrypoint and runtime env

@@ -17,7 +17,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-import usertasks_ledger
 import usertasks_stream
 from helpers import (FAULT_RUN, QUICK, REPO, exited, inspect, metrics, one_error_line, run_cmd, torchrun,
                      trainapp, wait_for_record, wait_for_step, wait_until)
@@ -329,44 +328,50 @@ def test_bad_ray_input_fails_fast_with_one_line(cluster, tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("data", ["stream", "map-style, URI store"])
-def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back_with_every_sample_once(cluster, data):
+def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back_with_every_sample_once(cluster):
     """An elastic run of a user's task (its items carry their index, its loss writes down what each rank
     trained at each step) loses a worker node (its raylet SIGKILLed): the run goes on on the other
     node with the same global batch; then a node comes back and Ray Train grows the group to two
     again: the workers snapshot the step reached first, so the grow-back redoes nothing. Over the
     whole run every sample of every epoch is trained exactly once (redone steps after the lost node
-    count once: the attempt that went on). Two runs cover both kinds of data and both kinds of storage:
-    a stream of 8 JSON Lines shards (its 2 lanes move between the ranks) on the cluster's shared
-    directory, and a map-style dataset with `ray.storage_path` a URI (the workers read the resize
-    controller's requests where it writes them, on the store, not in their run.dir). Leaves the cluster
-    with two worker nodes for the tests after."""
-    name, rows, gb = f"elastic-{data.replace(', ', '-').replace(' ', '-')}", 1024, 32
+    count once: the attempt that went on). The data a stream of 8 JSON Lines shards (its 2 lanes move
+    between the ranks) on the cluster's shared directory, `ray.storage_path` a URI (the workers read
+    the resize controller's requests where it writes them, on the store, not in their run.dir). A
+    map-style dataset through the same 2 -> 1 -> 2: tests/test_elastic.py, under torchrun (what differs
+    is trainapp's data path, not what it asks of Ray). Leaves the cluster with two worker nodes for the
+    tests after."""
+    name, rows, gb = "elastic", 1024, 32
     run_dir = cluster.storage / name
-    task = "usertasks_stream:StreamLedger" if data == "stream" else "usertasks_ledger:Ledger"
-    uri = [f"ray.storage_path=file://{cluster.storage}/uri", f"run.dir={run_dir}"] if "URI" in data else []
     victim, newcomer = cluster.nodes[-1].name, f"worker{len(cluster.nodes)}"
     proc = subprocess.Popen(
-        submit_cmd(cluster, name, f"task.name={task}", f"task.args.rows={rows}",
+        submit_cmd(cluster, name, "task.name=usertasks_stream:StreamLedger", f"task.args.rows={rows}",
                     "task.args.step_s=0.1", "train.batch_size=16", "train.epochs=10", "train.max_steps=300",
                     "snapshot.every_steps=20", "train.progress=false", "train.log_every=1", "amp.dtype=off",
                     "ray.num_workers=[1,2]", "ray.resize_check_s=5",
-                    *uri, ship="tests/usertasks"),
+                    f"ray.storage_path=file://{cluster.storage}/uri", f"run.dir={run_dir}",
+                    ship="tests/usertasks"),
         cwd=REPO, env=cluster.env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True)
+    killed = joined = False
     try:
         wait_for_step(run_dir, 12, 480, gone=exited(proc))  # a first job on a busy machine starts slowly
         os.kill(cluster.node_pids(victim)["raylet"], signal.SIGKILL)
+        killed = True
         wait_for_record(run_dir, "train", lambda r: r["world_size"] == 1)
         time.sleep(5)  # some steps on one worker
         returned = time.time()
         cluster.join_worker(newcomer, 3, cwd=REPO)  # the head, worker1 and the newcomer
+        joined = True
         grown = wait_for_record(run_dir, "train", lambda r: r["world_size"] == 2 and r["time"] > returned)
         print(f"node returned to training on 2 workers: {grown['time'] - returned:.1f} s")
     finally:
         rc, out = finish(proc, timeout=600)
         print(f"the job's output, exit {rc}:\n{out[-6000:]}")  # pytest shows it when the test fails
-        cluster.wait_for_nodes(3, 120)  # the head, worker1 and the newcomer
+        if joined:
+            cluster.wait_for_nodes(3, 120)  # the head, worker1 and the newcomer
+        elif killed:  # the tests after this get their two worker nodes, and this one its own error
+            with contextlib.suppress(RuntimeError):
+                cluster.join_worker(newcomer, 3, cwd=REPO)
     assert rc == 0, out[-4000:]
     # The lost node: the new group was sized for the one node left, without waiting out the start
     # timeout (NodeLossWatch found the raylet silent and waited for Ray to declare the node dead, or found
@@ -382,15 +387,10 @@ def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back_with_ever
     assert resized["by"] == "resize from 1 to 2 workers", resized
     assert starts[2]["resumed_step"] == resized["step"], (resized, starts[2])
     assert f"step {resized['step']} snapshotted" in out, out[-4000:]
-    if data == "stream":  # equal shards, 2 lanes of 512 items: every epoch is 32 whole steps
-        ledger = usertasks_stream.epochs_once(run_dir, rows, 32)
-        assert ledger == {"steps": list(range(1, 301)), "sizes": {gb}, "bad_epochs": []}, ledger
-    else:
-        ledger = usertasks_ledger.check(run_dir, rows, gb)
-        assert ledger["world_sizes"] == [1, 2] and ledger["steps"] == 300 and not ledger["bad_steps"], ledger
-        for epoch, counts in ledger["epochs"].items():
-            assert counts["duplicates"] == counts["missing"] == counts["foreign"] == 0, (epoch, counts)
-    published = inspect(cluster.storage / "uri" / name if uri else run_dir)  # a URI store holds the snapshots
+    # Equal shards, 2 lanes of 512 items: every epoch is 32 whole steps.
+    ledger = usertasks_stream.epochs_once(run_dir, rows, 32)
+    assert ledger == {"steps": list(range(1, 301)), "sizes": {gb}, "bad_epochs": []}, ledger
+    published = inspect(cluster.storage / "uri" / name)  # the URI store holds the snapshots
     assert published["world_size"] == 2 and published["global_step"] == 300
 
 
