@@ -37,7 +37,7 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import AbstractSet
+from typing import AbstractSet, Any
 
 from trainapp.launch.ray import spares
 from trainapp.launch.ray.stop import STOP_WAIT_S
@@ -319,6 +319,33 @@ class LocalCluster:
                 attempt += 1
                 if deadline - time.monotonic() < 40:
                     raise
+
+    def _api(self, path: str, method: str = "GET") -> Any:
+        """The dashboard's answer to PATH (JSON) with this cluster's token; None while it does not answer."""
+        req = urllib.request.Request(f"{self.dashboard_url}{path}", method=method, headers={
+            "Authorization": f"Bearer {self.token_path.read_text().strip()}"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return json.load(r)
+        except (OSError, ValueError):
+            return None
+
+    def stop_running_jobs(self, timeout: float = 90) -> list[str]:
+        """Stop every job still pending or running (Ray's job REST API) and wait until none is; their
+        submission ids. A test that failed with its job still training then leaves the cluster's worker
+        nodes to the tests after it, not to that job."""
+        def running() -> list[str]:
+            found = self._api("/api/jobs/")  # a list of jobs (a dict by job id on some Rays)
+            jobs = list(found.values()) if isinstance(found, dict) else found or []
+            return [j["submission_id"] for j in jobs if isinstance(j, dict)
+                    and j.get("status") in ("PENDING", "RUNNING") and j.get("submission_id")]
+
+        stopped, deadline = running(), time.monotonic() + timeout
+        for sid in stopped:
+            self._api(f"/api/jobs/{sid}/stop", method="POST")
+        while stopped and running() and time.monotonic() < deadline:
+            time.sleep(1)
+        return stopped
 
     def state(self, resource: str, **filters: str) -> list[dict] | None:
         """Ray's state API over HTTP (`/api/v0/nodes`, `/api/v0/actors`, ...) with this cluster's

@@ -297,6 +297,10 @@ def pytest_runtest_teardown(item, nextitem):
     whole file at a time), those that ask for `cluster` and are not skipped."""
     result = yield
     ray = item.config.stash.get(LOCAL_RAY, None)
+    if ray is not None and ray.cluster is not None and "local_ray" in item.fixturenames:
+        # A job a failed test left running would hold the worker nodes the next tests' jobs wait for.
+        if left := ray.cluster.stop_running_jobs():
+            print(f"\nstopped the jobs {item.name} left running: {left}")
     if ray is None or ray.cluster is None or (nextitem is not None and nextitem.path == item.path):
         return result
     if hasattr(item.config, "workerinput"):

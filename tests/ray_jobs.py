@@ -10,6 +10,7 @@ import os
 import subprocess
 import uuid
 from pathlib import Path
+from typing import Any
 
 from helpers import REPO, communicate, free_port, metrics, run_cmd, wait_for_step
 
@@ -62,9 +63,10 @@ def submit(cluster, name: str, *args: str, timeout: float = 400):
     return run_cmd(submit_cmd(cluster, name, *args), timeout=timeout, env=cluster.env())
 
 
-def submit_background(cluster, name: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(submit_cmd(cluster, name, *args), cwd=REPO, env=cluster.env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+def submit_background(cluster, name: str, *args: str, **submit: Any) -> subprocess.Popen:
+    cmd = submit_cmd(cluster, name, *args, **submit)
+    return subprocess.Popen(cmd, cwd=REPO, env=cluster.env(), text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 400) -> tuple[int, str]:

@@ -334,12 +334,9 @@ def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back_with_ever
     node with the same global batch; then a node comes back and Ray Train grows the group to two
     again: the workers snapshot the step reached first, so the grow-back redoes nothing. Over the
     whole run every sample of every epoch is trained exactly once (redone steps after the lost node
-    count once: the attempt that went on). The data a stream of 8 JSON Lines shards (its 2 lanes move
-    between the ranks) on the cluster's shared directory, `ray.storage_path` a URI (the workers read
-    the resize controller's requests where it writes them, on the store, not in their run.dir). A
-    map-style dataset through the same 2 -> 1 -> 2: tests/test_elastic.py, under torchrun (what differs
-    is trainapp's data path, not what it asks of Ray). Leaves the cluster with two worker nodes for the
-    tests after."""
+    count once: the attempt that went on). A stream of 8 JSON Lines shards (its 2 lanes move between
+    the ranks), `ray.storage_path` a URI (the workers read the resize controller's requests on the
+    store); map-style data: tests/test_elastic.py. Leaves two worker nodes for the tests after."""
     name, rows, gb = "elastic", 1024, 32
     run_dir = cluster.storage / name
     victim, newcomer = cluster.nodes[-1].name, f"worker{len(cluster.nodes)}"
@@ -410,13 +407,13 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
     submitted_ms = time.time() * 1000  # the cluster ran other jobs before this one
     # Steps of 25 ms or more (rank 0 sleeps): the node dies before the end on a fast CPU too (400 steps of 33
     # ms once ended before a late notice); without notices, a restart trains them all again (epoch: 8 steps)
-    steps = 1500 if versions.drain_notices() else 600
+    steps, sid = (1500 if versions.drain_notices() else 600), f"drained-{uuid.uuid4().hex[:8]}"
     proc = submit_background(cluster, "drained", *KILLABLE_RUN, f"train.max_steps={steps}",
                              "train.epochs=200", "snapshot.every_steps=0", "drill.slow_rank=0",
                              "drill.slow_ms=25", f"preempt.ray_poll_s={poll_s}",
-                             "ray.num_workers=[1,2]", "ray.worker_group_start_timeout_s=15")
-    # Ray's IDs of the nodes, asked before the run: the state API goes through the head's dashboard,
-    # which yields to training and can take seconds to answer beside it.
+                             "ray.num_workers=[1,2]", "ray.worker_group_start_timeout_s=15", sid=sid,
+                             stop_wait_s=60)  # the stop at the end: time to record it (3 s on Ray 2.55)
+    # Ray's IDs of the nodes, asked before the run: the state API can take seconds to answer beside it.
     node_ids = {n["node_ip"]: n["node_id"] for n in cluster.state("nodes", state="ALIVE") or []}
     victim = None
     try:
@@ -445,11 +442,14 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
             f"{metrics(run_dir)[-1]}; groups: {[r['world_size'] for r in metrics(run_dir, 'start')]}"
         time.sleep(6 * poll_s)  # a few polls into the drain
         os.kill(cluster.node_pids(victim)["raylet"], signal.SIGKILL)
+        # The restart's first step is all the rest asks: stopped there, not trained on (400 s on a slow CPU).
+        wait_until(lambda: steps_at_world_size(run_dir, 1) >= 1, "a step of the restarted group", 240)
+        run_cmd([RAY, "job", "stop", "--address", cluster.dashboard_url, sid], env=cluster.env(), timeout=120)
     finally:
         rc, out = finish(proc)
         if victim is not None:
             cluster.join_worker(f"{victim}-after-drain", 3, cwd=REPO)
-    assert rc == 0, out[-4000:]
+    assert ["ray job stop" in r["by"] for r in metrics(run_dir, "stopped")] == [True], out[-4000:]
     if not versions.drain_notices():
         assert sum("no drain notices reach the training loop" in line
                    for line in out.splitlines()) == 1, out[-3000:]
