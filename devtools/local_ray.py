@@ -352,14 +352,10 @@ class LocalCluster:
         token; None while the dashboard does not answer."""
         query = "&".join(f"filter_keys={k}&filter_predicates=%3D&filter_values={v}"
                          for k, v in filters.items())
-        req = urllib.request.Request(f"{self.dashboard_url}/api/v0/{resource}"
-                                     f"?limit=10000&detail=true&{query}",
-                                     headers={"Authorization":
-                                              f"Bearer {self.token_path.read_text().strip()}"})
+        found = self._api(f"/api/v0/{resource}?limit=10000&detail=true&{query}")
         try:
-            with urllib.request.urlopen(req, timeout=10) as r:
-                return json.load(r)["data"]["result"]["result"]
-        except (OSError, ValueError, KeyError):
+            return found["data"]["result"]["result"]
+        except (TypeError, KeyError):
             return None
 
     def alive_nodes(self) -> int:
