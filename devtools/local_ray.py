@@ -320,6 +320,25 @@ class LocalCluster:
                 if deadline - time.monotonic() < 40:
                     raise
 
+    def heal(self, timeout: float = 180, cwd: Path | None = None) -> list[str]:
+        """Replace every worker node whose raylet is gone (a test killed it and failed before it joined
+        another), so the cluster has `workers` again: the names of the nodes started. What was left of a
+        lost node's session is killed first. A test that failed mid-way then costs the tests after it
+        nothing; without this, each of them waited out its bound for a worker that never came."""
+        alive = 0
+        for node in self.nodes[1:]:
+            if "raylet" in self.node_pids(node.name):
+                alive += 1
+                continue
+            for pid in _session_pids(node.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        started = []
+        for _ in range(self.workers - alive):
+            alive += 1
+            started.append(self.join_worker(f"healed{len(self.nodes)}", 1 + alive, timeout, cwd).name)
+        return started
+
     def _api(self, path: str, method: str = "GET") -> Any:
         """The dashboard's answer to PATH (JSON) with this cluster's token; None while it does not answer."""
         req = urllib.request.Request(f"{self.dashboard_url}{path}", method=method, headers={

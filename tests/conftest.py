@@ -301,6 +301,9 @@ def pytest_runtest_teardown(item, nextitem):
         # A job a failed test left running would hold the worker nodes the next tests' jobs wait for.
         if left := ray.cluster.stop_running_jobs():
             print(f"\nstopped the jobs {item.name} left running: {left}")
+        # A node it killed and did not replace (it failed first) would be missing from every test after it.
+        if healed := ray.cluster.heal(cwd=REPO):
+            print(f"\nreplaced the worker nodes {item.name} left dead: {healed}")
     if ray is None or ray.cluster is None or (nextitem is not None and nextitem.path == item.path):
         return result
     if hasattr(item.config, "workerinput"):

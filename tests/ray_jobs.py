@@ -5,9 +5,12 @@ helpers.run_cmd does."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -70,6 +73,14 @@ def submit_background(cluster, name: str, *args: str, **submit: Any) -> subproce
 
 
 def finish(proc: subprocess.Popen, timeout: float = 400) -> tuple[int, str]:
+    """(exit code, output) of a `ray job submit` started by `submit_background`, once it ends. Called from
+    a `finally` while the test's own error is on its way out, it does not wait for the job: it SIGKILLs
+    the submit's session and returns, so that error is the one reported (conftest.py stops the job and
+    heals the cluster after the test), not a wait of `timeout` for a job that trains on."""
+    if sys.exc_info()[1] is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait(), (proc.communicate()[0] or "")
     out, _ = communicate(proc, timeout, f"job did not finish in {timeout}s:")
     return proc.returncode, out
 

@@ -349,26 +349,18 @@ def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back_with_ever
                     ship="tests/usertasks"),
         cwd=REPO, env=cluster.env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True)
-    killed = joined = False
-    try:
+    try:  # a node killed and not replaced (the test failed first): conftest.py heals the cluster after it
         wait_for_step(run_dir, 12, 480, gone=exited(proc))  # a first job on a busy machine starts slowly
         os.kill(cluster.node_pids(victim)["raylet"], signal.SIGKILL)
-        killed = True
         wait_for_record(run_dir, "train", lambda r: r["world_size"] == 1)
         time.sleep(5)  # some steps on one worker
         returned = time.time()
         cluster.join_worker(newcomer, 3, cwd=REPO)  # the head, worker1 and the newcomer
-        joined = True
         grown = wait_for_record(run_dir, "train", lambda r: r["world_size"] == 2 and r["time"] > returned)
         print(f"node returned to training on 2 workers: {grown['time'] - returned:.1f} s")
     finally:
         rc, out = finish(proc, timeout=600)
         print(f"the job's output, exit {rc}:\n{out[-6000:]}")  # pytest shows it when the test fails
-        if joined:
-            cluster.wait_for_nodes(3, 120)  # the head, worker1 and the newcomer
-        elif killed:  # the tests after this get their two worker nodes, and this one its own error
-            with contextlib.suppress(RuntimeError):
-                cluster.join_worker(newcomer, 3, cwd=REPO)
     assert rc == 0, out[-4000:]
     # The lost node: the new group was sized for the one node left, without waiting out the start
     # timeout (NodeLossWatch found the raylet silent and waited for Ray to declare the node dead, or found
@@ -444,11 +436,19 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
         os.kill(cluster.node_pids(victim)["raylet"], signal.SIGKILL)
         # The restart's first step is all the rest asks: stopped there, not trained on (400 s on a slow CPU).
         wait_until(lambda: steps_at_world_size(run_dir, 1) >= 1, "a step of the restarted group", 240)
-        run_cmd([RAY, "job", "stop", "--address", cluster.dashboard_url, sid], env=cluster.env(), timeout=120)
+        stopping = time.monotonic()  # under load the head (nice 10) can take long: checked, and the time said
+        stop = run_cmd([RAY, "job", "stop", "--address", cluster.dashboard_url, sid], env=cluster.env(),
+                       timeout=240)
+        assert stop.returncode == 0, f"ray job stop: {stop.output[-2000:]}"
+        print(f"ray job stop took {time.monotonic() - stopping:.1f} s")
     finally:
-        rc, out = finish(proc)
-        if victim is not None:
-            cluster.join_worker(f"{victim}-after-drain", 3, cwd=REPO)
+        try:
+            rc, out = finish(proc)
+        finally:
+            if victim is not None:  # drained, and killed unless the test failed first: another node joins
+                with contextlib.suppress(KeyError, ProcessLookupError):
+                    os.kill(cluster.node_pids(victim)["raylet"], signal.SIGKILL)
+                cluster.heal(cwd=REPO)
     assert ["ray job stop" in r["by"] for r in metrics(run_dir, "stopped")] == [True], out[-4000:]
     if not versions.drain_notices():
         assert sum("no drain notices reach the training loop" in line
@@ -506,8 +506,8 @@ def test_ray_job_stop_snapshots_the_step_reached_and_the_resubmission_redoes_non
     run_dir = cluster.storage / name
     args = (*KILLABLE_RUN, "train.epochs=100", "train.max_steps=200", "snapshot.every_steps=100",
             "ray.num_workers=2")
-    # Steps of 250 ms (a sleep: the numbers do not change) while a second driver starts on a busy machine.
-    slow = ("drill.slow_rank=0", "drill.slow_ms=250")
+    # Steps of 1 s (a sleep: the numbers do not change): beside a torchrun, a second driver took over 100 s.
+    slow = ("drill.slow_rank=0", "drill.slow_ms=1000")
     track = f"observe.mlflow_uri=sqlite:///{cluster.storage}/mlflow-stop.db"
     r = run_cmd(submit_cmd(cluster, name, *args, *slow, track, sid=sid, wait=False, stop_wait_s=60),
                 env=cluster.env())
@@ -544,7 +544,7 @@ def test_ray_job_stop_snapshots_the_step_reached_and_the_resubmission_redoes_non
     start = metrics(run_dir, "start")[-1]
     assert start["resumed_step"] == at and start["lease"]["generation"] == 2
     assert start["lease"]["took_over"] is None  # released at the stop
-    assert start["config_changes"] == {"drill.slow_ms": [250.0, 100.0], "drill.slow_rank": [0, None]}
+    assert start["config_changes"] == {"drill.slow_ms": [1000.0, 100.0], "drill.slow_rank": [0, None]}
     steps = [m["step"] for m in metrics(run_dir, "train")]
     assert len(steps) == len(set(steps)) and max(steps) == 200  # zero steps redone
     control = tmp_path / "control"
