@@ -15,6 +15,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from statistics import median
 
 import pytest
 import usertasks_stream
@@ -134,7 +135,6 @@ def test_ray_and_torchrun_end_with_the_same_parameters(ray_run_with_restart, tor
     r, run_dir = ray_run_with_restart
     assert r.returncode == 0, r.output[-4000:]
     assert inspect(run_dir)["params_sha256"] == inspect(torchrun_straight)["params_sha256"]
-
 
 
 def test_a_user_task_not_shipped_stops_in_the_driver_before_any_worker(cluster):
@@ -386,12 +386,11 @@ def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back_with_ever
 @pytest.mark.e2e
 def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(cluster):
     """A drain for preemption (what the autoscaler and our pods' preStop send) reaches the loop through
-    ray.train.get_preemption_info, asked about every `preempt.ray_poll_s` seconds at a step the
-    workers agree on: a snapshot at once and at every poll while the drain lasts, training goes on;
-    then the node dies and the elastic restart resumes from the last of them. Periodic snapshots are
-    off, so nothing else could serve the resume. On a Ray without drain notices (before 2.58,
-    trainapp/launch/ray/private/versions.py) the driver says so in one line, the loop hears nothing, and the
-    lost node's restart resumes from what there is (here: the start)."""
+    ray.train.get_preemption_info, asked about every `preempt.ray_poll_s` seconds at a step the workers
+    agree on: a snapshot at once and at every poll while the drain lasts, training goes on; then the node
+    dies and the elastic restart resumes from the last of them (periodic snapshots off: nothing else could
+    serve it). On a Ray without drain notices (before 2.58, trainapp/launch/ray/private/versions.py) the
+    driver says so in one line, the loop hears nothing, and the restart resumes from the start."""
     from trainapp.launch.ray.private import versions
 
     run_dir = cluster.storage / "drained"
@@ -432,23 +431,24 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
         assert bool(notices) == versions.drain_notices(), \
             f"no drain_notice record within 60 s of the drain of {victim} ({node_id}); last record: " \
             f"{metrics(run_dir)[-1]}; groups: {[r['world_size'] for r in metrics(run_dir, 'start')]}"
-        time.sleep(6 * poll_s)  # a few polls into the drain
+        if notices:  # four polls into the drain, counted (no periodic snapshots): loaded, a barrier took 7 s
+            wait_until(lambda: len(metrics(run_dir, "snapshot")) >= 4, "4 drain-time snapshots", 120)
+        else:  # time for a notice to come where none should
+            time.sleep(6 * poll_s)
         os.kill(cluster.node_pids(victim)["raylet"], signal.SIGKILL)
         # The restart's first step is all the rest asks: stopped there, not trained on (400 s on a slow CPU).
         wait_until(lambda: steps_at_world_size(run_dir, 1) >= 1, "a step of the restarted group", 240)
         stopping = time.monotonic()  # under load the head (nice 10) can take long: checked, and the time said
-        stop = run_cmd([RAY, "job", "stop", "--address", cluster.dashboard_url, sid], env=cluster.env(),
-                       timeout=240)
+        stop = run_cmd([RAY, "job", "stop", "--address", cluster.dashboard_url, sid], 240, cluster.env())
         assert stop.returncode == 0, f"ray job stop: {stop.output[-2000:]}"
         print(f"ray job stop took {time.monotonic() - stopping:.1f} s")
     finally:
         try:
             rc, out = finish(proc)
         finally:
-            if victim is not None:  # drained, and killed unless the test failed first: another node joins
+            if victim is not None:  # drained; killed already unless the test failed first (conftest.py heals)
                 with contextlib.suppress(KeyError, ProcessLookupError):
                     os.kill(cluster.node_pids(victim)["raylet"], signal.SIGKILL)
-                cluster.heal(cwd=REPO)
     assert ["ray job stop" in r["by"] for r in metrics(run_dir, "stopped")] == [True], out[-4000:]
     if not versions.drain_notices():
         assert sum("no drain notices reach the training loop" in line
@@ -475,13 +475,13 @@ def test_drained_worker_node_snapshots_at_once_and_the_restart_resumes_from_it(c
     snaps = [r["step"] for r in records[:first_start] if r["kind"] == "snapshot"]
     assert notice["step"] in snaps, (notice, snaps)
     # The polls, and so the drain-time snapshots, go by time: each interval holds about `poll_s` of training
-    # (plus up to a vote interval) from the end of the last poll's barrier, so several steps on average
-    # (one interval may hold only two where a second suite slows the steps: CI saw 84, 90, 92, 97).
+    # (plus up to a vote interval) from the end of the last poll's barrier, so (the median, as one barrier
+    # can stall under load) at least two steps: polls at every step would make it one.
     drain_snaps = [step for step in snaps if step >= notice["step"]]
-    assert len(drain_snaps) >= 3, (notice, snaps)
+    assert len(drain_snaps) >= 4, (notice, snaps)
     gaps_s = [trained[b] - trained[a] for a, b in zip(drain_snaps, drain_snaps[1:])]
-    assert all(0.8 * poll_s <= g <= poll_s + StopVote.INTERVAL_S + 1.0 for g in gaps_s), (drain_snaps, gaps_s)
-    assert (drain_snaps[-1] - drain_snaps[0]) / (len(drain_snaps) - 1) > 2, drain_snaps
+    assert min(gaps_s) >= 0.8 * poll_s and median(gaps_s) <= poll_s + StopVote.INTERVAL_S + 1.0, gaps_s
+    assert median([b - a for a, b in zip(drain_snaps, drain_snaps[1:])]) >= 2, drain_snaps
     before, resumed = redone_steps(run_dir)
     # A drain-time snapshot (rank 0 may die between writing one and recording it: the last one
     # written need not have a record), so at most one poll interval of training is lost.
