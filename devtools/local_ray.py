@@ -69,6 +69,13 @@ def _session_pids(*sids: int) -> list[int]:
     return pids
 
 
+def _kill_sessions(*sids: int) -> None:
+    """SIGKILL every live process in the sessions `sids`."""
+    for pid in _session_pids(*sids):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _comm(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()
@@ -325,19 +332,11 @@ class LocalCluster:
         another), so the cluster has `workers` again: the names of the nodes started. What was left of a
         lost node's session is killed first. A test that failed mid-way then costs the tests after it
         nothing; without this, each of them waited out its bound for a worker that never came."""
-        alive = 0
-        for node in self.nodes[1:]:
-            if "raylet" in self.node_pids(node.name):
-                alive += 1
-                continue
-            for pid in _session_pids(node.pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        started = []
-        for _ in range(self.workers - alive):
-            alive += 1
-            started.append(self.join_worker(f"healed{len(self.nodes)}", 1 + alive, timeout, cwd).name)
-        return started
+        lost = [n for n in self.nodes[1:] if "raylet" not in self.node_pids(n.name)]
+        _kill_sessions(*(n.pid for n in lost))
+        alive = len(self.nodes) - 1 - len(lost)  # worker nodes; the head is nodes[0]
+        return [self.join_worker(f"healed{len(self.nodes)}", 2 + alive + i, timeout, cwd).name
+                for i in range(self.workers - alive)]
 
     def _api(self, path: str, method: str = "GET") -> Any:
         """The dashboard's answer to PATH (JSON) with this cluster's token; None while it does not answer."""
@@ -461,12 +460,7 @@ class LocalCluster:
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and any(_session_pids(n.pid) for n in self.nodes):
             time.sleep(0.3)
-        for node in self.nodes:
-            for pid in _session_pids(node.pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        _kill_sessions(*(n.pid for n in self.nodes))
         self.nodes = []
         (self.dir / STATE).unlink(missing_ok=True)
 

@@ -96,9 +96,15 @@ def communicate(proc: subprocess.Popen, timeout: float, what: str) -> tuple[str,
     try:
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        out, err = end_session(proc)
         raise AssertionError(f"{what}\n{(out or '')[-4000:]}\n{(err or '')[-3000:]}") from None
+
+
+def end_session(proc: subprocess.Popen) -> tuple[str, str]:
+    """SIGKILL the session of PROC (started in a session of its own) now; (stdout, stderr) it wrote."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    return proc.communicate()
 
 
 def _cmd_env(env: dict | None) -> dict[str, str]:

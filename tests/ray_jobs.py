@@ -5,17 +5,15 @@ helpers.run_cmd does."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import uuid
 from pathlib import Path
 from typing import Any
 
-from helpers import REPO, communicate, free_port, metrics, run_cmd, wait_for_step
+from helpers import REPO, communicate, end_session, free_port, metrics, run_cmd, wait_for_step
 
 from devtools.local_ray import RAY, LocalCluster
 
@@ -78,9 +76,8 @@ def finish(proc: subprocess.Popen, timeout: float = 400) -> tuple[int, str]:
     the submit's session and returns, so that error is the one reported (conftest.py stops the job and
     heals the cluster after the test), not a wait of `timeout` for a job that trains on."""
     if sys.exc_info()[1] is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        return proc.wait(), (proc.communicate()[0] or "")
+        out, _ = end_session(proc)
+        return proc.returncode, out or ""
     out, _ = communicate(proc, timeout, f"job did not finish in {timeout}s:")
     return proc.returncode, out
 
