@@ -358,7 +358,7 @@ def test_the_run_claim_missing_from_the_worker_pods_fails_naming_their_manifest(
 
 
 def test_the_config_key_renamed_in_the_config_map_fails_naming_the_volume(rendered):
-    objects = mutate(rendered, "  config.yaml: |-\n", "  train.yaml: |-\n")
+    objects = mutate(rendered, "  config.yaml: |", "  train.yaml: |")
     with pytest.raises(
         ManifestError,
         match=r"--config /etc/trainapp/config.yaml: the volume 'config' mounted at "

@@ -328,6 +328,20 @@ def test_overlay_runs_one_head_and_two_workers(rendered, tmp_path):
     assert ray["num_workers"] == 2 and ray["storage_path"] == RUNS_MOUNT
 
 
+def test_both_kind_overlays_run_the_cpu_config_not_the_gpu_one(rendered, tmp_path):
+    """The KubeRay overlay's 1-CPU pods of 3 GiB too: the GPU ConfigMap's run (resnet18, a batch of 256 and 4
+    DataLoader processes per worker) took a container smoke's worker pod to 2.7 GiB there, by the 2.85 GiB
+    from which Ray's memory monitor ends processes (a CI run failed on it)."""
+    kuberay = [d for d in yaml.safe_load_all(render_overlay("kind-cpu-kuberay")) if d is not None]
+    config = by_kind(rendered, "ConfigMap")["trainapp-config"]["data"]["config.yaml"]
+    assert by_kind(kuberay, "ConfigMap")["trainapp-config"]["data"]["config.yaml"] == config
+    cpu = resolved_config(config, [], tmp_path)
+    gpu = yaml.safe_load(load(K8S / "configmap.trainapp.yaml")["data"]["config.yaml"])
+    assert cpu["model"]["name"] == "smallcnn" != gpu["model"]["name"]
+    assert cpu["data"]["num_workers"] == 0 < gpu["data"]["num_workers"]
+    assert cpu["train"]["batch_size"] < gpu["train"]["batch_size"]
+
+
 def test_overlay_claim_binds_by_name_to_the_host_path_volume_on_every_kind_node(rendered):
     (pvc,) = by_kind(rendered, "PersistentVolumeClaim").values()
     (pv,) = by_kind(rendered, "PersistentVolume").values()
