@@ -330,8 +330,8 @@ def test_overlay_runs_one_head_and_two_workers(rendered, tmp_path):
 
 def test_both_kind_overlays_run_the_cpu_config_not_the_gpu_one(rendered, tmp_path):
     """The KubeRay overlay's 1-CPU pods of 3 GiB too: the GPU ConfigMap's run (resnet18, a batch of 256 and 4
-    DataLoader processes per worker) took a container smoke's worker pod to 2.7 GiB there, by the 2.85 GiB
-    from which Ray's memory monitor ends processes (a CI run failed on it)."""
+    DataLoader processes per worker) took a container smoke's worker pod there within reach of Ray's memory
+    monitor (bench/results/ci_tiers.json, container_smoke_kuberay_memory; a CI run failed on it)."""
     kuberay = [d for d in yaml.safe_load_all(render_overlay("kind-cpu-kuberay")) if d is not None]
     config = by_kind(rendered, "ConfigMap")["trainapp-config"]["data"]["config.yaml"]
     assert by_kind(kuberay, "ConfigMap")["trainapp-config"]["data"]["config.yaml"] == config
